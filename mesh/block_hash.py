@@ -1,0 +1,47 @@
+"""The one definition of a KV block's identity.
+
+Used by the engine's prefix cache, the router, the KV index and the KV store alike:
+
+    h_i = xxh3_64(h_{i-1} as u64 LE || token ids of block i as u32 LE || salt)
+
+with ``h_{-1}`` the root hash of the model fingerprint (and cache salt, LoRA id where those exist).
+Only full blocks are hashed. This module must stay free of torch and of any service code.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+_U64 = struct.Struct("<Q")
+
+
+def root_hash(model_fingerprint: str, cache_salt: str | None = None, lora_id: str | None = None) -> int:
+    """h_{-1}: the chain's starting point for one model (and optional cache salt and LoRA adapter)."""
+    parts = [model_fingerprint, cache_salt or "", lora_id or ""]
+    return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode())
+
+
+def hash_block(prev_hash: int, token_ids: Sequence[int], salt: bytes = b"") -> int:
+    """Hash one full block chained to the hash of the block before it."""
+    tokens = np.asarray(token_ids, dtype="<u4").tobytes()
+    return xxhash.xxh3_64_intdigest(_U64.pack(prev_hash) + tokens + salt)
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, root: int, salt: bytes = b"", start: int = 0
+) -> list[int]:
+    """Hashes of every full block of ``token_ids``; ``start`` full blocks may be skipped by passing
+    the hash of block ``start - 1`` as ``root``."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    out: list[int] = []
+    prev = root
+    n_full = len(token_ids) // block_size
+    for i in range(start, n_full):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size], salt)
+        out.append(prev)
+    return out
