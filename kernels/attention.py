@@ -1,0 +1,49 @@
+"""Paged causal attention over the block-major KV pool: PyTorch reference.
+
+One op serves prefill, chunked prefill with a cached prefix, and decode: sequence ``b`` brings
+``q_len_b = query_start_loc[b+1] - query_start_loc[b]`` new query tokens, which are the last ``q_len_b``
+of its ``seq_lens[b]`` tokens; its K/V (new tokens included) are already in the pool. Query token ``j``
+attends to keys ``[0, seq_lens[b] - q_len_b + j]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        n_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[b, :n_blocks].long()
+        kv = kv_pool[blocks, layer]  # [n, 2, bs, Hkv, D]
+        k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # [Hq, q_len, D]
+        k = k.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+        v = v.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, q_len, S]
+        q_len = q1 - q0
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,43 @@
+"""Mixture-of-experts expert computation over physical experts: PyTorch reference.
+
+Routing (softmax, top-k, renormalisation, logical-to-physical mapping) happens in the model's MoE layer;
+this op only runs the chosen experts and combines their outputs with the routing weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H] (gate || up); w2: [E, H, I]; topk_weights/ids: [T, k] (physical ids).
+
+    Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H].
+    """
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)
+    flat_w = topk_weights.reshape(-1)
+    token_idx = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        sel = order[start : start + count]
+        start += count
+        tokens = token_idx[sel]
+        h = x[tokens]
+        gate_up = h @ w13[expert].t()
+        inter = w13.shape[1] // 2
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = (act @ w2[expert].t()) * flat_w[sel].unsqueeze(1).to(x.dtype)
+        out.index_add_(0, tokens, y)
+    return out

@@ -1,0 +1,54 @@
+"""The op table: which implementation of each op the model calls, chosen by ``kernel_backend``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kernels.activation import silu_and_mul_torch
+from kernels.attention import paged_attention_torch
+from kernels.kv_cache import write_kv_torch
+from kernels.moe import fused_moe_torch
+from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from kernels.rope import apply_rope_torch
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    apply_rope: Callable
+    silu_and_mul: Callable
+    write_kv: Callable
+    paged_attention: Callable
+    fused_moe: Callable
+
+
+TORCH_OPS = Ops(
+    name="torch",
+    rms_norm=rms_norm_torch,
+    fused_add_rms_norm=fused_add_rms_norm_torch,
+    apply_rope=apply_rope_torch,
+    silu_and_mul=silu_and_mul_torch,
+    write_kv=write_kv_torch,
+    paged_attention=paged_attention_torch,
+    fused_moe=fused_moe_torch,
+)
+
+
+def get_ops(backend: str) -> Ops:
+    if backend == "torch":
+        return TORCH_OPS
+    if backend == "triton":
+        try:
+            from kernels.triton_ops import TRITON_OPS
+        except ImportError as exc:
+            raise ValueError(
+                f"kernel_backend='triton' needs the triton package and kernels.triton_ops ({exc}); "
+                "use kernel_backend='torch'"
+            ) from exc
+        return TRITON_OPS
+    raise ValueError(f"unknown kernel_backend {backend!r}; choose one of {BACKENDS}")
