@@ -1,0 +1,11 @@
+"""Model execution shared by prefill and decode: models, paged KV cache, scheduler, sampler, MoE.
+
+Public API: ``from engine import LLM, SamplingParams``. The engine must not import any service package.
+"""
+
+from engine.config import EngineConfig
+from engine.llm import LLM, CompletionOutput
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,192 @@
+"""KV block allocator: reference counts, prefix caching by the shared block hash, LRU eviction, events.
+
+Owns block ids only; the KV bytes live in the pool tensor (engine/kv_cache.py). Free blocks come from a
+min-heap so that allocations tend to be contiguous runs (one NIXL descriptor per run). Cached blocks
+whose reference count drops to zero stay cached and are evicted least-recently-used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+from mesh.block_hash import hash_block
+from mesh.kv_events import BlocksRemoved, BlocksStored, KVEvent, KVEventSink, Tier
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, root_hash: int, enable_prefix_caching: bool = True,
+                 event_sink: KVEventSink | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.enable_prefix_caching = enable_prefix_caching
+        self.event_sink = event_sink
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self._free_heap: list[int] = list(range(num_blocks))  # unreferenced and uncached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached, LRU first
+        self._pending_events: list[KVEvent] = []
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable cached blocks)."""
+        return len(self._free_heap) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_to_block)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs so that its block table covers ``num_tokens`` tokens."""
+        need = -(-num_tokens // self.block_size)
+        return max(0, need - len(seq.block_table))
+
+    # ---- hashing ------------------------------------------------------------------------------
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` to every full block of its tokens."""
+        n_full = seq.num_tokens // self.block_size
+        bs = self.block_size
+        tokens = None
+        while len(seq.block_hashes) < n_full:
+            i = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+            if tokens is None:
+                tokens = seq.all_token_ids
+            seq.block_hashes.append(hash_block(prev, tokens[i * bs : (i + 1) * bs]))
+
+    # ---- allocation -------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq``; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in seq.block_hashes[:max_blocks]:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_with_prefix(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+        """Give a new sequence its cached prefix blocks plus fresh blocks for ``num_tokens`` tokens in all."""
+        assert not seq.block_table
+        need = max(0, -(-num_tokens // self.block_size) - len(hits))
+        # Evictable hits must not count as free blocks for this allocation.
+        hits_evictable = sum(1 for b in hits if self.ref_counts[b] == 0)
+        if need > self.num_free_blocks - hits_evictable:
+            return False
+        for b in hits:
+            self._ref(b)
+        seq.block_table = list(hits)
+        seq.block_table += self._take(need)
+        return True
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.num_free_blocks:
+            return False
+        seq.block_table += self._take(need)
+        return True
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """Fresh blocks not tied to a sequence (KV import); None when not enough are free."""
+        if n > self.num_free_blocks:
+            return None
+        blocks = self._take(n)
+        return blocks
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self._evictable.pop(block, None)
+        self.ref_counts[block] += 1
+
+    def _take(self, n: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(n):
+            if self._free_heap:
+                block = heapq.heappop(self._free_heap)
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                self._uncache(block)
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def _uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is None:
+            return
+        self.block_hash[block] = None
+        if self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+            self._pending_events.append(BlocksRemoved((h,), Tier.GPU))
+
+    # ---- caching ------------------------------------------------------------------------------
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every fully computed block of ``seq`` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(seq)
+        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_table))
+        stored: list[int] = []
+        parent: int | None = None
+        for i in range(n_full):
+            block = seq.block_table[i]
+            h = seq.block_hashes[i]
+            if self.block_hash[block] is not None:
+                continue
+            if h in self.hash_to_block:
+                continue  # identical content cached in another block; this one stays private
+            self.block_hash[block] = h
+            self.hash_to_block[h] = block
+            if not stored:
+                parent = seq.block_hashes[i - 1] if i > 0 else None
+            stored.append(h)
+        if stored:
+            self._pending_events.append(BlocksStored(tuple(stored), Tier.GPU, parent))
+
+    # ---- release --------------------------------------------------------------------------------
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; tail blocks first so they are evicted first."""
+        for block in reversed(blocks):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    heapq.heappush(self._free_heap, block)
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+
+    def touch(self, blocks: list[int]) -> None:
+        """Mark cached blocks as recently used."""
+        for b in blocks:
+            if b in self._evictable:
+                self._evictable.move_to_end(b)
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._evictable):
+            self._uncache(block)
+            del self._evictable[block]
+            heapq.heappush(self._free_heap, block)
+
+    # ---- events ---------------------------------------------------------------------------------
+    def flush_events(self) -> None:
+        if self._pending_events and self.event_sink is not None:
+            self.event_sink.publish(self._pending_events)
+        self._pending_events = []

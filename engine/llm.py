@@ -1,0 +1,67 @@
+"""Offline generation: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Offline engine. Keyword arguments are ``EngineConfig`` fields (model, device, dtype, block_size, ...)."""
+
+    def __init__(self, model: str = "tiny-dense", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_prompts)
+        if len(params) != len(token_prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(token_prompts)} prompts")
+        ids = [f"offline-{uuid.uuid4().hex}" for _ in token_prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, token_prompts, params, strict=True):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+            results: dict[str, CompletionOutput] = {}
+            tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+            logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    tokens[out.request_id].extend(out.new_token_ids)
+                    logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished:
+                        results[out.request_id] = CompletionOutput(
+                            prompt_token_ids=token_prompts[ids.index(out.request_id)],
+                            token_ids=tokens[out.request_id], text=out.text or "",
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            logprobs=logprobs[out.request_id], num_cached_tokens=out.num_cached_tokens)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        return [results[rid] for rid in ids]

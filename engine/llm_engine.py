@@ -1,0 +1,328 @@
+"""The engine: requests in, token outputs out, one ``step()`` at a time.
+
+Owns the model, the KV pool, the block pool, the scheduler and the sampler. Single-threaded: callers
+on other threads go through ``engine.async_engine``. In the prefill role a request can hold its prompt's
+KV blocks after its first token (``hold_kv``) until ``release_held``; in the decode role a request can
+arrive with its prompt's KV imported into reserved blocks (``reserve_import`` / ``commit_import``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.errors import CapacityError, InvalidRequestError
+from engine.kv_cache import allocate_pool, make_layout, num_blocks_for
+from engine.loader import DTYPES, load_model
+from engine.model_runner import ModelRunner
+from engine.moe.dispatch import TokenDispatcher
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.tokenizer import IncrementalDetokenizer
+from kernels import get_ops
+from mesh.block_hash import root_hash
+from mesh.kv_events import KVEventSink
+from mesh.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+PREFILL_DONE = "prefill_done"  # finish reason of a hold_kv request whose decode continues elsewhere
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    text: str | None = None  # full text, set when finished (truncated before a matched stop string)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    running_tokens: int
+    queued_tokens: int
+    num_kv_blocks_total: int
+    num_kv_blocks_free: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    cached_prompt_tokens_total: int
+    generated_tokens_total: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, event_sink: KVEventSink | None = None,
+                 dispatcher: TokenDispatcher | None = None) -> None:
+        self.config = config
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
+        if config.device == "cpu" and config.dtype == "float16":
+            log.warning("float16 on the CPU is slow; float32 or bfloat16 is recommended")
+        self.device = torch.device(config.device)
+        self.ops = get_ops(config.kernel_backend)
+        from engine.loader import resolve_model_config
+
+        model_cfg, _ = resolve_model_config(config.model)
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        loaded = load_model(config.model, config.dtype, self.device, self.ops, self.max_model_len,
+                            load_format=config.load_format, seed=config.seed, dispatcher=dispatcher)
+        self.model_config = loaded.cfg
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_fingerprint = loaded.fingerprint
+        self.eos_token_ids = frozenset(loaded.cfg.eos_token_ids)
+        self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, config.dtype, config.block_size)
+        num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
+        self.kv_pool = allocate_pool(self.layout, num_blocks, DTYPES[config.dtype], self.device)
+        self.root_hash = root_hash(self.model_fingerprint, config.cache_salt)
+        self.block_pool = BlockPool(num_blocks, config.block_size, self.root_hash,
+                                    config.enable_prefix_caching, event_sink)
+        self.scheduler = Scheduler(self.block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device)
+        self.sampler = Sampler(config.seed)
+        self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
+        self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks
+        self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrival = itertools.count()
+        self._pending: list[RequestOutput] = []
+        self.prompt_tokens_total = 0
+        self.cached_prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs or request_id in self._held or request_id in self._imports:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: it must have at least one token")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, max_model_len is {self.max_model_len}: it must be shorter to leave "
+                "room for at least one generated token")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        need = -(-(n + 1) // self.config.block_size)
+        if need > self.block_pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt needs {need} KV blocks but the pool has only {self.block_pool.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    hold_kv: bool = False) -> None:
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrival), self.eos_token_ids,
+                       hold_kv=hold_kv)
+        self._seqs[request_id] = seq
+        if params.stop:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks go back to the pool. Returns whether it existed."""
+        if request_id in self._held:
+            self.release_held(request_id)
+            return True
+        if request_id in self._imports:
+            self.cancel_import(request_id)
+            return True
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        seq.hold_kv = False
+        self.scheduler.finish(seq, "abort")
+        self._finalize(seq)
+        self._pending.append(self._output(seq, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- prefill role: holding KV for a decode worker --------------------------------------------
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding the prompt's KV of a finished ``hold_kv`` request."""
+        seq = self._held[request_id]
+        n = -(-len(seq.prompt_token_ids) // self.config.block_size)
+        return seq.block_table[:n]
+
+    def release_held(self, request_id: str) -> bool:
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_pool.free(seq)
+        self.block_pool.flush_events()
+        return True
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return list(self._held)
+
+    # ---- decode role: importing KV from a prefill worker -----------------------------------------
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(request_id, prompt_token_ids, params)
+        n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
+        blocks = self.block_pool.allocate_blocks(n_blocks)
+        self.block_pool.flush_events()
+        if blocks is None:
+            raise CapacityError(f"no room for {n_blocks} KV blocks ({self.block_pool.num_free_blocks} free)")
+        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrival), self.eos_token_ids)
+        seq.block_table = blocks
+        self._imports[request_id] = seq
+        return blocks
+
+    def commit_import(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                      num_cached_tokens: int = 0) -> None:
+        """The reserved blocks now hold the prompt's KV: the request joins the batch with its first token."""
+        seq = self._imports.pop(request_id)
+        if not 0 <= first_token_id < self.vocab_size:
+            self.block_pool.free(seq)
+            raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.num_cached_tokens = num_cached_tokens
+        self._seqs[request_id] = seq
+        if seq.params.stop:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        self._count_prompt(seq)
+        self.block_pool.cache_full_blocks(seq)
+        self._append_token(seq, first_token_id, first_logprobs)
+        if seq.is_finished:
+            self._pending.append(self._output(seq, [first_token_id], [first_logprobs] if first_logprobs else []))
+        else:
+            seq._emitted = 1  # the caller already has the first token
+            self.scheduler.add_imported(seq)
+        self.block_pool.flush_events()
+
+    def cancel_import(self, request_id: str) -> None:
+        seq = self._imports.pop(request_id, None)
+        if seq is not None:
+            self.block_pool.free(seq)
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            sample_seqs, logits = self.runner.execute(batch)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+                self.block_pool.cache_full_blocks(seq)
+            if sample_seqs:
+                positions = [len(s.output_token_ids) for s in sample_seqs]
+                tokens, logprobs = self.sampler(logits, [s.params for s in sample_seqs], positions)
+                for seq, tok, lp in zip(sample_seqs, tokens, logprobs, strict=True):
+                    self._count_prompt(seq)
+                    self._append_token(seq, tok, lp)
+                    outputs.append(self._output(seq))
+        self.block_pool.flush_events()
+        return outputs
+
+    def _count_prompt(self, seq: Sequence) -> None:
+        if not seq.prompt_counted:
+            seq.prompt_counted = True
+            self.prompt_tokens_total += len(seq.prompt_token_ids)
+            self.cached_prompt_tokens_total += max(0, seq.num_cached_tokens)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        self.generated_tokens_total += 1
+        reason, stop_reason = self._check_stop(seq, token)
+        if reason is None and seq.hold_kv:
+            reason = PREFILL_DONE
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(seq, reason)
+            else:
+                seq.finish_reason = reason
+            self._finalize(seq)
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
+        p = seq.params
+        if not p.ignore_eos and token in seq.eos_token_ids:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            detok.add([token])
+            text = detok.text
+            for s in p.stop:  # type: ignore[union-attr]
+                idx = text.find(s, max(0, len(text) - len(s) - 8))
+                if idx < 0:
+                    idx = text.find(s)
+                if idx >= 0:
+                    seq.output_text = text[:idx]
+                    return "stop", s
+        if len(seq.output_token_ids) >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finalize(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        if seq.hold_kv and seq.finish_reason is not None:
+            self._held[seq.request_id] = seq
+        self._detok.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new_tokens: list[int] | None = None,
+                new_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+        if new_tokens is None:
+            new_tokens = seq.output_token_ids[seq._emitted:]
+            new_logprobs = seq.output_logprobs[seq._emitted:] if seq.params.logprobs is not None else []
+            seq._emitted = len(seq.output_token_ids)
+        text = None
+        if seq.is_finished:
+            if isinstance(seq.stop_reason, str):
+                text = seq.output_text
+            else:
+                text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=list(new_tokens), new_logprobs=list(new_logprobs or []),
+            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=max(0, seq.num_cached_tokens),
+            num_output_tokens=len(seq.output_token_ids), text=text)
+
+    # ---- introspection -------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(self._held),
+            running_tokens=s.num_running_tokens, queued_tokens=s.num_queued_tokens,
+            num_kv_blocks_total=self.block_pool.num_blocks, num_kv_blocks_free=self.block_pool.num_free_blocks,
+            num_preemptions=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
+            cached_prompt_tokens_total=self.cached_prompt_tokens_total,
+            generated_tokens_total=self.generated_tokens_total)
+
+    def take_expert_counts(self) -> torch.Tensor | None:
+        """Tokens per physical expert per MoE layer since the last call, [moe_layers, physical], or None."""
+        blocks = self.model.moe_blocks()
+        if not blocks:
+            return None
+        return torch.stack([b.take_counts() for b in blocks]).cpu()

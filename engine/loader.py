@@ -1,0 +1,255 @@
+"""Loading models: Hugging Face checkpoint directories (config.json, safetensors shards, tokenizer.json,
+generation_config.json), the built-in tiny models, and ``load_format="dummy"`` random weights.
+
+Maps checkpoint tensor names onto the engine's fused parameters (qkv, gate-up, expert w13). Nothing is
+downloaded: a name that is neither a built-in model nor a directory is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import UnsupportedModelError
+from engine.models.decoder import DecoderModel
+from engine.models.model_config import ModelConfig
+from engine.moe.dispatch import TokenDispatcher
+from engine.tiny_models import TINY_MODELS, tiny_model_config
+from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kernels import Ops
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    model: DecoderModel
+    tokenizer: Tokenizer
+    fingerprint: str  # model identity + dtype: the root of every block hash
+
+
+def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
+    if model in TINY_MODELS:
+        return tiny_model_config(model), None
+    path = Path(model)
+    if not path.is_dir():
+        raise UnsupportedModelError(
+            f"model {model!r} is neither a built-in model ({', '.join(TINY_MODELS)}) nor a checkpoint directory; "
+            "nothing is downloaded at run time"
+        )
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise UnsupportedModelError(f"{cfg_path} is missing: a checkpoint directory needs config.json")
+    cfg = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+    return cfg, path
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise UnsupportedModelError(f"safetensors shards listed in {index} are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"no safetensors weights in {path} (model.safetensors or an index file)")
+    return files
+
+
+def model_fingerprint(model: str, path: Path | None, dtype: str) -> str:
+    if path is None:
+        return f"{model}-v1:{dtype}"
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in safetensors_files(path):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+    return f"{path.name}:{h.hexdigest()[:16]}:{dtype}"
+
+
+def load_model(model: str, dtype: str, device: torch.device, ops: Ops, max_positions: int,
+               load_format: str = "auto", seed: int = 0, dispatcher: TokenDispatcher | None = None,
+               physical_to_logical: list[list[int]] | None = None) -> LoadedModel:
+    cfg, path = resolve_model_config(model)
+    torch_dtype = DTYPES[dtype]
+    net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical)
+    if path is None:
+        _init_tiny(net, seed=1234)
+        tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size)
+    else:
+        if load_format == "dummy":
+            _init_dummy(net, seed)
+        else:
+            _load_safetensors(net, cfg, path, dispatcher)
+        tokenizer = HFTokenizer(path, cfg.eos_token_ids, cfg.vocab_size)
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = list(tokenizer.eos_token_ids)
+    return LoadedModel(cfg, net, tokenizer, model_fingerprint(model, path, dtype))
+
+
+def _norm_params(net: DecoderModel) -> set[str]:
+    return {n for n, _ in net.named_parameters() if n.endswith(("layernorm", "norm", "q_norm", "k_norm"))}
+
+
+def _init_tiny(net: DecoderModel, seed: int) -> None:
+    """Deterministic weights, scaled so greedy output is varied rather than one repeated token."""
+    gen = torch.Generator().manual_seed(seed)
+    norms = _norm_params(net)
+    for name, p in sorted(net.named_parameters()):
+        if name in norms:
+            values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            fan_in = p.shape[-1]
+            values = torch.randn(p.shape, generator=gen) * (1.0 if "embed" in name else fan_in**-0.5)
+            if name == "lm_head":
+                # Favour printable ASCII so the built-in models' random text is readable in demos.
+                printable = torch.zeros(p.shape[0], dtype=torch.bool)
+                printable[32:127] = True
+                values = torch.where(printable.unsqueeze(1), values * 3.0, values * 0.5)
+        p.data.copy_(values.to(p.dtype))
+
+
+def _init_dummy(net: DecoderModel, seed: int) -> None:
+    """Random weights (never zeros) of the checkpoint's shapes, generated on the model's device."""
+    gen = torch.Generator(device=net.norm.device).manual_seed(seed)
+    norms = _norm_params(net)
+    for name, p in net.named_parameters():
+        if name in norms:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _load_safetensors(net: DecoderModel, cfg: ModelConfig, path: Path,
+                      dispatcher: TokenDispatcher | None) -> None:
+    from safetensors import safe_open
+
+    loaded: set[str] = set()
+    expected = {n for n, _ in net.named_parameters()}
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head")
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                for target in _assign(net, cfg, name, tensor):
+                    loaded.add(target)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise UnsupportedModelError(f"checkpoint {path} lacks weights for: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise UnsupportedModelError(f"weight {name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+
+def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> list[str]:
+    """Copy one checkpoint tensor into the model; returns the parameter names it (partly) fills."""
+    if name == "model.embed_tokens.weight":
+        _copy(net.embed_tokens.data, t, name)
+        return ["embed_tokens"]
+    if name == "lm_head.weight":
+        if cfg.tie_word_embeddings:
+            return []
+        _copy(net.lm_head.data, t, name)
+        return ["lm_head"]
+    if name == "model.norm.weight":
+        _copy(net.norm.data, t, name)
+        return ["norm"]
+    m = _LAYER.match(name)
+    if not m:
+        return []  # e.g. rotary inv_freq buffers in old checkpoints
+    i, rest = int(m.group(1)), m.group(2)
+    layer = net.layers[i]
+    pre = f"layers.{i}."
+    attn = layer.self_attn
+    q, kv = attn.q_size, attn.kv_size
+    simple = {
+        "input_layernorm.weight": ("input_layernorm", layer.input_layernorm),
+        "post_attention_layernorm.weight": ("post_attention_layernorm", layer.post_attention_layernorm),
+        "self_attn.o_proj.weight": ("self_attn.o_proj", attn.o_proj),
+        "self_attn.q_norm.weight": ("self_attn.q_norm", attn.q_norm),
+        "self_attn.k_norm.weight": ("self_attn.k_norm", attn.k_norm),
+    }
+    if rest in simple:
+        target, param = simple[rest]
+        if param is None:
+            return []
+        _copy(param.data, t, name)
+        return [pre + target]
+    qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    for proj, (lo, hi) in qkv_rows.items():
+        if rest == f"self_attn.{proj}.weight":
+            _copy(attn.qkv_proj.data[lo:hi], t, name)
+            return [pre + "self_attn.qkv_proj"]
+        if rest == f"self_attn.{proj}.bias":
+            if attn.qkv_bias is None:
+                raise UnsupportedModelError(f"{name}: unexpected attention bias for {cfg.architecture}")
+            _copy(attn.qkv_bias.data[lo:hi], t, name)
+            return [pre + "self_attn.qkv_bias"]
+    mlp = layer.mlp
+    from engine.moe.layer import MoEBlock
+
+    if not isinstance(mlp, MoEBlock):
+        inter = mlp.down_proj.shape[1]
+        if rest == "mlp.gate_proj.weight":
+            _copy(mlp.gate_up_proj.data[:inter], t, name)
+            return [pre + "mlp.gate_up_proj"]
+        if rest == "mlp.up_proj.weight":
+            _copy(mlp.gate_up_proj.data[inter:], t, name)
+            return [pre + "mlp.gate_up_proj"]
+        if rest == "mlp.down_proj.weight":
+            _copy(mlp.down_proj.data, t, name)
+            return [pre + "mlp.down_proj"]
+        return []
+    if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
+        _copy(mlp.gate.data, t, name)
+        return [pre + "mlp.gate"]
+    em = _EXPERT.match(rest)
+    if em:
+        logical, proj = int(em.group(1)), em.group(2)
+        inter = mlp.w2.shape[2]
+        n_local = mlp.w13.shape[0]
+        lo_phys = mlp.dispatcher.ep_rank * n_local
+        p2l = mlp.placement.physical_to_logical.tolist()
+        targets = [p - lo_phys for p in range(lo_phys, lo_phys + n_local) if p2l[p] == logical]
+        for local in targets:
+            if proj in ("gate_proj", "w1"):
+                _copy(mlp.w13.data[local, :inter], t, name)
+            elif proj in ("up_proj", "w3"):
+                _copy(mlp.w13.data[local, inter:], t, name)
+            elif proj in ("down_proj", "w2"):
+                _copy(mlp.w2.data[local], t, name)
+        return [pre + "mlp.w13", pre + "mlp.w2"]
+    if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # fused-experts checkpoints
+        which = mlp.w13 if rest.endswith("gate_up_proj") else mlp.w2
+        full = t if tuple(t.shape[1:]) == tuple(which.shape[1:]) else t.transpose(1, 2)
+        n_local = which.shape[0]
+        lo_phys = mlp.dispatcher.ep_rank * n_local
+        p2l = mlp.placement.physical_to_logical.tolist()
+        for local in range(n_local):
+            _copy(which.data[local], full[p2l[lo_phys + local]], name)
+        return [pre + ("mlp.w13" if which is mlp.w13 else "mlp.w2")]
+    return []

@@ -1,0 +1,149 @@
+"""Decoder-only transformer covering Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral.
+
+The differences between these architectures are flags of ``ModelConfig`` (q/k/v bias, per-head q/k
+RMSNorm, MoE layers); weights are stored fused (qkv, gate-up, expert w13) and every op goes through the
+``kernels`` op table. The KV cache is the block-major pool, addressed by ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.models.model_config import ModelConfig
+from engine.models.rope_cache import cos_sin_cache
+from engine.moe.dispatch import TokenDispatcher
+from engine.moe.layer import MoEBlock
+from kernels import Ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the context after this step
+    query_start_loc: torch.Tensor  # [B+1] int32
+    max_seq_len: int = 0
+    max_query_len: int = 0
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer = layer
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (
+            _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.attention_bias else None
+        )
+        self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_pool: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = x @ self.qkv_proj.t()
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.ops.rms_norm(q, self.q_norm, self.eps)
+            k = self.ops.rms_norm(k, self.k_norm, self.eps)
+        q, k = self.ops.apply_rope(q, k, positions, cos_sin)
+        self.ops.write_kv(kv_pool, self.layer, k, v, meta.slot_mapping)
+        o = self.ops.paged_attention(q, kv_pool, self.layer, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, self.scale)
+        return o.reshape(-1, self.q_size) @ self.o_proj.t()
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = _param(2 * inter, hidden, dtype=dtype, device=device)
+        self.down_proj = _param(hidden, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(x @ self.gate_up_proj.t()) @ self.down_proj.t()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device,
+                 dispatcher: TokenDispatcher | None, physical_to_logical: list[int] | None) -> None:
+        super().__init__()
+        self.ops = ops
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.self_attn = Attention(cfg, layer, ops, dtype, device)
+        self.mlp: nn.Module
+        if cfg.moe_layers and cfg.moe_layers[layer]:
+            self.mlp = MoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                cfg.num_experts_per_tok, cfg.norm_topk_prob, ops, dtype, device,
+                                physical_to_logical=physical_to_logical, dispatcher=dispatcher)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.ops.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, positions, cos_sin, kv_pool, meta)
+        h, residual = self.ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
+                 max_positions: int, dispatcher: TokenDispatcher | None = None,
+                 physical_to_logical: list[list[int]] | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, ops, dtype, device, dispatcher,
+                         physical_to_logical[i] if physical_to_logical else None)
+            for i in range(cfg.num_layers)
+        )
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.register_buffer(
+            "cos_sin", cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device),
+            persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens[input_ids]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_pool, meta)
+        x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.lm_head.t()).float()
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: routing over physical experts, per-expert load counters, token dispatch backends."""

@@ -1,0 +1,98 @@
+"""Token dispatch between expert-parallel ranks, behind one small interface with interchangeable backends.
+
+``SingleRankDispatcher`` keeps everything local. ``AllGatherDispatcher`` uses torch.distributed
+all-gather / all-reduce (runs on gloo on the CPU and NCCL on GPUs): every rank sees every token,
+computes only the experts it holds, and the partial outputs are summed back to the token's rank.
+DeepEP slots in behind the same interface where it is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+# expert_fn(x, topk_weights, topk_ids_local) -> y, computed over this rank's physical experts only.
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TokenDispatcher(Protocol):
+    ep_rank: int
+    ep_size: int
+
+    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            num_physical_experts: int, expert_fn: ExpertFn) -> torch.Tensor:
+        """Send tokens to the ranks holding their experts, run ``expert_fn`` there, combine back.
+
+        ``topk_ids`` are global physical expert ids; rank r holds physical experts
+        ``[r * E/ep_size, (r+1) * E/ep_size)``.
+        """
+        ...
+
+
+class SingleRankDispatcher:
+    ep_rank = 0
+    ep_size = 1
+
+    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            num_physical_experts: int, expert_fn: ExpertFn) -> torch.Tensor:
+        return expert_fn(x, topk_weights, topk_ids)
+
+
+class AllGatherDispatcher:
+    """All-gather tokens over the EP group, compute local experts, sum the partial outputs."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup | None = None) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.ep_rank = dist.get_rank(group)
+        self.ep_size = dist.get_world_size(group)
+
+    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            num_physical_experts: int, expert_fn: ExpertFn) -> torch.Tensor:
+        dist = self.dist
+        n_local = x.shape[0]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
+        dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
+        counts = [int(s.item()) for s in sizes]
+        max_n = max(counts)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            padded = torch.zeros((max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            padded[:n_local] = t
+            parts = [torch.empty_like(padded) for _ in range(self.ep_size)]
+            dist.all_gather(parts, padded, group=self.group)
+            return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
+
+        all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
+        per_rank = num_physical_experts // self.ep_size
+        lo = self.ep_rank * per_rank
+        local = (all_ids >= lo) & (all_ids < lo + per_rank)
+        local_ids = torch.where(local, all_ids - lo, torch.zeros_like(all_ids))
+        local_w = torch.where(local, all_w, torch.zeros_like(all_w))
+        y = expert_fn(all_x, local_w, local_ids)
+        # Sum the partial outputs across ranks, then keep this rank's own tokens. (An all-reduce rather
+        # than a reduce-scatter: gloo has no reduce-scatter, and the rows per rank differ.)
+        dist.all_reduce(y, group=self.group)
+        start = sum(counts[: self.ep_rank])
+        return y[start : start + n_local]
+
+
+def create_dispatcher(backend: str = "single") -> TokenDispatcher:
+    if backend == "single":
+        return SingleRankDispatcher()
+    if backend == "allgather":
+        return AllGatherDispatcher()
+    if backend == "deepep":
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(
+                "moe dispatch backend 'deepep' needs DeepEP (Hopper GPUs, NVSHMEM); it is not installed. "
+                "Use 'single' or 'allgather'."
+            ) from exc
+        raise NotImplementedError("DeepEP dispatch is not wired in yet; use 'single' or 'allgather'")
+    raise ValueError(f"unknown moe dispatch backend {backend!r}; choose single, allgather or deepep")

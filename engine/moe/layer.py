@@ -1,0 +1,84 @@
+"""The MoE block: router, top-k over logical experts, mapping to physical experts, per-expert counters.
+
+Experts are stored as physical experts with a physical-to-logical map, so redundant replicas and
+rebalanced placements (from the EPLB controller) need no model change. Each forward counts tokens per
+physical expert on the device; the counters are read and reset by whoever reports load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.moe.dispatch import SingleRankDispatcher, TokenDispatcher
+from kernels import Ops
+
+
+class ExpertPlacement:
+    """Physical-to-logical map of one layer and the logical-to-physical replica table derived from it."""
+
+    def __init__(self, physical_to_logical: list[int], num_logical: int, device: torch.device) -> None:
+        self.physical_to_logical = torch.tensor(physical_to_logical, dtype=torch.int64, device=device)
+        replicas: list[list[int]] = [[] for _ in range(num_logical)]
+        for phys, logical in enumerate(physical_to_logical):
+            replicas[logical].append(phys)
+        if any(not r for r in replicas):
+            missing = [i for i, r in enumerate(replicas) if not r]
+            raise ValueError(f"placement leaves logical experts {missing} without a physical replica")
+        max_rep = max(len(r) for r in replicas)
+        table = [r + [-1] * (max_rep - len(r)) for r in replicas]
+        self.logical_to_physical = torch.tensor(table, dtype=torch.int64, device=device)
+        self.replica_counts = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
+
+    def to_physical(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        """Pick a replica per (token, k) pair: spread by token position so replicas share the load."""
+        counts = self.replica_counts[logical_ids]
+        token_pos = torch.arange(logical_ids.shape[0], device=logical_ids.device).unsqueeze(1)
+        replica = token_pos % counts
+        return self.logical_to_physical[logical_ids, replica]
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, ops: Ops, dtype: torch.dtype, device: torch.device,
+                 physical_to_logical: list[int] | None = None,
+                 dispatcher: TokenDispatcher | None = None) -> None:
+        super().__init__()
+        self.num_logical = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.ops = ops
+        self.dispatcher = dispatcher or SingleRankDispatcher()
+        p2l = physical_to_logical if physical_to_logical is not None else list(range(num_experts))
+        self.num_physical = len(p2l)
+        self.placement = ExpertPlacement(p2l, num_experts, device)
+        ep = self.dispatcher.ep_size
+        if self.num_physical % ep:
+            raise ValueError(f"{self.num_physical} physical experts do not divide over {ep} EP ranks")
+        n_local = self.num_physical // ep
+        kw = {"dtype": dtype, "device": device}
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, **kw), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(n_local, 2 * intermediate_size, hidden_size, **kw), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n_local, hidden_size, intermediate_size, **kw), requires_grad=False)
+        self.register_buffer("expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = x @ self.gate.t()
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        topk_w, topk_logical = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        topk_w = topk_w.to(x.dtype)
+        topk_phys = self.placement.to_physical(topk_logical)
+        flat = topk_phys.reshape(-1)
+        self.expert_counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync, graph-safe
+        return self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
+
+    def _experts(self, x: torch.Tensor, topk_w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.fused_moe(x, self.w13, self.w2, topk_w, local_ids)
+
+    def take_counts(self) -> torch.Tensor:
+        """Tokens per physical expert since the last call (and reset)."""
+        counts = self.expert_counts.clone()
+        self.expert_counts.zero_()
+        return counts

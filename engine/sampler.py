@@ -1,0 +1,84 @@
+"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
+
+A seeded request draws its noise from a generator seeded by (seed, output position) alone, so its
+tokens do not depend on what else is in the batch, nor on which worker samples which position (the
+prefill worker samples position 0, the decode worker the rest).
+"""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+
+
+def _position_seed(seed: int, position: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"{seed}:{position}".encode()) & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._unseeded = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [B, V] fp32; positions: each request's output index of the token being sampled."""
+        batch, vocab = logits.shape
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                 device=device, dtype=torch.float32)
+            scaled = logits / temps.unsqueeze(1)
+            scaled = _apply_top_k(scaled, [p.top_k for p in params])
+            probs = torch.softmax(scaled, dim=-1)
+            probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
+            noise = torch.empty(batch, vocab, dtype=torch.float32)
+            for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
+                if p.greedy:
+                    noise[i].fill_(1.0)
+                    continue
+                gen = torch.Generator().manual_seed(_position_seed(p.seed, pos)) if p.seed is not None \
+                    else self._unseeded
+                noise[i].exponential_(generator=gen)
+            sampled = (probs / noise.to(device)).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * batch
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)
+            top_n = max(params[i].logprobs or 0 for i in want)
+            top_v, top_i = (lp.topk(top_n, dim=-1) if top_n > 0 else (None, None))
+            for row, i in enumerate(want):
+                n = params[i].logprobs or 0
+                top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist(), strict=True)) if n else []
+                logprobs[i] = TokenLogprobs(token_list[i], float(lp[row, token_list[i]]), top)
+        return token_list, logprobs
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    if not any(k > 0 for k in top_k):
+        return logits
+    vocab = logits.shape[1]
+    k = torch.tensor([min(x, vocab) if x > 0 else vocab for x in top_k], device=logits.device)
+    sorted_vals = logits.sort(dim=-1, descending=True).values
+    kth = sorted_vals.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p_min_p(probs: torch.Tensor, top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, device=probs.device, dtype=probs.dtype).unsqueeze(1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_probs.cumsum(dim=-1)
+        drop_sorted = (cum - sorted_probs) >= p  # keep the smallest set whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if any(m > 0 for m in min_p):
+        m = torch.tensor(min_p, device=probs.device, dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs

@@ -1,0 +1,124 @@
+"""Continuous batching with chunked prefill under a per-step token budget, and preemption by recompute.
+
+Each step first serves running sequences (one decode token each, or the next chunk of an unfinished
+prefill), then admits waiting ones while the token budget, ``max_num_seqs`` and free blocks allow. When
+blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue, to be recomputed (mostly from the prefix cache) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = block_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(s.num_uncomputed_tokens for s in self.waiting)
+
+    @property
+    def num_running_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.pool.append_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.block_table:  # imported KV: blocks already hold its computed tokens
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self.pool.append_slots(seq, seq.num_computed_tokens + n):
+                    break
+            else:
+                hits = self.pool.match_prefix(seq)
+                num_cached = len(hits) * self.pool.block_size
+                n = min(seq.num_tokens - num_cached, budget)
+                if not self.pool.allocate_with_prefix(seq, hits, num_cached + n):
+                    break
+                seq.num_computed_tokens = num_cached
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out of the queues; its blocks are freed unless it holds its KV for a transfer."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if not seq.hold_kv:
+            self.pool.free(seq)
+
+    def add_imported(self, seq: Sequence) -> None:
+        """Queue a sequence whose blocks already hold its computed tokens (KV imported from a prefill
+        worker); it is admitted ahead of new prompts."""
+        self.waiting.appendleft(seq)

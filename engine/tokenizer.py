@@ -1,0 +1,139 @@
+"""Tokenizers: the byte-level one of the built-in models, and ``tokenizer.json`` through ``tokenizers``.
+
+Also the chat template (from ``tokenizer_config.json``, rendered with Jinja2 the way transformers does)
+and an incremental detokenizer that never emits half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from engine.errors import UnsupportedModelError
+
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; 256 is BOS, 257 EOS; ids above are unused vocabulary."""
+
+    BOS = 256
+    EOS = 257
+
+    def __init__(self, vocab_size: int = 512) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [self.EOS]
+        self.bos_token_id = self.BOS
+        self.chat_template = PLAIN_CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """``tokenizer.json`` loaded with the ``tokenizers`` library, plus ``tokenizer_config.json`` settings."""
+
+    def __init__(self, model_dir: Path, eos_token_ids: list[int], vocab_size: int) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise UnsupportedModelError(f"{path} is missing: the checkpoint needs a tokenizer.json")
+        self._tok = _Tok.from_file(str(path))
+        cfg: dict[str, Any] = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.exists():
+            cfg = json.loads(cfg_path.read_text())
+        self.chat_template = cfg.get("chat_template")
+        template_file = model_dir / "chat_template.jinja"
+        if self.chat_template is None and template_file.exists():
+            self.chat_template = template_file.read_text()
+        self.vocab_size = vocab_size
+        self.bos_token_id = self._token_id(cfg.get("bos_token"))
+        self._add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
+        eos = list(eos_token_ids)
+        cfg_eos = self._token_id(cfg.get("eos_token"))
+        if not eos and cfg_eos is not None:
+            eos = [cfg_eos]
+        self.eos_token_ids = eos
+        self.special_tokens = {"bos_token": self._token_text(cfg.get("bos_token")),
+                               "eos_token": self._token_text(cfg.get("eos_token"))}
+
+    @staticmethod
+    def _token_text(tok: Any) -> str | None:
+        if isinstance(tok, dict):
+            return tok.get("content")
+        return tok
+
+    def _token_id(self, tok: Any) -> int | None:
+        text = self._token_text(tok)
+        return self._tok.token_to_id(text) if text else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = tokenizer.chat_template or PLAIN_CHAT_TEMPLATE
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    extra = getattr(tokenizer, "special_tokens", {}) or {}
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **{k: v for k, v in extra.items() if v is not None})
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of token ids; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
+
+    def flush(self) -> str:
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return delta
