@@ -1,0 +1,1 @@
+"""The ``pdmesh`` proto package; one sub-package per API version."""
