@@ -1,0 +1,411 @@
+"""Paged causal attention over the block-major KV pool: Triton kernels with the semantics of
+``kernels/attention.py`` (one entry point for prefill, chunked prefill with a cached prefix, and decode).
+
+Two kernel families, chosen from tensor shapes only (no host synchronisation):
+
+* **Decode** (``T <= B``, i.e. about one query token per sequence): split-KV "flash decoding".
+  Stage 1, grid ``(T, num_kv_heads, num_splits)``: one program takes one query token and all query heads
+  that share one KV head (``tl.dot`` over a ``[heads, D] x [D, BLOCK_N]`` tile), walks its split of the
+  keys through the block table with an online softmax, and writes a partial output and its log-sum-exp.
+  Stage 2, grid ``(T, Hq)``: merges the splits by log-sum-exp. Each program finds its sequence by a
+  binary search over ``query_start_loc``, so the kernel stays exact for any query lengths (it is simply
+  slow for long ones). The split count depends on shapes and an optional ``max_seq_len`` only, so a
+  decode step can be captured in a CUDA graph.
+* **Extend** (prefill / chunked prefill): grid ``(T // BLOCK_M + B, Hq)``, one tile of up to
+  ``BLOCK_M`` query tokens of one sequence per program (the tile-to-sequence map is a binary search over
+  ``query_start_loc[b] // BLOCK_M + b``, as in vLLM's unified attention, so the grid needs no lengths
+  from the device). Loop 1 walks the cached prefix without a mask, loop 2 the new tokens with the causal
+  mask, one online softmax over both. Surplus programs exit at once.
+
+The pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` is addressed through its
+strides, and one key is located per token (``block_tables[b, pos // block_size]``), so any block size and
+any scattered block table work. Softmax runs in base 2 with the scale folded in; accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64  # keys per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    min_tokens_per_split: int = 256
+    max_splits: int = 32
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    block_m: int = 64  # query tokens per program
+    block_n: int = 64  # keys per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Module-level so that benchmarks/kernel_bench.py can sweep them; see docs/kernels.md for the numbers.
+DECODE_CONFIG = DecodeConfig()
+EXTEND_CONFIG = ExtendConfig()
+
+
+@triton.jit
+def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b in [0, num_seqs) with qsl[b] // BLOCK_Q + (b if BLOCK_Q > 1 else 0) <= target."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        key = tl.load(qsl_ptr + mid)
+        if BLOCK_Q > 1:
+            key = key // BLOCK_Q + mid
+        if key <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    l_i,
+    m_i,
+    k_base,
+    v_base,
+    bt_row_ptr,
+    start,
+    limit,
+    q_pos,
+    scale_log2,
+    stride_pool_block,
+    stride_pool_slot,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N) (those < limit) for a query tile."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < limit
+    dims = tl.arange(0, BLOCK_D)
+    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = page * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
+    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    mask = valid[None, :]
+    if CAUSAL:
+        mask = mask & (pos[None, :] <= q_pos[:, None])
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with every key masked so far keeps m = -inf; exponentiate against 0 so it stays at p = 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    pool_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    layer,
+    scale_log2,
+    num_seqs,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_pool_block,
+    stride_pool_layer,
+    stride_pool_kv,
+    stride_pool_slot,
+    stride_pool_head,
+    stride_bt,
+    stride_mo_t,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_t,
+    stride_ml_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # Fast path: in a decode batch token t is sequence t's only query; otherwise search for it.
+    seq = token
+    q_start = tl.load(qsl_ptr + token)
+    q_end = tl.load(qsl_ptr + token + 1)
+    if (q_start > token) | (q_end <= token):
+        seq = _find_seq(qsl_ptr, token, num_seqs, 1)
+        q_start = tl.load(qsl_ptr + seq)
+        q_end = tl.load(qsl_ptr + seq + 1)
+    q_len = q_end - q_start
+    kv_len = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start) + 1
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+
+    heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
+    head_mask = tl.arange(0, BLOCK_H) < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    q = tl.load(
+        q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for n in range(start, end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, bt_row_ptr, n, end, m_i, scale_log2,
+            stride_pool_block, stride_pool_slot,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
+        )  # fmt: skip
+    # An empty split (past the end of a short sequence) reports lse = -inf and output 0.
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    mo = mid_o_ptr + token.to(tl.int64) * stride_mo_t + split * stride_mo_s
+    tl.store(mo + heads[:, None] * stride_mo_h + dims[None, :], out, mask=q_mask)
+    ml = mid_lse_ptr + token.to(tl.int64) * stride_ml_t + split
+    tl.store(ml + heads * stride_ml_h, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_mo_t,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_t,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    lse = tl.load(
+        mid_lse_ptr + token * stride_ml_t + head * stride_ml_h + splits,
+        mask=splits < num_splits,
+        other=float("-inf"),
+    )
+    m = tl.max(lse, axis=0)
+    weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(
+        mid_o_ptr + token * stride_mo_t + head * stride_mo_h + splits[:, None] * stride_mo_s + dims[None, :],
+        mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    pool_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    layer,
+    scale_log2,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_pool_block,
+    stride_pool_layer,
+    stride_pool_kv,
+    stride_pool_slot,
+    stride_pool_head,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = _find_seq(qsl_ptr, tile, num_seqs, BLOCK_M)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    m_block = tile - (q_start // BLOCK_M + seq)
+    if m_block * BLOCK_M >= q_len:
+        return
+    prefix_len = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM)
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_mask, other=0.0
+    )
+    q_pos = prefix_len + rows
+
+    kv_head = head // GROUP
+    k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
+    v_base = k_base + stride_pool_kv
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Loop 1: the cached prefix, visible to every query of the tile.
+    for n in range(0, prefix_len, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            q, acc, l_i, m_i, k_base, v_base, bt_row_ptr, n, prefix_len, q_pos, scale_log2,
+            stride_pool_block, stride_pool_slot,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
+        )  # fmt: skip
+    # Loop 2: the new tokens up to this tile's last query, with the causal mask.
+    new_end = prefix_len + tl.minimum(q_len, (m_block + 1) * BLOCK_M)
+    for n in range(prefix_len, new_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            q, acc, l_i, m_i, k_base, v_base, bt_row_ptr, n, new_end, q_pos, scale_log2,
+            stride_pool_block, stride_pool_slot,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_PRECISION,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_kv_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per (token, KV head): enough programs for about two waves, at least 256 keys per split.
+
+    A power of two, so few variants are ever compiled; it depends on shapes and ``max_seq_len`` only.
+    """
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    by_occupancy = triton.cdiv(2 * sms, max(1, num_tokens * num_kv_heads))
+    by_length = triton.cdiv(max(1, max_seq_len), DECODE_CONFIG.min_tokens_per_split)
+    splits = max(1, min(by_occupancy, by_length, DECODE_CONFIG.max_splits))
+    return triton.next_power_of_2(splits)
+
+
+def _pool_strides(kv_pool: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("kv_pool must be contiguous in head_dim")
+    return kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D].
+
+    ``max_seq_len`` (optional, an upper bound on ``seq_lens``) only tunes the decode split count; it
+    defaults to ``max_blocks * block_size``, read from shapes. Nothing here reads device values on the host.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    pool_strides = _pool_strides(kv_pool)
+    scale_log2 = scale * math.log2(math.e)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    if num_tokens <= num_seqs:
+        dcfg = DECODE_CONFIG
+        if max_seq_len is None:
+            max_seq_len = block_tables.shape[1] * block_size
+        splits = num_kv_splits(num_tokens, num_kv_heads, max_seq_len, q.device)
+        mid_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
+            q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
+            layer, scale_log2, num_seqs, splits,
+            q.stride(0), q.stride(1), *pool_strides, block_tables.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
+            DOT_PRECISION=precision, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        )  # fmt: skip
+        _decode_merge_kernel[(num_tokens, num_heads)](
+            mid_o, mid_lse, out, splits,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=splits, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+        return out
+
+    ecfg = EXTEND_CONFIG
+    grid = (num_tokens // ecfg.block_m + num_seqs, num_heads)
+    _extend_kernel[grid](
+        q, kv_pool, block_tables, seq_lens, query_start_loc, out,
+        layer, scale_log2, num_seqs,
+        q.stride(0), q.stride(1), *pool_strides, block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_D=block_d,
+        DOT_PRECISION=precision, num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,
+    )  # fmt: skip
+    return out

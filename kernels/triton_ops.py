@@ -1,0 +1,25 @@
+"""The Triton op table: the same ops and signatures as ``kernels.ops.TORCH_OPS``, backed by Triton kernels.
+
+Imported lazily by ``kernels.ops.get_ops("triton")`` so that the CPU path never needs triton.
+"""
+
+from __future__ import annotations
+
+from kernels.ops import Ops
+from kernels.triton_activation import silu_and_mul_triton
+from kernels.triton_attention import paged_attention_triton
+from kernels.triton_kv_cache import write_kv_triton
+from kernels.triton_moe import fused_moe_triton
+from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
+from kernels.triton_rope import apply_rope_triton
+
+TRITON_OPS = Ops(
+    name="triton",
+    rms_norm=rms_norm_triton,
+    fused_add_rms_norm=fused_add_rms_norm_triton,
+    apply_rope=apply_rope_triton,
+    silu_and_mul=silu_and_mul_triton,
+    write_kv=write_kv_triton,
+    paged_attention=paged_attention_triton,
+    fused_moe=fused_moe_triton,
+)

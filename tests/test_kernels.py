@@ -1,0 +1,443 @@
+"""Triton kernels against their PyTorch references.
+
+Without a GPU, the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set here before
+triton is imported, and only when CUDA is absent) at tiny shapes. With a GPU the same small tests run
+compiled, and the ``gpu``-marked tests add real model shapes, a no-host-sync check and CUDA-graph capture.
+
+Every check draws fresh seeded random inputs, fills every float buffer the op allocates with NaN first
+(so an unwritten element fails), and compares with the reference computed in float32 from the same
+inputs, under per-dtype bounds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import inspect  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kernels.activation import silu_and_mul_torch  # noqa: E402
+from kernels.attention import paged_attention_torch  # noqa: E402
+from kernels.kv_cache import write_kv_torch  # noqa: E402
+from kernels.moe import fused_moe_torch  # noqa: E402
+from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
+from kernels.ops import TORCH_OPS, get_ops  # noqa: E402
+from kernels.rope import apply_rope_torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from kernels import triton_attention  # noqa: E402
+from kernels.triton_moe import moe_align_block_size  # noqa: E402
+from kernels.triton_ops import TRITON_OPS  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Relative tolerance per dtype: |out - ref| <= tol * (|ref| + mean|ref|), ref in float32.
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _fix_interpreter_bf16_dot() -> None:
+    """The interpreter stores bf16 as uint16 and its ``tl.dot`` multiplies the bit patterns
+    (triton-lang/triton#11584, unsupported upstream). Upcast bf16 dot operands to fp32, as the GPU's
+    bf16 MMA with fp32 accumulation computes exact products; the kernels themselves are unchanged."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_pdmesh_bf16_dot", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        bf16 = triton.language.bfloat16
+        if a.dtype.scalar == bf16:
+            a = self.cast_impl(a, triton.language.float32)
+        if b.dtype.scalar == bf16:
+            b = self.cast_impl(b, triton.language.float32)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    builder._pdmesh_bf16_dot = True
+
+
+if INTERPRETED:
+    _fix_interpreter_bf16_dot()
+
+
+@pytest.fixture(autouse=True)
+def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every float tensor from torch.empty / empty_like starts as NaN, so unwritten outputs fail."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    out32, ref32 = out.float(), ref.float()
+    assert torch.isfinite(out32).all(), f"{what}: non-finite (unwritten?) elements"
+    tol = TOL[dtype]
+    bound = tol * (ref32.abs() + ref32.abs().mean())
+    err = (out32 - ref32).abs()
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: max error {err.max().item():.3g} is {worst:.2f}x the {dtype} bound"
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+def up(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.float() for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The op table
+
+
+def test_triton_table_matches_torch_signatures() -> None:
+    assert get_ops("triton") is TRITON_OPS
+    for field in TORCH_OPS.__dataclass_fields__:
+        if field == "name":
+            continue
+        ref = inspect.signature(getattr(TORCH_OPS, field)).parameters
+        new = inspect.signature(getattr(TRITON_OPS, field)).parameters
+        assert list(new)[: len(ref)] == list(ref), field
+        # Anything beyond the reference signature is an optional keyword-only hint.
+        for extra in list(new)[len(ref) :]:
+            assert new[extra].kind is inspect.Parameter.KEYWORD_ONLY, (field, extra)
+            assert new[extra].default is not inspect.Parameter.empty, (field, extra)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Elementwise and row ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 64])
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    torch.manual_seed(1)
+    x, res, w = randn(7, hidden, dtype=dtype), randn(7, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    assert_close(TRITON_OPS.rms_norm(x, w, 1e-6), rms_norm_torch(*up(x), w.float(), 1e-6), dtype, "rms_norm")
+    out, summed = TRITON_OPS.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_sum = fused_add_rms_norm_torch(*up(x, res, w), 1e-6)
+    assert_close(summed, ref_sum, dtype, "residual sum")
+    assert_close(out, ref_out, dtype, "fused_add_rms_norm")
+    # Inputs are not modified, as in the reference.
+    x_before, res_before = x.clone(), res.clone()
+    TRITON_OPS.fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(x, x_before) and torch.equal(res, res_before)
+
+
+def test_rms_norm_3d_and_strided_rows() -> None:
+    torch.manual_seed(2)
+    base = randn(4, 3, 80)
+    x = base[..., :64]  # rows with a stride of 80
+    w = randn(64)
+    assert_close(TRITON_OPS.rms_norm(x, w, 1e-5), rms_norm_torch(x, w, 1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_q_heads", "num_k_heads", "head_dim"), [(4, 2, 32), (3, 3, 16), (8, 1, 64)])
+def test_rope(dtype: torch.dtype, num_q_heads: int, num_k_heads: int, head_dim: int) -> None:
+    torch.manual_seed(3)
+    tokens = 9
+    # q and k as strided views of one fused projection, as a model produces them.
+    qkv = randn(tokens, (num_q_heads + 2 * num_k_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q_heads * head_dim].view(tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_k_heads) * head_dim].view(
+        tokens, num_k_heads, head_dim
+    )
+    cache = randn(64, head_dim)
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    q_out, k_out = TRITON_OPS.apply_rope(q, k, positions, cache)
+    q_ref, k_ref = apply_rope_torch(*up(q, k), positions, cache)
+    assert_close(q_out, q_ref, dtype, "rope q")
+    assert_close(k_out, k_ref, dtype, "rope k")
+    assert q_out.dtype == dtype and k_out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [40, 64])
+def test_silu_and_mul(dtype: torch.dtype, inter: int) -> None:
+    torch.manual_seed(4)
+    x = randn(2, 3, 2 * inter, dtype=dtype)
+    assert_close(TRITON_OPS.silu_and_mul(x), silu_and_mul_torch(x.float()), dtype, "silu_and_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_write_kv(dtype: torch.dtype, block_size: int) -> None:
+    torch.manual_seed(5)
+    num_blocks, layers, kv_heads, head_dim, tokens = 6, 3, 2, 32, 11
+    pool = randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, dtype=dtype)
+    ref_pool = pool.clone()
+    kv = randn(tokens, 2 * kv_heads, head_dim, dtype=dtype)
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[3] = -1  # padding: skipped
+    TRITON_OPS.write_kv(pool, 1, k, v, slots)
+    write_kv_torch(ref_pool, 1, k, v, slots)
+    assert torch.equal(pool, ref_pool)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Paged attention
+
+
+def make_paged_case(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_layers: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random pool with scattered block tables (padded with garbage ids past each sequence's end)."""
+    max_blocks = max(triton.cdiv(s, block_size) for s in seq_lens) + 1
+    num_blocks = len(seq_lens) * max_blocks + 5
+    pool = randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, device=DEVICE)[: len(seq_lens) * max_blocks]
+    block_tables = block_tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
+    qsl[1:] = torch.tensor(q_lens, device=DEVICE).cumsum(0)
+    q = randn(sum(q_lens), num_heads, head_dim, dtype=dtype)
+    return q, pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl
+
+
+def check_attention(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    **kwargs: int,
+) -> None:
+    q, pool, bt, sl, qsl = make_paged_case(
+        q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, scale, **kwargs)
+    ref = paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, scale)
+    real = torch.zeros(q.shape[0], dtype=torch.bool, device=DEVICE)
+    for b, (q0, q1) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), strict=True)):
+        real[q0:q1] = seq_lens[b] > 0
+    assert_close(out[real], ref[real], dtype, f"attention q_lens={q_lens} seq_lens={seq_lens}")
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA 1/2/4, D 16/32/64, block 16/4, each dtype.
+ATTN_LAYOUTS = [
+    (4, 4, 16, 16, torch.float32),
+    (4, 2, 32, 4, torch.bfloat16),
+    (8, 2, 64, 16, torch.float16),
+    (8, 2, 32, 4, torch.float32),
+    (4, 1, 64, 4, torch.bfloat16),
+    (2, 2, 64, 4, torch.float16),
+]
+
+
+@pytest.mark.parametrize("layout", ATTN_LAYOUTS, ids=lambda p: f"h{p[0]}-kv{p[1]}-d{p[2]}-bs{p[3]}-{p[4]}")
+def test_decode_attention_long_and_short(layout: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(6)
+    heads, kv_heads, head_dim, block_size, dtype = layout
+    seq_lens = [1, 7, 33, 130]  # one token, inside a block, crossing blocks, many blocks
+    check_attention([1] * 4, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+    # Force several KV splits, some past the end of the short sequences, so the LSE merge is exercised.
+    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_: 4)
+    check_attention([1] * 4, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize(
+    "layout", ATTN_LAYOUTS[:3], ids=lambda p: f"h{p[0]}-kv{p[1]}-d{p[2]}-bs{p[3]}-{p[4]}"
+)
+def test_extend_attention_with_and_without_prefix(layout: tuple) -> None:
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, block_size, dtype = layout
+    # prefill without prefix (70 tokens: two query tiles), chunked prefill on a cached prefix, one decode.
+    check_attention([70, 5, 9, 1], [70, 42, 9, 20], heads, kv_heads, head_dim, block_size, dtype)
+
+
+def test_mixed_query_lengths_in_decode_shape() -> None:
+    """T <= B picks the decode kernel; it must stay exact when lengths are not all one."""
+    torch.manual_seed(8)
+    check_attention([0, 2, 1, 0], [5, 19, 40, 3], 4, 2, 32, 4, torch.float32)
+    check_attention([0, 2], [3, 17], 4, 2, 32, 16, torch.float32)
+
+
+def test_decode_with_explicit_max_seq_len_and_empty_padding() -> None:
+    """CUDA-graph padding: a padded sequence (seq_len 0) must not disturb the others."""
+    torch.manual_seed(9)
+    check_attention([1, 1, 1], [12, 0, 65], 8, 2, 16, 16, torch.float32, max_seq_len=80)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused MoE
+
+
+def make_moe_case(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, used_experts: int
+) -> tuple[torch.Tensor, ...]:
+    x = randn(tokens, hidden, dtype=dtype)
+    w13 = randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    # Only `used_experts` of the experts receive tokens: the rest must be skipped cleanly.
+    allowed = torch.randperm(experts, device=DEVICE)[:used_experts]
+    ids = torch.stack([allowed[torch.randperm(used_experts, device=DEVICE)[:top_k]] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, device=DEVICE).softmax(-1)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "dtype"),
+    [(1, 1, torch.float32), (5, 2, torch.bfloat16), (33, 4, torch.float16), (17, 2, torch.float32)],
+)
+def test_fused_moe(tokens: int, top_k: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(10)
+    x, w13, w2, weights, ids = make_moe_case(tokens, 32, 48, 8, top_k, dtype, used_experts=max(top_k, 5))
+    out = TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
+    ref = fused_moe_torch(*up(x, w13, w2), weights, ids)
+    assert_close(out, ref, dtype, "fused_moe")
+    assert out.dtype == dtype
+
+
+def test_moe_align_block_size() -> None:
+    torch.manual_seed(11)
+    ids = torch.tensor([[3, 1], [3, 0], [1, 3], [3, 2]], device=DEVICE)
+    sorted_ids, expert_ids, used = moe_align_block_size(ids, 4, 6)
+    pairs = ids.numel()
+    assert int(used) == 4 * 4  # experts 0, 1, 2, 3 non-empty; one tile each
+    assert sorted_ids.shape[0] % 4 == 0 and sorted_ids.shape[0] >= int(used)
+    flat = ids.reshape(-1)
+    seen = []
+    for tile in range(int(used) // 4):
+        rows = sorted_ids[tile * 4 : tile * 4 + 4]
+        real = rows[rows < pairs]
+        assert (flat[real.long()] == expert_ids[tile]).all()
+        seen += real.tolist()
+    assert sorted(seen) == list(range(pairs))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: real shapes, no host sync, CUDA graphs
+
+
+@gpu
+@needs_cuda
+def test_gpu_decode_attention_llama8b() -> None:
+    torch.manual_seed(20)
+    seq_lens = torch.randint(1, 4097, (64,)).tolist()
+    seq_lens[:2] = [4096, 1]
+    check_attention([1] * 64, seq_lens, 32, 8, 128, 16, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+def test_gpu_extend_attention_llama8b() -> None:
+    torch.manual_seed(21)
+    q_lens = [1024, 300, 77, 1]
+    seq_lens = [1024, 2348, 577, 3000]
+    check_attention(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16)
+    check_attention(q_lens, seq_lens, 32, 8, 128, 16, torch.float32)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_gpu_fused_moe_qwen3_30b_a3b(tokens: int) -> None:
+    torch.manual_seed(22)
+    x, w13, w2, weights, ids = make_moe_case(tokens, 2048, 768, 128, 8, torch.bfloat16, used_experts=128)
+    out = TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
+    assert_close(out, fused_moe_torch(*up(x, w13, w2), weights, ids), torch.bfloat16, "fused_moe")
+
+
+@gpu
+@needs_cuda
+def test_gpu_row_ops_real_shapes() -> None:
+    torch.manual_seed(23)
+    dtype = torch.bfloat16
+    x, res, w = randn(512, 4096, dtype=dtype), randn(512, 4096, dtype=dtype), randn(4096, dtype=dtype)
+    out, summed = TRITON_OPS.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_sum = fused_add_rms_norm_torch(*up(x, res, w), 1e-5)
+    assert_close(summed, ref_sum, dtype)
+    assert_close(out, ref_out, dtype)
+    q, k = randn(512, 32, 128, dtype=dtype), randn(512, 8, 128, dtype=dtype)
+    cache, pos = randn(8192, 128), torch.randint(0, 8192, (512,), device=DEVICE)
+    for got, want in zip(
+        TRITON_OPS.apply_rope(q, k, pos, cache), apply_rope_torch(*up(q, k), pos, cache), strict=True
+    ):
+        assert_close(got, want, dtype)
+    g = randn(512, 2 * 14336, dtype=dtype)
+    assert_close(TRITON_OPS.silu_and_mul(g), silu_and_mul_torch(g.float()), dtype)
+
+
+def _decode_step_inputs(batch: int) -> tuple[torch.Tensor, ...]:
+    q, pool, bt, sl, qsl = make_paged_case([1] * batch, [4096] * batch, 32, 8, 128, 16, torch.bfloat16)
+    k, v = randn(batch, 8, 128, dtype=torch.bfloat16), randn(batch, 8, 128, dtype=torch.bfloat16)
+    return q, pool, bt, sl, qsl, k, v
+
+
+@gpu
+@needs_cuda
+def test_gpu_decode_step_has_no_host_sync() -> None:
+    torch.manual_seed(24)
+    q, pool, bt, sl, qsl, k, v = _decode_step_inputs(8)
+    slots = (bt[:, 0].long() * 16).contiguous()
+    x, w13, w2, weights, ids = make_moe_case(8, 2048, 768, 128, 8, torch.bfloat16, used_experts=128)
+    TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, 0.088)  # compile outside the check
+    TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
+    TRITON_OPS.write_kv(pool, 1, k, v, slots)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        TRITON_OPS.write_kv(pool, 1, k, v, slots)
+        TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, 0.088)
+        TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+@needs_cuda
+def test_gpu_decode_step_in_cuda_graph() -> None:
+    """Capture attention + MoE once, then replay with new lengths, tables and routing."""
+    torch.manual_seed(25)
+    batch = 16
+    q, pool, bt, sl, qsl, _, _ = _decode_step_inputs(batch)
+    sl.copy_(torch.randint(1, 4097, (batch,), device=DEVICE, dtype=torch.int32))
+    x, w13, w2, weights, ids = make_moe_case(batch, 2048, 768, 128, 8, torch.bfloat16, used_experts=128)
+    scale = 128**-0.5
+    TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, scale, max_seq_len=4096)
+    TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn_out = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, scale, max_seq_len=4096)
+        moe_out = TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
+    for _ in range(2):
+        sl.copy_(torch.randint(1, 4097, (batch,), device=DEVICE, dtype=torch.int32))
+        bt.copy_(bt[torch.randperm(batch, device=DEVICE)])
+        q.copy_(randn(*q.shape, dtype=q.dtype))
+        ids.copy_(torch.stack([torch.randperm(128, device=DEVICE)[:8] for _ in range(batch)]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(
+            attn_out, paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, scale), torch.bfloat16
+        )
+        assert_close(moe_out, fused_moe_torch(*up(x, w13, w2), weights, ids), torch.bfloat16)
