@@ -109,9 +109,20 @@ def _norm_params(net: DecoderModel) -> set[str]:
 
 def _init_tiny(net: DecoderModel, seed: int) -> None:
     """Deterministic weights, scaled so greedy output is varied rather than one repeated token."""
+    from engine.moe.layer import MoEBlock
+
     gen = torch.Generator().manual_seed(seed)
     norms = _norm_params(net)
+    modules = dict(net.named_modules())
     for name, p in sorted(net.named_parameters()):
+        owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+        if isinstance(owner, MoEBlock) and name.endswith((".w13", ".w2")):
+            # Weights are drawn per logical expert, then placed: replicas hold identical copies.
+            logical = torch.randn((owner.num_logical, *p.shape[1:]), generator=gen) * p.shape[-1] ** -0.5
+            n_local = p.shape[0]
+            lo = owner.dispatcher.ep_rank * n_local
+            p.data.copy_(logical[owner.placement.physical_to_logical[lo : lo + n_local].cpu()].to(p.dtype))
+            continue
         if name in norms:
             values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         else:

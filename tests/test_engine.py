@@ -1,0 +1,232 @@
+"""Engine behaviour on the built-in tiny models: prefix caching, chunked prefill, preemption, sampling,
+bad input. The reference for every comparison is the same engine's plain greedy output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from mesh.kv_events import BlocksRemoved, BlocksStored, ListEventSink
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
+def model(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    prompts = _prompts(6)
+    llm = LLM(model, num_kv_blocks=512, enable_prefix_caching=False)
+    return prompts, [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("chunk", [3, 16, 37, 4096])
+def test_chunked_prefill_gives_same_tokens(model, reference, chunk) -> None:
+    prompts, expected = reference
+    llm = LLM(model, num_kv_blocks=512, max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_prefix_cache_hits_give_same_tokens_and_report_reuse(model) -> None:
+    llm = LLM(model, num_kv_blocks=512, block_size=16)
+    system = list(range(40, 40 + 70))  # 70 shared tokens: 4 full blocks
+    prompts = [system + [1, 2, 3], system + [9, 8, 7, 6, 5]]
+    cold = LLM(model, num_kv_blocks=512, enable_prefix_caching=False)
+    expected = [cold.generate([p], GREEDY)[0].token_ids for p in prompts]
+    first = llm.generate([prompts[0]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate([prompts[1]], GREEDY)[0]
+    assert second.num_cached_tokens == 64
+    assert [first.token_ids, second.token_ids] == expected
+    # Whole prompt cached: the last block is recomputed to get logits, the rest is reused.
+    again = llm.generate([prompts[1]], GREEDY)[0]
+    assert again.token_ids == expected[1]
+    assert again.num_cached_tokens == 64
+    stats = llm.engine.stats()
+    assert stats.cached_prompt_tokens_total == 128
+
+
+def test_preemption_by_recompute_gives_same_tokens(model, reference) -> None:
+    prompts, expected = reference
+    # 14 blocks of 16 tokens cannot hold six sequences of up to 130 tokens at once.
+    llm = LLM(model, num_kv_blocks=14, block_size=16, max_num_seqs=6)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.block_pool.num_free_blocks == 14
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model) -> None:
+    prompts = _prompts(5, seed=3)
+    llm = LLM(model, num_kv_blocks=512)
+    seeded = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[0]], seeded)[0].token_ids
+    noisy = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True) for _ in prompts[1:]]
+    together = llm.generate(prompts, [seeded, *noisy])[0].token_ids
+    assert alone == together
+    other_seed = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    assert llm.generate([prompts[0]], other_seed)[0].token_ids != alone
+
+
+def test_sampling_filters() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=128)
+    prompt = [_prompts(1, seed=9)[0]]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    # top_k=1 and a tiny top_p both reduce sampling to the argmax.
+    for p in (SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True)):
+        assert llm.generate(prompt, p)[0].token_ids == greedy
+
+
+def test_logprobs_stop_tokens_and_strings() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=128)
+    prompt = list(b"Hello there")
+    base = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    assert len(base.logprobs) == 20
+    for tok, lp in zip(base.token_ids, base.logprobs, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0][0] == tok  # greedy picks the most likely token
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+    stop_tok = base.token_ids[5]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_tok]))[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    stop_str = base.text[6:8]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop_str]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_str
+    assert out.text == base.text[: base.text.index(stop_str)]
+    out = llm.generate([prompt], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+
+
+def test_eos_stops_unless_ignored() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=128)
+    eos = llm.engine.tokenizer.eos_token_ids[0]
+    prompt = [_prompts(1, seed=4)[0]]
+    base = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    # Make the 3rd generated token an EOS by stopping on it as if it were one.
+    llm.engine.eos_token_ids = frozenset({base.token_ids[2]})
+    for seq_eos in [llm.engine.eos_token_ids]:
+        out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))[0]
+        assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(
+            next(iter(seq_eos))) + 1]
+    out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == base.token_ids
+    assert eos == 257
+
+
+def test_max_model_len_ends_with_length() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=64, max_model_len=20)
+    out = llm.generate([list(range(10))], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        (list(range(300)), SamplingParams(), "max_model_len is 256"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be at least 1"),
+        ([1, 2], SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+        ([1, 600], SamplingParams(), "outside the vocabulary"),
+        ([1, -1], SamplingParams(), "outside the vocabulary"),
+    ],
+)
+def test_bad_input_is_a_typed_error_and_engine_keeps_serving(prompt, params, message) -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=64, max_model_len=256)
+    good = list(b"still serving")
+    llm.engine.add_request("good", good, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        llm.engine.add_request("bad", prompt, params)
+    tokens: list[int] = []
+    finished = False
+    while not finished:
+        for out in llm.engine.step():
+            tokens += out.new_token_ids
+            finished = finished or out.finished
+    assert len(tokens) == 5
+    assert llm.engine.block_pool.num_free_blocks == 64
+
+
+def test_abort_returns_blocks_and_others_continue() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=64, enable_prefix_caching=False)
+    engine = llm.engine
+    p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(40)), p)
+    engine.add_request("b", list(range(50, 90)), p)
+    engine.step()
+    engine.step()
+    assert engine.block_pool.num_free_blocks < 64
+    assert engine.abort("a")
+    assert not engine.abort("nope")
+    done: dict[str, str | None] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.finish_reason
+    assert done == {"a": "abort", "b": "length"}
+    assert engine.block_pool.num_free_blocks == 64
+
+
+def test_kv_events_report_stored_and_removed_blocks() -> None:
+    from engine import EngineConfig, LLMEngine
+
+    sink = ListEventSink()
+    engine = LLMEngine(EngineConfig(model="tiny-dense", num_kv_blocks=6, block_size=16), event_sink=sink)
+    p = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request("r1", list(range(64)), p)
+    while engine.has_unfinished():
+        engine.step()
+    stored = [h for e in sink.events if isinstance(e, BlocksStored) for h in e.block_hashes]
+    assert len(stored) == 4  # 64 prompt tokens, all computed: 4 full blocks cached
+    from mesh.block_hash import block_hashes
+
+    assert stored == block_hashes(list(range(64)), 16, engine.root_hash)
+    sink.drain()
+    engine.add_request("r2", list(range(100, 195)), p)  # 95 tokens need all 6 blocks: evicts the cached ones
+    while engine.has_unfinished():
+        engine.step()
+    removed = [h for e in sink.events if isinstance(e, BlocksRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(stored)
+
+
+def test_physical_expert_replicas_give_same_tokens() -> None:
+    from engine import EngineConfig, LLMEngine
+    from engine.loader import load_model
+    from kernels import get_ops
+
+    prompts = _prompts(3, seed=11)
+    llm = LLM("tiny-moe", num_kv_blocks=256)
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    counts = llm.engine.take_expert_counts()
+    assert counts is not None and counts.shape == (3, 8) and int(counts.sum()) > 0
+    assert int(llm.engine.take_expert_counts().sum()) == 0  # reset after reading
+    # Same model with 12 physical experts: logical 0..3 get a second replica.
+    import torch
+
+    p2l = [list(range(8)) + [0, 1, 2, 3] for _ in range(4)]
+    loaded = load_model("tiny-moe", "float32", torch.device("cpu"), get_ops("torch"), 4096,
+                        physical_to_logical=p2l)
+    engine = LLMEngine(EngineConfig(model="tiny-moe", num_kv_blocks=256))
+    engine.model = loaded.model
+    engine.runner.model = loaded.model
+    llm.engine = engine
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    phys = engine.take_expert_counts()
+    assert phys.shape == (3, 12) and int(phys[:, 8:].sum()) > 0  # replicas took some tokens
