@@ -264,3 +264,13 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
             _copy(which.data[local], full[p2l[lo_phys + local]], name)
         return [pre + ("mlp.w13" if which is mlp.w13 else "mlp.w2")]
     return []
+
+
+def load_tokenizer(model: str) -> tuple[Tokenizer, ModelConfig, str]:
+    """Tokenizer, model config and the model's name as served, without loading any weights (router side)."""
+    cfg, path = resolve_model_config(model)
+    tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size) if path is None else HFTokenizer(
+        path, cfg.eos_token_ids, cfg.vocab_size)
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = list(tokenizer.eos_token_ids)
+    return tokenizer, cfg, (model if path is None else path.name)
