@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     text: str | None = None  # full text, set when finished (truncated before a matched stop string)
+    arrival_time_ns: int = 0
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
 
 
 @dataclass
@@ -134,7 +138,7 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, next(self._arrival), self.eos_token_ids,
-                       hold_kv=hold_kv)
+                       hold_kv=hold_kv, arrival_time_ns=time.time_ns())
         self._seqs[request_id] = seq
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -247,6 +251,8 @@ class LLMEngine:
             self.cached_prompt_tokens_total += max(0, seq.num_cached_tokens)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+        if not seq.output_token_ids:
+            seq.first_token_ns = time.time_ns()
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -307,7 +313,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=list(new_tokens), new_logprobs=list(new_logprobs or []),
             finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=max(0, seq.num_cached_tokens),
-            num_output_tokens=len(seq.output_token_ids), text=text)
+            num_output_tokens=len(seq.output_token_ids), text=text, arrival_time_ns=seq.arrival_time_ns,
+            first_scheduled_ns=seq.first_scheduled_ns, first_token_ns=seq.first_token_ns)
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

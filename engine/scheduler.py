@@ -8,6 +8,7 @@ goes back to the front of the queue, to be recomputed (mostly from the prefix ca
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -90,6 +91,8 @@ class Scheduler:
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = num_cached
             self.waiting.popleft()
+            if not seq.first_scheduled_ns:
+                seq.first_scheduled_ns = time.time_ns()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -41,6 +41,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None
     output_text: str = ""  # kept only when stop strings must be checked
+    arrival_time_ns: int = 0
+    first_scheduled_ns: int = 0  # when the scheduler first gave it compute (queue time ends)
+    first_token_ns: int = 0
     prompt_counted: bool = False  # prompt tokens added to the engine's totals
     _emitted: int = 0  # output tokens already reported to the caller
 

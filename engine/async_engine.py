@@ -1,0 +1,175 @@
+"""Runs an ``LLMEngine`` on its own thread and serves it to asyncio code.
+
+All engine mutation happens on the engine thread: requests, aborts and arbitrary calls are queued
+and run between steps. Outputs are handed back to each request's asyncio queue. A caller that stops
+iterating (client gone, task cancelled) aborts its request, so no KV blocks leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+from mesh.kv_events import KVEventSink
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, event_sink: KVEventSink | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config, event_sink)
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = \
+            queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._error: BaseException | None = None
+        self.on_step: Callable[[LLMEngine], None] | None = None  # runs on the engine thread after each step
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ---- asyncio side ----------------------------------------------------------------------------
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the engine thread between steps and return its result (or raise its error)."""
+        if not self.alive:
+            raise EngineDeadError(f"engine thread is not running ({self._error!r})")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._calls.put((fn, fut, loop))
+        self._wake.set()
+        return await fut
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def stream_outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; aborts it if the consumer stops early."""
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.close_stream(request_id)
+            if not finished and self.alive:
+                await asyncio.shield(self.call(lambda: self.engine.abort(request_id)))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+        q = self.open_stream(request_id)
+        try:
+            await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, hold_kv))
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        async for out in self.stream_outputs(request_id, q):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(lambda: self.engine.abort(request_id))
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut, loop = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting caller
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_calls()
+                if self.engine.has_unfinished():
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:
+                        log.exception("engine step failed; aborting the running requests")
+                        self._fail_running(exc)
+                        continue
+                    for out in outputs:
+                        self._deliver(out, out.request_id)
+                    if self.on_step is not None:
+                        self.on_step(self.engine)
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as exc:
+            self._error = exc
+            log.exception("engine thread died")
+            for rid in list(self._streams):
+                self._deliver(EngineDeadError(f"engine thread died: {exc!r}"), rid)
+            raise
+        finally:
+            self._drain_calls_with_error()
+
+    def _fail_running(self, exc: Exception) -> None:
+        for rid in [s.request_id for s in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting)]:
+            self.engine.abort(rid)
+            self._deliver(RuntimeError(f"engine step failed: {exc}"), rid)
+        self.engine.step()  # flush the abort outputs (their streams already got the error)
+
+    def _drain_calls_with_error(self) -> None:
+        while True:
+            try:
+                _fn, fut, loop = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError("engine stopped"))
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
