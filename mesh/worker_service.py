@@ -1,0 +1,383 @@
+"""What the prefill and decode services share: settings, the Worker servicer's common RPCs, KV-event
+fan-out, metrics, proto conversions and the process wiring (gRPC server, metrics port, signals, drain).
+
+The engine is used through the duck-typed ``AsyncEngine`` interface (``call``, ``generate``, ``abort``,
+``engine``); this module does not import ``engine`` so that dependencies keep pointing one way.
+Role-specific RPCs (Prefill, Decode) live in ``prefill_svc`` and ``decode_svc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from mesh.config import setting
+from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
+from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.kv_layout import LayoutMismatchError
+from mesh.telemetry import ServiceMetrics, setup_tracing, start_metrics_server
+from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+TIERS = {Tier.GPU: common_pb2.TIER_GPU, Tier.CPU: common_pb2.TIER_CPU, Tier.DISK: common_pb2.TIER_DISK}
+
+
+@dataclass
+class WorkerSettings:
+    host: str = setting("127.0.0.1", "Address the gRPC server binds to.")
+    port: int = setting(0, "gRPC port (0 picks a free one; the chosen port is printed).")
+    advertise_host: str | None = setting(None, "Host other services use to reach this worker (default: --host).")
+    metrics_port: int = setting(0, "Port of the Prometheus /metrics endpoint (0 picks a free one, -1 disables).")
+    worker_id: str | None = setting(None, "Unique worker id (default: role-host-port).")
+    redis_url: str | None = setting(None, "Redis URL for the service registry and KV index (none: standalone).")
+    registry_ttl_s: float = setting(5.0, "Registration TTL in seconds; heartbeats renew it every TTL/3.")
+    kv_transfer: str = setting("nixl", "KV transfer backend.", choices=("nixl", "local"))
+    kv_lease_s: float = setting(60.0, "How long a prefill worker holds KV blocks for a decode worker to pull.")
+    kv_transfer_timeout_s: float = setting(30.0, "Longest a decode worker waits for one KV pull.")
+    drain_timeout_s: float = setting(300.0, "On drain (SIGTERM or Drain RPC), longest wait for in-flight requests.")
+    otlp_endpoint: str | None = setting(None, "OTLP/gRPC endpoint for traces (off when unset).")
+    trace_file: str | None = setting(None, "Append finished spans as JSON lines to this file (tests, debugging).")
+    log_level: str = setting("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """gRPC status for an error raised while serving: engine errors carry their status by name."""
+    name = getattr(exc, "status", None)
+    if isinstance(name, str) and hasattr(grpc.StatusCode, name) and not isinstance(exc, LayoutMismatchError):
+        return getattr(grpc.StatusCode, name), str(exc)
+    return status_for(exc)
+
+
+def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
+    """Engine ``SamplingParams`` keyword arguments from the proto (unset optional fields keep defaults)."""
+    kw: dict[str, Any] = {
+        "top_k": p.top_k, "min_p": p.min_p, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+    }
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "skip_special_tokens"):
+        if p.HasField(name):
+            kw[name] = getattr(p, name)
+    if "seed" in kw and kw["seed"] >= 2**63:
+        kw["seed"] -= 2**64
+    return kw
+
+
+def logprobs_to_proto(lp: Any) -> common_pb2.Logprobs:
+    return common_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob,
+                               top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+@dataclass
+class ProtoLogprobs:
+    """Engine-side view of a ``Logprobs`` proto (same fields as the engine's TokenLogprobs)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def logprobs_from_proto(p: common_pb2.Logprobs) -> ProtoLogprobs:
+    return ProtoLogprobs(p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top_logprobs])
+
+
+def events_to_proto(events: list[KVEvent]) -> list[common_pb2.KVEvent]:
+    out = []
+    for e in events:
+        if isinstance(e, BlocksStored):
+            msg = common_pb2.BlocksStored(block_hashes=list(e.block_hashes), tier=TIERS[e.tier])
+            if e.parent_hash is not None:
+                msg.parent_hash = e.parent_hash
+            out.append(common_pb2.KVEvent(blocks_stored=msg))
+        elif isinstance(e, BlocksRemoved):
+            out.append(common_pb2.KVEvent(blocks_removed=common_pb2.BlocksRemoved(
+                block_hashes=list(e.block_hashes), tier=TIERS[e.tier])))
+        elif isinstance(e, AllBlocksCleared):
+            out.append(common_pb2.KVEvent(all_blocks_cleared=common_pb2.AllBlocksCleared(tier=TIERS[e.tier])))
+    return out
+
+
+class EventFanout:
+    """KV-event sink for the engine thread: fans events out to StreamKVEvents subscribers on the event
+    loop, keeps the set of cached hashes for snapshots, and forwards to an optional extra sink (the
+    Redis KV index writer)."""
+
+    def __init__(self, worker_id: str, model_fingerprint: str = "") -> None:
+        self.worker_id = worker_id
+        self.model_fingerprint = model_fingerprint
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._subscribers: set[asyncio.Queue] = set()
+        self._cached: dict[int, None] = {}
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.forward: Callable[[list[KVEvent]], None] | None = None
+
+    def publish(self, events: list[KVEvent]) -> None:
+        with self._lock:
+            for e in events:
+                if isinstance(e, BlocksStored):
+                    self._cached.update(dict.fromkeys(e.block_hashes))
+                elif isinstance(e, BlocksRemoved):
+                    for h in e.block_hashes:
+                        self._cached.pop(h, None)
+                elif isinstance(e, AllBlocksCleared):
+                    self._cached.clear()
+        if self.loop is not None and self._subscribers:
+            self.loop.call_soon_threadsafe(self._dispatch, list(events))
+        if self.forward is not None:
+            self.forward(list(events))
+
+    def _batch(self, events: list[KVEvent]) -> common_pb2.KVEventBatch:
+        self._seq += 1
+        return common_pb2.KVEventBatch(worker_id=self.worker_id, model_fingerprint=self.model_fingerprint,
+                                       seq=self._seq, events=events_to_proto(events))
+
+    def _dispatch(self, events: list[KVEvent]) -> None:
+        batch = self._batch(events)
+        for q in self._subscribers:
+            q.put_nowait(batch)
+
+    def snapshot(self) -> list[KVEvent]:
+        with self._lock:
+            hashes = tuple(self._cached)
+        return [AllBlocksCleared(Tier.GPU), BlocksStored(hashes, Tier.GPU)] if hashes else [AllBlocksCleared(Tier.GPU)]
+
+    async def subscribe(self, include_snapshot: bool) -> AsyncIterator[common_pb2.KVEventBatch]:
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(q)
+        try:
+            if include_snapshot:
+                yield self._batch(self.snapshot())
+            while True:
+                yield await q.get()
+        finally:
+            self._subscribers.discard(q)
+
+
+class WorkerMetrics:
+    """The metrics both worker roles expose, named ``pdmesh_<role>_<what>_<unit>``."""
+
+    def __init__(self, role: str) -> None:
+        m = ServiceMetrics(role)
+        self.registry = m.registry
+        self.requests = m.counter("requests", "total", "Requests by outcome.", ["outcome"])
+        self.ttft = m.histogram("time_to_first_token", "seconds", "Time from arrival to first token.")
+        self.tpot = m.histogram("time_per_output_token", "seconds", "Time between output tokens.",
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
+        self.queue_time = m.histogram("queue_time", "seconds", "Time from arrival to first scheduling.")
+        self.waiting = m.gauge("queue_length", "requests", "Requests waiting to be scheduled.")
+        self.running = m.gauge("running", "requests", "Requests in the running batch.")
+        self.kv_used = m.gauge("kv_blocks_used", "blocks", "KV blocks in use (referenced or held).")
+        self.kv_free = m.gauge("kv_blocks_free", "blocks", "KV blocks free or evictable.")
+        self.kv_held = m.gauge("kv_held", "requests", "Prefill results holding KV blocks for a decode worker.")
+        self.prompt_tokens = m.counter("prompt_tokens", "tokens", "Prompt tokens served.")
+        self.cached_tokens = m.counter("prompt_tokens_cached", "tokens", "Prompt tokens served from the cache.",
+                                       ["tier"])
+        self.generated_tokens = m.counter("generation_tokens", "tokens", "Tokens generated.")
+        self.kv_bytes = m.counter("kv_transfer", "bytes", "KV bytes pulled from prefill workers.")
+        self.kv_transfer_time = m.histogram("kv_transfer_time", "seconds", "Duration of one KV pull.")
+        self.kv_leases_expired = m.counter("kv_leases_expired", "total", "Held KV released by lease expiry.")
+        self._last_prompt = 0
+        self._last_cached = 0
+        self._last_generated = 0
+
+    def update_from(self, stats: Any) -> None:
+        """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_free.set(stats.num_kv_blocks_free)
+        self.kv_used.set(stats.num_kv_blocks_total - stats.num_kv_blocks_free)
+        self.kv_held.set(stats.num_held)
+        self.prompt_tokens.inc(stats.prompt_tokens_total - self._last_prompt)
+        self.cached_tokens.labels(tier="gpu").inc(stats.cached_prompt_tokens_total - self._last_cached)
+        self.generated_tokens.inc(stats.generated_tokens_total - self._last_generated)
+        self._last_prompt = stats.prompt_tokens_total
+        self._last_cached = stats.cached_prompt_tokens_total
+        self._last_generated = stats.generated_tokens_total
+
+
+class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
+    """The Worker RPCs both roles answer the same way: Abort, GetStats, Drain, StreamKVEvents,
+    GetTransferMetadata. Subclasses add Prefill or Decode."""
+
+    role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
+
+    def __init__(self, async_engine: Any, transfer: Any, settings: WorkerSettings, worker_id: str,
+                 address: str, events: EventFanout, metrics: WorkerMetrics) -> None:
+        self.aengine = async_engine
+        self.engine = async_engine.engine
+        self.transfer = transfer
+        self.settings = settings
+        self.worker_id = worker_id
+        self.address = address
+        self.events = events
+        self.metrics = metrics
+        self.draining = False
+        self.in_flight: set[str] = set()
+        self.server: grpc.aio.Server | None = None
+        self.drained = asyncio.Event()
+
+    # ---- shared RPCs ---------------------------------------------------------------------------
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext,
+                    ) -> worker_pb2.AbortResponse:
+        found = await self.aengine.abort(request.request_id)
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetStats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext,
+                       ) -> common_pb2.WorkerStats:
+        s = await self.aengine.call(self.engine.stats)
+        return common_pb2.WorkerStats(
+            role=self.role, worker_id=self.worker_id, model_fingerprint=self.engine.model_fingerprint,
+            block_size=self.engine.config.block_size, num_kv_blocks_total=s.num_kv_blocks_total,
+            num_kv_blocks_free=s.num_kv_blocks_free, num_running=s.num_running, num_waiting=s.num_waiting,
+            running_tokens=s.running_tokens, queued_tokens=s.queued_tokens,
+            kv_usage=1.0 - s.num_kv_blocks_free / max(1, s.num_kv_blocks_total), draining=self.draining,
+            layout_fingerprint=self.engine.layout.fingerprint, max_model_len=self.engine.max_model_len)
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext,
+                    ) -> worker_pb2.DrainResponse:
+        self.start_drain()
+        if request.wait:
+            await self.wait_idle(self.settings.drain_timeout_s)
+        return worker_pb2.DrainResponse(num_in_flight=len(self.in_flight))
+
+    async def StreamKVEvents(self, request: worker_pb2.KVEventsRequest, context: grpc.aio.ServicerContext,
+                             ) -> AsyncIterator[common_pb2.KVEventBatch]:
+        async for batch in self.events.subscribe(request.include_snapshot):
+            yield batch
+
+    async def GetTransferMetadata(self, request: common_pb2.TransferMetadataRequest,
+                                  context: grpc.aio.ServicerContext) -> common_pb2.TransferMetadata:
+        meta = self.transfer.metadata()
+        if request.layout_fingerprint and request.layout_fingerprint != meta.layout_fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV layout fingerprint mismatch: this worker has {meta.layout_fingerprint}, "
+                                f"the requester has {request.layout_fingerprint}; both must serve the same "
+                                "model, dtype, block size and KV shape")
+        return common_pb2.TransferMetadata(
+            agent_name=meta.agent_name, agent_metadata=meta.agent_metadata,
+            layout_fingerprint=meta.layout_fingerprint, block_nbytes=meta.block_nbytes,
+            num_blocks=meta.num_blocks, pool_base_address=meta.base_address, device=meta.device,
+            mem_type=meta.mem_type)
+
+    # ---- drain and admission -------------------------------------------------------------------
+    def check_admission(self) -> None:
+        if self.draining:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        if not self.aengine.alive:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id}: engine is not running")
+
+    def start_drain(self) -> None:
+        if not self.draining:
+            log.info("worker %s draining: no new requests", self.worker_id)
+            self.draining = True
+            if self.server is not None:
+                asyncio.get_running_loop().create_task(set_serving(self.server, False))
+
+    async def wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = await self.aengine.call(self.engine.stats)
+            if not self.in_flight and stats.num_running == 0 and stats.num_waiting == 0 and stats.num_held == 0:
+                return
+            await asyncio.sleep(0.05)
+
+    @contextlib.contextmanager
+    def tracking(self, request_id: str):
+        self.in_flight.add(request_id)
+        try:
+            yield
+        finally:
+            self.in_flight.discard(request_id)
+
+    async def background(self) -> None:
+        """Role-specific background work (lease expiry, notifications); runs until cancelled."""
+        await asyncio.Event().wait()
+
+
+def default_worker_id(role: str, host: str, port: int) -> str:
+    return f"{role}-{host}-{port}-{uuid.uuid4().hex[:6]}"
+
+
+async def serve_worker(role: str, servicer_cls: type[WorkerServicerBase], settings: WorkerSettings,
+                       make_engine: Callable[[EventFanout], Any], ready_line: bool = True) -> None:
+    """Build and run one worker process until SIGTERM/SIGINT (then drain) or until drained."""
+    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    setup_tracing(f"pdmesh-{role}", settings.otlp_endpoint, jsonl_path=settings.trace_file)
+    events = EventFanout(worker_id="pending")
+    events.loop = asyncio.get_running_loop()
+    aengine = make_engine(events)
+    engine = aengine.engine
+    events.model_fingerprint = engine.model_fingerprint
+    metrics = WorkerMetrics(role)
+    aengine.on_step = lambda eng: metrics.update_from(eng.stats())
+    from mesh.kv_transfer import create_transfer_agent
+
+    agent_name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # NIXL's progress thread spins a whole core even when idle; workers drive progress themselves instead
+    # (the prefill lease keeper polls notifications, the decode side polls its reads).
+    extra = {"progress_thread": False} if settings.kv_transfer == "nixl" else {}
+    transfer = create_transfer_agent(settings.kv_transfer, agent_name, engine.kv_pool, engine.layout, **extra)
+    servicer = servicer_cls(aengine, transfer, settings, "pending", "", events, metrics)
+    server, port = await start_server([(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],
+                                      ["pdmesh.v1.Worker"], host=settings.host, port=settings.port)
+    host = settings.advertise_host or settings.host
+    worker_id = settings.worker_id or default_worker_id(role, host, port)
+    servicer.worker_id = events.worker_id = worker_id
+    servicer.address = format_address(host, port)
+    servicer.server = server
+    metrics_port = -1
+    if settings.metrics_port >= 0:
+        metrics_port = await start_metrics_server(metrics.registry, settings.host, settings.metrics_port)
+    aengine.start()
+    registration = await _register(role, servicer, settings, metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bg = loop.create_task(servicer.background())
+    if ready_line:
+        print(f"pdmesh {role} ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
+              f"worker_id={worker_id} model={engine.model_fingerprint} kv_blocks={engine.block_pool.num_blocks}",
+              flush=True)
+    await stop.wait()
+    log.info("stopping: draining in-flight requests")
+    servicer.start_drain()
+    if registration is not None:
+        await registration.mark_draining()
+    await servicer.wait_idle(settings.drain_timeout_s)
+    if registration is not None:
+        await registration.stop()
+    bg.cancel()
+    await server.stop(grace=1.0)
+    aengine.stop()
+    transfer.close()
+
+
+async def _register(role: str, servicer: WorkerServicerBase, settings: WorkerSettings, metrics_port: int) -> Any:
+    """Register in the service registry when a Redis URL is given (the router then discovers us)."""
+    if not settings.redis_url:
+        return None
+    from mesh.worker_registration import WorkerRegistration
+
+    reg = WorkerRegistration(role, servicer, settings, metrics_port)
+    await reg.start()
+    return reg

@@ -1,0 +1,109 @@
+"""Start real pdmesh service processes on loopback ports for end-to-end tests.
+
+``ServiceProcess.start("prefill_svc", ...)`` runs ``python -m prefill_svc --port 0 ...``, waits for its
+``ready`` line and exposes the gRPC address it bound; ``stop()`` sends SIGTERM (drain) and waits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+READY = re.compile(r"pdmesh (\w+) ready: grpc=(\S+) metrics=(\S+)")
+
+
+@dataclass
+class ServiceProcess:
+    module: str
+    proc: subprocess.Popen
+    address: str = ""
+    metrics_address: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+              ) -> ServiceProcess:
+        full_env = dict(os.environ)
+        full_env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        full_env["PYTHONUNBUFFERED"] = "1"
+        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.update(env or {})
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], cwd=REPO, env=full_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        svc = cls(module, proc)
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                svc.lines.append(line.rstrip())
+                m = READY.search(line)
+                if m and not ready.is_set():
+                    svc.address, svc.metrics_address = m.group(2), m.group(3)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(timeout) or not svc.address:
+            svc.kill()
+            raise RuntimeError(f"{module} did not become ready in {timeout}s:\n" + "\n".join(svc.lines[-40:]))
+        return svc
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+def worker_args(model: str = "tiny-dense", num_kv_blocks: int = 256, *extra: str) -> list[str]:
+    return ["--model", model, "--num-kv-blocks", str(num_kv_blocks), "--metrics-port", "0", *extra]
+
+
+@pytest.fixture(scope="module")
+def pd_workers() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """One prefill and one decode worker on the tiny dense model, with real NIXL on host memory."""
+    prefill = ServiceProcess.start("prefill_svc", *worker_args())
+    try:
+        decode = ServiceProcess.start("decode_svc", *worker_args())
+    except BaseException:
+        prefill.kill()
+        raise
+    yield prefill, decode
+    for svc in (decode, prefill):
+        svc.stop()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
