@@ -1,0 +1,52 @@
+"""Builds the pickers a router uses from its routing settings: one place that knows the defaults.
+
+``routing`` is ``prefix`` (scored), ``round_robin`` or ``random``. Prefill workers are scored by cached
+prefix (3) and load (2) with session affinity and the hot-spot guard; decode workers by KV headroom (2)
+and load (2).
+"""
+
+from __future__ import annotations
+
+from router.scoring.baseline_pickers import RandomPicker, RoundRobinPicker
+from router.scoring.kv_headroom_scorer import KVHeadroomScorer
+from router.scoring.load_scorer import LoadScorer
+from router.scoring.picker import Picker
+from router.scoring.prefix_scorer import PrefixScorer
+from router.scoring.session_affinity import SessionAffinity
+from router.scoring.weighted_picker import DEFAULT_HOTSPOT_MARGIN_TOKENS, WeightedPicker
+
+ROUTING_MODES = ("prefix", "round_robin", "random")
+
+
+def make_picker(
+    routing: str,
+    role: str,
+    *,
+    seed: int | None = None,
+    prefix_weight: float = 3.0,
+    load_weight: float = 2.0,
+    kv_headroom_weight: float = 2.0,
+    hotspot_margin_tokens: int | None = DEFAULT_HOTSPOT_MARGIN_TOKENS,
+    affinity_capacity: int = 100_000,
+) -> Picker:
+    """The picker for workers of ``role`` ("prefill" or "decode") under ``routing``."""
+    if routing == "round_robin":
+        return RoundRobinPicker()
+    if routing == "random":
+        return RandomPicker(seed)
+    if routing != "prefix":
+        raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTING_MODES)}")
+    if role == "prefill":
+        return WeightedPicker(
+            [(PrefixScorer(), prefix_weight), (LoadScorer(), load_weight)],
+            hotspot_margin_tokens=hotspot_margin_tokens,
+            affinity=SessionAffinity(affinity_capacity),
+            seed=seed,
+        )
+    if role == "decode":
+        return WeightedPicker(
+            [(KVHeadroomScorer(), kv_headroom_weight), (LoadScorer(), load_weight)],
+            hotspot_margin_tokens=None,
+            seed=seed,
+        )
+    raise ValueError(f"unknown worker role {role!r} for routing; expected 'prefill' or 'decode'")

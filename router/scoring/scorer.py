@@ -1,0 +1,78 @@
+"""The scoring interface: what a scorer sees (a request and candidate workers' state) and returns.
+
+A scorer is one small unit: a ``name`` and ``score(request, candidates) -> {worker_id: score in [0, 1]}``,
+higher is better, its formula in its docstring and in docs/routing.md. Scorers are pure: no I/O, no
+state between calls, no knowledge of other scorers or of how the picker combines them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mesh.kv_index import PrefixMatch
+from mesh.registry import WorkerInfo
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """One request as routing sees it.
+
+    ``block_hashes`` are the prompt's full blocks (``mesh.block_hash``); ``prefix_matches`` is the KV
+    index's answer for them: worker id -> longest cached prefix, by tier.
+    """
+
+    prompt_len_tokens: int
+    block_hashes: Sequence[int]
+    block_size: int
+    model_fingerprint: str
+    session_id: str | None = None
+    prefix_matches: Mapping[str, PrefixMatch] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+    def cached_blocks(self, worker_id: str) -> int:
+        match = self.prefix_matches.get(worker_id)
+        return match.blocks if match is not None else 0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's load, as it last reported it."""
+
+    queued_tokens: int = 0  # prompt tokens waiting to be scheduled
+    running_tokens: int = 0  # tokens of requests in the running batch still to compute
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # share of the KV pool in use, 0..1
+    num_kv_blocks_free: int = 0
+    num_kv_blocks_total: int = 0
+
+    @property
+    def load_tokens(self) -> int:
+        return self.queued_tokens + self.running_tokens
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    info: WorkerInfo
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> dict[str, float]:
+        """A score in [0, 1] per candidate worker id; higher is better."""
+        ...
+
+
+def clamp01(x: float) -> float:
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
