@@ -2,9 +2,10 @@
 
 Pipeline (no host synchronisation, so it can sit inside a captured CUDA graph):
 
-1. ``moe_align_block_size`` (vectorised torch): sort the ``T * top_k`` token-expert pairs by expert and
-   pad each expert's run to a multiple of the tile height ``BLOCK_M``; every tile then belongs to one
-   expert. Buffers are sized by an upper bound read from shapes; tiles past the padded total exit.
+1. ``moe_align_block_size``: sort the ``T * top_k`` token-expert pairs by expert and pad each expert's
+   run to a multiple of the tile height ``BLOCK_M``; every tile then belongs to one expert. Buffers are
+   sized by an upper bound read from shapes; tiles past the padded total exit. Decode-sized batches use
+   one single-program Triton kernel (two launches in all); larger ones vectorised torch ops.
 2. ``_moe_gemm_kernel`` (one grouped GEMM, used twice): each program computes a ``BLOCK_M x BLOCK_N``
    tile, gathering activation rows by the sorted pair ids and reading that tile's expert weights.
    Gate-up: ``x[pair // top_k] @ w13[e].T`` -> ``[T*k, 2I]``. Down: ``act[pair] @ w2[e].T`` times the
@@ -39,11 +40,16 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
     if device.type != "cuda":
         return MoeTileConfig(16, 32, 32, 1, 4, 1)  # the interpreter: small tiles, few wasted rows
     per_expert = num_pairs / max(1, num_experts)
-    if per_expert <= 16:
+    if per_expert <= 8:
         return MoeTileConfig(16, 64, 128, 1, 4, 4)
     if per_expert <= 64:
         return MoeTileConfig(32, 64, 128, 8, 4, 4)
     return MoeTileConfig(64, 128, 64, 8, 4, 3)
+
+
+# Up to this many token-expert pairs (decode batches), one Triton program aligns them in a single launch;
+# beyond it, the vectorised torch version (about 30 small launches, negligible next to a prefill's GEMMs).
+ALIGN_KERNEL_MAX_PAIRS = 1024
 
 
 def moe_align_block_size(
@@ -51,10 +57,22 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
-    Returns ``sorted_ids`` [max_rows] int32 (pair index ``token * top_k + j``; padding holds
-    ``T * top_k``), ``expert_ids`` [max_rows // block_m] int32 (the expert of each tile), and
-    ``num_rows_padded`` [1] int32 (rows actually used). Sizes come from shapes, never from device values.
+    Returns ``sorted_ids`` [max_rows] int32 (pair index ``token * top_k + j``, in pair order within an
+    expert; padding holds ``T * top_k``), ``expert_ids`` [max_rows // block_m] int32 (the expert of each
+    tile; tiles past the end repeat the last expert), and ``num_rows_padded`` [1] int32 (rows in use).
+    Sizes come from shapes, never from device values.
     """
+    num_pairs = topk_ids.numel()
+    # At most min(E, pairs) experts are non-empty, and each pads by at most block_m - 1 rows.
+    max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        return _moe_align_triton(topk_ids, block_m, num_experts, max_rows)
+    return _moe_align_torch(topk_ids, block_m, num_experts, max_rows)
+
+
+def _moe_align_torch(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, max_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
@@ -66,13 +84,73 @@ def moe_align_block_size(
     sorted_experts = flat[order]
     rank_in_expert = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
     dest = (ends - padded)[sorted_experts] + rank_in_expert
-    # At most min(E, pairs) experts are non-empty, and each pads by at most block_m - 1 rows.
-    max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
     sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.to(torch.int32)
     tile_starts = torch.arange(0, max_rows, block_m, device=device)
     expert_ids = torch.searchsorted(ends, tile_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_rows_padded_ptr,
+    num_pairs,
+    num_experts,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program: count pairs per expert, lay out padded runs, then place each pair (stable)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_rows_padded_ptr, tl.sum(padded, axis=0))
+    # A tile's expert is the number of experts whose run ends at or before the tile's first row.
+    for t0 in range(0, num_tiles, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        owner = tl.sum((tiles[:, None] * BLOCK_M >= ends[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + tiles, tl.minimum(owner, num_experts - 1), mask=tiles < num_tiles)
+    # Each pair goes to its expert's start + the pairs of that expert placed before it.
+    next_row = ends - padded
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        valid = pairs < num_pairs
+        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rows = next_row[None, :] + tl.cumsum(onehot, axis=0) - 1
+        tl.store(sorted_ids_ptr + tl.sum(onehot * rows, axis=1), pairs, mask=valid)
+        next_row += tl.sum(onehot, axis=0)
+
+
+def _moe_align_triton(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, max_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    num_tiles = max_rows // block_m
+    expert_ids = torch.empty((num_tiles,), dtype=torch.int32, device=device)
+    num_rows_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, expert_ids, num_rows_padded, num_pairs, num_experts, num_tiles,
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_P=min(128, triton.next_power_of_2(num_pairs)),
+        BLOCK_T=min(256, triton.next_power_of_2(num_tiles)),
+        num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_rows_padded
 
 
 @triton.jit

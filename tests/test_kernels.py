@@ -32,8 +32,7 @@ from kernels.rope import apply_rope_torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention  # noqa: E402
-from kernels.triton_moe import moe_align_block_size  # noqa: E402
+from kernels import triton_attention, triton_moe  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -317,17 +316,27 @@ def test_fused_moe(tokens: int, top_k: int, dtype: torch.dtype) -> None:
     assert out.dtype == dtype
 
 
-def test_moe_align_block_size() -> None:
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m"), [(4, 2, 6, 4), (37, 4, 16, 16), (300, 5, 64, 16)]
+)
+def test_moe_align_block_size(tokens: int, top_k: int, experts: int, block_m: int) -> None:
+    """Both alignment paths (single-program Triton, vectorised torch) give the same valid layout."""
     torch.manual_seed(11)
-    ids = torch.tensor([[3, 1], [3, 0], [1, 3], [3, 2]], device=DEVICE)
-    sorted_ids, expert_ids, used = moe_align_block_size(ids, 4, 6)
+    used = torch.randperm(experts, device=DEVICE)[: max(top_k, experts // 2)]  # some experts get nothing
+    ids = torch.stack([used[torch.randperm(used.numel(), device=DEVICE)[:top_k]] for _ in range(tokens)])
     pairs = ids.numel()
-    assert int(used) == 4 * 4  # experts 0, 1, 2, 3 non-empty; one tile each
-    assert sorted_ids.shape[0] % 4 == 0 and sorted_ids.shape[0] >= int(used)
+    max_rows = triton.cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m) * block_m
+    got = triton_moe._moe_align_triton(ids, block_m, experts, max_rows)
+    want = triton_moe._moe_align_torch(ids, block_m, experts, max_rows)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    sorted_ids, expert_ids, num_rows = got
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert int(num_rows) == int(((counts + block_m - 1) // block_m * block_m).sum())
     flat = ids.reshape(-1)
-    seen = []
-    for tile in range(int(used) // 4):
-        rows = sorted_ids[tile * 4 : tile * 4 + 4]
+    seen: list[int] = []
+    for tile in range(int(num_rows) // block_m):
+        rows = sorted_ids[tile * block_m : (tile + 1) * block_m]
         real = rows[rows < pairs]
         assert (flat[real.long()] == expert_ids[tile]).all()
         seen += real.tolist()

@@ -1,0 +1,446 @@
+"""Kernel benchmark: each Triton op at real shapes against its PyTorch reference and the HBM roofline.
+
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py [--sweep] [--quick]
+
+Measures the device-to-device copy bandwidth first (bytes read + bytes written per second), then times
+each case: the Triton op by replaying a CUDA graph of several calls (it never synchronises with the host,
+so it can be captured; this is how the engine's decode step runs it), the PyTorch reference with
+``triton.testing.do_bench`` (median; the references call ``.tolist()`` and cannot be captured). Inputs
+rotate among several sets so that small cases are not served from the 60 MB L2. "bytes" is the least
+traffic the op must make (each input read once, each output written once); GB/s = bytes / Triton time,
+and "% copy" compares that with the measured copy bandwidth. ``--sweep`` also times tile-config variants
+of decode attention, extend attention and the MoE GEMM. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+
+from kernels import triton_attention, triton_moe  # noqa: E402
+from kernels.ops import TORCH_OPS  # noqa: E402
+from kernels.triton_ops import TRITON_OPS  # noqa: E402
+
+DTYPE = torch.bfloat16
+ROTATION_BYTES = 512 << 20  # rotate inputs until one graph touches at least this much memory
+MAX_ROTATIONS = 32
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    triton_us: float
+    torch_us: float | None
+    bytes_moved: float
+    flops: float = 0.0
+    spread: float = 0.0
+    note: str = ""
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB: (read + write) bytes per second, median of 20."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def time_graph(calls: list[Callable[[], object]], replays: int = 15) -> tuple[float, float]:
+    """Median microseconds per call of a CUDA graph that runs every call once; and the relative spread."""
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    med = statistics.median(times)
+    return med, (max(times) - min(times)) / med
+
+
+def time_eager(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=20, rep=150, return_mode="median") * 1e3
+
+
+def rotations(bytes_per_call: float) -> int:
+    return max(1, min(MAX_ROTATIONS, int(ROTATION_BYTES // max(1.0, bytes_per_call))))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases
+
+
+def decode_attention_case(batch: int, context: int, reference: bool = True) -> Row:
+    """Llama-3-8B layout: 32 query heads, 8 KV heads, head_dim 128, block 16; every sequence at `context`."""
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    blocks_per_seq = triton.cdiv(context, block)
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2  # K and V, bf16
+    qo_bytes = 2 * batch * heads * head_dim * 2
+    rot = rotations(kv_bytes)
+    pool = torch.randn(
+        rot * batch * blocks_per_seq, 2, 2, block, kv_heads, head_dim, device="cuda", dtype=DTYPE
+    )
+    perm = torch.randperm(pool.shape[0], device="cuda").to(torch.int32)
+    tables = [
+        perm[i * batch * blocks_per_seq : (i + 1) * batch * blocks_per_seq].view(batch, -1)
+        for i in range(rot)
+    ]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    qs = [torch.randn(batch, heads, head_dim, device="cuda", dtype=DTYPE) for _ in range(rot)]
+    scale = head_dim**-0.5
+
+    def call(i: int) -> Callable[[], object]:
+        return lambda: TRITON_OPS.paged_attention(
+            qs[i], pool, 1, tables[i], seq_lens, qsl, scale, max_seq_len=context
+        )
+
+    t, spread = time_graph([call(i) for i in range(rot)])
+    ref = (
+        time_eager(lambda: TORCH_OPS.paged_attention(qs[0], pool, 1, tables[0], seq_lens, qsl, scale))
+        if reference
+        else None
+    )
+    splits = triton_attention.num_kv_splits(batch, kv_heads, context, qs[0].device)
+    return Row(
+        "decode attention",
+        f"bs {batch}, ctx {context}",
+        t,
+        ref,
+        kv_bytes + qo_bytes,
+        spread=spread,
+        note=f"{splits} splits",
+    )
+
+
+def extend_attention_case(num_seqs: int, q_len: int, prefix: int) -> Row:
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    ctx = prefix + q_len
+    blocks_per_seq = triton.cdiv(ctx, block)
+    pool = torch.randn(num_seqs * blocks_per_seq, 2, 2, block, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+    table = torch.randperm(pool.shape[0], device="cuda").to(torch.int32).view(num_seqs, -1)
+    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
+    q = torch.randn(num_seqs * q_len, heads, head_dim, device="cuda", dtype=DTYPE)
+    scale = head_dim**-0.5
+    # Causal FLOPs: QK^T and PV, 2 FLOPs per multiply-add, over the keys each query sees.
+    keys_seen = num_seqs * (q_len * prefix + q_len * (q_len + 1) / 2)
+    flops = 4 * heads * head_dim * keys_seen
+    moved = num_seqs * ctx * kv_heads * head_dim * 4 + 2 * q.numel() * 2
+    t, spread = time_graph([lambda: TRITON_OPS.paged_attention(q, pool, 1, table, seq_lens, qsl, scale)])
+    ref = time_eager(lambda: TORCH_OPS.paged_attention(q, pool, 1, table, seq_lens, qsl, scale))
+    return Row(
+        "extend attention", f"{num_seqs} x {q_len} new on {prefix} cached", t, ref, moved, flops, spread
+    )
+
+
+def moe_case(tokens: int, reference: bool = True) -> Row:
+    """Qwen3-30B-A3B: hidden 2048, expert intermediate 768, 128 experts, top-8."""
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) * inter**-0.5
+    expert_bytes = 3 * hidden * inter * 2
+    per_call_guess = min(experts, tokens * top_k) * expert_bytes
+    rot = min(8, rotations(per_call_guess))
+    xs = [torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(rot)]
+    ids = [torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices for _ in range(rot)]
+    weights = [torch.rand(tokens, top_k, device="cuda").softmax(-1) for _ in range(rot)]
+    touched = statistics.mean(len(torch.unique(i)) for i in ids)
+    moved = touched * expert_bytes + 2 * tokens * hidden * 2 + tokens * top_k * 12
+
+    def call(i: int) -> Callable[[], object]:
+        return lambda: TRITON_OPS.fused_moe(xs[i], w13, w2, weights[i], ids[i])
+
+    t, spread = time_graph([call(i) for i in range(rot)])
+    ref = time_eager(lambda: TORCH_OPS.fused_moe(xs[0], w13, w2, weights[0], ids[0])) if reference else None
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    cfg = triton_moe.moe_tile_config(tokens * top_k, experts, xs[0].device)
+    return Row(
+        "fused MoE",
+        f"{tokens} tokens",
+        t,
+        ref,
+        moved,
+        flops,
+        spread,
+        note=f"{touched:.0f} experts, BM {cfg.block_m}",
+    )
+
+
+def moe_align_case(tokens: int) -> Row:
+    """The alignment step alone: the single-program Triton kernel ("triton") against the torch path."""
+    experts, top_k = 128, 8
+    ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
+    cfg = triton_moe.moe_tile_config(tokens * top_k, experts, ids.device)
+    pairs = tokens * top_k
+    max_rows = triton.cdiv(pairs + min(experts, pairs) * (cfg.block_m - 1), cfg.block_m) * cfg.block_m
+    t, spread = time_graph([lambda: triton_moe._moe_align_triton(ids, cfg.block_m, experts, max_rows)])
+    ref, _ = time_graph([lambda: triton_moe._moe_align_torch(ids, cfg.block_m, experts, max_rows)])
+    used = "triton" if pairs <= triton_moe.ALIGN_KERNEL_MAX_PAIRS else "torch"
+    return Row("MoE align", f"{tokens} tokens", t, ref, pairs * 12, spread=spread, note=f"{used} path in use")
+
+
+def rotated_case(
+    kernel: str,
+    shape: str,
+    bytes_moved: float,
+    make: Callable[[], tuple],
+    triton_fn: Callable,
+    torch_fn: Callable,
+    torch_in_graph: bool = True,
+) -> Row:
+    """Both versions as CUDA-graph replays over rotated inputs (the reference eagerly if it syncs)."""
+    rot = rotations(bytes_moved)
+    sets = [make() for _ in range(rot)]
+    t, spread = time_graph([(lambda s=s: triton_fn(*s)) for s in sets])
+    if torch_in_graph:
+        ref, _ = time_graph([(lambda s=s: torch_fn(*s)) for s in sets])
+    else:
+        ref = time_eager(lambda: torch_fn(*sets[0]))
+    return Row(kernel, shape, t, ref, bytes_moved, spread=spread)
+
+
+def rms_norm_cases(tokens: int, hidden: int = 4096) -> list[Row]:
+    n = tokens * hidden * 2
+    w = torch.randn(hidden, device="cuda", dtype=DTYPE)
+
+    def make() -> tuple:
+        return tuple(torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2))
+
+    return [
+        rotated_case(
+            "RMSNorm",
+            f"{tokens} x {hidden}",
+            2 * n,
+            make,
+            lambda x, _r: TRITON_OPS.rms_norm(x, w, 1e-5),
+            lambda x, _r: TORCH_OPS.rms_norm(x, w, 1e-5),
+        ),
+        rotated_case(
+            "add + RMSNorm",
+            f"{tokens} x {hidden}",
+            4 * n,
+            make,
+            lambda x, r: TRITON_OPS.fused_add_rms_norm(x, r, w, 1e-5),
+            lambda x, r: TORCH_OPS.fused_add_rms_norm(x, r, w, 1e-5),
+        ),
+    ]
+
+
+def write_kv_case(tokens: int) -> Row:
+    kv_heads, head_dim, block = 8, 128, 16
+    num_blocks = max(64, 4 * triton.cdiv(tokens, block))
+    pool = torch.randn(num_blocks, 2, 2, block, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+
+    def make() -> tuple:
+        k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+        slots = torch.randperm(num_blocks * block, device="cuda")[:tokens]
+        return k, torch.randn_like(k), slots
+
+    moved = 4 * tokens * kv_heads * head_dim * 2 + tokens * 8
+    return rotated_case(
+        "KV write",
+        f"{tokens} tokens",
+        moved,
+        make,
+        lambda k, v, s: TRITON_OPS.write_kv(pool, 1, k, v, s),
+        lambda k, v, s: TORCH_OPS.write_kv(pool, 1, k, v, s),
+        torch_in_graph=False,  # write_kv_torch checks for padding slots on the host
+    )
+
+
+def rope_case(tokens: int) -> Row:
+    cache = torch.randn(8192, 128, device="cuda")
+
+    def make() -> tuple:
+        q = torch.randn(tokens, 32, 128, device="cuda", dtype=DTYPE)
+        return (
+            q,
+            torch.randn(tokens, 8, 128, device="cuda", dtype=DTYPE),
+            torch.randint(0, 8192, (tokens,), device="cuda"),
+        )
+
+    moved = 2 * tokens * 40 * 128 * 2 + tokens * 128 * 4
+    return rotated_case(
+        "RoPE",
+        f"{tokens} tok, 32/8 heads",
+        moved,
+        make,
+        lambda q, k, p: TRITON_OPS.apply_rope(q, k, p, cache),
+        lambda q, k, p: TORCH_OPS.apply_rope(q, k, p, cache),
+    )
+
+
+def silu_case(tokens: int, inter: int = 14336) -> Row:
+    def make() -> tuple:
+        return (torch.randn(tokens, 2 * inter, device="cuda", dtype=DTYPE),)
+
+    return rotated_case(
+        "SiLU-and-mul",
+        f"{tokens} x {inter}",
+        3 * tokens * inter * 2,
+        make,
+        TRITON_OPS.silu_and_mul,
+        TORCH_OPS.silu_and_mul,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output
+
+
+def print_table(rows: list[Row], copy_bw: float) -> None:
+    header = (
+        f"| {'kernel':<17} | {'shape':<28} | {'triton us':>9} | {'torch us':>9} | {'speedup':>7} | "
+        f"{'MB moved':>8} | {'GB/s':>6} | {'% copy':>6} | {'TFLOP/s':>7} | {'spread':>6} | note"
+    )
+    print(header)
+    print("|" + "---|" * header.count("|"))
+    for r in rows:
+        gbs = r.bytes_moved / (r.triton_us * 1e-6) / 1e9
+        ref = f"{r.torch_us:9.1f}" if r.torch_us is not None else f"{'-':>9}"
+        speed = f"{r.torch_us / r.triton_us:6.1f}x" if r.torch_us is not None else f"{'-':>7}"
+        tflops = f"{r.flops / (r.triton_us * 1e-6) / 1e12:7.1f}" if r.flops else f"{'-':>7}"
+        print(
+            f"| {r.kernel:<17} | {r.shape:<28} | {r.triton_us:9.1f} | {ref} | {speed} | "
+            f"{r.bytes_moved / 1e6:8.1f} | {gbs:6.0f} | {100 * gbs * 1e9 / copy_bw:5.1f}% | {tflops} | "
+            f"{100 * r.spread:5.1f}% | {r.note}"
+        )
+    sys.stdout.flush()
+
+
+def sweep() -> None:
+    print("\n## sweep: decode attention (DecodeConfig)")
+    base_d = triton_attention.DECODE_CONFIG
+    variants = [
+        dataclasses.replace(base_d, block_n=bn, num_warps=w, num_stages=s)
+        for bn, w, s in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
+    ]
+    variants += [dataclasses.replace(base_d, min_tokens_per_split=m) for m in (128, 512)]
+    for cfg in variants:
+        triton_attention.DECODE_CONFIG = cfg
+        rows = [decode_attention_case(b, c, reference=False) for b, c in ((1, 4096), (64, 4096), (256, 512))]
+        print(
+            cfg,
+            " | ".join(
+                f"{r.shape}: {r.triton_us:.1f} us {r.bytes_moved / r.triton_us / 1e3:.0f} GB/s ({r.note})"
+                for r in rows
+            ),
+        )
+        sys.stdout.flush()
+    triton_attention.DECODE_CONFIG = base_d
+
+    print("\n## sweep: extend attention (ExtendConfig)")
+    base_e = triton_attention.EXTEND_CONFIG
+    for bm, bn, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 2)]:
+        cfg = dataclasses.replace(base_e, block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        triton_attention.EXTEND_CONFIG = cfg
+        r = extend_attention_case(4, 2048, 2048)
+        print(cfg, f"{r.triton_us:.1f} us {r.flops / r.triton_us / 1e6:.1f} TFLOP/s")
+        sys.stdout.flush()
+    triton_attention.EXTEND_CONFIG = base_e
+
+    print("\n## sweep: MoE grouped GEMM (MoeTileConfig)")
+    base_m = triton_moe.moe_tile_config
+    configs = [
+        triton_moe.MoeTileConfig(16, 64, 128, 1, 4, 4),
+        triton_moe.MoeTileConfig(16, 128, 128, 1, 4, 3),
+        triton_moe.MoeTileConfig(16, 64, 256, 1, 4, 3),
+        triton_moe.MoeTileConfig(32, 64, 128, 8, 4, 4),
+        triton_moe.MoeTileConfig(64, 128, 64, 8, 4, 3),
+        triton_moe.MoeTileConfig(64, 128, 64, 8, 8, 4),
+        triton_moe.MoeTileConfig(128, 128, 64, 8, 8, 3),
+    ]
+    for cfg in configs:
+        triton_moe.moe_tile_config = lambda *_a, cfg=cfg: cfg
+        rows = [moe_case(t, reference=False) for t in (1, 64, 256)]
+        print(
+            cfg,
+            " | ".join(
+                f"{r.shape}: {r.triton_us:.1f} us {r.bytes_moved / r.triton_us / 1e3:.0f} GB/s" for r in rows
+            ),
+        )
+        sys.stdout.flush()
+    triton_moe.moe_tile_config = base_m
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", action="store_true", help="also time tile-config variants")
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    args = parser.parse_args()
+    failed = False
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth()
+    print(
+        f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
+    )
+    print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
+    batches = (1, 16, 64, 256) if not args.quick else (1, 64)
+    cases: list[Callable[[], Row | list[Row]]] = [
+        *(lambda b=b, c=c: decode_attention_case(b, c) for c in (512, 4096) for b in batches),
+        lambda: extend_attention_case(4, 2048, 2048),
+        lambda: extend_attention_case(1, 4096, 0),
+        *(lambda t=t: moe_case(t) for t in ((1, 16, 64, 256) if not args.quick else (1, 256))),
+        *(lambda t=t: moe_align_case(t) for t in (1, 16, 64, 128, 256)),
+        lambda: rms_norm_cases(256),
+        lambda: rms_norm_cases(8192),
+        lambda: write_kv_case(256),
+        lambda: write_kv_case(8192),
+        lambda: rope_case(8192),
+        lambda: silu_case(4096),
+    ]
+    rows: list[Row] = []
+    for case in cases:
+        try:
+            got = case()
+        except Exception as exc:  # a benchmark keeps going; the failure is printed and the run exits non-zero
+            print(f"CASE FAILED: {type(exc).__name__}: {exc}", flush=True)
+            failed = True
+            continue
+        for row in got if isinstance(got, list) else [got]:
+            rows.append(row)
+            print(f"{row.kernel}, {row.shape}: {row.triton_us:.1f} us (torch {row.torch_us})", flush=True)
+        torch.cuda.empty_cache()
+    print()
+    print_table(rows, copy_bw)
+    if args.sweep:
+        sweep()
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
