@@ -260,6 +260,8 @@ class LLMEngine:
         reason, stop_reason = self._check_stop(seq, token)
         if reason is None and seq.hold_kv:
             reason = PREFILL_DONE
+        elif reason is not None:
+            seq.hold_kv = False  # really finished: nothing to hand over, free the blocks now
         if reason is not None:
             seq.stop_reason = stop_reason
             if seq.status is not SequenceStatus.FINISHED:
