@@ -12,7 +12,6 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from grpc_tools import protoc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = Path("protos") / "pdmesh" / "v1"
@@ -31,6 +30,10 @@ def generated_files(root: Path) -> list[Path]:
 
 def generate(out_dir: Path | str) -> list[Path]:
     """Compile every proto into ``out_dir`` (mirroring ``protos/pdmesh/v1``); return the files written."""
+    # Imported here: grpc_tools' compiler extension must not load into a process that also loaded NIXL's
+    # bundled protobuf/abseil (it crashes); the drift test therefore runs generation in a subprocess.
+    from grpc_tools import protoc
+
     out = Path(out_dir)
     (out / PROTO_DIR).mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
@@ -49,9 +52,10 @@ def generate(out_dir: Path | str) -> list[Path]:
 
 
 def main() -> None:
-    written = generate(REPO_ROOT)
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO_ROOT
+    written = generate(out)
     for path in written:
-        print(path.relative_to(REPO_ROOT))
+        print(path.relative_to(out))
     sys.exit(0)
 
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mesh import kv_events
-from protos.generate import REPO_ROOT, generate, generated_files, proto_files
+from protos.generate import REPO_ROOT, generated_files, proto_files
 from protos.pdmesh.v1 import common_pb2, eplb_pb2, kvstore_pb2, router_pb2, worker_pb2
 
 
 def test_generated_code_has_not_drifted(tmp_path: Path) -> None:
-    fresh = generate(tmp_path)
+    # In a subprocess: grpc_tools' compiler must not share a process with NIXL's libraries (see generate.py).
+    subprocess.run([sys.executable, "-m", "protos.generate", str(tmp_path)], cwd=REPO_ROOT, check=True,
+                   capture_output=True)
+    fresh = generated_files(tmp_path)
     committed = generated_files(REPO_ROOT)
     rel = lambda paths, root: sorted(p.relative_to(root) for p in paths)  # noqa: E731
     assert rel(fresh, tmp_path) == rel(committed, REPO_ROOT), "run `python -m protos.generate` and commit"
