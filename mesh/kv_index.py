@@ -18,16 +18,17 @@ docs/routing.md, "KV index costs":
 
 - ``InProcessKVIndex``: ``dict[hash, [gpu, cpu, disk] slot bitsets (Python ints)]`` and
   ``dict[worker, set[hash]]``. ``apply``: O(blocks), ~155k blocks/s. ``lookup`` of N blocks: O(N) up to
-  the first block no worker holds; 512-block prompts, realistic overlap: ~0.12 ms p50; all 64 workers
-  holding all 512 blocks: ~0.16 ms. Memory: ~180 B per block with one holder, +~40 B per further holder.
+  the first block no worker holds; 512-block prompts, realistic overlap: ~0.14 ms p50; all 64 workers
+  holding all 512 blocks: ~0.16 ms. Memory: ~180 B per block with one holder, +~40 B per further
+  holder. ``apply_sync``/``lookup_sync`` are the same without a coroutine.
 - ``RedisKVIndex``: ``<prefix>:<fp>:blk:<hash hex>`` is a string bitmap (SETBIT offset
   ``(slot // 32) * 96 + tier * 32 + slot % 32``: 12 bytes per 32 slots), ``<prefix>:<fp>:wblk:<worker>`` a
   set of the worker's hashes, ``kvslot`` / ``kvslotworker`` / ``kvslotnext`` / ``kvslotfree`` the slot
   table. A lookup is one EVALSHA (one round trip) whose Lua walks the chain with MGETs of growing size
-  (16, 32, 64, ... blocks) and stops at the first block no worker still matching holds; Redis time per
-  512-block lookup ~0.45 ms mean with realistic overlap (~0.05 ms fixed for the 512 declared keys, then
+  (16, 32, 64, ... blocks) and stops at the first block no worker still matching holds. Redis time per
+  512-block lookup: ~0.45 ms mean with realistic overlap (~0.05 ms fixed for the 512 declared keys, then
   ~0.6-1 us per matched block), ~0.4 ms in the all-64-workers worst case; ~0.9 ms wall p50 from redis-py.
-  A batch of events is one pipeline of EVALSHAs (512 blocks per script call), ~110-140k blocks/s.
+  A batch of events is one pipeline of EVALSHAs (512 blocks per script call), ~100-140k blocks/s.
   Memory (46-character fingerprint): ~220 B per block with one holder, +~70 B per further holder.
 
 A lookup raises ``redis.RedisError`` when Redis is unreachable; the router then routes by load alone.

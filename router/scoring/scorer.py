@@ -41,10 +41,10 @@ class RoutingRequest:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """A worker's load, as it last reported it."""
+    """A worker's load, as it last reported it (the fields of ``pdmesh.v1.WorkerStats``)."""
 
-    queued_tokens: int = 0  # prompt tokens waiting to be scheduled
-    running_tokens: int = 0  # tokens of requests in the running batch still to compute
+    queued_tokens: int = 0  # prompt tokens of waiting requests still to be computed
+    running_tokens: int = 0  # tokens held by running requests (prompt + generated so far)
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0  # share of the KV pool in use, 0..1
