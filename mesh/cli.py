@@ -1,0 +1,274 @@
+"""The ``pdmesh`` command: ``up`` (a whole mesh on this machine), ``serve`` (one service), ``demo`` (a mesh
+answering one request), ``bench`` (drive a running mesh).
+
+Services are started by module name in their own processes (``python -m prefill_svc ...``); this
+module never imports a service package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVICES = {"router": "router", "prefill": "prefill_svc", "decode": "decode_svc", "eplb": "eplb_svc",
+            "kvstore": "kvstore_svc"}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    lines: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, env: dict[str, str], echo: bool) -> None:
+        self.proc = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        threading.Thread(target=self._pump, args=(echo,), daemon=True).start()
+
+    def _pump(self, echo: bool) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if " ready:" in line or "listening" in line:
+                self.ready.set()
+            if echo:
+                print(f"[{self.name}] {line}", flush=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class Mesh:
+    """A router, prefill and decode workers on loopback, each its own process."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.host = args.host
+        self.children: list[Child] = []
+        self.prefill_addrs: list[str] = []
+        self.decode_addrs: list[str] = []
+        self.grpc_port = args.port or free_port(self.host)
+        self.http_port = args.http_port or free_port(self.host)
+
+    def _worker_argv(self, module: str, port: int) -> list[str]:
+        a = self.args
+        argv = [sys.executable, "-m", module, "--host", self.host, "--port", str(port), "--model", a.model,
+                "--device", a.device, "--dtype", a.dtype, "--block-size", str(a.block_size),
+                "--metrics-port", "0", "--kv-transfer", a.kv_transfer]
+        if a.num_kv_blocks:
+            argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
+        if a.redis_url:
+            argv += ["--redis-url", a.redis_url]
+        if a.max_model_len:
+            argv += ["--max-model-len", str(a.max_model_len)]
+        return argv + a.worker_arg
+
+    def start(self, echo: bool = True, timeout: float = 120.0) -> None:
+        env = dict(os.environ)
+        env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        a = self.args
+        for role, count, addrs in (("prefill", a.num_prefill, self.prefill_addrs),
+                                   ("decode", a.num_decode, self.decode_addrs)):
+            for i in range(count):
+                port = free_port(self.host)
+                addrs.append(f"{self.host}:{port}")
+                self.children.append(Child(f"{role}-{i}", self._worker_argv(SERVICES[role], port)))
+        router_argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.grpc_port),
+                       "--http-port", str(self.http_port), "--model", a.model, "--routing", a.routing]
+        if self.prefill_addrs:
+            router_argv += ["--prefill-workers", *self.prefill_addrs]
+        router_argv += ["--decode-workers", *self.decode_addrs]
+        if a.redis_url:
+            router_argv += ["--redis-url", a.redis_url]
+        router_argv += a.router_arg
+        for child in self.children:
+            child.start(env, echo)
+        self._wait_ready(self.children, timeout)
+        router = Child("router", router_argv)
+        self.children.append(router)
+        router.start(env, echo)
+        self._wait_http(timeout)
+
+    def _wait_ready(self, children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for child in children:
+            while not child.ready.wait(0.1):
+                if not child.alive:
+                    raise RuntimeError(f"{child.name} exited during start-up:\n" + "\n".join(child.lines[-30:]))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} not ready after {timeout}s")
+
+    def _wait_http(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.host}:{self.http_port}/health"
+        router = self.children[-1]
+        while time.monotonic() < deadline:
+            if not router.alive:
+                raise RuntimeError("router exited during start-up:\n" + "\n".join(router.lines[-30:]))
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"router HTTP not healthy at {url} after {timeout}s")
+
+    def endpoints(self) -> str:
+        lines = [f"  router gRPC   {self.host}:{self.grpc_port}   (pdmesh.v1.Router)",
+                 f"  OpenAI HTTP   http://{self.host}:{self.http_port}/v1   (/metrics on the same port)"]
+        lines += [f"  prefill       {addr}" for addr in self.prefill_addrs]
+        lines += [f"  decode        {addr}" for addr in self.decode_addrs]
+        return "\n".join(lines)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for child in reversed(self.children):  # router first: no new work reaches the workers
+            child.terminate()
+            if child.name == "router":
+                child.wait(timeout)
+        for child in self.children:
+            child.wait(timeout)
+
+
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--model", default=env("PDMESH_MODEL", "tiny-dense"),
+                   help="built-in model (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory [PDMESH_MODEL]")
+    p.add_argument("--device", default=env("PDMESH_DEVICE", "cpu"), choices=("cpu", "cuda"), help="[PDMESH_DEVICE]")
+    p.add_argument("--dtype", default=env("PDMESH_DTYPE", "float32"), choices=("float32", "bfloat16", "float16"),
+                   help="[PDMESH_DTYPE]")
+    p.add_argument("--block-size", type=int, default=int(env("PDMESH_BLOCK_SIZE", "16")), help="[PDMESH_BLOCK_SIZE]")
+    p.add_argument("--num-kv-blocks", type=int, default=int(env("PDMESH_NUM_KV_BLOCKS", "2048")),
+                   help="KV pool size per worker [PDMESH_NUM_KV_BLOCKS]")
+    p.add_argument("--max-model-len", type=int, default=None, help="[PDMESH_MAX_MODEL_LEN]")
+    p.add_argument("--num-prefill", type=int, default=int(env("PDMESH_NUM_PREFILL", "1")), help="[PDMESH_NUM_PREFILL]")
+    p.add_argument("--num-decode", type=int, default=int(env("PDMESH_NUM_DECODE", "1")), help="[PDMESH_NUM_DECODE]")
+    p.add_argument("--host", default=env("PDMESH_HOST", "127.0.0.1"), help="[PDMESH_HOST]")
+    p.add_argument("--port", type=int, default=int(env("PDMESH_PORT", "0")), help="router gRPC port [PDMESH_PORT]")
+    p.add_argument("--http-port", type=int, default=int(env("PDMESH_HTTP_PORT", "8000")),
+                   help="OpenAI-compatible HTTP port [PDMESH_HTTP_PORT]")
+    p.add_argument("--routing", default=env("PDMESH_ROUTING", "prefix"), choices=("prefix", "round_robin", "random"),
+                   help="[PDMESH_ROUTING]")
+    p.add_argument("--redis-url", default=env("PDMESH_REDIS_URL"), help="registry and KV index [PDMESH_REDIS_URL]")
+    p.add_argument("--kv-transfer", default=env("PDMESH_KV_TRANSFER", "nixl"), choices=("nixl", "local"),
+                   help="[PDMESH_KV_TRANSFER]")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag passed to the router")
+    p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    mesh = Mesh(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        mesh.start(echo=not args.quiet)
+        print(f"pdmesh mesh is up (model {args.model}):\n{mesh.endpoints()}\nCtrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            dead = [c.name for c in mesh.children if not c.alive]
+            if dead:
+                print(f"pdmesh: {', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        print("pdmesh: stopping (draining)...", flush=True)
+        mesh.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Start a mesh, send one chat request through the OpenAI-compatible API, print the answer, stop."""
+    args.http_port = args.http_port if args.http_port != 8000 else 0
+    mesh = Mesh(args)
+    try:
+        mesh.start(echo=False)
+        print(f"mesh up:\n{mesh.endpoints()}", flush=True)
+        body = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}],
+                "max_tokens": args.max_tokens, "temperature": 0.0}
+        req = urllib.request.Request(f"http://{args.host}:{mesh.http_port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        started = time.monotonic()
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        elapsed = time.monotonic() - started
+        print(f"request: {args.prompt!r}")
+        print(f"answer:  {answer['choices'][0]['message']['content']!r}")
+        print(f"usage:   {answer['usage']}  ({elapsed * 1000:.0f} ms, prefill on one worker, decode on another, "
+              "KV over NIXL)")
+        return 0
+    finally:
+        mesh.stop()
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    module = SERVICES[args.service]
+    return subprocess.call([sys.executable, "-m", module, *rest])
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    return subprocess.call([sys.executable, str(REPO / "benchmarks" / "serving_bench.py"), *rest])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdmesh", description="LLM serving as a mesh of gRPC services.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a whole mesh on this machine (one process per service)")
+    _add_mesh_args(up)
+    demo = sub.add_parser("demo", help="start a mesh, answer one request through the OpenAI API, stop")
+    _add_mesh_args(demo)
+    demo.add_argument("--prompt", default="Hello from pdmesh! What is disaggregated serving?")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    serve = sub.add_parser("serve", help="start one service; other flags go to it (see --help of each)",
+                           add_help=False)
+    serve.add_argument("service", choices=sorted(SERVICES))
+    sub.add_parser("bench", help="drive a running mesh (benchmarks/serving_bench.py)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        sys.exit(cmd_serve(args, rest))
+    if args.command == "bench":
+        sys.exit(cmd_bench(args, rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    sys.exit(cmd_up(args) if args.command == "up" else cmd_demo(args))
+
+
+if __name__ == "__main__":
+    main()
