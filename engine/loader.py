@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from engine.moe.dispatch import TokenDispatcher
 from engine.tiny_models import TINY_MODELS, tiny_model_config
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kernels import Ops
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,10 +76,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model: str, path: Path | None, dtype: str) -> str:
+def model_fingerprint(model: str, path: Path | None, dtype: str, load_format: str = "auto") -> str:
     if path is None:
         return f"{model}-v1:{dtype}"
     h = hashlib.sha256((path / "config.json").read_bytes())
+    if load_format == "dummy":
+        return f"{path.name}:{h.hexdigest()[:16]}:dummy:{dtype}"
     for f in safetensors_files(path):
         h.update(f.name.encode())
         h.update(str(f.stat().st_size).encode())
@@ -97,10 +102,18 @@ def load_model(model: str, dtype: str, device: torch.device, ops: Ops, max_posit
             _init_dummy(net, seed)
         else:
             _load_safetensors(net, cfg, path, dispatcher)
-        tokenizer = HFTokenizer(path, cfg.eos_token_ids, cfg.vocab_size)
+        tokenizer = _checkpoint_tokenizer(path, cfg, load_format)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
-    return LoadedModel(cfg, net, tokenizer, model_fingerprint(model, path, dtype))
+    return LoadedModel(cfg, net, tokenizer, model_fingerprint(model, path, dtype, load_format))
+
+
+def _checkpoint_tokenizer(path: Path, cfg: ModelConfig, load_format: str) -> Tokenizer:
+    if load_format == "dummy" and not (path / "tokenizer.json").exists():
+        # Dummy weights are for benchmarks driven by token ids; a byte tokenizer stands in.
+        log.warning("%s has no tokenizer.json; load_format=dummy uses a byte tokenizer", path)
+        return ByteTokenizer(cfg.vocab_size)
+    return HFTokenizer(path, cfg.eos_token_ids, cfg.vocab_size)
 
 
 def _norm_params(net: DecoderModel) -> set[str]:
@@ -269,8 +282,8 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
 def load_tokenizer(model: str) -> tuple[Tokenizer, ModelConfig, str]:
     """Tokenizer, model config and the model's name as served, without loading any weights (router side)."""
     cfg, path = resolve_model_config(model)
-    tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size) if path is None else HFTokenizer(
-        path, cfg.eos_token_ids, cfg.vocab_size)
+    tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size) if path is None else _checkpoint_tokenizer(
+        path, cfg, "dummy" if not (path / "tokenizer.json").exists() else "auto")
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
     return tokenizer, cfg, (model if path is None else path.name)
