@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -203,14 +203,15 @@ class RedisRegistry:
         self._fingerprint_of[info.worker_id] = fp
 
     async def _fingerprint(self, worker_id: str) -> str | None:
-        """The worker's model: remembered from register or list_workers, else looked up in every model."""
+        """The worker's model: remembered from register or list_workers, else the model under which it
+        has a live registration."""
         fp = self._fingerprint_of.get(worker_id)
         if fp is not None:
             return fp
         models = sorted(_text(m) for m in await self._redis.smembers(self._models_key))
         async with self._redis.pipeline(transaction=False) as pipe:
             for m in models:
-                pipe.sismember(self.workers_key(m), worker_id)
+                pipe.exists(self.worker_key(m, worker_id))  # the sets may still list expired ids
             found = await pipe.execute()
         for m, hit in zip(models, found, strict=True):
             if hit:
@@ -218,43 +219,60 @@ class RedisRegistry:
                 return m
         return None
 
-    async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+    async def _on_worker(self, worker_id: str, action: Callable[[str], Awaitable[bool]]) -> bool:
+        """Run ``action(model fingerprint)`` for the worker. When it finds nothing under a remembered
+        model, the worker may have re-registered under another one (through another process): look it
+        up afresh and try once more."""
+        cached = worker_id in self._fingerprint_of
         fp = await self._fingerprint(worker_id)
         if fp is None:
             return False
-        keys = [self.worker_key(fp, worker_id), self.workers_key(fp)]
-        return bool(await self._heartbeat(keys=keys, args=[_ttl_ms(ttl_s), worker_id]))
+        if await action(fp):
+            return True
+        if not cached:
+            return False
+        self._fingerprint_of.pop(worker_id, None)
+        fresh = await self._fingerprint(worker_id)
+        return fresh is not None and fresh != fp and await action(fresh)
+
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+        async def renew(fp: str) -> bool:
+            keys = [self.worker_key(fp, worker_id), self.workers_key(fp)]
+            return bool(await self._heartbeat(keys=keys, args=[_ttl_ms(ttl_s), worker_id]))
+
+        return await self._on_worker(worker_id, renew)
 
     async def deregister(self, worker_id: str) -> None:
-        fp = await self._fingerprint(worker_id)
-        if fp is None:
-            return
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self.worker_key(fp, worker_id))
-            pipe.srem(self.workers_key(fp), worker_id)
-            await pipe.execute()
-        await self._prune(keys=[self.workers_key(fp), self._models_key], args=[fp])
+        async def delete(fp: str) -> bool:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self.worker_key(fp, worker_id))
+                pipe.srem(self.workers_key(fp), worker_id)
+                deleted, _ = await pipe.execute()
+            await self._prune(keys=[self.workers_key(fp), self._models_key], args=[fp])
+            return bool(deleted)
+
+        await self._on_worker(worker_id, delete)
         self._fingerprint_of.pop(worker_id, None)
 
     async def set_draining(self, worker_id: str, draining: bool) -> bool:
-        fp = await self._fingerprint(worker_id)
-        if fp is None:
-            return False
-        key = self.worker_key(fp, worker_id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key)
-                    if raw is None:
-                        return False
-                    info = replace(WorkerInfo.from_json(raw), draining=draining)
-                    pipe.multi()
-                    pipe.set(key, info.to_json(), keepttl=True, xx=True)
-                    await pipe.execute()
-                    return True
-                except WatchError:
-                    continue  # renewed or changed meanwhile: read again
+        async def mark(fp: str) -> bool:
+            key = self.worker_key(fp, worker_id)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        await pipe.watch(key)
+                        raw = await pipe.get(key)
+                        if raw is None:
+                            return False
+                        info = replace(WorkerInfo.from_json(raw), draining=draining)
+                        pipe.multi()
+                        pipe.set(key, info.to_json(), keepttl=True, xx=True)
+                        await pipe.execute()
+                        return True
+                    except WatchError:
+                        continue  # renewed or changed meanwhile: read again
+
+        return await self._on_worker(worker_id, mark)
 
     async def list_workers(
         self, role: str | None = None, model_fingerprint: str | None = None
@@ -314,7 +332,15 @@ class Heartbeater:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self.registry.register(self.info, self.ttl_s)
+        """Register, then renew in the background. A registry that cannot be reached now does not stop
+        the worker: the failure is logged and counted, and the first renewal registers it."""
+        try:
+            await self.registry.register(self.info, self.ttl_s)
+        except (RedisError, OSError) as exc:
+            self.failures += 1
+            log.warning(
+                "registering %s failed (%s); retrying in %.1fs", self.info.worker_id, exc, self.interval_s
+            )
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.info.worker_id}")
 
     async def stop(self, deregister: bool = True) -> None:

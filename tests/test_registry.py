@@ -177,6 +177,30 @@ async def test_heartbeater_survives_registry_errors() -> None:
         assert ids(await reg.list_workers()) == ["p0"]
 
 
+class DownAtStartRegistry(InProcessRegistry):
+    """Unreachable for the first registration, as Redis might be while a worker starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        if self.down:
+            self.down = False
+            raise redis.ConnectionError("Redis is unreachable")
+        await super().register(info, ttl_s)
+
+
+@async_test
+async def test_heartbeater_starts_while_the_registry_is_down() -> None:
+    reg = DownAtStartRegistry()
+    async with Heartbeater(reg, worker("p0"), ttl_s=1.0, interval_s=0.03) as hb:
+        assert hb.failures == 1
+        await asyncio.sleep(0.1)
+        assert ids(await reg.list_workers()) == ["p0"]
+        assert hb.reregistrations >= 1
+
+
 @async_test
 async def test_in_process_expiry_uses_the_injected_clock() -> None:
     now = [100.0]
@@ -222,3 +246,24 @@ async def test_redis_layout_pruning_and_a_second_client() -> None:
         finally:
             await other.aclose()
             await client.aclose()
+
+
+@needs_redis
+@async_test
+async def test_redis_follows_a_worker_that_moved_to_another_model() -> None:
+    """Registry A remembers p0 under fp-a; p0 re-registers under fp-b through registry B."""
+    async with open_registry("redis") as a:
+        assert isinstance(a, RedisRegistry)
+        b = RedisRegistry(REDIS_URL, prefix=a.prefix)
+        try:
+            await a.register(worker("p0", fp="fp-a"), TTL)
+            await b.register(worker("p0", fp="fp-b"), 30)
+            await asyncio.sleep(0.4)  # the fp-a registration has expired
+            assert await a.heartbeat("p0", 30) is True
+            assert await a.set_draining("p0", True) is True
+            (info,) = await b.list_workers()
+            assert (info.model_fingerprint, info.draining) == ("fp-b", True)
+            await a.deregister("p0")
+            assert await b.list_workers() == []
+        finally:
+            await b.aclose()

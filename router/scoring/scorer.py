@@ -30,6 +30,12 @@ class RoutingRequest:
     session_id: str | None = None
     prefix_matches: Mapping[str, PrefixMatch] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.prompt_len_tokens < 0:
+            raise ValueError(f"prompt_len_tokens must be >= 0, got {self.prompt_len_tokens}")
+
     @property
     def num_blocks(self) -> int:
         return len(self.block_hashes)
