@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import sys
 
+from decode_svc.servicer import DecodeServicer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from mesh.config import add_arguments, from_sources
 from mesh.worker_service import WorkerSettings, serve_worker
-from decode_svc.servicer import DecodeServicer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,8 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     engine_cfg = from_sources(EngineConfig, args)
     settings = from_sources(WorkerSettings, args)
     try:
-        asyncio.run(serve_worker("decode", DecodeServicer, settings,
-                                 lambda sink: AsyncEngine(engine_cfg, event_sink=sink)))
+        asyncio.run(
+            serve_worker(
+                "decode", DecodeServicer, settings, lambda sink: AsyncEngine(engine_cfg, event_sink=sink)
+            )
+        )
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -34,12 +34,20 @@ class DecodeServicer(WorkerServicerBase):
         super().__init__(*args, **kwargs)
         self._handshakes: dict[str, asyncio.Lock] = {}
 
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
-                     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def Decode(
+        self,
+        request: worker_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
-        with server_span("Worker/Decode", context.invocation_metadata(),
-                         {"pdmesh.request_id": rid, "pdmesh.worker_id": self.worker_id}) as span, \
-                self.tracking(rid):
+        with (
+            server_span(
+                "Worker/Decode",
+                context.invocation_metadata(),
+                {"pdmesh.request_id": rid, "pdmesh.worker_id": self.worker_id},
+            ) as span,
+            self.tracking(rid),
+        ):
             try:
                 self.check_admission()
                 params = SamplingParams(**sampling_kwargs(request.sampling_params))
@@ -56,29 +64,40 @@ class DecodeServicer(WorkerServicerBase):
                 span.set_attribute("pdmesh.error", message)
                 await context.abort(code, message)
 
-    async def _decode_local(self, rid: str, params: SamplingParams, prompt: list[int],
-                            ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _decode_local(
+        self,
+        rid: str,
+        params: SamplingParams,
+        prompt: list[int],
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         async for resp in self._stream(rid, self.aengine.generate(rid, prompt, params), first_emitted=False):
             yield resp
 
-    async def _decode_imported(self, request: worker_pb2.DecodeRequest, params: SamplingParams,
-                               prompt: list[int]) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _decode_imported(
+        self, request: worker_pb2.DecodeRequest, params: SamplingParams, prompt: list[int]
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
         handle = request.kv_handle
         if not request.HasField("first_token_id"):
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a DecodeRequest with a kv_handle needs first_token_id")
+            raise StatusError(
+                grpc.StatusCode.INVALID_ARGUMENT, "a DecodeRequest with a kv_handle needs first_token_id"
+            )
         if handle.layout_fingerprint != self.engine.layout.fingerprint:
             raise LayoutMismatchError(
                 f"KV layout fingerprint mismatch: prefill worker {handle.worker_id} has {handle.layout_fingerprint}, "
                 f"this decode worker has {self.engine.layout.fingerprint}; both must serve the same model, dtype, "
-                "block size and KV shape")
+                "block size and KV shape"
+            )
         n_blocks = -(-len(prompt) // self.engine.config.block_size)
         if len(handle.block_ids) != n_blocks:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"kv_handle has {len(handle.block_ids)} blocks; a {len(prompt)}-token prompt needs {n_blocks}")
+            raise StatusError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kv_handle has {len(handle.block_ids)} blocks; a {len(prompt)}-token prompt needs {n_blocks}",
+            )
         tracer = get_tracer("pdmesh.decode")
-        with tracer.start_as_current_span("kv_transfer", attributes={"pdmesh.blocks": n_blocks,
-                                                                     "pdmesh.peer": handle.worker_id}):
+        with tracer.start_as_current_span(
+            "kv_transfer", attributes={"pdmesh.blocks": n_blocks, "pdmesh.peer": handle.worker_id}
+        ):
             peer = await self._ensure_peer(handle)
             local = await self.aengine.call(lambda: self.engine.reserve_import(rid, prompt, params))
             committed = False
@@ -89,18 +108,26 @@ class DecodeServicer(WorkerServicerBase):
                     deadline = started + self.settings.kv_transfer_timeout_s
                     while self.transfer.poll(xfer) != "DONE":
                         if time.monotonic() > deadline:
-                            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                              f"KV pull of {n_blocks} blocks from {handle.worker_id} timed out")
+                            raise StatusError(
+                                grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"KV pull of {n_blocks} blocks from {handle.worker_id} timed out",
+                            )
                         await asyncio.sleep(0.0002)
                 finally:
                     self.transfer.release(xfer)
                 self.metrics.kv_bytes.inc(xfer.nbytes)
                 self.metrics.kv_transfer_time.observe(time.monotonic() - started)
                 q = self.aengine.open_stream(rid)
-                first_lp = logprobs_from_proto(request.first_token_logprobs) \
-                    if request.HasField("first_token_logprobs") else None
-                await self.aengine.call(lambda: self.engine.commit_import(
-                    rid, request.first_token_id, first_lp, request.num_cached_tokens))
+                first_lp = (
+                    logprobs_from_proto(request.first_token_logprobs)
+                    if request.HasField("first_token_logprobs")
+                    else None
+                )
+                await self.aengine.call(
+                    lambda: self.engine.commit_import(
+                        rid, request.first_token_id, first_lp, request.num_cached_tokens
+                    )
+                )
                 committed = True
             finally:
                 if not committed:
@@ -115,8 +142,12 @@ class DecodeServicer(WorkerServicerBase):
             if not finished:  # cancelled before the stream even started: the request must not linger
                 await asyncio.shield(self.aengine.abort(rid))
 
-    async def _stream(self, rid: str, outputs: AsyncIterator, first_emitted: bool,
-                      ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _stream(
+        self,
+        rid: str,
+        outputs: AsyncIterator,
+        first_emitted: bool,
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         last_ns = 0
         async for out in outputs:
             now = time.time_ns()
@@ -129,14 +160,19 @@ class DecodeServicer(WorkerServicerBase):
             elif last_ns and tokens:
                 self.metrics.tpot.observe((now - last_ns) / 1e9 / len(tokens))
             last_ns = now
-            resp = worker_pb2.DecodeResponse(request_id=rid, token_ids=tokens,
-                                             logprobs=[logprobs_to_proto(lp) for lp in logprobs])
+            resp = worker_pb2.DecodeResponse(
+                request_id=rid, token_ids=tokens, logprobs=[logprobs_to_proto(lp) for lp in logprobs]
+            )
             if out.finished:
                 resp.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)
                 resp.num_cached_tokens = out.num_cached_tokens
-                resp.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
-                                                     completion_tokens=out.num_output_tokens,
-                                                     cached_prompt_tokens=out.num_cached_tokens))
+                resp.usage.CopyFrom(
+                    common_pb2.Usage(
+                        prompt_tokens=out.num_prompt_tokens,
+                        completion_tokens=out.num_output_tokens,
+                        cached_prompt_tokens=out.num_cached_tokens,
+                    )
+                )
                 self.metrics.requests.labels(outcome=out.finish_reason or "finished").inc()
             yield resp
 
@@ -152,21 +188,34 @@ class DecodeServicer(WorkerServicerBase):
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 try:
                     meta = await stub.GetTransferMetadata(
-                        common_pb2.TransferMetadataRequest(requester_agent_name=self.transfer.agent_name,
-                                                           layout_fingerprint=self.engine.layout.fingerprint),
-                        timeout=10.0, metadata=inject_metadata())
+                        common_pb2.TransferMetadataRequest(
+                            requester_agent_name=self.transfer.agent_name,
+                            layout_fingerprint=self.engine.layout.fingerprint,
+                        ),
+                        timeout=10.0,
+                        metadata=inject_metadata(),
+                    )
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code == grpc.StatusCode.FAILED_PRECONDITION:
                         raise LayoutMismatchError(exc.details()) from exc
-                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                                      f"KV handshake with prefill worker {handle.worker_id} at "
-                                      f"{handle.worker_address} failed: {code.name} {exc.details()}") from exc
+                    raise StatusError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"KV handshake with prefill worker {handle.worker_id} at "
+                        f"{handle.worker_address} failed: {code.name} {exc.details()}",
+                    ) from exc
             try:
-                return self.transfer.add_peer(TransferMetadata(
-                    agent_name=meta.agent_name, agent_metadata=meta.agent_metadata,
-                    layout_fingerprint=meta.layout_fingerprint, block_nbytes=meta.block_nbytes,
-                    num_blocks=meta.num_blocks, base_address=meta.pool_base_address, device=meta.device,
-                    mem_type=meta.mem_type))
+                return self.transfer.add_peer(
+                    TransferMetadata(
+                        agent_name=meta.agent_name,
+                        agent_metadata=meta.agent_metadata,
+                        layout_fingerprint=meta.layout_fingerprint,
+                        block_nbytes=meta.block_nbytes,
+                        num_blocks=meta.num_blocks,
+                        base_address=meta.pool_base_address,
+                        device=meta.device,
+                        mem_type=meta.mem_type,
+                    )
+                )
             except KVTransferError as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer setup failed: {exc}") from exc

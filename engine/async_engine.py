@@ -28,11 +28,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, event_sink: KVEventSink | None = None,
-                 engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, event_sink: KVEventSink | None = None, engine: LLMEngine | None = None
+    ) -> None:
         self.engine = engine or LLMEngine(config, event_sink)
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = \
-            queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]
+        ] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -89,8 +91,9 @@ class AsyncEngine:
             if not finished and self.alive:
                 await asyncio.shield(self.call(lambda: self.engine.abort(request_id)))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+    ) -> AsyncIterator[RequestOutput]:
         q = self.open_stream(request_id)
         try:
             await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, hold_kv))
@@ -151,7 +154,9 @@ class AsyncEngine:
             self._drain_calls_with_error()
 
     def _fail_running(self, exc: Exception) -> None:
-        for rid in [s.request_id for s in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting)]:
+        for rid in [
+            s.request_id for s in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting)
+        ]:
             self.engine.abort(rid)
             self._deliver(RuntimeError(f"engine step failed: {exc}"), rid)
         self.engine.step()  # flush the abort outputs (their streams already got the error)

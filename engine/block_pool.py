@@ -16,8 +16,14 @@ from mesh.kv_events import BlocksRemoved, BlocksStored, KVEvent, KVEventSink, Ti
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, root_hash: int, enable_prefix_caching: bool = True,
-                 event_sink: KVEventSink | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        root_hash: int,
+        enable_prefix_caching: bool = True,
+        event_sink: KVEventSink | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks

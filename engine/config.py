@@ -9,22 +9,39 @@ from mesh.config import setting
 
 @dataclass
 class EngineConfig:
-    model: str = setting("tiny-dense", "Built-in model name (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory.")
+    model: str = setting(
+        "tiny-dense", "Built-in model name (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory."
+    )
     device: str = setting("cpu", "Device the model runs on.", choices=("cpu", "cuda"))
     dtype: str = setting("float32", "Weight and KV dtype.", choices=("float32", "bfloat16", "float16"))
     block_size: int = setting(16, "Tokens per KV block (a deployment-wide setting; the router checks it).")
-    max_model_len: int | None = setting(None, "Longest prompt plus output, in tokens; default: the model's own limit.")
+    max_model_len: int | None = setting(
+        None, "Longest prompt plus output, in tokens; default: the model's own limit."
+    )
     max_num_seqs: int = setting(64, "Most requests in one running batch.")
-    max_num_batched_tokens: int = setting(2048, "Token budget of one engine step (chunked prefill cuts prompts to fit).")
-    num_kv_blocks: int | None = setting(None, "KV pool size in blocks; default: derived from kv_cache_memory_gb.")
-    kv_cache_memory_gb: float = setting(0.5, "Memory for the KV pool when num_kv_blocks is not given, in GiB.")
+    max_num_batched_tokens: int = setting(
+        2048, "Token budget of one engine step (chunked prefill cuts prompts to fit)."
+    )
+    num_kv_blocks: int | None = setting(
+        None, "KV pool size in blocks; default: derived from kv_cache_memory_gb."
+    )
+    kv_cache_memory_gb: float = setting(
+        0.5, "Memory for the KV pool when num_kv_blocks is not given, in GiB."
+    )
     enable_prefix_caching: bool = setting(True, "Reuse cached KV blocks of identical prompt prefixes.")
-    kernel_backend: str = setting("torch", "Which implementation of the ops runs the model.", choices=("torch", "triton"))
-    load_format: str = setting("auto", "auto: read the checkpoint; dummy: random weights of the checkpoint's shapes.",
-                               choices=("auto", "dummy"))
+    kernel_backend: str = setting(
+        "torch", "Which implementation of the ops runs the model.", choices=("torch", "triton")
+    )
+    load_format: str = setting(
+        "auto",
+        "auto: read the checkpoint; dummy: random weights of the checkpoint's shapes.",
+        choices=("auto", "dummy"),
+    )
     seed: int = setting(0, "Seed for dummy weights and for unseeded sampling.")
     cuda_graphs: bool = setting(True, "Capture decode steps as CUDA graphs on GPUs.")
-    cache_salt: str | None = setting(None, "Salt mixed into every block hash (isolates tenants' prefix caches).")
+    cache_salt: str | None = setting(
+        None, "Salt mixed into every block hash (isolates tenants' prefix caches)."
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -16,6 +16,8 @@ def num_blocks_for(layout: KVLayout, memory_gb: float) -> int:
     return max(1, int(memory_gb * (1 << 30)) // layout.block_nbytes)
 
 
-def allocate_pool(layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocate_pool(
+    layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, contiguous, zero-filled."""
     return torch.zeros((num_blocks, *layout.block_shape), dtype=dtype, device=device)

@@ -30,14 +30,21 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_prompts)
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_prompts)
+        )
         if len(params) != len(token_prompts):
             raise ValueError(f"{len(params)} sampling params for {len(token_prompts)} prompts")
         ids = [f"offline-{uuid.uuid4().hex}" for _ in token_prompts]
@@ -56,9 +63,13 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = CompletionOutput(
                             prompt_token_ids=token_prompts[ids.index(out.request_id)],
-                            token_ids=tokens[out.request_id], text=out.text or "",
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                            logprobs=logprobs[out.request_id], num_cached_tokens=out.num_cached_tokens)
+                            token_ids=tokens[out.request_id],
+                            text=out.text or "",
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                            logprobs=logprobs[out.request_id],
+                            num_cached_tokens=out.num_cached_tokens,
+                        )
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)

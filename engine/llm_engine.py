@@ -70,8 +70,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, event_sink: KVEventSink | None = None,
-                 dispatcher: TokenDispatcher | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        event_sink: KVEventSink | None = None,
+        dispatcher: TokenDispatcher | None = None,
+    ) -> None:
         self.config = config
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
@@ -83,8 +87,16 @@ class LLMEngine:
 
         model_cfg, _ = resolve_model_config(config.model)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        loaded = load_model(config.model, config.dtype, self.device, self.ops, self.max_model_len,
-                            load_format=config.load_format, seed=config.seed, dispatcher=dispatcher)
+        loaded = load_model(
+            config.model,
+            config.dtype,
+            self.device,
+            self.ops,
+            self.max_model_len,
+            load_format=config.load_format,
+            seed=config.seed,
+            dispatcher=dispatcher,
+        )
         self.model_config = loaded.cfg
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -94,8 +106,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
         self.kv_pool = allocate_pool(self.layout, num_blocks, DTYPES[config.dtype], self.device)
         self.root_hash = root_hash(self.model_fingerprint, config.cache_salt)
-        self.block_pool = BlockPool(num_blocks, config.block_size, self.root_hash,
-                                    config.enable_prefix_caching, event_sink)
+        self.block_pool = BlockPool(
+            num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
+        )
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device)
         self.sampler = Sampler(config.seed)
@@ -123,22 +136,34 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {n} tokens, max_model_len is {self.max_model_len}: it must be shorter to leave "
-                "room for at least one generated token")
+                "room for at least one generated token"
+            )
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         params.validate(self.vocab_size)
         need = -(-(n + 1) // self.config.block_size)
         if need > self.block_pool.num_blocks:
             raise InvalidRequestError(
-                f"prompt needs {need} KV blocks but the pool has only {self.block_pool.num_blocks}")
+                f"prompt needs {need} KV blocks but the pool has only {self.block_pool.num_blocks}"
+            )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_kv: bool = False) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+    ) -> None:
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrival), self.eos_token_ids,
-                       hold_kv=hold_kv, arrival_time_ns=time.time_ns())
+        seq = Sequence(
+            request_id,
+            prompt_token_ids,
+            params,
+            next(self._arrival),
+            self.eos_token_ids,
+            hold_kv=hold_kv,
+            arrival_time_ns=time.time_ns(),
+        )
         self._seqs[request_id] = seq
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -184,7 +209,9 @@ class LLMEngine:
         return list(self._held)
 
     # ---- decode role: importing KV from a prefill worker -----------------------------------------
-    def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    def reserve_import(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int]:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
@@ -198,8 +225,13 @@ class LLMEngine:
         self._imports[request_id] = seq
         return blocks
 
-    def commit_import(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
-                      num_cached_tokens: int = 0) -> None:
+    def commit_import(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprobs: TokenLogprobs | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
         """The reserved blocks now hold the prompt's KV: the request joins the batch with its first token."""
         seq = self._imports.pop(request_id)
         if not 0 <= first_token_id < self.vocab_size:
@@ -214,7 +246,9 @@ class LLMEngine:
         self.block_pool.cache_full_blocks(seq)
         self._append_token(seq, first_token_id, first_logprobs)
         if seq.is_finished:
-            self._pending.append(self._output(seq, [first_token_id], [first_logprobs] if first_logprobs else []))
+            self._pending.append(
+                self._output(seq, [first_token_id], [first_logprobs] if first_logprobs else [])
+            )
         else:
             seq._emitted = 1  # the caller already has the first token
             self.scheduler.add_imported(seq)
@@ -299,11 +333,15 @@ class LLMEngine:
             self._held[seq.request_id] = seq
         self._detok.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, new_tokens: list[int] | None = None,
-                new_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    def _output(
+        self,
+        seq: Sequence,
+        new_tokens: list[int] | None = None,
+        new_logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
         if new_tokens is None:
-            new_tokens = seq.output_token_ids[seq._emitted:]
-            new_logprobs = seq.output_logprobs[seq._emitted:] if seq.params.logprobs is not None else []
+            new_tokens = seq.output_token_ids[seq._emitted :]
+            new_logprobs = seq.output_logprobs[seq._emitted :] if seq.params.logprobs is not None else []
             seq._emitted = len(seq.output_token_ids)
         text = None
         if seq.is_finished:
@@ -312,22 +350,37 @@ class LLMEngine:
             else:
                 text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=list(new_tokens), new_logprobs=list(new_logprobs or []),
-            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=max(0, seq.num_cached_tokens),
-            num_output_tokens=len(seq.output_token_ids), text=text, arrival_time_ns=seq.arrival_time_ns,
-            first_scheduled_ns=seq.first_scheduled_ns, first_token_ns=seq.first_token_ns)
+            request_id=seq.request_id,
+            new_token_ids=list(new_tokens),
+            new_logprobs=list(new_logprobs or []),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_cached_tokens=max(0, seq.num_cached_tokens),
+            num_output_tokens=len(seq.output_token_ids),
+            text=text,
+            arrival_time_ns=seq.arrival_time_ns,
+            first_scheduled_ns=seq.first_scheduled_ns,
+            first_token_ns=seq.first_token_ns,
+        )
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(self._held),
-            running_tokens=s.num_running_tokens, queued_tokens=s.num_queued_tokens,
-            num_kv_blocks_total=self.block_pool.num_blocks, num_kv_blocks_free=self.block_pool.num_free_blocks,
-            num_preemptions=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_held=len(self._held),
+            running_tokens=s.num_running_tokens,
+            queued_tokens=s.num_queued_tokens,
+            num_kv_blocks_total=self.block_pool.num_blocks,
+            num_kv_blocks_free=self.block_pool.num_free_blocks,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
             cached_prompt_tokens_total=self.cached_prompt_tokens_total,
-            generated_tokens_total=self.generated_tokens_total)
+            generated_tokens_total=self.generated_tokens_total,
+        )
 
     def take_expert_counts(self) -> torch.Tensor | None:
         """Tokens per physical expert per MoE layer since the last call, [moe_layers, physical], or None."""

@@ -88,9 +88,17 @@ def model_fingerprint(model: str, path: Path | None, dtype: str, load_format: st
     return f"{path.name}:{h.hexdigest()[:16]}:{dtype}"
 
 
-def load_model(model: str, dtype: str, device: torch.device, ops: Ops, max_positions: int,
-               load_format: str = "auto", seed: int = 0, dispatcher: TokenDispatcher | None = None,
-               physical_to_logical: list[list[int]] | None = None) -> LoadedModel:
+def load_model(
+    model: str,
+    dtype: str,
+    device: torch.device,
+    ops: Ops,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+    dispatcher: TokenDispatcher | None = None,
+    physical_to_logical: list[list[int]] | None = None,
+) -> LoadedModel:
     cfg, path = resolve_model_config(model)
     torch_dtype = DTYPES[dtype]
     net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical)
@@ -164,8 +172,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def _load_safetensors(net: DecoderModel, cfg: ModelConfig, path: Path,
-                      dispatcher: TokenDispatcher | None) -> None:
+def _load_safetensors(
+    net: DecoderModel, cfg: ModelConfig, path: Path, dispatcher: TokenDispatcher | None
+) -> None:
     from safetensors import safe_open
 
     loaded: set[str] = set()
@@ -174,18 +183,22 @@ def _load_safetensors(net: DecoderModel, cfg: ModelConfig, path: Path,
         expected.discard("lm_head")
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 tensor = f.get_tensor(name)
                 for target in _assign(net, cfg, name, tensor):
                     loaded.add(target)
     missing = sorted(expected - loaded)
     if missing:
-        raise UnsupportedModelError(f"checkpoint {path} lacks weights for: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        raise UnsupportedModelError(
+            f"checkpoint {path} lacks weights for: {missing[:8]}{'...' if len(missing) > 8 else ''}"
+        )
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
-        raise UnsupportedModelError(f"weight {name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+        raise UnsupportedModelError(
+            f"weight {name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}"
+        )
     dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
@@ -282,8 +295,11 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
 def load_tokenizer(model: str) -> tuple[Tokenizer, ModelConfig, str]:
     """Tokenizer, model config and the model's name as served, without loading any weights (router side)."""
     cfg, path = resolve_model_config(model)
-    tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size) if path is None else _checkpoint_tokenizer(
-        path, cfg, "dummy" if not (path / "tokenizer.json").exists() else "auto")
+    tokenizer: Tokenizer = (
+        ByteTokenizer(cfg.vocab_size)
+        if path is None
+        else _checkpoint_tokenizer(path, cfg, "dummy" if not (path / "tokenizer.json").exists() else "auto")
+    )
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
     return tokenizer, cfg, (model if path is None else path.name)

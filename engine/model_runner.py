@@ -14,14 +14,17 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_pool: torch.Tensor, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: DecoderModel, kv_pool: torch.Tensor, block_size: int, device: torch.device
+    ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = device
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                         list[Sequence], torch.Tensor]:
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence], torch.Tensor]:
         seqs, counts = batch.seqs, batch.num_new_tokens
         starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
         n_new = np.array(counts, dtype=np.int64)
@@ -34,9 +37,9 @@ class ModelRunner:
             a, b = int(starts[i]), int(ends[i])
             n_prompt = len(s.prompt_token_ids)
             if b <= n_prompt:
-                input_ids[cu[i]:cu[i + 1]] = s.prompt_token_ids[a:b]
+                input_ids[cu[i] : cu[i + 1]] = s.prompt_token_ids[a:b]
             else:
-                input_ids[cu[i]:cu[i + 1]] = s.all_token_ids[a:b]
+                input_ids[cu[i] : cu[i + 1]] = s.all_token_ids[a:b]
         seq_index = np.repeat(np.arange(len(seqs)), n_new)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + starts[seq_index]
         max_blocks = max(len(s.block_table) for s in seqs)
@@ -56,8 +59,13 @@ class ModelRunner:
             max_seq_len=int(ends.max()),
             max_query_len=int(n_new.max()),
         )
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta,
-                [seqs[i] for i in sampling], torch.from_numpy(logits_rows).to(dev))
+        return (
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            meta,
+            [seqs[i] for i in sampling],
+            torch.from_numpy(logits_rows).to(dev),
+        )
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; returns the sequences that sample now and their logits [n, V] (fp32)."""

@@ -22,16 +22,23 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._unseeded = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [B, V] fp32; positions: each request's output index of the token being sampled."""
         batch, vocab = logits.shape
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
-            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                 device=device, dtype=torch.float32)
+            temps = torch.tensor(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params],
+                device=device,
+                dtype=torch.float32,
+            )
             scaled = logits / temps.unsqueeze(1)
             scaled = _apply_top_k(scaled, [p.top_k for p in params])
             probs = torch.softmax(scaled, dim=-1)
@@ -41,8 +48,11 @@ class Sampler:
                 if p.greedy:
                     noise[i].fill_(1.0)
                     continue
-                gen = torch.Generator().manual_seed(_position_seed(p.seed, pos)) if p.seed is not None \
+                gen = (
+                    torch.Generator().manual_seed(_position_seed(p.seed, pos))
+                    if p.seed is not None
                     else self._unseeded
+                )
                 noise[i].exponential_(generator=gen)
             sampled = (probs / noise.to(device)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
@@ -52,7 +62,7 @@ class Sampler:
         if want:
             lp = torch.log_softmax(logits[want], dim=-1)
             top_n = max(params[i].logprobs or 0 for i in want)
-            top_v, top_i = (lp.topk(top_n, dim=-1) if top_n > 0 else (None, None))
+            top_v, top_i = lp.topk(top_n, dim=-1) if top_n > 0 else (None, None)
             for row, i in enumerate(want):
                 n = params[i].logprobs or 0
                 top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist(), strict=True)) if n else []

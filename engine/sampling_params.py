@@ -51,4 +51,6 @@ class SamplingParams:
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+                raise InvalidRequestError(
+                    f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
+                )

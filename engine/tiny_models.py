@@ -12,10 +12,19 @@ TINY_VOCAB = 512
 
 def _base(**kw: object) -> dict:
     cfg = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=256, eos_token_id=257,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
     )
     cfg.update(kw)
     return cfg
@@ -23,9 +32,15 @@ def _base(**kw: object) -> dict:
 
 TINY_MODELS: dict[str, dict] = {
     "tiny-dense": _base(architectures=["LlamaForCausalLM"]),
-    "tiny-moe": _base(architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[0]),
+    "tiny-moe": _base(
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+    ),
 }
 
 

@@ -74,8 +74,10 @@ class HFTokenizer:
         if not eos and cfg_eos is not None:
             eos = [cfg_eos]
         self.eos_token_ids = eos
-        self.special_tokens = {"bos_token": self._token_text(cfg.get("bos_token")),
-                               "eos_token": self._token_text(cfg.get("eos_token"))}
+        self.special_tokens = {
+            "bos_token": self._token_text(cfg.get("bos_token")),
+            "eos_token": self._token_text(cfg.get("eos_token")),
+        }
 
     @staticmethod
     def _token_text(tok: Any) -> str | None:
@@ -97,21 +99,28 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+def render_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> str:
     """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     template = tokenizer.chat_template or PLAIN_CHAT_TEMPLATE
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
     extra = getattr(tokenizer, "special_tokens", {}) or {}
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **{k: v for k, v in extra.items() if v is not None})
+    return env.from_string(template).render(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        **{k: v for k, v in extra.items() if v is not None},
+    )
 
 
 class IncrementalDetokenizer:
@@ -128,12 +137,12 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if full.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
+        delta = full[len(self.text) :] if full.startswith(self.text) else full
         self.text = full
         return delta
 
     def flush(self) -> str:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full
         return delta

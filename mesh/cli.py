@@ -21,8 +21,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SERVICES = {"router": "router", "prefill": "prefill_svc", "decode": "decode_svc", "eplb": "eplb_svc",
-            "kvstore": "kvstore_svc"}
+SERVICES = {
+    "router": "router",
+    "prefill": "prefill_svc",
+    "decode": "decode_svc",
+    "eplb": "eplb_svc",
+    "kvstore": "kvstore_svc",
+}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -41,8 +46,14 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
 
     def start(self, env: dict[str, str], echo: bool) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         threading.Thread(target=self._pump, args=(echo,), daemon=True).start()
 
     def _pump(self, echo: bool) -> None:
@@ -88,9 +99,27 @@ class Mesh:
 
     def _worker_argv(self, module: str, port: int) -> list[str]:
         a = self.args
-        argv = [sys.executable, "-m", module, "--host", self.host, "--port", str(port), "--model", a.model,
-                "--device", a.device, "--dtype", a.dtype, "--block-size", str(a.block_size),
-                "--metrics-port", "0", "--kv-transfer", a.kv_transfer]
+        argv = [
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--model",
+            a.model,
+            "--device",
+            a.device,
+            "--dtype",
+            a.dtype,
+            "--block-size",
+            str(a.block_size),
+            "--metrics-port",
+            "0",
+            "--kv-transfer",
+            a.kv_transfer,
+        ]
         if a.num_kv_blocks:
             argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
         if a.redis_url:
@@ -105,14 +134,29 @@ class Mesh:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         a = self.args
-        for role, count, addrs in (("prefill", a.num_prefill, self.prefill_addrs),
-                                   ("decode", a.num_decode, self.decode_addrs)):
+        for role, count, addrs in (
+            ("prefill", a.num_prefill, self.prefill_addrs),
+            ("decode", a.num_decode, self.decode_addrs),
+        ):
             for i in range(count):
                 port = free_port(self.host)
                 addrs.append(f"{self.host}:{port}")
                 self.children.append(Child(f"{role}-{i}", self._worker_argv(SERVICES[role], port)))
-        router_argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.grpc_port),
-                       "--http-port", str(self.http_port), "--model", a.model, "--routing", a.routing]
+        router_argv = [
+            sys.executable,
+            "-m",
+            "router",
+            "--host",
+            self.host,
+            "--port",
+            str(self.grpc_port),
+            "--http-port",
+            str(self.http_port),
+            "--model",
+            a.model,
+            "--routing",
+            a.routing,
+        ]
         if self.prefill_addrs:
             router_argv += ["--prefill-workers", *self.prefill_addrs]
         router_argv += ["--decode-workers", *self.decode_addrs]
@@ -132,7 +176,9 @@ class Mesh:
         for child in children:
             while not child.ready.wait(0.1):
                 if not child.alive:
-                    raise RuntimeError(f"{child.name} exited during start-up:\n" + "\n".join(child.lines[-30:]))
+                    raise RuntimeError(
+                        f"{child.name} exited during start-up:\n" + "\n".join(child.lines[-30:])
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{child.name} not ready after {timeout}s")
 
@@ -153,8 +199,10 @@ class Mesh:
         raise TimeoutError(f"router HTTP not healthy at {url} after {timeout}s")
 
     def endpoints(self) -> str:
-        lines = [f"  router gRPC   {self.host}:{self.grpc_port}   (pdmesh.v1.Router)",
-                 f"  OpenAI HTTP   http://{self.host}:{self.http_port}/v1   (/metrics on the same port)"]
+        lines = [
+            f"  router gRPC   {self.host}:{self.grpc_port}   (pdmesh.v1.Router)",
+            f"  OpenAI HTTP   http://{self.host}:{self.http_port}/v1   (/metrics on the same port)",
+        ]
         lines += [f"  prefill       {addr}" for addr in self.prefill_addrs]
         lines += [f"  decode        {addr}" for addr in self.decode_addrs]
         return "\n".join(lines)
@@ -170,26 +218,61 @@ class Mesh:
 
 def _add_mesh_args(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    p.add_argument("--model", default=env("PDMESH_MODEL", "tiny-dense"),
-                   help="built-in model (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory [PDMESH_MODEL]")
-    p.add_argument("--device", default=env("PDMESH_DEVICE", "cpu"), choices=("cpu", "cuda"), help="[PDMESH_DEVICE]")
-    p.add_argument("--dtype", default=env("PDMESH_DTYPE", "float32"), choices=("float32", "bfloat16", "float16"),
-                   help="[PDMESH_DTYPE]")
-    p.add_argument("--block-size", type=int, default=int(env("PDMESH_BLOCK_SIZE", "16")), help="[PDMESH_BLOCK_SIZE]")
-    p.add_argument("--num-kv-blocks", type=int, default=int(env("PDMESH_NUM_KV_BLOCKS", "2048")),
-                   help="KV pool size per worker [PDMESH_NUM_KV_BLOCKS]")
+    p.add_argument(
+        "--model",
+        default=env("PDMESH_MODEL", "tiny-dense"),
+        help="built-in model (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory [PDMESH_MODEL]",
+    )
+    p.add_argument(
+        "--device", default=env("PDMESH_DEVICE", "cpu"), choices=("cpu", "cuda"), help="[PDMESH_DEVICE]"
+    )
+    p.add_argument(
+        "--dtype",
+        default=env("PDMESH_DTYPE", "float32"),
+        choices=("float32", "bfloat16", "float16"),
+        help="[PDMESH_DTYPE]",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=int(env("PDMESH_BLOCK_SIZE", "16")), help="[PDMESH_BLOCK_SIZE]"
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=int(env("PDMESH_NUM_KV_BLOCKS", "2048")),
+        help="KV pool size per worker [PDMESH_NUM_KV_BLOCKS]",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="[PDMESH_MAX_MODEL_LEN]")
-    p.add_argument("--num-prefill", type=int, default=int(env("PDMESH_NUM_PREFILL", "1")), help="[PDMESH_NUM_PREFILL]")
-    p.add_argument("--num-decode", type=int, default=int(env("PDMESH_NUM_DECODE", "1")), help="[PDMESH_NUM_DECODE]")
+    p.add_argument(
+        "--num-prefill", type=int, default=int(env("PDMESH_NUM_PREFILL", "1")), help="[PDMESH_NUM_PREFILL]"
+    )
+    p.add_argument(
+        "--num-decode", type=int, default=int(env("PDMESH_NUM_DECODE", "1")), help="[PDMESH_NUM_DECODE]"
+    )
     p.add_argument("--host", default=env("PDMESH_HOST", "127.0.0.1"), help="[PDMESH_HOST]")
-    p.add_argument("--port", type=int, default=int(env("PDMESH_PORT", "0")), help="router gRPC port [PDMESH_PORT]")
-    p.add_argument("--http-port", type=int, default=int(env("PDMESH_HTTP_PORT", "8000")),
-                   help="OpenAI-compatible HTTP port [PDMESH_HTTP_PORT]")
-    p.add_argument("--routing", default=env("PDMESH_ROUTING", "prefix"), choices=("prefix", "round_robin", "random"),
-                   help="[PDMESH_ROUTING]")
-    p.add_argument("--redis-url", default=env("PDMESH_REDIS_URL"), help="registry and KV index [PDMESH_REDIS_URL]")
-    p.add_argument("--kv-transfer", default=env("PDMESH_KV_TRANSFER", "nixl"), choices=("nixl", "local"),
-                   help="[PDMESH_KV_TRANSFER]")
+    p.add_argument(
+        "--port", type=int, default=int(env("PDMESH_PORT", "0")), help="router gRPC port [PDMESH_PORT]"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("PDMESH_HTTP_PORT", "8000")),
+        help="OpenAI-compatible HTTP port [PDMESH_HTTP_PORT]",
+    )
+    p.add_argument(
+        "--routing",
+        default=env("PDMESH_ROUTING", "prefix"),
+        choices=("prefix", "round_robin", "random"),
+        help="[PDMESH_ROUTING]",
+    )
+    p.add_argument(
+        "--redis-url", default=env("PDMESH_REDIS_URL"), help="registry and KV index [PDMESH_REDIS_URL]"
+    )
+    p.add_argument(
+        "--kv-transfer",
+        default=env("PDMESH_KV_TRANSFER", "nixl"),
+        choices=("nixl", "local"),
+        help="[PDMESH_KV_TRANSFER]",
+    )
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag passed to the router")
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
@@ -202,7 +285,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         mesh.start(echo=not args.quiet)
-        print(f"pdmesh mesh is up (model {args.model}):\n{mesh.endpoints()}\nCtrl-C stops everything.", flush=True)
+        print(
+            f"pdmesh mesh is up (model {args.model}):\n{mesh.endpoints()}\nCtrl-C stops everything.",
+            flush=True,
+        )
         while not stop.wait(0.5):
             dead = [c.name for c in mesh.children if not c.alive]
             if dead:
@@ -221,18 +307,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         mesh.start(echo=False)
         print(f"mesh up:\n{mesh.endpoints()}", flush=True)
-        body = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}],
-                "max_tokens": args.max_tokens, "temperature": 0.0}
-        req = urllib.request.Request(f"http://{args.host}:{mesh.http_port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        body = {
+            "model": args.model,
+            "messages": [{"role": "user", "content": args.prompt}],
+            "max_tokens": args.max_tokens,
+            "temperature": 0.0,
+        }
+        req = urllib.request.Request(
+            f"http://{args.host}:{mesh.http_port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         started = time.monotonic()
         with urllib.request.urlopen(req, timeout=120) as resp:
             answer = json.loads(resp.read())
         elapsed = time.monotonic() - started
         print(f"request: {args.prompt!r}")
         print(f"answer:  {answer['choices'][0]['message']['content']!r}")
-        print(f"usage:   {answer['usage']}  ({elapsed * 1000:.0f} ms, prefill on one worker, decode on another, "
-              "KV over NIXL)")
+        print(
+            f"usage:   {answer['usage']}  ({elapsed * 1000:.0f} ms, prefill on one worker, decode on another, "
+            "KV over NIXL)"
+        )
         return 0
     finally:
         mesh.stop()
@@ -256,8 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     _add_mesh_args(demo)
     demo.add_argument("--prompt", default="Hello from pdmesh! What is disaggregated serving?")
     demo.add_argument("--max-tokens", type=int, default=32)
-    serve = sub.add_parser("serve", help="start one service; other flags go to it (see --help of each)",
-                           add_help=False)
+    serve = sub.add_parser(
+        "serve", help="start one service; other flags go to it (see --help of each)", add_help=False
+    )
     serve.add_argument("service", choices=sorted(SERVICES))
     sub.add_parser("bench", help="drive a running mesh (benchmarks/serving_bench.py)", add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -94,13 +94,16 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None 
             group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
         elif _is_list(tp):
             item = _list_item(tp)
-            group.add_argument(flag_name(f.name), type=lambda s, item=item: _convert(item, s), nargs="+", **kwargs)
+            group.add_argument(
+                flag_name(f.name), type=lambda s, item=item: _convert(item, s), nargs="+", **kwargs
+            )
         else:
             group.add_argument(flag_name(f.name), type=lambda s, tp=tp: _convert(tp, s), **kwargs)
 
 
-def from_sources(cls: type[T], args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
-                 **overrides: Any) -> T:
+def from_sources(
+    cls: type[T], args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any
+) -> T:
     """Build ``cls``: explicit overrides, then flags, then ``PDMESH_*`` variables, then defaults."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -140,10 +143,19 @@ def to_argv(obj: Any, only: Iterable[str] | None = None) -> list[str]:
 
 def reference_markdown(sections: list[tuple[str, type]]) -> str:
     """The configuration reference: one table per settings class."""
-    lines = ["# Configuration reference", "", "Generated from the settings classes by "
-             "`python -m mesh.config_docs`; do not edit by hand.", ""]
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the settings classes by `python -m mesh.config_docs`; do not edit by hand.",
+        "",
+    ]
     for title, cls in sections:
-        lines += [f"## {title}", "", "| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"## {title}",
+            "",
+            "| flag | environment | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
         for f, _tp in _fields(cls):
             if f.default is not dataclasses.MISSING:
                 default = f.default

@@ -36,8 +36,10 @@ class KVLayout:
 
     @property
     def fingerprint(self) -> str:
-        text = (f"v1|{self.model_fingerprint}|{self.dtype}|bs={self.block_size}|layers={self.num_layers}"
-                f"|kvh={self.num_kv_heads}|hd={self.head_dim}|block-major")
+        text = (
+            f"v1|{self.model_fingerprint}|{self.dtype}|bs={self.block_size}|layers={self.num_layers}"
+            f"|kvh={self.num_kv_heads}|hd={self.head_dim}|block-major"
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -45,17 +45,29 @@ TIERS = {Tier.GPU: common_pb2.TIER_GPU, Tier.CPU: common_pb2.TIER_CPU, Tier.DISK
 class WorkerSettings:
     host: str = setting("127.0.0.1", "Address the gRPC server binds to.")
     port: int = setting(0, "gRPC port (0 picks a free one; the chosen port is printed).")
-    advertise_host: str | None = setting(None, "Host other services use to reach this worker (default: --host).")
-    metrics_port: int = setting(0, "Port of the Prometheus /metrics endpoint (0 picks a free one, -1 disables).")
+    advertise_host: str | None = setting(
+        None, "Host other services use to reach this worker (default: --host)."
+    )
+    metrics_port: int = setting(
+        0, "Port of the Prometheus /metrics endpoint (0 picks a free one, -1 disables)."
+    )
     worker_id: str | None = setting(None, "Unique worker id (default: role-host-port).")
-    redis_url: str | None = setting(None, "Redis URL for the service registry and KV index (none: standalone).")
+    redis_url: str | None = setting(
+        None, "Redis URL for the service registry and KV index (none: standalone)."
+    )
     registry_ttl_s: float = setting(5.0, "Registration TTL in seconds; heartbeats renew it every TTL/3.")
     kv_transfer: str = setting("nixl", "KV transfer backend.", choices=("nixl", "local"))
-    kv_lease_s: float = setting(60.0, "How long a prefill worker holds KV blocks for a decode worker to pull.")
+    kv_lease_s: float = setting(
+        60.0, "How long a prefill worker holds KV blocks for a decode worker to pull."
+    )
     kv_transfer_timeout_s: float = setting(30.0, "Longest a decode worker waits for one KV pull.")
-    drain_timeout_s: float = setting(300.0, "On drain (SIGTERM or Drain RPC), longest wait for in-flight requests.")
+    drain_timeout_s: float = setting(
+        300.0, "On drain (SIGTERM or Drain RPC), longest wait for in-flight requests."
+    )
     otlp_endpoint: str | None = setting(None, "OTLP/gRPC endpoint for traces (off when unset).")
-    trace_file: str | None = setting(None, "Append finished spans as JSON lines to this file (tests, debugging).")
+    trace_file: str | None = setting(
+        None, "Append finished spans as JSON lines to this file (tests, debugging)."
+    )
     log_level: str = setting("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -70,7 +82,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
     """Engine ``SamplingParams`` keyword arguments from the proto (unset optional fields keep defaults)."""
     kw: dict[str, Any] = {
-        "top_k": p.top_k, "min_p": p.min_p, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
     }
     for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "skip_special_tokens"):
@@ -82,8 +97,11 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
 
 
 def logprobs_to_proto(lp: Any) -> common_pb2.Logprobs:
-    return common_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob,
-                               top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    return common_pb2.Logprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 @dataclass
@@ -108,8 +126,13 @@ def events_to_proto(events: list[KVEvent]) -> list[common_pb2.KVEvent]:
                 msg.parent_hash = e.parent_hash
             out.append(common_pb2.KVEvent(blocks_stored=msg))
         elif isinstance(e, BlocksRemoved):
-            out.append(common_pb2.KVEvent(blocks_removed=common_pb2.BlocksRemoved(
-                block_hashes=list(e.block_hashes), tier=TIERS[e.tier])))
+            out.append(
+                common_pb2.KVEvent(
+                    blocks_removed=common_pb2.BlocksRemoved(
+                        block_hashes=list(e.block_hashes), tier=TIERS[e.tier]
+                    )
+                )
+            )
         elif isinstance(e, AllBlocksCleared):
             out.append(common_pb2.KVEvent(all_blocks_cleared=common_pb2.AllBlocksCleared(tier=TIERS[e.tier])))
     return out
@@ -147,8 +170,12 @@ class EventFanout:
 
     def _batch(self, events: list[KVEvent]) -> common_pb2.KVEventBatch:
         self._seq += 1
-        return common_pb2.KVEventBatch(worker_id=self.worker_id, model_fingerprint=self.model_fingerprint,
-                                       seq=self._seq, events=events_to_proto(events))
+        return common_pb2.KVEventBatch(
+            worker_id=self.worker_id,
+            model_fingerprint=self.model_fingerprint,
+            seq=self._seq,
+            events=events_to_proto(events),
+        )
 
     def _dispatch(self, events: list[KVEvent]) -> None:
         batch = self._batch(events)
@@ -158,7 +185,11 @@ class EventFanout:
     def snapshot(self) -> list[KVEvent]:
         with self._lock:
             hashes = tuple(self._cached)
-        return [AllBlocksCleared(Tier.GPU), BlocksStored(hashes, Tier.GPU)] if hashes else [AllBlocksCleared(Tier.GPU)]
+        return (
+            [AllBlocksCleared(Tier.GPU), BlocksStored(hashes, Tier.GPU)]
+            if hashes
+            else [AllBlocksCleared(Tier.GPU)]
+        )
 
     async def subscribe(self, include_snapshot: bool) -> AsyncIterator[common_pb2.KVEventBatch]:
         q: asyncio.Queue = asyncio.Queue()
@@ -180,17 +211,24 @@ class WorkerMetrics:
         self.registry = m.registry
         self.requests = m.counter("requests", "total", "Requests by outcome.", ["outcome"])
         self.ttft = m.histogram("time_to_first_token", "seconds", "Time from arrival to first token.")
-        self.tpot = m.histogram("time_per_output_token", "seconds", "Time between output tokens.",
-                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
+        self.tpot = m.histogram(
+            "time_per_output_token",
+            "seconds",
+            "Time between output tokens.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+        )
         self.queue_time = m.histogram("queue_time", "seconds", "Time from arrival to first scheduling.")
         self.waiting = m.gauge("queue_length", "requests", "Requests waiting to be scheduled.")
         self.running = m.gauge("running", "requests", "Requests in the running batch.")
         self.kv_used = m.gauge("kv_blocks_used", "blocks", "KV blocks in use (referenced or held).")
         self.kv_free = m.gauge("kv_blocks_free", "blocks", "KV blocks free or evictable.")
-        self.kv_held = m.gauge("kv_held", "requests", "Prefill results holding KV blocks for a decode worker.")
+        self.kv_held = m.gauge(
+            "kv_held", "requests", "Prefill results holding KV blocks for a decode worker."
+        )
         self.prompt_tokens = m.counter("prompt_tokens", "tokens", "Prompt tokens served.")
-        self.cached_tokens = m.counter("prompt_tokens_cached", "tokens", "Prompt tokens served from the cache.",
-                                       ["tier"])
+        self.cached_tokens = m.counter(
+            "prompt_tokens_cached", "tokens", "Prompt tokens served from the cache.", ["tier"]
+        )
         self.generated_tokens = m.counter("generation_tokens", "tokens", "Tokens generated.")
         self.kv_bytes = m.counter("kv_transfer", "bytes", "KV bytes pulled from prefill workers.")
         self.kv_transfer_time = m.histogram("kv_transfer_time", "seconds", "Duration of one KV pull.")
@@ -220,8 +258,16 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
 
     role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
 
-    def __init__(self, async_engine: Any, transfer: Any, settings: WorkerSettings, worker_id: str,
-                 address: str, events: EventFanout, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        async_engine: Any,
+        transfer: Any,
+        settings: WorkerSettings,
+        worker_id: str,
+        address: str,
+        events: EventFanout,
+        metrics: WorkerMetrics,
+    ) -> None:
         self.aengine = async_engine
         self.engine = async_engine.engine
         self.transfer = transfer
@@ -236,47 +282,76 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         self.drained = asyncio.Event()
 
     # ---- shared RPCs ---------------------------------------------------------------------------
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext,
-                    ) -> worker_pb2.AbortResponse:
+    async def Abort(
+        self,
+        request: worker_pb2.AbortRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.AbortResponse:
         found = await self.aengine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
 
-    async def GetStats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext,
-                       ) -> common_pb2.WorkerStats:
+    async def GetStats(
+        self,
+        request: worker_pb2.StatsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> common_pb2.WorkerStats:
         s = await self.aengine.call(self.engine.stats)
         return common_pb2.WorkerStats(
-            role=self.role, worker_id=self.worker_id, model_fingerprint=self.engine.model_fingerprint,
-            block_size=self.engine.config.block_size, num_kv_blocks_total=s.num_kv_blocks_total,
-            num_kv_blocks_free=s.num_kv_blocks_free, num_running=s.num_running, num_waiting=s.num_waiting,
-            running_tokens=s.running_tokens, queued_tokens=s.queued_tokens,
-            kv_usage=1.0 - s.num_kv_blocks_free / max(1, s.num_kv_blocks_total), draining=self.draining,
-            layout_fingerprint=self.engine.layout.fingerprint, max_model_len=self.engine.max_model_len)
+            role=self.role,
+            worker_id=self.worker_id,
+            model_fingerprint=self.engine.model_fingerprint,
+            block_size=self.engine.config.block_size,
+            num_kv_blocks_total=s.num_kv_blocks_total,
+            num_kv_blocks_free=s.num_kv_blocks_free,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            running_tokens=s.running_tokens,
+            queued_tokens=s.queued_tokens,
+            kv_usage=1.0 - s.num_kv_blocks_free / max(1, s.num_kv_blocks_total),
+            draining=self.draining,
+            layout_fingerprint=self.engine.layout.fingerprint,
+            max_model_len=self.engine.max_model_len,
+        )
 
-    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext,
-                    ) -> worker_pb2.DrainResponse:
+    async def Drain(
+        self,
+        request: worker_pb2.DrainRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.DrainResponse:
         self.start_drain()
         if request.wait:
             await self.wait_idle(self.settings.drain_timeout_s)
         return worker_pb2.DrainResponse(num_in_flight=len(self.in_flight))
 
-    async def StreamKVEvents(self, request: worker_pb2.KVEventsRequest, context: grpc.aio.ServicerContext,
-                             ) -> AsyncIterator[common_pb2.KVEventBatch]:
+    async def StreamKVEvents(
+        self,
+        request: worker_pb2.KVEventsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.KVEventBatch]:
         async for batch in self.events.subscribe(request.include_snapshot):
             yield batch
 
-    async def GetTransferMetadata(self, request: common_pb2.TransferMetadataRequest,
-                                  context: grpc.aio.ServicerContext) -> common_pb2.TransferMetadata:
+    async def GetTransferMetadata(
+        self, request: common_pb2.TransferMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TransferMetadata:
         meta = self.transfer.metadata()
         if request.layout_fingerprint and request.layout_fingerprint != meta.layout_fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV layout fingerprint mismatch: this worker has {meta.layout_fingerprint}, "
-                                f"the requester has {request.layout_fingerprint}; both must serve the same "
-                                "model, dtype, block size and KV shape")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout fingerprint mismatch: this worker has {meta.layout_fingerprint}, "
+                f"the requester has {request.layout_fingerprint}; both must serve the same "
+                "model, dtype, block size and KV shape",
+            )
         return common_pb2.TransferMetadata(
-            agent_name=meta.agent_name, agent_metadata=meta.agent_metadata,
-            layout_fingerprint=meta.layout_fingerprint, block_nbytes=meta.block_nbytes,
-            num_blocks=meta.num_blocks, pool_base_address=meta.base_address, device=meta.device,
-            mem_type=meta.mem_type)
+            agent_name=meta.agent_name,
+            agent_metadata=meta.agent_metadata,
+            layout_fingerprint=meta.layout_fingerprint,
+            block_nbytes=meta.block_nbytes,
+            num_blocks=meta.num_blocks,
+            pool_base_address=meta.base_address,
+            device=meta.device,
+            mem_type=meta.mem_type,
+        )
 
     # ---- drain and admission -------------------------------------------------------------------
     def check_admission(self) -> None:
@@ -296,7 +371,12 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             stats = await self.aengine.call(self.engine.stats)
-            if not self.in_flight and stats.num_running == 0 and stats.num_waiting == 0 and stats.num_held == 0:
+            if (
+                not self.in_flight
+                and stats.num_running == 0
+                and stats.num_waiting == 0
+                and stats.num_held == 0
+            ):
                 return
             await asyncio.sleep(0.05)
 
@@ -317,10 +397,17 @@ def default_worker_id(role: str, host: str, port: int) -> str:
     return f"{role}-{host}-{port}-{uuid.uuid4().hex[:6]}"
 
 
-async def serve_worker(role: str, servicer_cls: type[WorkerServicerBase], settings: WorkerSettings,
-                       make_engine: Callable[[EventFanout], Any], ready_line: bool = True) -> None:
+async def serve_worker(
+    role: str,
+    servicer_cls: type[WorkerServicerBase],
+    settings: WorkerSettings,
+    make_engine: Callable[[EventFanout], Any],
+    ready_line: bool = True,
+) -> None:
     """Build and run one worker process until SIGTERM/SIGINT (then drain) or until drained."""
-    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+    )
     setup_tracing(f"pdmesh-{role}", settings.otlp_endpoint, jsonl_path=settings.trace_file)
     events = EventFanout(worker_id="pending")
     events.loop = asyncio.get_running_loop()
@@ -337,8 +424,12 @@ async def serve_worker(role: str, servicer_cls: type[WorkerServicerBase], settin
     extra = {"progress_thread": False} if settings.kv_transfer == "nixl" else {}
     transfer = create_transfer_agent(settings.kv_transfer, agent_name, engine.kv_pool, engine.layout, **extra)
     servicer = servicer_cls(aengine, transfer, settings, "pending", "", events, metrics)
-    server, port = await start_server([(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],
-                                      ["pdmesh.v1.Worker"], host=settings.host, port=settings.port)
+    server, port = await start_server(
+        [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],
+        ["pdmesh.v1.Worker"],
+        host=settings.host,
+        port=settings.port,
+    )
     host = settings.advertise_host or settings.host
     worker_id = settings.worker_id or default_worker_id(role, host, port)
     servicer.worker_id = events.worker_id = worker_id
@@ -355,9 +446,11 @@ async def serve_worker(role: str, servicer_cls: type[WorkerServicerBase], settin
         loop.add_signal_handler(sig, stop.set)
     bg = loop.create_task(servicer.background())
     if ready_line:
-        print(f"pdmesh {role} ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
-              f"worker_id={worker_id} model={engine.model_fingerprint} kv_blocks={engine.block_pool.num_blocks}",
-              flush=True)
+        print(
+            f"pdmesh {role} ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
+            f"worker_id={worker_id} model={engine.model_fingerprint} kv_blocks={engine.block_pool.num_blocks}",
+            flush=True,
+        )
     await stop.wait()
     log.info("stopping: draining in-flight requests")
     servicer.start_drain()
@@ -372,7 +465,9 @@ async def serve_worker(role: str, servicer_cls: type[WorkerServicerBase], settin
     transfer.close()
 
 
-async def _register(role: str, servicer: WorkerServicerBase, settings: WorkerSettings, metrics_port: int) -> Any:
+async def _register(
+    role: str, servicer: WorkerServicerBase, settings: WorkerSettings, metrics_port: int
+) -> Any:
     """Register in the service registry when a Redis URL is given (the router then discovers us)."""
     if not settings.redis_url:
         return None

@@ -21,8 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     engine_cfg = from_sources(EngineConfig, args)
     settings = from_sources(WorkerSettings, args)
     try:
-        asyncio.run(serve_worker("prefill", PrefillServicer, settings,
-                                 lambda sink: AsyncEngine(engine_cfg, event_sink=sink)))
+        asyncio.run(
+            serve_worker(
+                "prefill", PrefillServicer, settings, lambda sink: AsyncEngine(engine_cfg, event_sink=sink)
+            )
+        )
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -38,17 +38,27 @@ class PrefillServicer(WorkerServicerBase):
         super().__init__(*args, **kwargs)
         self.leases: dict[str, Lease] = {}
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
-                      ) -> worker_pb2.PrefillResponse:
+    async def Prefill(
+        self,
+        request: worker_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PrefillResponse:
         rid = request.request_id
-        with server_span("Worker/Prefill", context.invocation_metadata(),
-                         {"pdmesh.request_id": rid, "pdmesh.worker_id": self.worker_id}) as span, \
-                self.tracking(rid):
+        with (
+            server_span(
+                "Worker/Prefill",
+                context.invocation_metadata(),
+                {"pdmesh.request_id": rid, "pdmesh.worker_id": self.worker_id},
+            ) as span,
+            self.tracking(rid),
+        ):
             try:
                 self.check_admission()
                 params = SamplingParams(**sampling_kwargs(request.sampling_params))
                 out = None
-                async for item in self.aengine.generate(rid, list(request.prompt_token_ids), params, hold_kv=True):
+                async for item in self.aengine.generate(
+                    rid, list(request.prompt_token_ids), params, hold_kv=True
+                ):
                     out = item
                 assert out is not None and out.finished
             except Exception as exc:  # every failure leaves as a gRPC status
@@ -59,8 +69,9 @@ class PrefillServicer(WorkerServicerBase):
             _record_phases(out, self.worker_id)
             self.metrics.ttft.observe((out.first_token_ns - out.arrival_time_ns) / 1e9)
             self.metrics.queue_time.observe(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
-            resp = worker_pb2.PrefillResponse(request_id=rid, first_token_id=out.new_token_ids[0],
-                                              num_cached_tokens=out.num_cached_tokens)
+            resp = worker_pb2.PrefillResponse(
+                request_id=rid, first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens
+            )
             if out.new_logprobs:
                 resp.first_token_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
             if out.finish_reason != PREFILL_DONE:
@@ -73,21 +84,32 @@ class PrefillServicer(WorkerServicerBase):
             lease = self.leases[rid] = Lease(rid, time.monotonic() + lease_s, 0)
             blocks = await self.aengine.call(lambda: self.engine.held_blocks(rid))
             lease.num_blocks = len(blocks)
-            resp.kv_handle.CopyFrom(common_pb2.KVHandle(
-                worker_id=self.worker_id, worker_address=self.address, agent_name=self.transfer.agent_name,
-                block_ids=blocks, layout_fingerprint=self.engine.layout.fingerprint,
-                num_tokens=len(request.prompt_token_ids), request_id=rid,
-                lease_deadline_unix_ms=int((time.time() + lease_s) * 1000)))
+            resp.kv_handle.CopyFrom(
+                common_pb2.KVHandle(
+                    worker_id=self.worker_id,
+                    worker_address=self.address,
+                    agent_name=self.transfer.agent_name,
+                    block_ids=blocks,
+                    layout_fingerprint=self.engine.layout.fingerprint,
+                    num_tokens=len(request.prompt_token_ids),
+                    request_id=rid,
+                    lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
+                )
+            )
             self.metrics.requests.labels(outcome="handed_off").inc()
             span.set_attribute("pdmesh.kv_blocks", len(blocks))
             return resp
 
-    async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext,
-                        ) -> worker_pb2.ReleaseKVResponse:
+    async def ReleaseKV(
+        self,
+        request: worker_pb2.ReleaseKVRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.ReleaseKVResponse:
         lease = self.leases.get(request.request_id)
         released = await self.release(request.request_id)
-        return worker_pb2.ReleaseKVResponse(released=released, num_blocks_freed=lease.num_blocks if released
-                                            and lease else 0)
+        return worker_pb2.ReleaseKVResponse(
+            released=released, num_blocks_freed=lease.num_blocks if released and lease else 0
+        )
 
     async def release(self, request_id: str) -> bool:
         self.leases.pop(request_id, None)
@@ -118,9 +140,11 @@ def _record_phases(out, worker_id: str) -> None:
     """Spans for the queue and compute phases, from the engine's own timestamps."""
     tracer = get_tracer("pdmesh.prefill")
     if out.first_scheduled_ns:
-        tracer.start_span("prefill.queue", start_time=out.arrival_time_ns,
-                          attributes={"pdmesh.worker_id": worker_id}).end(end_time=out.first_scheduled_ns)
-        tracer.start_span("prefill.compute", start_time=out.first_scheduled_ns,
-                          attributes={"pdmesh.worker_id": worker_id,
-                                      "pdmesh.cached_tokens": out.num_cached_tokens}).end(
-            end_time=out.first_token_ns or time.time_ns())
+        tracer.start_span(
+            "prefill.queue", start_time=out.arrival_time_ns, attributes={"pdmesh.worker_id": worker_id}
+        ).end(end_time=out.first_scheduled_ns)
+        tracer.start_span(
+            "prefill.compute",
+            start_time=out.first_scheduled_ns,
+            attributes={"pdmesh.worker_id": worker_id, "pdmesh.cached_tokens": out.num_cached_tokens},
+        ).end(end_time=out.first_token_ns or time.time_ns())

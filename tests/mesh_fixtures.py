@@ -32,15 +32,26 @@ class ServiceProcess:
     lines: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(cls, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
-              ) -> ServiceProcess:
+    def start(
+        cls,
+        module: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> ServiceProcess:
         full_env = dict(os.environ)
         full_env.setdefault("NIXL_LOG_LEVEL", "WARN")
         full_env["PYTHONUNBUFFERED"] = "1"
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.update(env or {})
-        proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], cwd=REPO, env=full_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--port", "0", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         svc = cls(module, proc)
         ready = threading.Event()
 

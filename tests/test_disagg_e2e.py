@@ -26,26 +26,44 @@ def _stub(address: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]:
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(0, 256) for _ in range(rng.choice([3, 15, 16, 17, 40, 100, 180]))] for _ in range(n)]
+    return [
+        [rng.randrange(0, 256) for _ in range(rng.choice([3, 15, 16, 17, 40, 100, 180]))] for _ in range(n)
+    ]
 
 
 def _proto_params(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                    top_k=p.top_k, ignore_eos=p.ignore_eos)
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        ignore_eos=p.ignore_eos,
+    )
     if p.seed is not None:
         msg.seed = p.seed
     return msg
 
 
-async def _disaggregated(prefill, decode, rid: str, prompt: list[int], params: common_pb2.SamplingParams,
-                         ) -> list[int]:
-    first = await prefill.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                                            sampling_params=params), timeout=60)
+async def _disaggregated(
+    prefill,
+    decode,
+    rid: str,
+    prompt: list[int],
+    params: common_pb2.SamplingParams,
+) -> list[int]:
+    first = await prefill.Prefill(
+        worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params), timeout=60
+    )
     tokens = [first.first_token_id]
     if first.finish_reason:
         return tokens
-    req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
-                                   kv_handle=first.kv_handle, first_token_id=first.first_token_id)
+    req = worker_pb2.DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        kv_handle=first.kv_handle,
+        first_token_id=first.first_token_id,
+    )
     async for msg in decode.Decode(req, timeout=60):
         tokens += list(msg.token_ids)
     return tokens
@@ -59,9 +77,16 @@ async def _free_blocks(stub) -> int:
 def test_disaggregated_equals_offline_for_32_concurrent_requests(pd_workers, seeded) -> None:  # noqa: F811
     prefill_proc, decode_proc = pd_workers
     prompts = _prompts(32, seed=7 if seeded else 8)
-    params = [SamplingParams(max_tokens=random.Random(i).choice([1, 5, 24]), ignore_eos=True,
-                             temperature=0.8 if seeded else 0.0, top_p=0.9 if seeded else 1.0,
-                             seed=1000 + i if seeded else None) for i in range(32)]
+    params = [
+        SamplingParams(
+            max_tokens=random.Random(i).choice([1, 5, 24]),
+            ignore_eos=True,
+            temperature=0.8 if seeded else 0.0,
+            top_p=0.9 if seeded else 1.0,
+            seed=1000 + i if seeded else None,
+        )
+        for i in range(32)
+    ]
     llm = LLM("tiny-dense", num_kv_blocks=512)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
 
@@ -69,9 +94,12 @@ def test_disaggregated_equals_offline_for_32_concurrent_requests(pd_workers, see
         pch, prefill = _stub(prefill_proc.address)
         dch, decode = _stub(decode_proc.address)
         async with pch, dch:
-            results = await asyncio.gather(*[
-                _disaggregated(prefill, decode, f"req-{seeded}-{i}", p, _proto_params(sp))
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
+            results = await asyncio.gather(
+                *[
+                    _disaggregated(prefill, decode, f"req-{seeded}-{i}", p, _proto_params(sp))
+                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+                ]
+            )
             for _ in range(100):  # notifications reach the prefill worker's lease keeper
                 if await _free_blocks(prefill) == 256:
                     break
@@ -86,16 +114,21 @@ def test_disaggregated_equals_offline_for_32_concurrent_requests(pd_workers, see
 def test_local_prefill_on_decode_worker_equals_offline(pd_workers) -> None:  # noqa: F811
     _, decode_proc = pd_workers
     prompt = _prompts(1, seed=3)[0]
-    expected = LLM("tiny-dense", num_kv_blocks=64).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    expected = (
+        LLM("tiny-dense", num_kv_blocks=64)
+        .generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+        .token_ids
+    )
 
     async def run() -> list[int]:
         ch, decode = _stub(decode_proc.address)
         async with ch:
             tokens: list[int] = []
-            req = worker_pb2.DecodeRequest(request_id="local-1", prompt_token_ids=prompt,
-                                           sampling_params=common_pb2.SamplingParams(
-                                               max_tokens=12, temperature=0.0, ignore_eos=True))
+            req = worker_pb2.DecodeRequest(
+                request_id="local-1",
+                prompt_token_ids=prompt,
+                sampling_params=common_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+            )
             async for msg in decode.Decode(req, timeout=30):
                 tokens += list(msg.token_ids)
             return tokens
@@ -112,11 +145,20 @@ def test_abort_mid_stream_returns_every_block(pd_workers) -> None:  # noqa: F811
         async with pch, dch:
             params = common_pb2.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
             prompt = _prompts(1, seed=5)[0]
-            first = await prefill.Prefill(worker_pb2.PrefillRequest(request_id="abort-me", prompt_token_ids=prompt,
-                                                                    sampling_params=params))
-            call = decode.Decode(worker_pb2.DecodeRequest(
-                request_id="abort-me", prompt_token_ids=prompt, sampling_params=params,
-                kv_handle=first.kv_handle, first_token_id=first.first_token_id))
+            first = await prefill.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="abort-me", prompt_token_ids=prompt, sampling_params=params
+                )
+            )
+            call = decode.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="abort-me",
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    kv_handle=first.kv_handle,
+                    first_token_id=first.first_token_id,
+                )
+            )
             got = 0
             async for msg in call:
                 got += len(msg.token_ids)
@@ -124,8 +166,11 @@ def test_abort_mid_stream_returns_every_block(pd_workers) -> None:  # noqa: F811
                     break
             call.cancel()  # the client goes away mid-stream
             # A second request aborted through the Abort RPC instead.
-            call2 = decode.Decode(worker_pb2.DecodeRequest(request_id="abort-rpc", prompt_token_ids=prompt,
-                                                           sampling_params=params))
+            call2 = decode.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="abort-rpc", prompt_token_ids=prompt, sampling_params=params
+                )
+            )
             async for _msg in call2:
                 break
             found = (await decode.Abort(worker_pb2.AbortRequest(request_id="abort-rpc"))).found
@@ -158,8 +203,14 @@ def test_malformed_requests_get_invalid_argument(pd_workers) -> None:  # noqa: F
             bad = [
                 (prefill.Prefill, worker_pb2.PrefillRequest(request_id="e1", prompt_token_ids=[])),
                 (prefill.Prefill, worker_pb2.PrefillRequest(request_id="e2", prompt_token_ids=[1, 9999])),
-                (prefill.Prefill, worker_pb2.PrefillRequest(request_id="e3", prompt_token_ids=[1],
-                                                            sampling_params=common_pb2.SamplingParams(top_p=0.0))),
+                (
+                    prefill.Prefill,
+                    worker_pb2.PrefillRequest(
+                        request_id="e3",
+                        prompt_token_ids=[1],
+                        sampling_params=common_pb2.SamplingParams(top_p=0.0),
+                    ),
+                ),
                 (prefill.Prefill, worker_pb2.PrefillRequest(request_id="e4", prompt_token_ids=[1] * 5000)),
             ]
             for fn, req in bad:
@@ -167,9 +218,14 @@ def test_malformed_requests_get_invalid_argument(pd_workers) -> None:  # noqa: F
                     await fn(req, timeout=10)
                 errors.append((info.value.code(), info.value.details()))
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in decode.Decode(worker_pb2.DecodeRequest(
-                        request_id="e5", prompt_token_ids=[1, 2],
-                        sampling_params=common_pb2.SamplingParams(temperature=-1.0)), timeout=10):
+                async for _ in decode.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="e5",
+                        prompt_token_ids=[1, 2],
+                        sampling_params=common_pb2.SamplingParams(temperature=-1.0),
+                    ),
+                    timeout=10,
+                ):
                     pass
             errors.append((info.value.code(), info.value.details()))
             assert await _free_blocks(prefill) == 256 and await _free_blocks(decode) == 256
@@ -189,16 +245,25 @@ def test_fingerprint_mismatch_is_clear_error_and_moves_no_bytes(pd_workers) -> N
     prefill_proc, _ = pd_workers
     other = ServiceProcess.start("decode_svc", *worker_args("tiny-dense", 256, "--dtype", "bfloat16"))
     try:
+
         async def run() -> tuple[grpc.StatusCode, str, int]:
             pch, prefill = _stub(prefill_proc.address)
             dch, decode = _stub(other.address)
             async with pch, dch:
                 params = common_pb2.SamplingParams(max_tokens=5, temperature=0.0)
                 prompt = list(range(40))
-                first = await prefill.Prefill(worker_pb2.PrefillRequest(
-                    request_id="fp-1", prompt_token_ids=prompt, sampling_params=params))
-                req = worker_pb2.DecodeRequest(request_id="fp-1", prompt_token_ids=prompt, sampling_params=params,
-                                               kv_handle=first.kv_handle, first_token_id=first.first_token_id)
+                first = await prefill.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="fp-1", prompt_token_ids=prompt, sampling_params=params
+                    )
+                )
+                req = worker_pb2.DecodeRequest(
+                    request_id="fp-1",
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    kv_handle=first.kv_handle,
+                    first_token_id=first.first_token_id,
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     async for _ in decode.Decode(req, timeout=20):
                         pass
@@ -220,6 +285,7 @@ def test_killed_decode_worker_and_lease_expiry(pd_workers) -> None:  # noqa: F81
     prefill_proc = ServiceProcess.start("prefill_svc", *worker_args("tiny-dense", 128, "--kv-lease-s", "1.5"))
     decode_proc = ServiceProcess.start("decode_svc", *worker_args("tiny-dense", 128))
     try:
+
         async def run() -> tuple[grpc.StatusCode, int, int]:
             pch, prefill = _stub(prefill_proc.address)
             dch, decode = _stub(decode_proc.address)
@@ -227,15 +293,27 @@ def test_killed_decode_worker_and_lease_expiry(pd_workers) -> None:  # noqa: F81
                 params = common_pb2.SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
                 prompt = list(range(60))
                 # One handed-off request whose decode worker dies before pulling: the lease frees it.
-                orphan = await prefill.Prefill(worker_pb2.PrefillRequest(
-                    request_id="orphan", prompt_token_ids=prompt, sampling_params=params))
+                orphan = await prefill.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="orphan", prompt_token_ids=prompt, sampling_params=params
+                    )
+                )
                 held = 128 - await _free_blocks(prefill)
                 # One request streaming when the decode worker is killed.
-                live = await prefill.Prefill(worker_pb2.PrefillRequest(
-                    request_id="live", prompt_token_ids=prompt, sampling_params=params))
-                call = decode.Decode(worker_pb2.DecodeRequest(
-                    request_id="live", prompt_token_ids=prompt, sampling_params=params,
-                    kv_handle=live.kv_handle, first_token_id=live.first_token_id))
+                live = await prefill.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="live", prompt_token_ids=prompt, sampling_params=params
+                    )
+                )
+                call = decode.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="live",
+                        prompt_token_ids=prompt,
+                        sampling_params=params,
+                        kv_handle=live.kv_handle,
+                        first_token_id=live.first_token_id,
+                    )
+                )
                 code = None
                 try:
                     n = 0

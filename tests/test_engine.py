@@ -75,25 +75,33 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(model) -> None:
     noisy = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True) for _ in prompts[1:]]
     together = llm.generate(prompts, [seeded, *noisy])[0].token_ids
     assert alone == together
-    other_seed = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    other_seed = SamplingParams(
+        max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True
+    )
     assert llm.generate([prompts[0]], other_seed)[0].token_ids != alone
 
 
 def test_sampling_filters() -> None:
     llm = LLM("tiny-dense", num_kv_blocks=128)
     prompt = [_prompts(1, seed=9)[0]]
-    greedy = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
     # top_k=1 and a tiny top_p both reduce sampling to the argmax.
-    for p in (SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True)):
+    for p in (
+        SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True),
+    ):
         assert llm.generate(prompt, p)[0].token_ids == greedy
 
 
 def test_logprobs_stop_tokens_and_strings() -> None:
     llm = LLM("tiny-dense", num_kv_blocks=128)
     prompt = list(b"Hello there")
-    base = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    base = llm.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+    )[0]
     assert len(base.logprobs) == 20
     for tok, lp in zip(base.token_ids, base.logprobs, strict=True):
         assert lp.token_id == tok and len(lp.top) == 3
@@ -121,8 +129,10 @@ def test_eos_stops_unless_ignored() -> None:
     llm.engine.eos_token_ids = frozenset({base.token_ids[2]})
     for seq_eos in [llm.engine.eos_token_ids]:
         out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))[0]
-        assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(
-            next(iter(seq_eos))) + 1]
+        assert (
+            out.finish_reason == "stop"
+            and out.token_ids == base.token_ids[: base.token_ids.index(next(iter(seq_eos))) + 1]
+        )
     out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == base.token_ids
     assert eos == 257
@@ -151,8 +161,10 @@ def test_bad_input_is_a_typed_error_and_engine_keeps_serving(prompt, params, mes
     llm = LLM("tiny-dense", num_kv_blocks=64, max_model_len=256)
     good = list(b"still serving")
     llm.engine.add_request("good", good, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        InvalidRequestError,
+        match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]"),
+    ):
         llm.engine.add_request("bad", prompt, params)
     tokens: list[int] = []
     finished = False
@@ -221,8 +233,9 @@ def test_physical_expert_replicas_give_same_tokens() -> None:
     import torch
 
     p2l = [list(range(8)) + [0, 1, 2, 3] for _ in range(4)]
-    loaded = load_model("tiny-moe", "float32", torch.device("cpu"), get_ops("torch"), 4096,
-                        physical_to_logical=p2l)
+    loaded = load_model(
+        "tiny-moe", "float32", torch.device("cpu"), get_ops("torch"), 4096, physical_to_logical=p2l
+    )
     engine = LLMEngine(EngineConfig(model="tiny-moe", num_kv_blocks=256))
     engine.model = loaded.model
     engine.runner.model = loaded.model

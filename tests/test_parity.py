@@ -32,8 +32,14 @@ def test_greedy_matches_transformers(checkpoint) -> None:
     assert all(len(set(e)) >= 4 for e in expected), expected
     assert len({t for e in expected for t in e}) > 40, expected
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
-              max_num_batched_tokens=512)
+    llm = LLM(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_batched_tokens=512,
+    )
     batched = llm.generate(prompts, params)
     assert [o.token_ids for o in batched] == expected
     for prompt, exp in zip(prompts, expected, strict=True):

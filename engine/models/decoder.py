@@ -34,7 +34,9 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.ops = ops
@@ -51,8 +53,14 @@ class Attention(nn.Module):
         self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         qkv = x @ self.qkv_proj.t()
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
@@ -65,8 +73,9 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k, self.k_norm, self.eps)
         q, k = self.ops.apply_rope(q, k, positions, cos_sin)
         self.ops.write_kv(kv_pool, self.layer, k, v, meta.slot_mapping)
-        o = self.ops.paged_attention(q, kv_pool, self.layer, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, self.scale)
+        o = self.ops.paged_attention(
+            q, kv_pool, self.layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+        )
         return o.reshape(-1, self.q_size) @ self.o_proj.t()
 
 
@@ -82,8 +91,16 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device,
-                 dispatcher: TokenDispatcher | None, physical_to_logical: list[int] | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        dispatcher: TokenDispatcher | None,
+        physical_to_logical: list[int] | None,
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.eps = cfg.rms_norm_eps
@@ -92,15 +109,30 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, ops, dtype, device)
         self.mlp: nn.Module
         if cfg.moe_layers and cfg.moe_layers[layer]:
-            self.mlp = MoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                cfg.num_experts_per_tok, cfg.norm_topk_prob, ops, dtype, device,
-                                physical_to_logical=physical_to_logical, dispatcher=dispatcher)
+            self.mlp = MoEBlock(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                ops,
+                dtype,
+                device,
+                physical_to_logical=physical_to_logical,
+                dispatcher=dispatcher,
+            )
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             h = self.ops.rms_norm(x, self.input_layernorm, self.eps)
@@ -112,28 +144,48 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
-                 max_positions: int, dispatcher: TokenDispatcher | None = None,
-                 physical_to_logical: list[list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        dispatcher: TokenDispatcher | None = None,
+        physical_to_logical: list[list[int]] | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ops, dtype, device, dispatcher,
-                         physical_to_logical[i] if physical_to_logical else None)
+            DecoderLayer(
+                cfg,
+                i,
+                ops,
+                dtype,
+                device,
+                dispatcher,
+                physical_to_logical[i] if physical_to_logical else None,
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
         self.register_buffer(
-            "cos_sin", cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device),
-            persistent=False)
+            "cos_sin",
+            cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device),
+            persistent=False,
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed_tokens[input_ids]
         residual = None
         for layer in self.layers:

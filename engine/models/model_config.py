@@ -67,7 +67,9 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type not in ("default", "llama3"):
-                raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
+                raise UnsupportedModelError(
+                    f"unsupported rope scaling {rope_type!r}; supported: default, llama3"
+                )
             if rope_type == "default":
                 rope_scaling = None
         num_layers = cfg["num_hidden_layers"]
@@ -83,7 +85,9 @@ class ModelConfig:
             norm_topk = bool(cfg.get("norm_topk_prob", False))
             step = cfg.get("decoder_sparse_step", 1) or 1
             mlp_only = set(cfg.get("mlp_only_layers") or [])
-            moe_layers = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+            moe_layers = [
+                (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+            ]
         elif arch == "MixtralForCausalLM":
             num_experts = cfg["num_local_experts"]
             top_k = cfg["num_experts_per_tok"]

@@ -26,8 +26,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     return torch.where(is_medium, smoothed, scaled)
 
 
-def cos_sin_cache(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def cos_sin_cache(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """[max_positions, head_dim]: cos of the half frequencies, then sin, in fp32."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
     t = torch.arange(max_positions, dtype=torch.int64, device=device).to(torch.float32)

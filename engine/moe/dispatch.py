@@ -21,8 +21,14 @@ class TokenDispatcher(Protocol):
     ep_rank: int
     ep_size: int
 
-    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            num_physical_experts: int, expert_fn: ExpertFn) -> torch.Tensor:
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_physical_experts: int,
+        expert_fn: ExpertFn,
+    ) -> torch.Tensor:
         """Send tokens to the ranks holding their experts, run ``expert_fn`` there, combine back.
 
         ``topk_ids`` are global physical expert ids; rank r holds physical experts
@@ -35,8 +41,14 @@ class SingleRankDispatcher:
     ep_rank = 0
     ep_size = 1
 
-    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            num_physical_experts: int, expert_fn: ExpertFn) -> torch.Tensor:
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_physical_experts: int,
+        expert_fn: ExpertFn,
+    ) -> torch.Tensor:
         return expert_fn(x, topk_weights, topk_ids)
 
 
@@ -51,8 +63,14 @@ class AllGatherDispatcher:
         self.ep_rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
 
-    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            num_physical_experts: int, expert_fn: ExpertFn) -> torch.Tensor:
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_physical_experts: int,
+        expert_fn: ExpertFn,
+    ) -> torch.Tensor:
         dist = self.dist
         n_local = x.shape[0]
         sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]

@@ -39,10 +39,19 @@ class ExpertPlacement:
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, ops: Ops, dtype: torch.dtype, device: torch.device,
-                 physical_to_logical: list[int] | None = None,
-                 dispatcher: TokenDispatcher | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        physical_to_logical: list[int] | None = None,
+        dispatcher: TokenDispatcher | None = None,
+    ) -> None:
         super().__init__()
         self.num_logical = num_experts
         self.top_k = top_k
@@ -58,9 +67,15 @@ class MoEBlock(nn.Module):
         n_local = self.num_physical // ep
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, **kw), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(n_local, 2 * intermediate_size, hidden_size, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n_local, hidden_size, intermediate_size, **kw), requires_grad=False)
-        self.register_buffer("expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device))
+        self.w13 = nn.Parameter(
+            torch.empty(n_local, 2 * intermediate_size, hidden_size, **kw), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(n_local, hidden_size, intermediate_size, **kw), requires_grad=False
+        )
+        self.register_buffer(
+            "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = x @ self.gate.t()
