@@ -146,7 +146,7 @@ def reference_markdown(sections: list[tuple[str, type]]) -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the settings classes by `python -m mesh.config_docs`; do not edit by hand.",
+        "Generated from the settings classes by `python docs/gen_configuration.py`; do not edit by hand.",
         "",
     ]
     for title, cls in sections:

@@ -1,0 +1,45 @@
+"""One config definition: flags, PDMESH_* variables and the reference docs all come from it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from mesh.config import add_arguments, from_sources, to_argv
+
+
+def test_flags_env_and_defaults_resolve_in_order() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    args = parser.parse_args(["--block-size", "32", "--no-enable-prefix-caching"])
+    env = {"PDMESH_BLOCK_SIZE": "64", "PDMESH_MAX_NUM_SEQS": "7", "PDMESH_DTYPE": "bfloat16"}
+    cfg = from_sources(EngineConfig, args, env=env)
+    assert cfg.block_size == 32  # the flag wins over the variable
+    assert cfg.max_num_seqs == 7 and cfg.dtype == "bfloat16"  # variables beat defaults
+    assert cfg.enable_prefix_caching is False
+    assert cfg.model == "tiny-dense"
+    again = from_sources(EngineConfig, parser.parse_args(to_argv(cfg)), env={})
+    assert again == cfg
+
+
+def test_bad_values_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="PDMESH_MAX_NUM_SEQS"):
+        from_sources(EngineConfig, None, env={"PDMESH_MAX_NUM_SEQS": "lots"})
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(block_size=12)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kernel-backend", "cuda-magic"])
+
+
+def test_configuration_reference_is_current() -> None:
+    path = Path(__file__).resolve().parent.parent / "docs" / "gen_configuration.py"
+    spec = importlib.util.spec_from_file_location("gen_configuration", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.TARGET.read_text() == module.render(), "run `python docs/gen_configuration.py` and commit"
