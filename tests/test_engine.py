@@ -243,3 +243,36 @@ def test_physical_expert_replicas_give_same_tokens() -> None:
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     phys = engine.take_expert_counts()
     assert phys.shape == (3, 12) and int(phys[:, 8:].sum()) > 0  # replicas took some tokens
+
+
+def test_bfloat16_on_cpu_runs_and_is_deterministic() -> None:
+    llm = LLM("tiny-dense", dtype="bfloat16", num_kv_blocks=64)
+    prompt = [_prompts(1, seed=2)[0]]
+    a = llm.generate(prompt, GREEDY)[0].token_ids
+    b = llm.generate(prompt, GREEDY)[0].token_ids
+    assert a == b and len(a) == GREEDY.max_tokens
+    assert llm.engine.kv_pool.dtype.is_floating_point and str(llm.engine.kv_pool.dtype) == "torch.bfloat16"
+
+
+def test_unsupported_architecture_and_missing_files_are_clear_errors(tmp_path) -> None:
+    import json
+
+    from engine.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="neither a built-in model"):
+        LLM(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModelError, match="config.json is missing"):
+        LLM(str(tmp_path / "empty"))
+    gpt = tmp_path / "gpt2"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM"):
+        LLM(str(gpt))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 64}))
+    with pytest.raises(UnsupportedModelError, match="no safetensors weights"):
+        LLM(str(llama))
