@@ -1,0 +1,73 @@
+"""``python -m router``: run one router process until SIGINT/SIGTERM.
+
+Flags come from ``router.config.RouterConfig`` (each with a ``PDMESH_*`` twin). Prints one line,
+``pdmesh router ready: grpc=HOST:PORT metrics=HOST:PORT http=HOST:PORT``, once both servers accept
+requests (the same shape as the workers' line; ``metrics`` is the HTTP server, which serves ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from mesh.config import add_arguments, from_sources
+from mesh.grpc_server import format_address
+from router.config import RouterConfig
+from router.service import RouterService
+
+log = logging.getLogger("router")
+
+
+def parse_config(argv: list[str] | None = None) -> RouterConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m router",
+        description="pdmesh router: OpenAI-compatible HTTP and pdmesh.v1.Router gRPC in front of prefill "
+        "and decode workers.",
+    )
+    add_arguments(parser, RouterConfig, "router")
+    args = parser.parse_args(argv)
+    try:
+        return from_sources(RouterConfig, args)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+async def serve(config: RouterConfig) -> None:
+    service = RouterService(config)
+    await service.start()
+    print(
+        f"pdmesh router ready: grpc={format_address(config.host, service.grpc_port)} "
+        f"metrics={format_address(config.host, service.http_port)} "
+        f"http={format_address(config.host, service.http_port)} model={service.model.name}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("router shutting down")
+        await service.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

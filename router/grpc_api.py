@@ -1,0 +1,120 @@
+"""The public gRPC API: ``pdmesh.v1.Router`` (``Generate``, ``ListModels``).
+
+``Generate`` applies the same checks as the HTTP API (``router.served_model``) and streams one
+``GenerateResponse`` per orchestrator chunk; errors are gRPC statuses (INVALID_ARGUMENT, NOT_FOUND,
+UNAVAILABLE, DEADLINE_EXCEEDED...). A cancelled call cancels the request on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from mesh.grpc_server import abort_with
+from mesh.telemetry import extract_context
+from protos.pdmesh.v1 import router_pb2, router_pb2_grpc
+from router.errors import InvalidRequestError, RouterError
+from router.metrics import RouterMetrics
+from router.orchestrator import Generation, Orchestrator
+from router.served_model import COMPLETIONS_DEFAULT_MAX_TOKENS, ServedModel, sampling_input_from_proto
+from router.text_stream import TextStream
+from router.worker_pool import DECODE, PREFILL, WorkerPool
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "grpc_generate"
+
+
+def build_generation(model: ServedModel, request: router_pb2.GenerateRequest, metadata: object) -> Generation:
+    model.check_model(request.model)
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        ids = model.encode(request.text)
+    elif which == "token_ids":
+        ids = list(request.token_ids.ids)
+    else:
+        raise InvalidRequestError("GenerateRequest needs a prompt: set text or token_ids", param="prompt")
+    model.check_prompt(ids)
+    s = sampling_input_from_proto(request.sampling_params)
+    max_tokens = model.resolve_max_tokens(s.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+    sampling = model.sampling_params(s, max_tokens)
+    return Generation(
+        request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
+        prompt_token_ids=ids,
+        sampling_params=sampling,
+        endpoint=ENDPOINT,
+        session_id=request.session_id or None,
+        cache_salt=request.cache_salt,
+        trace_context=extract_context(metadata),  # type: ignore[arg-type]
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self, model: ServedModel, orchestrator: Orchestrator, pool: WorkerPool, metrics: RouterMetrics
+    ) -> None:
+        self.model = model
+        self.orchestrator = orchestrator
+        self.pool = pool
+        self.metrics = metrics
+
+    async def Generate(  # noqa: N802 (generated name)
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        status = "ok"
+        try:
+            try:
+                gen = build_generation(self.model, request, context.invocation_metadata())
+                sp = gen.sampling_params
+                text = (
+                    TextStream(self.model.tokenizer, list(sp.stop), sp.skip_special_tokens)
+                    if request.return_text
+                    else None
+                )
+                async with contextlib.aclosing(self.orchestrator.generate(gen)) as chunks:
+                    async for chunk in chunks:
+                        out = router_pb2.GenerateResponse(
+                            request_id=gen.request_id,
+                            token_ids=chunk.token_ids,
+                            logprobs=chunk.logprobs,
+                            finish_reason=chunk.finish_reason,
+                            prefill_worker=chunk.prefill_worker,
+                            decode_worker=chunk.decode_worker,
+                        )
+                        if text is not None:
+                            out.text = text.add(chunk.token_ids) + (text.finish() if chunk.finished else "")
+                        if chunk.usage is not None:
+                            out.usage.CopyFrom(chunk.usage)
+                        yield out
+            except RouterError as exc:
+                status = exc.metric_status
+                await abort_with(context, exc.grpc_code, exc.message)
+            except Exception as exc:  # a bug: answer INTERNAL with its name rather than UNKNOWN
+                status = "error"
+                log.exception("internal error serving Generate")
+                await abort_with(
+                    context, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+                )
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint=ENDPOINT, status=status).inc()
+
+    async def ListModels(  # noqa: N802 (generated name)
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        info = router_pb2.ModelInfo(
+            id=self.model.name,
+            model_fingerprint=self.pool.model_fingerprint or "",
+            max_model_len=self.model.max_model_len,
+            block_size=self.pool.block_size,
+            num_prefill_workers=len(self.pool.usable(PREFILL)),
+            num_decode_workers=len(self.pool.usable(DECODE)),
+        )
+        return router_pb2.ListModelsResponse(models=[info])

@@ -1,0 +1,57 @@
+"""The router's Prometheus metrics, made once on its registry (names ``pdmesh_router_<what>_<unit>``).
+
+Front ends count requests by endpoint and status; the orchestrator times tokens, counts tokens, routing
+decisions and worker errors. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from mesh.telemetry import ServiceMetrics
+
+# Seconds; TTFT on a CPU mesh is tens of ms to seconds, on GPUs a few ms.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        m = ServiceMetrics("router", registry)
+        self.registry = m.registry
+        self.requests = m.counter(
+            "requests", "total", "Requests by endpoint and how they ended.", ["endpoint", "status"]
+        )
+        self.in_flight = m.gauge("in_flight", "requests", "Requests being served now.")
+        self.ttft = m.histogram(
+            "ttft", "seconds", "Time from a request's arrival to its first token.", buckets=LATENCY_BUCKETS
+        )
+        self.tpot = m.histogram(
+            "tpot",
+            "seconds",
+            "Mean time between output tokens after the first, per request.",
+            buckets=TPOT_BUCKETS,
+        )
+        self.e2e_latency = m.histogram(
+            "request_latency",
+            "seconds",
+            "Time from a request's arrival to its last token.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = m.counter("prompt", "tokens", "Prompt tokens of requests sent to workers.")
+        self.generated_tokens = m.counter("generated", "tokens", "Tokens generated and sent to clients.")
+        self.prefix_hit_tokens = m.counter(
+            "prefix_hit", "tokens", "Prompt tokens the workers served from a KV cache, by tier.", ["tier"]
+        )
+        self.decisions = m.counter(
+            "decisions", "total", "Routing decisions by worker role and reason.", ["role", "reason"]
+        )
+        self.worker_errors = m.counter(
+            "worker_errors",
+            "total",
+            "Failed worker calls by worker address, RPC and status code.",
+            ["worker", "rpc", "code"],
+        )
+        self.retries = m.counter(
+            "retries", "total", "Requests sent to another worker after one failed, by role.", ["role"]
+        )

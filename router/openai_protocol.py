@@ -1,0 +1,383 @@
+"""The OpenAI-compatible request and response shapes: parsing JSON bodies, building JSON replies.
+
+Parsing checks types and names the offending field (``param``) in every error; value checks on sampling
+fields happen later, in ``router.served_model`` (the engine's rules). Response builders produce the shapes
+the ``openai`` client and vLLM users expect: ``text_completion`` / ``chat.completion`` objects, their
+``.chunk`` streaming variants, usage with ``prompt_tokens_details.cached_tokens``, and logprobs in the
+completions (``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``) and chat (``content``) forms.
+No I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from protos.pdmesh.v1 import common_pb2
+from router.errors import InvalidRequestError
+from router.served_model import NEUTRAL_PENALTIES, SamplingInput
+from router.text_stream import token_text
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ParsedRequest:
+    """A completions or chat request after type checks, before tokenization and value checks."""
+
+    kind: str  # "completions" | "chat_completions"
+    model: str | None
+    prompt_text: str | None = None  # completions (text prompt) or the rendered chat
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    sampling: SamplingInput = field(default_factory=SamplingInput)
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+    user: str | None = None
+    request_id: str | None = None
+    cache_salt: str = ""
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+class _Fields:
+    """Typed access to a JSON object's fields; every error names the field."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self.body = body
+
+    def _bad(self, name: str, want: str) -> InvalidRequestError:
+        return InvalidRequestError(f"'{name}' must be {want}, got {_json_type(self.body[name])}", param=name)
+
+    def present(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def str(self, name: str) -> str | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self._bad(name, "a string")
+        return value
+
+    def bool(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(name, "a boolean")
+        return value
+
+    def int(self, name: str) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._bad(name, "an integer")
+        if isinstance(value, float) and not value.is_integer():
+            raise self._bad(name, "an integer")
+        return int(value)
+
+    def number(self, name: str) -> float | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._bad(name, "a finite number")
+        return float(value)
+
+    def str_list(self, name: str) -> list[str]:
+        value = self.body.get(name)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self._bad(name, "a string or an array of strings")
+        return list(value)
+
+    def int_list(self, name: str) -> list[int]:
+        value = self.body.get(name)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise self._bad(name, "an array of integers")
+        return [int(v) for v in value]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reject_unsupported(f: _Fields) -> None:
+    n = f.int("n")
+    if n is not None and n != 1:
+        raise InvalidRequestError(
+            f"n must be 1: this router returns one choice per request, got {n}", param="n"
+        )
+    best_of = f.int("best_of")
+    if best_of is not None and best_of != 1:
+        raise InvalidRequestError(f"best_of must be 1, got {best_of}", param="best_of")
+    if f.bool("echo", False):
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if f.present("suffix"):
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if f.body.get("logit_bias"):
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+    if f.body.get("tools"):
+        raise InvalidRequestError("tools are not supported", param="tools")
+    fmt = f.body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+        raise InvalidRequestError(
+            'response_format other than {"type": "text"} is not supported', param="response_format"
+        )
+
+
+def _sampling(f: _Fields, logprobs: int | None) -> SamplingInput:
+    s = SamplingInput(
+        temperature=f.number("temperature"),
+        top_p=f.number("top_p"),
+        top_k=f.int("top_k"),
+        min_p=f.number("min_p"),
+        seed=f.int("seed"),
+        stop=f.str_list("stop"),
+        stop_token_ids=f.int_list("stop_token_ids"),
+        ignore_eos=f.bool("ignore_eos", False),
+        logprobs=logprobs,
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+    )
+    for name in NEUTRAL_PENALTIES:
+        value = f.number(name)
+        if value is not None:
+            s.penalties[name] = value
+    return s
+
+
+def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
+    _reject_unsupported(f)
+    stream = f.bool("stream", False)
+    include_usage = False
+    options = f.body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
+        if not stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        include_usage = _Fields(options).bool("include_usage", False)
+    session = f.str("session_id") or headers.get("X-Session-ID") or headers.get("x-session-id")
+    return ParsedRequest(
+        kind=kind,
+        model=f.str("model"),
+        stream=stream,
+        include_usage=include_usage,
+        session_id=session or None,
+        user=f.str("user"),
+        request_id=f.str("request_id"),
+        cache_salt=f.str("cache_salt") or "",
+    )
+
+
+def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
+    f = _Fields(body)
+    req = _common(f, "completions", headers or {})
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidRequestError("'prompt' is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        req.prompt_token_ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequestError(
+            f"a batch of {len(prompt)} prompts is not supported: send one prompt per request", param="prompt"
+        )
+    else:
+        raise InvalidRequestError("'prompt' must be a string or an array of token ids", param="prompt")
+    req.add_special_tokens = f.bool("add_special_tokens", True)
+    logprobs = f.int("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs"
+        )
+    req.sampling = _sampling(f, logprobs)
+    req.sampling.max_tokens = f.int("max_tokens")
+    return req
+
+
+def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
+    f = _Fields(body)
+    req = _common(f, "chat_completions", headers or {})
+    req.messages = _messages(body.get("messages"))
+    req.add_generation_prompt = f.bool("add_generation_prompt", True)
+    # Chat templates carry their own BOS; vLLM adds no special tokens to a rendered chat by default.
+    req.add_special_tokens = f.bool("add_special_tokens", False)
+    top = f.int("top_logprobs")
+    logprobs: int | None = None
+    if f.bool("logprobs", False):
+        logprobs = top or 0
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="top_logprobs"
+            )
+    elif top:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    req.sampling = _sampling(f, logprobs)
+    max_completion = f.int("max_completion_tokens")
+    req.sampling.max_tokens = max_completion if max_completion is not None else f.int("max_tokens")
+    return req
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise InvalidRequestError("'messages' is required", param="messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("'messages' must be a non-empty array of message objects", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'", param=where)
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"{where}.role"
+            )
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise InvalidRequestError(
+                        f'{where}.content[{j}]: only text parts ({{"type": "text", "text": ...}}) are '
+                        "supported",
+                        param=f"{where}.content",
+                    )
+                parts.append(part["text"])
+            text = "\n".join(parts)
+        else:
+            raise InvalidRequestError(
+                f"{where}.content must be a string or an array of text parts", param=f"{where}.content"
+            )
+        msg = {k: v for k, v in m.items() if k != "content"}
+        msg["content"] = text
+        out.append(msg)
+    return out
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+
+def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+class CompletionLogprobs:
+    """Accumulates the completions-API logprobs object (or the chunk of it for one stream message)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.offset = 0
+
+    def part(self, entries: Sequence[common_pb2.Logprobs]) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for e in entries:
+            text = token_text(self.tokenizer, e.token_id)
+            tokens.append(text)
+            token_logprobs.append(e.logprob)
+            top.append({token_text(self.tokenizer, t.token_id): t.logprob for t in e.top_logprobs})
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for p in parts:
+            for k in out:
+                out[k].extend(p[k])
+        return out
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[common_pb2.Logprobs]) -> list[dict[str, Any]]:
+    """The chat API's ``logprobs.content`` entries."""
+    out = []
+    for e in entries:
+        text = token_text(tokenizer, e.token_id)
+        out.append(
+            {
+                "token": text,
+                "logprob": e.logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": (t := token_text(tokenizer, a.token_id)),
+                        "logprob": a.logprob,
+                        "bytes": list(t.encode("utf-8")),
+                    }
+                    for a in e.top_logprobs
+                ],
+            }
+        )
+    return out

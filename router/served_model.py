@@ -1,0 +1,194 @@
+"""The model a router serves, and the checks every API applies before a request reaches a worker.
+
+Holds the tokenizer and config (``engine.loader.load_tokenizer``: no weights) and the length limit. Turns
+user sampling values into the worker's ``SamplingParams`` message after validating them with the
+engine's own ``SamplingParams.validate``, so a bad value gets the same message from the router as from
+the engine. HTTP and gRPC front ends both go through here; neither validates on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequestError as EngineInvalidRequest
+from engine.loader import load_tokenizer
+from engine.models.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from protos.pdmesh.v1 import common_pb2
+from router.errors import InvalidRequestError, ModelNotFoundError
+from router.worker_pool import WorkerPool
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions and Generate
+
+# Penalties the engine does not implement: accepted at their neutral value only (never ignored).
+NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+@dataclass
+class SamplingInput:
+    """Sampling values as a user gave them; None means "not given"."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    penalties: dict[str, float] = field(default_factory=dict)
+
+
+class ServedModel:
+    def __init__(
+        self,
+        model: str,
+        pool: WorkerPool | None,
+        served_name: str | None = None,
+        max_model_len: int | None = None,
+        default_max_tokens_cap: int = 4096,
+    ) -> None:
+        tokenizer, config, name = load_tokenizer(model)
+        self.tokenizer: Tokenizer = tokenizer
+        self.config: ModelConfig = config
+        self.name = served_name or name
+        self.pool = pool
+        self._max_model_len = max_model_len
+        self.default_max_tokens_cap = default_max_tokens_cap
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The flag if given, else the smallest the workers announce, else the model's own limit."""
+        if self._max_model_len is not None:
+            return self._max_model_len
+        announced = self.pool.max_model_len() if self.pool is not None else None
+        return announced or self.config.max_position_embeddings
+
+    def check_model(self, requested: str | None) -> None:
+        """Empty or absent means this model; any other name is a 404 naming the served one."""
+        if requested and requested != self.name:
+            raise ModelNotFoundError(
+                f"The model `{requested}` does not exist. This router serves `{self.name}`.", param="model"
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_prompt(self, prompt_token_ids: Sequence[int], param: str = "prompt") -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: it must have at least one token", param=param)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", param=param
+            )
+        n, limit = len(prompt_token_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, max_model_len is {limit}: it must be shorter to leave room for at "
+                "least one generated token",
+                param=param,
+            )
+
+    def resolve_max_tokens(
+        self, requested: int | None, prompt_len: int, default: int | None, param: str = "max_tokens"
+    ) -> int:
+        """The max_tokens to send: the user's (checked against the context), or the default clamped to it.
+
+        ``default`` None means "the rest of the context, up to ``default_max_tokens_cap``" (chat).
+        """
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            wanted = default if default is not None else self.default_max_tokens_cap
+            return max(1, min(wanted, room))
+        if requested < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}", param=param)
+        if requested > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+                "Please reduce the length of the prompt or of max_tokens.",
+                param=param,
+            )
+        return requested
+
+    def sampling_params(self, s: SamplingInput, max_tokens: int) -> common_pb2.SamplingParams:
+        """Validate with the engine's rules and build the message workers take."""
+        for name, value in s.penalties.items():
+            neutral = NEUTRAL_PENALTIES[name]
+            if value != neutral:
+                raise InvalidRequestError(
+                    f"{name} is not supported by this engine (only {neutral:g} is accepted), got {value:g}",
+                    param=name,
+                )
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "stop": list(s.stop),
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+            "logprobs": s.logprobs,
+            "skip_special_tokens": s.skip_special_tokens,
+            "seed": s.seed,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(s, name)
+            if value is not None:
+                kwargs[name] = value
+        params = SamplingParams(**kwargs)
+        try:
+            params.validate(self.vocab_size)
+        except EngineInvalidRequest as exc:
+            raise InvalidRequestError(str(exc), param=_param_of(str(exc))) from None
+        out = common_pb2.SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            stop=list(params.stop or []),
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        if params.seed is not None:
+            out.seed = params.seed % 2**64  # torch.Generator.manual_seed's rule for negative seeds
+        if params.logprobs is not None:
+            out.logprobs = params.logprobs
+        return out
+
+
+def _param_of(message: str) -> str | None:
+    """The field an engine validation message names (it starts with the field's name)."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
+    """What a gRPC caller set, unset optional fields left as "not given"."""
+    s = SamplingInput(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=p.top_k or None,
+        min_p=p.min_p or None,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+    )
+    for name in NEUTRAL_PENALTIES:
+        if p.HasField(name):
+            s.penalties[name] = getattr(p, name)
+    return s

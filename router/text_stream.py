@@ -1,0 +1,73 @@
+"""Text of a streamed completion: incremental detokenization with stop strings cut off.
+
+Workers stream token ids only; the router turns them into text. A worker stops at the token that
+completes a stop string (its tokens are returned), so the text must end before the stop string, exactly
+as the offline engine's text does. While streaming, the last ``len(longest stop string) - 1`` characters
+are held back, since they may be the start of a stop string that the next tokens complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    """Feed token ids with ``add``; take the text that is safe to send; ``finish`` flushes the rest."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop = [s for s in stop if s]
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._text = ""  # all text decoded so far (before any stop cut)
+        self._sent = 0  # characters of _text already returned
+        self.stopped_on: str | None = None  # the stop string that ended the text
+
+    @property
+    def text(self) -> str:
+        """The text returned so far."""
+        return self._text[: self._sent]
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """New text safe to send; after a stop string matched, always ''."""
+        if self.stopped_on is not None:
+            return ""
+        self._text += self._detok.add(list(token_ids))
+        if self._cut_at_stop():
+            return self._take(len(self._text))
+        return self._take(max(self._sent, len(self._text) - self._holdback))
+
+    def finish(self) -> str:
+        """The held-back rest, once the request is over."""
+        if self.stopped_on is None:
+            self._text += self._detok.flush()
+            self._cut_at_stop()
+        return self._take(len(self._text))
+
+    def _take(self, upto: int) -> str:
+        delta = self._text[self._sent : upto]
+        self._sent = max(self._sent, upto)
+        return delta
+
+    def _cut_at_stop(self) -> bool:
+        # The engine's rule (engine.llm_engine._check_stop): stop strings in request order, each looked
+        # for near the end first.
+        for s in self.stop:
+            idx = self._text.find(s, max(0, len(self._text) - len(s) - 8))
+            if idx < 0:
+                idx = self._text.find(s, max(0, self._sent - len(s)))
+            if idx >= 0:
+                self._text = self._text[:idx]
+                self._sent = min(self._sent, idx)
+                self.stopped_on = s
+                return True
+        return False
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token as text, for logprobs; ``token_id:<id>`` when it decodes to nothing (special tokens)."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text if text else f"token_id:{token_id}"

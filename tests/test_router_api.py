@@ -1,0 +1,395 @@
+"""The router's public API without workers: request parsing and validation, the OpenAI error shape over
+real HTTP, gRPC statuses, text assembly with stop strings, and the command line.
+
+Routers here point at addresses where nothing listens, so every valid request ends in 503/UNAVAILABLE
+and every invalid one in 400/INVALID_ARGUMENT before any worker is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from engine.tokenizer import ByteTokenizer
+from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.__main__ import parse_config
+from router.config import RouterConfig
+from router.errors import InvalidRequestError, ModelNotFoundError
+from router.openai_protocol import parse_chat, parse_completion, parse_json_body
+from router.served_model import SamplingInput, ServedModel
+from router.service import RouterService
+from router.text_stream import TextStream
+
+NOWHERE = "127.0.0.1:1"  # nothing listens on port 1
+
+
+# ---- parsing ----------------------------------------------------------------------------------------
+
+
+def test_completion_request_fields_are_parsed() -> None:
+    req = parse_completion(
+        {
+            "model": "tiny-dense",
+            "prompt": "hi",
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "stop": "x",
+            "seed": -3,
+            "logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "top_k": 5,
+            "min_p": 0.1,
+            "stop_token_ids": [7],
+            "skip_special_tokens": False,
+            "session_id": "s1",
+            "user": "u",
+        }
+    )
+    s = req.sampling
+    assert (req.prompt_text, req.stream, req.include_usage, req.session_id, req.user) == (
+        "hi",
+        True,
+        True,
+        "s1",
+        "u",
+    )
+    assert (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed, s.logprobs) == (7, 0.0, 0.5, ["x"], -3, 2)
+    assert (s.ignore_eos, s.top_k, s.min_p, s.stop_token_ids, s.skip_special_tokens) == (
+        True,
+        5,
+        0.1,
+        [7],
+        False,
+    )
+
+
+def test_prompt_forms() -> None:
+    assert parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
+    assert parse_completion({"prompt": ["one"]}).prompt_text == "one"
+    assert parse_completion({"prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
+    with pytest.raises(InvalidRequestError, match="batch of 2 prompts"):
+        parse_completion({"prompt": ["a", "b"]})
+    with pytest.raises(InvalidRequestError, match="'prompt' is required") as err:
+        parse_completion({})
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="'prompt' must be"):
+        parse_completion({"prompt": 5})
+
+
+def test_session_id_from_header() -> None:
+    assert parse_completion({"prompt": "x"}, {"X-Session-ID": "abc"}).session_id == "abc"
+    assert parse_completion({"prompt": "x", "session_id": "body"}, {"X-Session-ID": "h"}).session_id == "body"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            {"prompt": "x", "temperature": "hot"},
+            "temperature",
+            "'temperature' must be a finite number, got string",
+        ),
+        ({"prompt": "x", "max_tokens": 1.5}, "max_tokens", "'max_tokens' must be an integer"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be an integer, got boolean"),
+        ({"prompt": "x", "stop": [1]}, "stop", "'stop' must be a string or an array of strings"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "'stream' must be a boolean"),
+        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
+        (
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed when stream",
+        ),
+        ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+    ],
+)
+def test_completion_type_errors_name_the_field(body: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        parse_completion(body)
+    assert err.value.param == param
+
+
+def test_chat_request_fields() -> None:
+    req = parse_chat(
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ],
+            "max_completion_tokens": 9,
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 4,
+        }
+    )
+    assert req.messages == [{"role": "user", "content": "a\nb"}]
+    assert (req.sampling.max_tokens, req.sampling.logprobs, req.add_special_tokens) == (9, 4, False)
+    assert (
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).sampling.logprobs == 0
+    )
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).sampling.logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        (None, "'messages' is required"),
+        ([], "non-empty array"),
+        (["hi"], r"messages\[0\] must be an object"),
+        ([{"role": "wizard", "content": "x"}], r"messages\[0\].role must be one of"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text parts"),
+        ([{"role": "user", "content": 5}], "must be a string or an array of text parts"),
+    ],
+)
+def test_chat_message_errors(messages: Any, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_chat({"messages": messages} if messages is not None else {})
+
+
+def test_json_body_errors() -> None:
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        parse_json_body(b"{nope")
+    with pytest.raises(InvalidRequestError, match="must be a JSON object, got array"):
+        parse_json_body(b"[1]")
+
+
+# ---- value checks (the engine's own rules) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model() -> ServedModel:
+    return ServedModel("tiny-dense", None, max_model_len=64)
+
+
+def test_sampling_values_are_checked_with_the_engine_messages(model: ServedModel) -> None:
+    with pytest.raises(InvalidRequestError, match=r"top_p must be in \(0, 1\], got 1.5") as err:
+        model.sampling_params(SamplingInput(top_p=1.5), 4)
+    assert err.value.param == "top_p"
+    with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
+        model.sampling_params(SamplingInput(temperature=-0.1), 4)
+    with pytest.raises(InvalidRequestError, match=r"stop_token_ids \[600\] are outside the vocabulary"):
+        model.sampling_params(SamplingInput(stop_token_ids=[600]), 4)
+    with pytest.raises(InvalidRequestError, match="presence_penalty is not supported"):
+        model.sampling_params(SamplingInput(penalties={"presence_penalty": 0.5}), 4)
+    model.sampling_params(SamplingInput(penalties={"presence_penalty": 0.0, "repetition_penalty": 1.0}), 4)
+
+
+def test_sampling_message_fields(model: ServedModel) -> None:
+    p = model.sampling_params(SamplingInput(temperature=0.0, seed=-1, stop=["a"], logprobs=0, top_k=-1), 5)
+    assert p.max_tokens == 5 and p.HasField("temperature") and p.temperature == 0.0
+    assert p.seed == 2**64 - 1 and list(p.stop) == ["a"] and p.HasField("logprobs") and p.logprobs == 0
+    assert p.top_k == 0
+    unset = model.sampling_params(SamplingInput(), 5)
+    assert not unset.HasField("seed") and not unset.HasField("logprobs") and unset.temperature == 1.0
+
+
+def test_prompt_length_and_max_tokens(model: ServedModel) -> None:
+    with pytest.raises(InvalidRequestError, match="prompt has 64 tokens, max_model_len is 64"):
+        model.check_prompt(list(range(64)))
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        model.check_prompt([])
+    with pytest.raises(InvalidRequestError, match=r"prompt token ids \[512\] are outside"):
+        model.check_prompt([1, 512])
+    assert model.resolve_max_tokens(None, 60, 16) == 4  # the default is clamped to the context
+    assert model.resolve_max_tokens(None, 10, None) == 54  # chat: the rest of the context
+    with pytest.raises(
+        InvalidRequestError, match=r"maximum context length is 64 tokens.*70 tokens \(10 in the"
+    ):
+        model.resolve_max_tokens(60, 10, 16)
+
+
+def test_unknown_model_is_not_found(model: ServedModel) -> None:
+    model.check_model(None)
+    model.check_model("tiny-dense")
+    with pytest.raises(ModelNotFoundError, match="`gpt-4` does not exist"):
+        model.check_model("gpt-4")
+
+
+# ---- text assembly ----------------------------------------------------------------------------------
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_text_stream_cuts_at_stop_string_and_holds_back_its_prefix() -> None:
+    ts = TextStream(ByteTokenizer(), stop=["STOP"])
+    out = [ts.add(_ids(c)) for c in "abcST"]
+    assert "".join(out) == "ab"  # "cST" may begin "STOP": the last len("STOP") - 1 characters wait
+    assert ts.add(_ids("O")) == "c"
+    assert ts.add(_ids("P")) == ""
+    assert ts.stopped_on == "STOP"
+    assert ts.add(_ids("zzz")) == "" and ts.finish() == "" and ts.text == "abc"
+
+
+def test_text_stream_without_match_flushes_on_finish() -> None:
+    ts = TextStream(ByteTokenizer(), stop=["xyz"])
+    assert ts.add(_ids("hello x")) == "hello"
+    assert ts.finish() == " x" and ts.stopped_on is None
+
+
+def test_text_stream_first_stop_in_request_order_wins_like_the_engine() -> None:
+    ts = TextStream(ByteTokenizer(), stop=["bc", "abc"])
+    ts.add(_ids("xabc"))
+    ts.finish()
+    assert ts.text == "xa" and ts.stopped_on == "bc"
+
+
+def test_text_stream_holds_half_utf8_characters() -> None:
+    ts = TextStream(ByteTokenizer())
+    snow = "é".encode()
+    assert ts.add([snow[0]]) == ""
+    assert ts.add([snow[1], ByteTokenizer.EOS]) == "é"
+
+
+# ---- over real HTTP and gRPC, no workers ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running_router(**overrides: Any) -> AsyncIterator[RouterService]:
+    settings: dict[str, Any] = {
+        "port": 0,
+        "http_port": 0,
+        "prefill_workers": [NOWHERE],
+        "decode_workers": [NOWHERE],
+        "control_timeout_s": 1.0,
+        "max_model_len": 128,
+    }
+    settings.update(overrides)
+    service = RouterService(RouterConfig(**settings))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop(grace_s=0)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+        return resp.status, await resp.json()
+
+
+def _assert_error_shape(body: dict[str, Any], status: int, kind: str) -> str:
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["type"] == kind and err["message"]
+    return err["message"]
+
+
+def test_http_errors_have_the_openai_shape() -> None:
+    async def run() -> None:
+        async with running_router() as svc, aiohttp.ClientSession() as session:
+            base = f"http://127.0.0.1:{svc.http_port}"
+            cases: list[tuple[str, Any, int, str, str]] = [
+                ("/v1/completions", b"{not json", 400, "BadRequestError", "not valid JSON"),
+                ("/v1/completions", {"max_tokens": 3}, 400, "BadRequestError", "'prompt' is required"),
+                ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "BadRequestError", "top_p must be in"),
+                ("/v1/completions", {"prompt": "x" * 200}, 400, "BadRequestError", "prompt has 201 tokens"),
+                (
+                    "/v1/completions",
+                    {"prompt": "x", "max_tokens": 500},
+                    400,
+                    "BadRequestError",
+                    "context length",
+                ),
+                (
+                    "/v1/completions",
+                    {"prompt": "x", "model": "other"},
+                    404,
+                    "NotFoundError",
+                    "does not exist",
+                ),
+                ("/v1/chat/completions", {"messages": "hi"}, 400, "BadRequestError", "'messages' must be"),
+                ("/v1/completions", {"prompt": "x"}, 503, "ServiceUnavailableError", "no decode worker"),
+                (
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "x"}], "stream": True},
+                    503,
+                    "ServiceUnavailableError",
+                    "no decode worker",
+                ),
+            ]
+            for path, body, status, kind, fragment in cases:
+                got_status, got = await _post(session, base + path, body)
+                assert got_status == status, (path, body, got)
+                assert fragment in _assert_error_shape(got, status, kind)
+            async with session.get(base + "/metrics") as resp:
+                text = await resp.text()
+            assert 'pdmesh_router_requests_total{endpoint="completions",status="invalid"} 5.0' in text
+            assert 'pdmesh_router_requests_total{endpoint="completions",status="unavailable"} 1.0' in text
+
+    asyncio.run(run())
+
+
+def test_models_and_health_endpoints() -> None:
+    async def run() -> None:
+        async with running_router(served_model_name="tiny") as svc, aiohttp.ClientSession() as session:
+            base = f"http://127.0.0.1:{svc.http_port}"
+            async with session.get(base + "/v1/models") as resp:
+                models = await resp.json()
+            assert models["object"] == "list"
+            assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 128
+            async with session.get(base + "/health") as resp:
+                assert resp.status == 503
+                health = await resp.json()
+            assert health["status"] == "unavailable" and health["workers"][NOWHERE]["health"] == "down"
+
+    asyncio.run(run())
+
+
+def test_grpc_generate_statuses() -> None:
+    async def run() -> None:
+        async with (
+            running_router() as svc,
+            grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel,
+        ):
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            async def status_of(request: router_pb2.GenerateRequest) -> tuple[grpc.StatusCode, str]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Generate(request, timeout=10):
+                        pass
+                return err.value.code(), err.value.details() or ""
+
+            bad = common_pb2.SamplingParams(top_p=2.0)
+            code, details = await status_of(router_pb2.GenerateRequest(text="hi", sampling_params=bad))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "top_p must be in (0, 1]" in details
+            code, details = await status_of(router_pb2.GenerateRequest())
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs a prompt" in details
+            code, _ = await status_of(router_pb2.GenerateRequest(text="hi", model="nope"))
+            assert code == grpc.StatusCode.NOT_FOUND
+            long_prompt = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1] * 128))
+            code, details = await status_of(long_prompt)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt has 128 tokens" in details
+            code, _ = await status_of(router_pb2.GenerateRequest(text="hi"))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            models = await stub.ListModels(router_pb2.ListModelsRequest())
+            assert models.models[0].id == "tiny-dense" and models.models[0].num_decode_workers == 0
+
+    asyncio.run(run())
+
+
+def test_command_line_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDMESH_REQUEST_TIMEOUT_S", "30")
+    cfg = parse_config(
+        [
+            "--model", "tiny-moe", "--port", "0", "--http-port", "0",
+            "--prefill-workers", "a:1", "b:2", "--decode-workers", "c:3",
+            "--routing", "round_robin", "--redis-url", "redis://x", "--trace-file", "/tmp/t.jsonl",
+        ]
+    )  # fmt: skip
+    assert cfg.prefill_workers == ["a:1", "b:2"] and cfg.decode_workers == ["c:3"]
+    assert cfg.model == "tiny-moe" and cfg.request_timeout_s == 30.0 and cfg.trace_file == "/tmp/t.jsonl"
+    with pytest.raises(SystemExit):
+        parse_config(["--routing", "telepathy"])

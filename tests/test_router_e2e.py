@@ -1,0 +1,231 @@
+"""The router as a real process in front of real prefill and decode worker processes (real gRPC, real
+NIXL on host memory), driven by the official ``openai`` client and by the gRPC ``Generate`` API.
+
+What comes out must equal the offline engine's output, for greedy and for seeded sampling; bad
+requests get the OpenAI error shape; a client that disconnects leaves no KV block held on any worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.tokenizer import render_chat
+from mesh.telemetry import read_spans_jsonl
+from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.mesh_fixtures import ServiceProcess, pd_workers, wait_until  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-dense"
+KV_BLOCKS = 256  # what mesh_fixtures.worker_args gives each worker
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234}
+
+
+class Router:
+    def __init__(self, proc: ServiceProcess, trace_file: Path) -> None:
+        self.proc = proc
+        self.trace_file = trace_file
+        match = re.search(r"http=(\S+)", next(line for line in proc.lines if "ready:" in line))
+        assert match is not None
+        self.http = match.group(1)
+        self.grpc = proc.address
+        self.client = openai.OpenAI(base_url=f"http://{self.http}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def router(pd_workers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:  # noqa: F811
+    prefill, decode = pd_workers
+    trace_file = tmp_path_factory.mktemp("router") / "spans.jsonl"
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, "--trace-file", str(trace_file),
+    )  # fmt: skip
+    try:
+        yield Router(proc, trace_file)
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(MODEL, num_kv_blocks=KV_BLOCKS)
+
+
+def _offline(llm: LLM, prompt: str | list[int], max_tokens: int, **sampling: Any) -> Any:
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **sampling))[0]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_streamed_completion_equals_offline(router: Router, llm: LLM, sampling: dict[str, Any]) -> None:
+    prompt = "The mesh routes each request to a prefill worker, then"
+    stream = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}, **sampling,
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    expected = _offline(llm, prompt, 24, ignore_eos=True, **sampling)
+    assert text == expected.text and finish == ["length"]
+    assert (
+        usage is not None
+        and usage.completion_tokens == 24
+        and usage.prompt_tokens == len(expected.prompt_token_ids)
+    )
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_streamed_chat_equals_offline(router: Router, llm: LLM, sampling: dict[str, Any]) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    stream = router.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        **sampling,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    prompt_ids = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_special_tokens=False)
+    assert text == _offline(llm, prompt_ids, 20, ignore_eos=True, **sampling).text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_logprobs_and_stop_string_equal_offline(router: Router, llm: LLM) -> None:
+    prompt = "Tokens and their log-probabilities:"
+    reply = router.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0.0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    expected = _offline(llm, prompt, 16, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert reply.choices[0].text == expected.text
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [len({i for i, _ in e.top}) for e in expected.logprobs]
+    # A stop string taken from the greedy text itself, so it certainly occurs.
+    stop = expected.text[5:7]
+    stopped = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0, stop=[stop]
+    )
+    offline_stopped = _offline(llm, prompt, 16, temperature=0.0, stop=[stop])
+    assert stopped.choices[0].text == offline_stopped.text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_grpc_generate_streams_the_offline_tokens(router: Router, llm: LLM) -> None:
+    prompt = list(b"gRPC clients send token ids")
+
+    async def run(sampling: dict[str, Any]) -> tuple[list[int], str, common_pb2.Usage]:
+        params = common_pb2.SamplingParams(max_tokens=20, ignore_eos=True, **sampling)
+        request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling_params=params,
+                                             return_text=True)  # fmt: skip
+        tokens, text, usage = [], "", common_pb2.Usage()
+        async with grpc.aio.insecure_channel(router.grpc) as channel:
+            async for msg in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60):
+                tokens += list(msg.token_ids)
+                text += msg.text
+                if msg.finish_reason:
+                    usage = msg.usage
+                    assert msg.finish_reason == common_pb2.FINISH_REASON_LENGTH and msg.decode_worker
+        return tokens, text, usage
+
+    for sampling in (GREEDY, SEEDED):
+        tokens, text, usage = asyncio.run(run(sampling))
+        expected = _offline(llm, prompt, 20, ignore_eos=True, **sampling)
+        assert tokens == expected.token_ids and text == expected.text
+        assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == 20
+
+
+def test_bad_requests_get_the_openai_error_shape(router: Router) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        router.client.completions.create(model=MODEL, prompt="x", temperature=-1.0)
+    assert err.value.status_code == 400 and "temperature must be >= 0" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        router.client.completions.create(model="no-such-model", prompt="x")
+    request = urllib.request.Request(
+        f"http://{router.http}/v1/chat/completions", data=b'{"messages": [', method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(request, timeout=10)
+    assert http_err.value.code == 400
+    body = json.loads(http_err.value.read())
+    assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
+    assert "not valid JSON" in body["error"]["message"]
+
+
+def test_client_disconnect_leaves_no_block_held(router: Router, pd_workers) -> None:  # noqa: F811
+    async def free_blocks() -> list[int]:
+        out = []
+        for svc in pd_workers:
+            async with grpc.aio.insecure_channel(svc.address) as channel:
+                stats = await worker_pb2_grpc.WorkerStub(channel).GetStats(
+                    worker_pb2.StatsRequest(), timeout=5
+                )
+                out.append(stats.num_kv_blocks_free)  # cached but unused blocks count as free
+        return out
+
+    stream = router.client.completions.create(
+        model=MODEL, prompt="A long answer " * 20, max_tokens=3000, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    assert asyncio.run(free_blocks())[1] < KV_BLOCKS  # the decode worker holds the request's blocks
+    stream.close()
+    assert wait_until(lambda: asyncio.run(free_blocks()) == [KV_BLOCKS, KV_BLOCKS], timeout=15)
+    assert wait_until(lambda: _running(pd_workers) == 0, timeout=5)
+
+
+def _running(workers: Any) -> int:
+    async def run() -> int:
+        total = 0
+        for svc in workers:
+            async with grpc.aio.insecure_channel(svc.address) as channel:
+                stats = await worker_pb2_grpc.WorkerStub(channel).GetStats(
+                    worker_pb2.StatsRequest(), timeout=5
+                )
+                total += stats.num_running + stats.num_waiting
+        return total
+
+    return asyncio.run(run())
+
+
+def test_metrics_and_one_trace_per_request(router: Router) -> None:
+    router.client.completions.create(model=MODEL, prompt="traced", max_tokens=4, temperature=0.0)
+    with urllib.request.urlopen(f"http://{router.http}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    ttft = re.search(r"^pdmesh_router_ttft_seconds_count (\S+)$", text, re.M)
+    assert ttft is not None and float(ttft.group(1)) >= 1
+    assert re.search(r'^pdmesh_router_requests_total\{endpoint="completions",status="ok"\} ', text, re.M)
+    deadline = time.monotonic() + 5
+    while True:
+        spans = read_spans_jsonl(router.trace_file)
+        by_trace: dict[str, set[str]] = {}
+        for s in spans:
+            by_trace.setdefault(s["trace_id"], set()).add(s["name"])
+        if any({"generate", "route", "prefill", "decode"} <= names for names in by_trace.values()):
+            break
+        assert time.monotonic() < deadline, by_trace
+        time.sleep(0.1)

@@ -1,0 +1,486 @@
+"""Prefill/decode orchestration against scripted in-process workers: the happy path, every failure rule
+(retry, fallback to local prefill, ReleaseKV after a failed decode, clean errors mid-stream), client
+disconnects (HTTP and gRPC) that must abort the request on both workers, metrics and trace propagation.
+
+The scripted workers speak the real ``pdmesh.v1.Worker`` protocol over real gRPC; they return fixed
+tokens so the router's behaviour is checked, not the engine's (tests/test_router_e2e.py does that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from mesh.grpc_server import service_name, start_server
+from mesh.telemetry import read_spans_jsonl
+from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.config import RouterConfig
+from router.service import RouterService
+from router.worker_pool import Health
+
+WORKER = service_name(worker_pb2, "Worker")
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker that answers with fixed tokens and fails when told to; it records every call."""
+
+    def __init__(
+        self,
+        role: str,
+        text: str = "BCD",
+        first: str = "A",
+        fail_with: grpc.StatusCode | None = None,
+        fail_after: int | None = None,
+        delay_s: float = 0.0,
+        cached: int = 0,
+        finish: int = LENGTH,
+    ) -> None:
+        self.role = role
+        self.tokens = list(text.encode())
+        self.first = first.encode()[0]
+        self.fail_with = fail_with
+        self.fail_after = fail_after
+        self.delay_s = delay_s
+        self.cached = cached
+        self.finish = finish
+        self.calls: list[tuple[str, str]] = []
+        self.decode_requests: list[worker_pb2.DecodeRequest] = []
+        self.traceparents: list[str] = []
+        self.address = ""
+        self.server: grpc.aio.Server | None = None
+
+    def names(self, rpc: str) -> list[str]:
+        return [rid for name, rid in self.calls if name == rpc]
+
+    def _record(self, rpc: str, rid: str, context: grpc.aio.ServicerContext) -> None:
+        self.calls.append((rpc, rid))
+        for key, value in context.invocation_metadata() or ():
+            if key == "traceparent":
+                self.traceparents.append(value)
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> common_pb2.WorkerStats:  # noqa: N802
+        role = common_pb2.WORKER_ROLE_PREFILL if self.role == "prefill" else common_pb2.WORKER_ROLE_DECODE
+        return common_pb2.WorkerStats(
+            role=role, worker_id=f"{self.role}-{self.address}", model_fingerprint="fake", block_size=16,
+            max_model_len=256,
+        )  # fmt: skip
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
+        self._record("Prefill", request.request_id, context)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, f"scripted {self.fail_with.name}")
+        handle = common_pb2.KVHandle(
+            worker_id="p", worker_address=self.address, request_id=request.request_id
+        )
+        return worker_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=self.first, kv_handle=handle,
+            num_cached_tokens=self.cached,
+        )  # fmt: skip
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: Any
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:  # noqa: N802
+        self._record("Decode", request.request_id, context)
+        self.decode_requests.append(request)
+        if self.fail_with is not None and self.fail_after is None:
+            await context.abort(self.fail_with, f"scripted {self.fail_with.name}")
+        tokens = self.tokens if request.HasField("kv_handle") else [self.first, *self.tokens]
+        try:
+            for i, token in enumerate(tokens):
+                if self.fail_after is not None and i == self.fail_after:
+                    await context.abort(
+                        self.fail_with or grpc.StatusCode.INTERNAL, "scripted mid-stream failure"
+                    )
+                await asyncio.sleep(self.delay_s)
+                last = i == len(tokens) - 1
+                yield worker_pb2.DecodeResponse(
+                    request_id=request.request_id, token_ids=[token], finish_reason=self.finish if last else 0
+                )
+        except asyncio.CancelledError:
+            self.calls.append(("DecodeCancelled", request.request_id))
+            raise
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: Any) -> worker_pb2.AbortResponse:  # noqa: N802
+        self._record("Abort", request.request_id, context)
+        return worker_pb2.AbortResponse(found=True)
+
+    async def ReleaseKV(
+        self, request: worker_pb2.ReleaseKVRequest, context: Any
+    ) -> worker_pb2.ReleaseKVResponse:  # noqa: N802
+        self._record("ReleaseKV", request.request_id, context)
+        return worker_pb2.ReleaseKVResponse(released=True)
+
+
+async def _serve(worker: ScriptedWorker) -> str:
+    worker.server, port = await start_server(
+        [(worker_pb2_grpc.add_WorkerServicer_to_server, worker)], [WORKER]
+    )
+    worker.address = f"127.0.0.1:{port}"
+    return worker.address
+
+
+@contextlib.asynccontextmanager
+async def mesh(
+    prefill: Sequence[ScriptedWorker], decode: Sequence[ScriptedWorker], **overrides: Any
+) -> AsyncIterator[RouterService]:
+    for w in [*prefill, *decode]:
+        await _serve(w)
+    settings: dict[str, Any] = {
+        "port": 0,
+        "http_port": 0,
+        "prefill_workers": [w.address for w in prefill],
+        "decode_workers": [w.address for w in decode],
+        "control_timeout_s": 2.0,
+        "request_timeout_s": 20.0,
+    }
+    settings.update(overrides)
+    service = RouterService(RouterConfig(**settings))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop(grace_s=0)
+        for w in [*prefill, *decode]:
+            assert w.server is not None
+            await w.server.stop(0)
+
+
+async def _complete(
+    svc: RouterService, body: dict[str, Any], path: str = "/v1/completions"
+) -> tuple[int, Any]:
+    url = f"http://127.0.0.1:{svc.http_port}{path}"
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def _sse(svc: RouterService, body: dict[str, Any]) -> list[Any]:
+    """Every event of a streamed completion; the ``[DONE]`` marker as the string "[DONE]"."""
+    events: list[Any] = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{svc.http_port}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def _settle(predicate: Any, timeout: float = 5.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(predicate())
+
+
+def _metric(svc: RouterService, name: str, labels: dict[str, str] | None = None) -> float:
+    value = svc.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+# ---- the happy paths --------------------------------------------------------------------------------
+
+
+def test_disaggregated_request_sends_first_token_then_decode_stream() -> None:
+    prefill, decode = ScriptedWorker("prefill", cached=16), ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            status, body = await _complete(svc, {"prompt": "hello", "max_tokens": 4})
+            assert status == 200, body
+            assert body["choices"][0]["text"] == "ABCD" and body["choices"][0]["finish_reason"] == "length"
+            assert body["usage"] == {
+                "prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 16},
+            }  # fmt: skip
+            (req,) = decode.decode_requests
+            assert (
+                req.HasField("kv_handle") and req.first_token_id == ord("A") and req.num_cached_tokens == 16
+            )
+            assert req.sampling_params.max_tokens == 4 and list(req.prompt_token_ids) == [256, *b"hello"]
+            assert _metric(svc, "pdmesh_router_prefix_hit_tokens_total", {"tier": "gpu"}) == 16
+            assert _metric(svc, "pdmesh_router_generated_tokens_total") == 4
+            assert _metric(svc, "pdmesh_router_ttft_seconds_count") == 1
+            assert (
+                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "disaggregated"}) == 1
+            )
+            assert (
+                _metric(svc, "pdmesh_router_requests_total", {"endpoint": "completions", "status": "ok"}) == 1
+            )
+        assert prefill.names("Abort") == [] and prefill.names("ReleaseKV") == []
+
+    asyncio.run(run())
+
+
+def test_without_prefill_workers_the_decode_worker_prefills() -> None:
+    decode = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([], [decode]) as svc:
+            events = await _sse(svc, {"prompt": "x", "stream_options": {"include_usage": True}})
+            assert events[-1] == "[DONE]"
+            assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "ABCD"
+            assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
+            assert not decode.decode_requests[0].HasField("kv_handle")
+            assert (
+                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "no_prefill_worker"})
+                == 1
+            )
+
+    asyncio.run(run())
+
+
+def test_stop_string_is_cut_from_the_text() -> None:
+    decode = ScriptedWorker("decode", text="bcSTOP", first="a", finish=STOP)
+
+    async def run() -> None:
+        async with mesh([], [decode]) as svc:
+            _, body = await _complete(svc, {"prompt": "x", "stop": ["STOP"]})
+            assert body["choices"][0]["text"] == "abc" and body["choices"][0]["stop_reason"] == "STOP"
+            events = await _sse(svc, {"prompt": "x", "stop": "STOP"})
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "abc"
+            assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+    asyncio.run(run())
+
+
+# ---- failures ---------------------------------------------------------------------------------------
+
+
+def test_failed_prefill_worker_is_replaced_by_the_next() -> None:
+    bad = ScriptedWorker("prefill", fail_with=grpc.StatusCode.UNAVAILABLE)
+    good = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([bad, good], [decode]) as svc:
+            for _ in range(2):
+                status, body = await _complete(svc, {"prompt": "x"})
+                assert status == 200 and body["choices"][0]["text"] == "ABCD"
+            assert len(bad.names("Prefill")) >= 1 and len(good.names("Prefill")) == 2
+            assert all(r.HasField("kv_handle") for r in decode.decode_requests)
+            assert _metric(svc, "pdmesh_router_retries_total", {"role": "prefill"}) >= 1
+
+    asyncio.run(run())
+
+
+def test_when_every_prefill_worker_fails_the_decode_worker_prefills() -> None:
+    bad = ScriptedWorker("prefill", fail_with=grpc.StatusCode.INTERNAL)
+    decode = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([bad], [decode]) as svc:
+            status, body = await _complete(svc, {"prompt": "x"})
+            assert status == 200 and body["choices"][0]["text"] == "ABCD"
+            assert not decode.decode_requests[0].HasField("kv_handle")
+            assert await _settle(lambda: bad.names("Abort") != [])
+            assert (
+                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "prefill_failed"}) == 1
+            )
+
+    asyncio.run(run())
+
+
+def test_decode_failure_before_any_token_is_retried_with_the_same_kv_handle() -> None:
+    prefill = ScriptedWorker("prefill")
+    bad = ScriptedWorker("decode", fail_with=grpc.StatusCode.INTERNAL)
+    good = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([prefill], [bad, good]) as svc:
+            for _ in range(2):
+                status, body = await _complete(svc, {"prompt": "x"})
+                assert status == 200 and body["choices"][0]["text"] == "ABCD"
+            assert len(bad.names("Decode")) >= 1 and len(good.names("Decode")) == 2
+            handles = {r.kv_handle.request_id for r in good.decode_requests}
+            assert handles == set(prefill.names("Prefill"))
+            assert await _settle(lambda: len(bad.names("Abort")) == len(bad.names("Decode")))
+            assert prefill.names("ReleaseKV") == []
+
+    asyncio.run(run())
+
+
+def test_decode_failure_with_no_other_worker_releases_the_prefill_kv() -> None:
+    prefill = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode", fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            status, body = await _complete(svc, {"prompt": "x"})
+            assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
+            assert "RESOURCE_EXHAUSTED" in body["error"]["message"]
+            assert await _settle(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
+
+    asyncio.run(run())
+
+
+def test_invalid_argument_from_a_worker_is_a_400_with_its_message() -> None:
+    prefill = ScriptedWorker("prefill", fail_with=grpc.StatusCode.INVALID_ARGUMENT)
+
+    async def run() -> None:
+        async with mesh([prefill], [ScriptedWorker("decode")]) as svc:
+            status, body = await _complete(svc, {"prompt": "x"})
+            assert status == 400 and body["error"]["message"] == "scripted INVALID_ARGUMENT"
+
+    asyncio.run(run())
+
+
+def test_decode_failure_mid_stream_is_a_clean_error_and_not_retried() -> None:
+    prefill = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode", text="BCDEFG", fail_after=2, fail_with=grpc.StatusCode.INTERNAL)
+    spare = ScriptedWorker("decode", text="xyz")
+
+    async def run() -> None:
+        async with mesh([prefill], [decode, spare], stats_interval_s=60.0) as svc:
+            svc.pool.workers[
+                -1
+            ].health = Health.DOWN  # only `decode` takes requests; `spare` could take a retry
+            events = await _sse(svc, {"prompt": "x", "max_tokens": 10})
+            assert "[DONE]" not in events
+            assert events[-1]["error"]["type"] == "BadGatewayError"
+            assert "after streaming had begun" in events[-1]["error"]["message"]
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "ABC"
+            status, body = await _complete(svc, {"prompt": "x", "max_tokens": 10})
+            assert status == 502 and "after streaming had begun" in body["error"]["message"]
+            assert len(decode.names("Decode")) == 2 and spare.names("Decode") == []
+            labels = {"endpoint": "completions", "status": "upstream_error"}
+            assert _metric(svc, "pdmesh_router_requests_total", labels) == 2
+
+    asyncio.run(run())
+
+
+def test_mid_stream_failure_is_not_retried() -> None:
+    prefill = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode", text="BCDEFG", fail_after=2, fail_with=grpc.StatusCode.UNAVAILABLE)
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            status, body = await _complete(svc, {"prompt": "x", "max_tokens": 10})
+            assert status == 502 and "after streaming had begun" in body["error"]["message"]
+            assert len(decode.names("Decode")) == 1
+
+    asyncio.run(run())
+
+
+# ---- cancellation -----------------------------------------------------------------------------------
+
+
+def test_http_client_disconnect_aborts_the_request_on_both_workers() -> None:
+    prefill = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode", text="B" * 200, delay_s=0.02)
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            url = f"http://127.0.0.1:{svc.http_port}/v1/completions"
+            body = {"prompt": "x", "max_tokens": 200, "stream": True}
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+                await resp.content.readline()  # the first event
+                resp.close()
+            assert await _settle(lambda: decode.names("Abort") != [] and prefill.names("Abort") != [])
+            assert decode.names("DecodeCancelled") == decode.names("Decode")
+            assert await _settle(lambda: svc.metrics.in_flight._value.get() == 0)
+            assert (
+                _metric(
+                    svc, "pdmesh_router_requests_total", {"endpoint": "completions", "status": "cancelled"}
+                )
+                == 1
+            )
+            # Non-streaming: the client gives up before the reply.
+            with pytest.raises(asyncio.TimeoutError):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
+                    await session.post(url, json={"prompt": "y", "max_tokens": 200})
+            assert await _settle(lambda: len(decode.names("Abort")) == 2 and len(prefill.names("Abort")) == 2)
+
+    asyncio.run(run())
+
+
+def test_cancelled_grpc_generate_aborts_the_request_on_both_workers() -> None:
+    prefill = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode", text="B" * 200, delay_s=0.02)
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                call = stub.Generate(
+                    router_pb2.GenerateRequest(
+                        request_id="g1", text="x", sampling_params=common_pb2.SamplingParams(max_tokens=200)
+                    )
+                )
+                first = await call.read()
+                second = await call.read()
+                assert list(first.token_ids) == [ord("A")] and first.prefill_worker
+                assert list(second.token_ids) == [ord("B")] and second.decode_worker
+                call.cancel()
+            assert await _settle(lambda: decode.names("Abort") == ["g1"] and prefill.names("Abort") == ["g1"])
+            assert decode.names("DecodeCancelled") == ["g1"]
+
+    asyncio.run(run())
+
+
+def test_disconnect_between_prefill_and_decode_releases_the_kv() -> None:
+    class SlowPrefill(ScriptedWorker):
+        async def Prefill(self, request: Any, context: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
+            await asyncio.sleep(0.5)
+            return await super().Prefill(request, context)
+
+    prefill = SlowPrefill("prefill")
+    decode = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            with pytest.raises(asyncio.TimeoutError):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+                    await session.post(
+                        f"http://127.0.0.1:{svc.http_port}/v1/completions", json={"prompt": "x"}
+                    )
+            assert await _settle(lambda: prefill.names("ReleaseKV") != [] and prefill.names("Abort") != [])
+            assert decode.names("Decode") == []
+
+    asyncio.run(run())
+
+
+# ---- tracing ----------------------------------------------------------------------------------------
+
+
+def test_one_trace_per_request_reaches_the_workers(tmp_path: Path) -> None:
+    prefill, decode = ScriptedWorker("prefill"), ScriptedWorker("decode")
+    trace_file = tmp_path / "spans.jsonl"
+    parent_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+    async def run() -> None:
+        async with (
+            mesh([prefill], [decode], trace_file=str(trace_file)) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            headers = {"traceparent": f"00-{parent_trace}-00f067aa0ba902b7-01"}
+            url = f"http://127.0.0.1:{svc.http_port}/v1/completions"
+            async with session.post(url, json={"prompt": "x"}, headers=headers) as resp:
+                assert resp.status == 200
+
+    asyncio.run(run())
+    spans = {s["name"]: s for s in read_spans_jsonl(trace_file)}
+    assert {"generate", "route", "prefill", "decode"} <= set(spans)
+    assert {s["trace_id"] for s in spans.values()} == {parent_trace}
+    for child in ("route", "prefill", "decode"):
+        assert spans[child]["parent_id"] == spans["generate"]["span_id"]
+    assert spans["generate"]["service"] == "pdmesh-router"
+    assert prefill.traceparents[0].split("-")[1] == parent_trace
+    assert prefill.traceparents[0].split("-")[2] == spans["prefill"]["span_id"]
+    assert decode.traceparents[0].split("-")[2] == spans["decode"]["span_id"]
