@@ -11,6 +11,8 @@ Only full blocks are hashed. This module must stay free of torch and of any serv
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,10 +40,20 @@ def block_hashes(
     the hash of block ``start - 1`` as ``root``."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(token_ids) // block_size
+    if n_full <= start:
+        return []
+    # One conversion for the whole prompt, then byte slices: same bytes as hash_block, far fewer calls.
+    tokens = array("I", token_ids[start * block_size : n_full * block_size])
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    data = tokens.tobytes()
+    step = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
+    pack = _U64.pack
     out: list[int] = []
     prev = root
-    n_full = len(token_ids) // block_size
-    for i in range(start, n_full):
-        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size], salt)
+    for off in range(0, len(data), step):
+        prev = digest(pack(prev) + data[off : off + step] + salt)
         out.append(prev)
     return out

@@ -279,7 +279,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         self.draining = False
         self.in_flight: set[str] = set()
         self.server: grpc.aio.Server | None = None
-        self.drained = asyncio.Event()
+        self.stop_requested = asyncio.Event()  # set by the Drain RPC: drain, deregister, exit
 
     # ---- shared RPCs ---------------------------------------------------------------------------
     async def Abort(
@@ -321,7 +321,9 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         self.start_drain()
         if request.wait:
             await self.wait_idle(self.settings.drain_timeout_s)
-        return worker_pb2.DrainResponse(num_in_flight=len(self.in_flight))
+        in_flight = len(self.in_flight)
+        self.stop_requested.set()  # the process finishes what it has, deregisters and exits
+        return worker_pb2.DrainResponse(num_in_flight=in_flight)
 
     async def StreamKVEvents(
         self,
@@ -440,7 +442,7 @@ async def serve_worker(
         metrics_port = await start_metrics_server(metrics.registry, settings.host, settings.metrics_port)
     aengine.start()
     registration = await _register(role, servicer, settings, metrics_port)
-    stop = asyncio.Event()
+    stop = servicer.stop_requested
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -460,7 +462,7 @@ async def serve_worker(
     if registration is not None:
         await registration.stop()
     bg.cancel()
-    await server.stop(grace=1.0)
+    await server.stop(grace=2.0)
     aengine.stop()
     transfer.close()
 

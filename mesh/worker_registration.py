@@ -1,0 +1,93 @@
+"""A worker's presence in a shared mesh: registry entry renewed by heartbeats, drain announcement, and
+its KV events written into the Redis KV index (one writer per worker, in order).
+
+Used by ``mesh.worker_service`` when a Redis URL is given; without one a worker stands alone and the
+router learns of it from flags and follows its KV events over ``StreamKVEvents``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from mesh.kv_events import AllBlocksCleared, KVEvent, Tier
+from mesh.kv_index import RedisKVIndex
+from mesh.registry import Heartbeater, RedisRegistry, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRegistration:
+    def __init__(self, role: str, servicer: Any, settings: Any, metrics_port: int) -> None:
+        engine = servicer.engine
+        self.registry = RedisRegistry(settings.redis_url)
+        self.index = RedisKVIndex(settings.redis_url, engine.model_fingerprint)
+        host = settings.advertise_host or settings.host
+        self.info = WorkerInfo(
+            worker_id=servicer.worker_id,
+            role=role,
+            address=servicer.address,
+            model_fingerprint=engine.model_fingerprint,
+            block_size=engine.config.block_size,
+            num_kv_blocks=engine.block_pool.num_blocks,
+            metrics_address=f"{host}:{metrics_port}" if metrics_port > 0 else None,
+            extra={"layout_fingerprint": engine.layout.fingerprint, "max_model_len": engine.max_model_len},
+        )
+        self.heartbeater = Heartbeater(self.registry, self.info, ttl_s=settings.registry_ttl_s)
+        self.events = servicer.events
+        self._queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
+        self._writer: asyncio.Task | None = None
+        self._loop = asyncio.get_running_loop()
+        self.worker_id = servicer.worker_id
+
+    async def start(self) -> None:
+        # Whatever an earlier process of this worker id left in the index is stale.
+        self._queue.put_nowait([AllBlocksCleared(Tier.GPU)])
+        self.events.forward = lambda events: self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+        self._writer = asyncio.create_task(self._write_events(), name=f"kv-events-{self.worker_id}")
+        await self.heartbeater.start()
+        log.info("registered %s as %s at %s", self.worker_id, self.info.role, self.info.address)
+
+    async def mark_draining(self) -> None:
+        try:
+            await self.heartbeater.set_draining(True)
+        except (RedisError, OSError) as exc:
+            log.warning("could not announce drain of %s: %s", self.worker_id, exc)
+
+    async def stop(self) -> None:
+        self.events.forward = None
+        try:
+            await self.heartbeater.stop(deregister=True)
+            await self.index.remove_worker(self.worker_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not deregister %s: %s (its entry expires by TTL)", self.worker_id, exc)
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        with contextlib.suppress(RedisError, OSError):
+            await self.index.aclose()
+            await self.registry.aclose()
+
+    async def _write_events(self) -> None:
+        """Apply events in order; when Redis is unreachable, start over from a snapshot once it is back."""
+        resync = False
+        while True:
+            events = await self._queue.get()
+            while not self._queue.empty():
+                events = events + self._queue.get_nowait()
+            if resync:
+                events = self.events.snapshot()
+            try:
+                await self.index.apply(self.worker_id, events)
+                resync = False
+            except (RedisError, OSError) as exc:
+                if not resync:
+                    log.warning("KV index write failed (%s); will resync from a snapshot", exc)
+                resync = True
+                await asyncio.sleep(0.5)
+                self._queue.put_nowait([])
