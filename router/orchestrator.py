@@ -239,7 +239,8 @@ class Orchestrator:
                     span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
                     self._worker_error(current, "Prefill", exc)
                     if exc.code() not in RETRYABLE:
-                        st.prefill_worker = None  # it refused the request: it holds nothing
+                        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                            st.prefill_worker = None  # it refused the request: it holds nothing
                         raise from_worker_status(exc.code(), exc.details() or "", current.address) from None
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
                         self._spawn(self._release(current, g.request_id, abort=True))

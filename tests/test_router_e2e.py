@@ -25,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.tokenizer import render_chat
 from mesh.telemetry import read_spans_jsonl
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.mesh_fixtures import ServiceProcess, pd_workers, wait_until  # noqa: F401
+from tests.mesh_fixtures import ServiceProcess, pd_workers, wait_until, worker_args  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -231,3 +231,66 @@ def test_metrics_and_one_trace_per_request(router: Router) -> None:
             break
         assert time.monotonic() < deadline, by_trace
         time.sleep(0.1)
+
+
+def test_concurrent_requests_equal_offline(router: Router, llm: LLM) -> None:
+    prompts = [f"Request number {i} asks for" + " more" * (i * 3) for i in range(12)]
+    samplings = [GREEDY if i % 2 else {**SEEDED, "seed": 100 + i} for i in range(12)]
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"http://{router.http}/v1", api_key="unused", max_retries=0)
+        async with client:
+            replies = await asyncio.gather(*[
+                client.completions.create(model=MODEL, prompt=p, max_tokens=12, extra_body={"ignore_eos": True}, **s)
+                for p, s in zip(prompts, samplings, strict=True)
+            ])  # fmt: skip
+        return [r.choices[0].text for r in replies]
+
+    expected = [
+        _offline(llm, p, 12, ignore_eos=True, **s).text for p, s in zip(prompts, samplings, strict=True)
+    ]
+    assert asyncio.run(run()) == expected
+
+
+def test_a_decode_worker_killed_mid_stream_does_not_take_the_router_down(pd_workers, tmp_path: Path) -> None:  # noqa: F811
+    prefill, decode = pd_workers
+    doomed = ServiceProcess.start("decode_svc", *worker_args())
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, doomed.address, "--stats-interval-s", "60",
+    )  # fmt: skip
+    try:
+        router = Router(proc, tmp_path / "unused.jsonl")
+        doomed_id = re.search(r"worker_id=(\S+)", "\n".join(doomed.lines)).group(1)  # type: ignore[union-attr]
+        params = common_pb2.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+
+        async def stream_until_killed() -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(router.grpc) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                for attempt in range(4):  # round robin: one of the first two lands on `doomed`
+                    call = stub.Generate(
+                        router_pb2.GenerateRequest(text=f"doomed {attempt}", sampling_params=params)
+                    )
+                    async for msg in call:
+                        if msg.decode_worker:
+                            break
+                    if msg.decode_worker == doomed_id:
+                        doomed.kill()
+                        with pytest.raises(grpc.aio.AioRpcError) as err:
+                            async for _ in call:
+                                pass
+                        return err.value.code()
+                    call.cancel()
+            raise AssertionError("no request landed on the doomed decode worker")
+
+        code = asyncio.run(stream_until_killed())
+        assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+        assert proc.alive
+        for i in range(3):  # the dead worker is still "up" for the poller: the router retries elsewhere
+            reply = router.client.completions.create(
+                model=MODEL, prompt=f"after {i}", max_tokens=4, temperature=0.0
+            )
+            assert reply.choices[0].finish_reason in ("length", "stop")
+    finally:
+        doomed.kill()
+        assert proc.stop() == 0, proc.log()
