@@ -197,12 +197,22 @@ class HttpApi:
                         events = writer.opening() + events
                     for event in events:
                         await response.write(sse(event))
-            except RouterError as exc:
+            except ConnectionResetError:
+                raise  # the client is gone: nothing more can be written
+            except Exception as exc:
                 if response is None:
-                    raise
-                log.warning("request %s failed mid-stream: %s", gen.request_id, exc.message)
-                outcome["status"] = exc.metric_status
-                await response.write(sse(exc.to_openai()))
+                    raise  # nothing streamed yet: _generate answers with a status code
+                error = (
+                    exc
+                    if isinstance(exc, RouterError)
+                    else RouterError(f"internal error: {type(exc).__name__}")
+                )
+                if isinstance(exc, RouterError):
+                    log.warning("request %s failed mid-stream: %s", gen.request_id, exc.message)
+                else:
+                    log.exception("request %s failed mid-stream", gen.request_id)
+                outcome["status"] = error.metric_status
+                await response.write(sse(error.to_openai()))
                 await response.write_eof()
                 return response
         assert response is not None  # the orchestrator always yields a finished chunk or raises

@@ -216,6 +216,10 @@ def _running(workers: Any) -> int:
 
 def test_metrics_and_one_trace_per_request(router: Router) -> None:
     router.client.completions.create(model=MODEL, prompt="traced", max_tokens=4, temperature=0.0)
+    with urllib.request.urlopen(f"http://{router.http}/health", timeout=10) as resp:
+        health = json.loads(resp.read())
+    assert resp.status == 200 and health["status"] == "ok"
+    assert {w["health"] for w in health["workers"].values()} == {"up"}
     with urllib.request.urlopen(f"http://{router.http}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     ttft = re.search(r"^pdmesh_router_ttft_seconds_count (\S+)$", text, re.M)
