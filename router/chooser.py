@@ -1,37 +1,39 @@
 """The seam between orchestration and routing policy: which workers serve a request.
 
-The orchestrator asks a ``WorkerChooser`` two things: whether the decode worker should prefill the
-request itself (skipping the prefill hop), and which of the given candidates of a role takes it. It asks
-again, with the failed workers left out of the candidates, when it retries. ``RoundRobinChooser`` is the
-baseline; a scored chooser (``router.scoring`` over the registry and KV index) plugs in here without any
-change to the orchestration. Methods are async so a chooser may consult Redis.
+The orchestrator asks a ``WorkerChooser`` three things, in this order: which decode worker takes the
+request, whether that decode worker should prefill it itself (skipping the prefill hop), and which
+prefill worker takes it otherwise. It asks again, with the failed workers left out of the candidates,
+when it retries, and tells it when the prompt has been computed (``prefill_done``: from then on the
+workers' KV events describe it). Methods are async so a chooser may consult Redis. ``ScoredChooser``
+(``router.scored_chooser``) implements every ``--routing`` mode.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from router.worker_pool import WorkerEndpoint
 
-# Decision reasons (the router counts decisions by role and reason).
+# Decision reasons (the router counts decisions by role and reason). Scored decisions add the reasons of
+# router.scoring (prefix, load, kv_headroom, affinity, hotspot_guard, tie, short_uncached, ...).
 ONLY_CANDIDATE = "only_candidate"
-ROUND_ROBIN = "round_robin"
 NO_PREFILL_WORKER = "no_prefill_worker"
-DISAGGREGATED = "disaggregated"
+DISAGGREGATED = "disaggregated"  # round_robin / random: always through a prefill worker when there is one
 PREFILL_FAILED = "prefill_failed"  # every prefill worker failed: the decode worker prefills
 
 
-@dataclass(frozen=True)
+@dataclass
 class RouteRequest:
-    """A request as routing sees it."""
+    """A request as routing sees it. ``routing`` is the chooser's memo for this request (its block hashes
+    and the KV index's answer), computed on first use so that retries and the second role reuse it."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     session_id: str | None = None
     cache_salt: str = ""
+    routing: Any = None
 
 
 @dataclass(frozen=True)
@@ -47,35 +49,19 @@ class LocalPrefillDecision:
 
 
 class WorkerChooser(Protocol):
-    async def local_prefill(
-        self, request: RouteRequest, prefill_candidates: Sequence[WorkerEndpoint]
-    ) -> LocalPrefillDecision:
-        """Whether the decode worker should prefill ``request`` itself."""
-        ...
-
     async def choose(self, role: str, request: RouteRequest, candidates: Sequence[WorkerEndpoint]) -> Choice:
         """One of ``candidates`` (never empty) for ``role`` ("prefill" or "decode")."""
         ...
 
-
-class RoundRobinChooser:
-    """Cycles over the candidates of each role in address order; always disaggregates when it can."""
-
-    def __init__(self) -> None:
-        self._counters: dict[str, itertools.count[int]] = {}
-
     async def local_prefill(
-        self, request: RouteRequest, prefill_candidates: Sequence[WorkerEndpoint]
+        self,
+        request: RouteRequest,
+        prefill_candidates: Sequence[WorkerEndpoint],
+        decode_worker: WorkerEndpoint | None = None,
     ) -> LocalPrefillDecision:
-        if not prefill_candidates:
-            return LocalPrefillDecision(True, NO_PREFILL_WORKER)
-        return LocalPrefillDecision(False, DISAGGREGATED)
+        """Whether ``decode_worker`` (the one chosen) should prefill ``request`` itself."""
+        ...
 
-    async def choose(self, role: str, request: RouteRequest, candidates: Sequence[WorkerEndpoint]) -> Choice:
-        if not candidates:
-            raise ValueError(f"no {role} candidates to choose from")
-        pool = sorted(candidates, key=lambda w: w.address)
-        if len(pool) == 1:
-            return Choice(pool[0], ONLY_CANDIDATE)
-        counter = self._counters.setdefault(role, itertools.count())
-        return Choice(pool[next(counter) % len(pool)], ROUND_ROBIN)
+    def prefill_done(self, request: RouteRequest) -> None:
+        """The request's prompt has been computed (or its prefill failed): its KV events are on their way."""
+        ...

@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import setting
-
-ROUTING_MODES = ("round_robin",)
+from router.scoring import ROUTING_MODES
 
 
 @dataclass
@@ -27,9 +26,43 @@ class RouterConfig:
     http_port: int = setting(8000, "Port of the OpenAI-compatible HTTP API; 0 picks a free one.")
     prefill_workers: list[str] = setting([], "gRPC addresses (host:port) of the prefill workers.")
     decode_workers: list[str] = setting([], "gRPC addresses (host:port) of the decode workers.")
-    routing: str = setting("round_robin", "How prefill and decode workers are chosen.", choices=ROUTING_MODES)
+    routing: str = setting(
+        "prefix",
+        "How workers are chosen: prefix (cached prefix and load, see docs/routing.md), or the baselines "
+        "round_robin and random (no KV index, always disaggregate).",
+        choices=ROUTING_MODES,
+    )
     redis_url: str | None = setting(
-        None, "Redis URL of the registry and KV index (accepted; round_robin routing does not read it)."
+        None,
+        "Redis URL of the registry and KV index: registered workers join the pool and prefixes are looked "
+        "up in Redis. None: the flag workers only, with an in-process index fed by their StreamKVEvents.",
+    )
+    discovery_interval_s: float = setting(
+        0.5, "How often the registry is read (with --redis-url), in seconds."
+    )
+    registry_grace_s: float = setting(
+        5.0,
+        "How long a registered worker that answers and is not draining may be missing from the registry "
+        "before the router forgets it (a restarted Redis is empty until heartbeats register again).",
+    )
+    index_timeout_s: float = setting(
+        0.25, "Deadline of one KV index lookup in Redis; past it the request is routed by load alone."
+    )
+    prefix_weight: float = setting(3.0, "Weight of the prefix scorer for prefill workers (--routing prefix).")
+    load_weight: float = setting(2.0, "Weight of the load scorer for prefill and decode workers.")
+    kv_headroom_weight: float = setting(2.0, "Weight of the KV headroom scorer for decode workers.")
+    hotspot_margin_tokens: int = setting(
+        16384,
+        "Hot-spot guard: a cached prefix does not win on a worker whose queued + running tokens exceed the "
+        "least-loaded worker's by more than this; -1 turns the guard off.",
+    )
+    pd_threshold_tokens: int = setting(
+        256,
+        "The decode worker prefills a request itself when fewer prompt tokens than this are missing from "
+        "its cache (--routing prefix); 0 always sends the prompt through a prefill worker.",
+    )
+    routing_seed: int | None = setting(
+        None, "Seed of the tie-breaking and random choices (tests, benchmarks)."
     )
     otlp_endpoint: str | None = setting(None, "OTLP/gRPC endpoint traces are exported to (http://host:4317).")
     trace_file: str | None = setting(None, "Append finished spans as JSON lines to this file (tests).")
@@ -61,5 +94,17 @@ class RouterConfig:
             raise ValueError("request_timeout_s and control_timeout_s must be positive")
         if self.max_decode_attempts < 1:
             raise ValueError(f"max_decode_attempts must be >= 1, got {self.max_decode_attempts}")
+        if self.discovery_interval_s <= 0 or self.registry_grace_s < 0 or self.index_timeout_s <= 0:
+            raise ValueError(
+                "discovery_interval_s and index_timeout_s must be positive, registry_grace_s >= 0"
+            )
+        if min(self.prefix_weight, self.load_weight, self.kv_headroom_weight) < 0:
+            raise ValueError("routing weights must be >= 0")
+        if self.pd_threshold_tokens < 0:
+            raise ValueError(f"pd_threshold_tokens must be >= 0, got {self.pd_threshold_tokens}")
+        if self.hotspot_margin_tokens < -1:
+            raise ValueError(
+                f"hotspot_margin_tokens must be >= 0, or -1 (off), got {self.hotspot_margin_tokens}"
+            )
         if self.default_max_tokens_cap < 1:
             raise ValueError(f"default_max_tokens_cap must be >= 1, got {self.default_max_tokens_cap}")

@@ -1,7 +1,9 @@
 """The router's Prometheus metrics, made once on its registry (names ``pdmesh_router_<what>_<unit>``).
 
 Front ends count requests by endpoint and status; the orchestrator times tokens, counts tokens, routing
-decisions and worker errors. Nothing here decides anything.
+decisions and worker errors; the chooser times decisions and says when it routed without the KV index;
+discovery and the KV event feed say whether Redis and the workers' event streams answer. Nothing here
+decides anything.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from mesh.telemetry import ServiceMetrics
 # Seconds; TTFT on a CPU mesh is tens of ms to seconds, on GPUs a few ms.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Seconds; a decision is ~0.1-2 ms (docs/routing.md), more when Redis is slow.
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class RouterMetrics:
@@ -54,4 +58,41 @@ class RouterMetrics:
         )
         self.retries = m.counter(
             "retries", "total", "Requests sent to another worker after one failed, by role.", ["role"]
+        )
+        self.decision_latency = m.histogram(
+            "routing_decision",
+            "seconds",
+            "Time to route one request: hash its blocks, look them up in the KV index, pick the decode "
+            "worker, decide PD, pick the prefill worker.",
+            buckets=DECISION_BUCKETS,
+        )
+        self.index_lookup_latency = m.histogram(
+            "index_lookup", "seconds", "Time of one KV index lookup.", buckets=DECISION_BUCKETS
+        )
+        self.index_up = m.gauge(
+            "index", "up", "1 while the KV index answers, 0 while it is unreachable (routing by load alone)."
+        )
+        self.index_unavailable = m.counter(
+            "index_unavailable",
+            "total",
+            "Routing decisions made by load alone because the KV index could not be reached.",
+        )
+        self.registry_up = m.gauge(
+            "registry", "up", "1 while the registry answers, 0 while the last known worker list is in use."
+        )
+        self.registry_errors = m.counter(
+            "registry_errors",
+            "total",
+            "Registry reads that failed (the last known worker list stays in use).",
+        )
+        self.kv_event_stream_errors = m.counter(
+            "kv_event_stream_errors",
+            "total",
+            "StreamKVEvents subscriptions that broke or could not start (the router resubscribes).",
+        )
+        self.pool_workers = m.gauge(
+            "pool",
+            "workers",
+            "Workers in the pool, by role and whether they take requests now.",
+            ["role", "usable"],
         )

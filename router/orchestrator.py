@@ -4,15 +4,21 @@
 the last one with a finish reason and usage. The first token goes out as soon as Prefill answers. It owns
 the failure rules:
 
-- a prefill worker that fails is replaced by the next one; when all fail, the decode worker prefills;
-- a decode worker that fails before any of its tokens reached the client is replaced (same KV handle);
-  after that the client gets a clean error;
+- a prefill worker that fails is replaced by the next best one; when all fail, the decode worker prefills;
+- a decode worker that fails before any of its tokens reached the client is replaced: with the same KV
+  handle when it failed before it could have read the KV (it refused the request, was unreachable or
+  draining), otherwise by a local prefill on the next decode worker whose first token must equal the one
+  the client already has (greedy and seeded sampling reproduce it; the prefill worker may have freed the
+  blocks once the first reader's notification arrived, so the handle is not reused). After any of its
+  tokens reached the client, a failure is a clean error;
 - when Decode fails after Prefill succeeded, ``ReleaseKV`` frees the prefill worker's blocks at once;
 - a client that goes away (the consumer stops iterating or is cancelled) cancels the worker calls, and
   ``Abort`` (plus ``ReleaseKV`` when the decode never started) goes to the workers in the background.
 
 It knows nothing of HTTP or of the public gRPC API: text, stop strings and response shapes belong to the
-front ends. Worker choice goes through ``router.chooser``.
+front ends. Worker choice goes through ``router.chooser``: decode worker first, then whether it prefills
+itself, then the prefill worker; the whole decision is timed (``pdmesh_router_routing_decision_seconds``).
+It counts, per worker endpoint, the calls and prompt tokens in flight (load between stats polls).
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ log = logging.getLogger(__name__)
 FINISH_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
 
+# Decode failures that happen before the worker could have read a KV handle's blocks: the handle may be
+# given to the next decode worker. UNAVAILABLE qualifies only when the worker was unreachable or refused.
+KV_UNTOUCHED = frozenset(
+    {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
+)
+UNREACHED_MARKERS = ("failed to connect", "connection refused", "draining", "engine is not running")
+
 # Worker statuses after which another worker of the same role may succeed.
 RETRYABLE = frozenset(
     {
@@ -57,6 +70,14 @@ RETRYABLE = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+
+
+def _kv_untouched(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed Decode certainly ended before the worker could read the KV handle's blocks."""
+    if exc.code() in KV_UNTOUCHED:
+        return True
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(m in details for m in UNREACHED_MARKERS)
 
 
 @dataclass
@@ -145,12 +166,14 @@ class Orchestrator:
         )
         ctx = trace.set_span_in_context(span, g.trace_context)
         self.metrics.in_flight.inc()
+        rr: RouteRequest | None = None
         try:
             rr = RouteRequest(g.request_id, g.prompt_token_ids, g.session_id, g.cache_salt)
-            prefill_worker = await self._route(rr, ctx)
+            prefill_worker, decode_worker = await self._route(rr, ctx)
             first: worker_pb2.PrefillResponse | None = None
             if prefill_worker is not None:
                 first = await self._prefill(g, rr, prefill_worker, st, deadline, ctx)
+                self.chooser.prefill_done(rr)
             if first is not None:
                 chunk = Chunk([first.first_token_id], prefill_worker=st.prefill_worker.name)  # type: ignore[union-attr]
                 if first.HasField("first_token_logprobs"):
@@ -165,7 +188,7 @@ class Orchestrator:
                     yield chunk
                     return
                 yield chunk
-            async for chunk in self._decode(g, rr, first, st, deadline, ctx):
+            async for chunk in self._decode(g, rr, first, st, deadline, ctx, decode_worker):
                 if chunk.finished:
                     st.finished = True
                     self._finish_metrics(g, st, arrival)
@@ -182,6 +205,8 @@ class Orchestrator:
             raise
         finally:
             self.metrics.in_flight.dec()
+            if rr is not None:
+                self.chooser.prefill_done(rr)
             if st.decode_call is not None and not st.decode_call.done():
                 st.decode_call.cancel()
             if not st.finished:
@@ -189,21 +214,31 @@ class Orchestrator:
             span.end()
 
     # ---- steps ---------------------------------------------------------------------------------------
-    async def _route(self, rr: RouteRequest, ctx: otel_context.Context) -> WorkerEndpoint | None:
-        """The prefill worker to use, or None when the decode worker prefills locally."""
+    async def _route(
+        self, rr: RouteRequest, ctx: otel_context.Context
+    ) -> tuple[WorkerEndpoint | None, WorkerEndpoint]:
+        """The prefill worker (None when the decode worker prefills locally) and the decode worker."""
         with self.tracer.start_as_current_span("route", context=ctx) as span:
-            if not self.pool.candidates(DECODE):
+            started = time.perf_counter()
+            decode_candidates = self.pool.candidates(DECODE)
+            if not decode_candidates:
                 raise NoWorkerAvailableError(self.pool.describe_unusable(DECODE))
+            decode = await self.chooser.choose(DECODE, rr, decode_candidates)
+            self.metrics.decisions.labels(role=DECODE, reason=decode.reason).inc()
             prefill_candidates = self.pool.candidates(PREFILL)
-            local = await self.chooser.local_prefill(rr, prefill_candidates)
+            local = await self.chooser.local_prefill(rr, prefill_candidates, decode.worker)
             self.metrics.decisions.labels(role="pd", reason=local.reason).inc()
+            prefill: WorkerEndpoint | None = None
+            if not local.prefill_on_decode:
+                choice = await self.chooser.choose(PREFILL, rr, prefill_candidates)
+                self.metrics.decisions.labels(role=PREFILL, reason=choice.reason).inc()
+                span.set_attribute("pdmesh.prefill_worker", choice.worker.address)
+                span.set_attribute("pdmesh.prefill_reason", choice.reason)
+                prefill = choice.worker
+            self.metrics.decision_latency.observe(time.perf_counter() - started)
             span.set_attribute("pdmesh.pd_reason", local.reason)
-            if local.prefill_on_decode:
-                return None
-            choice = await self.chooser.choose(PREFILL, rr, prefill_candidates)
-            self.metrics.decisions.labels(role=PREFILL, reason=choice.reason).inc()
-            span.set_attribute("pdmesh.prefill_worker", choice.worker.address)
-            return choice.worker
+            span.set_attribute("pdmesh.decode_worker", decode.worker.address)
+            return prefill, decode.worker
 
     async def _prefill(
         self,
@@ -231,23 +266,28 @@ class Orchestrator:
                 attributes={"pdmesh.worker": current.address},
             ) as span:
                 st.prefill_worker = current
+                n_prompt = len(g.prompt_token_ids)
+                calling = current
+                calling.begin_call(n_prompt)
                 try:
-                    response = await current.stub.Prefill(
+                    response = await calling.stub.Prefill(
                         request, timeout=self._remaining(deadline), metadata=inject_metadata()
                     )
                 except grpc.aio.AioRpcError as exc:
                     span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
-                    self._worker_error(current, "Prefill", exc)
+                    self._worker_error(calling, "Prefill", exc)
                     if exc.code() not in RETRYABLE:
                         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                             st.prefill_worker = None  # it refused the request: it holds nothing
-                        raise from_worker_status(exc.code(), exc.details() or "", current.address) from None
+                        raise from_worker_status(exc.code(), exc.details() or "", calling.address) from None
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        self._spawn(self._release(current, g.request_id, abort=True))
-                    tried.append(current)
+                        self._spawn(self._release(calling, g.request_id, abort=True))
+                    tried.append(calling)
                     st.prefill_worker = None
                     current = await self._next(PREFILL, rr, tried)
                     continue
+                finally:
+                    calling.end_call(n_prompt)
                 st.kv_held = response.finish_reason == FINISH_UNSPECIFIED
                 span.set_attribute("pdmesh.num_cached_tokens", response.num_cached_tokens)
                 return response
@@ -263,6 +303,7 @@ class Orchestrator:
         st: _State,
         deadline: float,
         ctx: otel_context.Context,
+        routed: WorkerEndpoint | None = None,
     ) -> AsyncIterator[Chunk]:
         request = worker_pb2.DecodeRequest(
             request_id=g.request_id,
@@ -277,6 +318,8 @@ class Orchestrator:
                 request.first_token_logprobs.CopyFrom(first.first_token_logprobs)
             request.num_cached_tokens = first.num_cached_tokens
         prefill_name = st.prefill_worker.name if (first is not None and st.prefill_worker) else ""
+        # The token the client already has, when a retry prefills locally after the handle may be gone.
+        replay_first: int | None = None
         tried: list[WorkerEndpoint] = []
         failures: list[str] = []
         candidates = self.pool.candidates(DECODE)
@@ -284,9 +327,12 @@ class Orchestrator:
             raise self._release_and(
                 st, g.request_id, NoWorkerAvailableError(self.pool.describe_unusable(DECODE))
             )
-        choice = await self.chooser.choose(DECODE, rr, candidates)
-        self.metrics.decisions.labels(role=DECODE, reason=choice.reason).inc()
-        worker: WorkerEndpoint | None = choice.worker
+        worker: WorkerEndpoint | None = routed
+        if worker is None or worker not in candidates:  # routed before a long prefill; gone since
+            choice = await self.chooser.choose(DECODE, rr, candidates)
+            self.metrics.decisions.labels(role=DECODE, reason=choice.reason).inc()
+            worker = choice.worker
+        n_prompt = len(g.prompt_token_ids)
         while worker is not None:
             st.decode_worker = worker
             st.decode_started = True
@@ -295,8 +341,13 @@ class Orchestrator:
                 "decode",
                 context=ctx,
                 kind=trace.SpanKind.CLIENT,
-                attributes={"pdmesh.worker": worker.address, "pdmesh.kv_handle": first is not None},
+                attributes={
+                    "pdmesh.worker": worker.address,
+                    "pdmesh.kv_handle": request.HasField("kv_handle"),
+                },
             )
+            calling = worker
+            calling.begin_call(n_prompt)
             try:
                 call = worker.stub.Decode(
                     request,
@@ -314,19 +365,32 @@ class Orchestrator:
                         response.num_cached_tokens,
                         response.usage.cached_prompt_tokens if response.HasField("usage") else 0,
                     )
-                    if not response.token_ids and response.finish_reason == FINISH_UNSPECIFIED:
+                    token_ids = list(response.token_ids)
+                    logprobs = list(response.logprobs)
+                    if replay_first is not None and token_ids:
+                        if token_ids[0] != replay_first:
+                            raise UpstreamError(
+                                f"decode worker {worker.address} prefilled the request again after a failure "
+                                f"and sampled another first token ({token_ids[0]} != {replay_first}); only "
+                                "greedy or seeded sampling can be replayed"
+                            )
+                        token_ids, logprobs = token_ids[1:], logprobs[1:]  # the client has it already
+                        replay_first = None
+                    if not token_ids and response.finish_reason == FINISH_UNSPECIFIED:
                         continue
                     chunk = Chunk(
-                        list(response.token_ids),
-                        list(response.logprobs),
+                        token_ids,
+                        logprobs,
                         response.finish_reason,
                         prefill_worker=prefill_name,
                         decode_worker=worker.name,
                     )
-                    if response.token_ids:
+                    if token_ids:
+                        if not delivered and not request.HasField("kv_handle"):
+                            self.chooser.prefill_done(rr)  # this worker computed the prompt
                         delivered = True
                         st.kv_held = False
-                        self._count_tokens(st, len(response.token_ids))
+                        self._count_tokens(st, len(token_ids))
                     if chunk.finished:
                         st.kv_held = False
                         chunk.usage = self._usage(g, st)
@@ -352,6 +416,18 @@ class Orchestrator:
                 tried.append(worker)
                 worker = await self._next(DECODE, rr, tried) if retry else None
                 if worker is not None:
+                    if request.HasField("kv_handle") and not _kv_untouched(exc):
+                        # The failed worker may have read the blocks, and the prefill worker frees them
+                        # when a read completes: never hand the handle out again. Prefill locally instead.
+                        replay_first = request.first_token_id
+                        for name in ("kv_handle", "first_token_id", "first_token_logprobs"):
+                            request.ClearField(name)
+                        request.num_cached_tokens = 0
+                        self._release_prefill_kv(st, g.request_id)
+                        log.info(
+                            "request %s: decode retry prefills locally (the KV handle may be spent)",
+                            g.request_id,
+                        )
                     continue
                 if delivered:
                     error: RouterError = UpstreamError(
@@ -371,6 +447,7 @@ class Orchestrator:
                 span.end()
                 raise self._release_and(st, g.request_id, exc) from None
             finally:
+                calling.end_call(n_prompt)
                 if span.is_recording():
                     span.end()
 
@@ -408,11 +485,14 @@ class Orchestrator:
 
     def _release_and(self, st: _State, request_id: str, error: RouterError) -> RouterError:
         """Free the prefill worker's blocks now (the decode will never read them); return ``error``."""
+        self._release_prefill_kv(st, request_id)
+        return error
+
+    def _release_prefill_kv(self, st: _State, request_id: str) -> None:
         if st.kv_held and st.prefill_worker is not None:
             self._spawn(self._release(st.prefill_worker, request_id, abort=False))
             st.kv_held = False
             st.prefill_worker = None
-        return error
 
     def _count_tokens(self, st: _State, n: int) -> None:
         now = time.monotonic()
@@ -462,8 +542,24 @@ class Orchestrator:
         self, worker: WorkerEndpoint, request_id: str, abort: bool, release_kv: bool | None = None
     ) -> None:
         """Best effort: Abort and/or ReleaseKV on ``worker``; failures are logged and counted only."""
-        if release_kv is None:
-            release_kv = not abort
+        worker.begin_call(0)  # keeps a worker that just left the pool reachable for these calls
+        try:
+            await self._release_calls(
+                worker, request_id, abort, not abort if release_kv is None else release_kv
+            )
+        except grpc.aio.UsageError:  # it left the pool and its channel closed: it has nothing of ours
+            log.debug(
+                "request %s: %s worker %s is gone; nothing to release",
+                request_id,
+                worker.role,
+                worker.address,
+            )
+        finally:
+            worker.end_call(0)
+
+    async def _release_calls(
+        self, worker: WorkerEndpoint, request_id: str, abort: bool, release_kv: bool
+    ) -> None:
         if release_kv and worker.role == PREFILL:
             try:
                 await worker.stub.ReleaseKV(

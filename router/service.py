@@ -1,8 +1,11 @@
-"""Wiring of one router process: worker pool, chooser, orchestrator, the gRPC and HTTP servers.
+"""Wiring of one router process: worker pool, discovery, KV index, chooser, orchestrator, the servers.
 
 ``RouterService(config).start()`` brings everything up (tests use it in-process; ``python -m router``
 runs it until a signal); ``stop()`` turns health NOT_SERVING, stops taking requests and closes the
-worker channels. Policy and request handling live in the modules it wires, not here.
+worker channels. With ``--redis-url`` the pool follows the registry (``router.discovery``) and prefixes
+are looked up in the Redis KV index; without, the pool is the flag workers and the index lives in this
+process, fed by their ``StreamKVEvents`` (``router.kv_event_feed``). Policy and request handling live in
+the modules it wires, not here.
 """
 
 from __future__ import annotations
@@ -10,29 +13,47 @@ from __future__ import annotations
 import logging
 
 import grpc
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from mesh.grpc_server import service_name, set_serving, start_server
+from mesh.kv_index import InProcessKVIndex
+from mesh.registry import RedisRegistry
 from mesh.telemetry import Tracing, setup_tracing
 from protos.pdmesh.v1 import router_pb2, router_pb2_grpc
-from router.chooser import RoundRobinChooser, WorkerChooser
+from router.chooser import WorkerChooser
 from router.config import RouterConfig
+from router.discovery import RegistryDiscovery
 from router.grpc_api import RouterServicer
 from router.http_api import HttpApi
+from router.kv_event_feed import KVEventFeed
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from router.prefix_index import PrefixIndex
+from router.scored_chooser import ScoredChooser
 from router.served_model import ServedModel
-from router.worker_pool import WorkerPool
+from router.worker_pool import DECODE, PREFILL, WorkerPool
 
 log = logging.getLogger(__name__)
 
 ROUTER_SERVICE = service_name(router_pb2, "Router")
 
 
-def make_chooser(config: RouterConfig) -> WorkerChooser:
-    if config.routing == "round_robin":
-        return RoundRobinChooser()
-    raise ValueError(f"unknown routing {config.routing!r}")
+def make_chooser(
+    config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics, index: PrefixIndex | None
+) -> WorkerChooser:
+    return ScoredChooser(
+        config.routing,
+        pool,
+        metrics,
+        index,
+        prefix_weight=config.prefix_weight,
+        load_weight=config.load_weight,
+        kv_headroom_weight=config.kv_headroom_weight,
+        hotspot_margin_tokens=None if config.hotspot_margin_tokens < 0 else config.hotspot_margin_tokens,
+        pd_threshold_tokens=config.pd_threshold_tokens,
+        seed=config.routing_seed,
+    )
 
 
 class RouterService:
@@ -48,6 +69,41 @@ class RouterService:
             config.control_timeout_s,
             config.stats_interval_s,
         )
+        for role in (PREFILL, DECODE):
+            for usable in (True, False):
+                self.metrics.pool_workers.labels(role=role, usable=str(usable).lower()).set_function(
+                    lambda role=role, usable=usable: sum(
+                        1 for w in self.pool.by_role(role) if w.usable == usable
+                    )
+                )
+        # Redis: one client (short timeouts: a dead Redis must not hold requests) for registry and index.
+        self.redis: aioredis.Redis | None = None
+        self.discovery: RegistryDiscovery | None = None
+        self.feed: KVEventFeed | None = None
+        self.index: PrefixIndex | None = None
+        if config.redis_url:
+            self.redis = aioredis.from_url(
+                config.redis_url,
+                socket_connect_timeout=max(config.index_timeout_s, 0.5),
+                socket_timeout=max(config.index_timeout_s * 4, 1.0),
+            )
+            self.discovery = RegistryDiscovery(
+                RedisRegistry(self.redis),
+                self.pool,
+                self.metrics,
+                config.model,
+                config.discovery_interval_s,
+                config.registry_grace_s,
+            )
+        if config.routing == "prefix":
+            if self.redis is not None:
+                self.index = PrefixIndex(
+                    self.metrics, redis_client=self.redis, timeout_s=config.index_timeout_s
+                )
+            else:
+                in_process = InProcessKVIndex()
+                self.feed = KVEventFeed(in_process, self.pool, self.metrics)
+                self.index = PrefixIndex(self.metrics, in_process=in_process)
         self.model = ServedModel(
             config.model,
             self.pool,
@@ -57,7 +113,7 @@ class RouterService:
         )
         self.orchestrator = Orchestrator(
             self.pool,
-            chooser or make_chooser(config),
+            chooser or make_chooser(config, self.pool, self.metrics, self.index),
             self.metrics,
             config.request_timeout_s,
             config.control_timeout_s,
@@ -73,7 +129,11 @@ class RouterService:
         self.tracing = setup_tracing(
             "pdmesh-router", otlp_endpoint=self.config.otlp_endpoint, jsonl_path=self.config.trace_file
         )
+        if self.feed is not None:
+            self.feed.start()
         await self.pool.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         servicer = RouterServicer(self.model, self.orchestrator, self.pool, self.metrics)
         self.grpc_server, self.grpc_port = await start_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
@@ -96,14 +156,18 @@ class RouterService:
             ) from exc
         self.http_port = self._runner.addresses[0][1]
         log.info(
-            "router serving model %s: gRPC %s:%d, HTTP %s:%d, %d prefill and %d decode workers",
+            "router serving model %s: gRPC %s:%d, HTTP %s:%d, %d prefill and %d decode workers, routing %s, %s",
             self.model.name,
             self.config.host,
             self.grpc_port,
             self.config.host,
             self.http_port,
-            len(self.config.prefill_workers),
-            len(self.config.decode_workers),
+            len(self.pool.by_role(PREFILL)),
+            len(self.pool.by_role(DECODE)),
+            self.config.routing,
+            "registry and KV index in Redis"
+            if self.redis is not None
+            else "flag workers, in-process KV index",
         )
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -116,6 +180,14 @@ class RouterService:
             await self.grpc_server.stop(grace_s)
             self.grpc_server = None
         await self.orchestrator.drain_background()
+        if self.discovery is not None:
+            await self.discovery.close()
+        if self.feed is not None:
+            await self.feed.close()
+        if self.index is not None:
+            await self.index.close()
         await self.pool.close()
+        if self.redis is not None:
+            await self.redis.aclose()
         if self.tracing is not None:
             self.tracing.shutdown()

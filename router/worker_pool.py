@@ -1,10 +1,18 @@
 """The workers a router sends requests to: one gRPC channel each, their last stats, and whether they answer.
 
-A background task polls every worker's ``GetStats`` (``stats_interval_s``); a worker that answers is
-``up``, one that does not (or fails a request with UNAVAILABLE) is ``down`` until a poll finds it again.
-Workers announcing another block size or model fingerprint than the pool's are excluded, with a log line.
+Workers come from the command line (``static``: kept for the router's lifetime) and from the registry
+(``router.discovery`` adds and retires them). A background task polls every worker's ``GetStats``
+(``stats_interval_s``); a worker that answers is ``up``, one that does not (or fails a request with
+UNAVAILABLE) is ``down`` until a poll finds it again. Workers announcing another block size or model
+fingerprint than the pool's are excluded, with a log line; draining workers (their stats or their
+registration say so) take no new requests. The orchestrator counts what it has sent to each worker
+(``in_flight``, ``in_flight_tokens``): load scoring uses it between polls, and a retired worker's channel
+is closed only once nothing is in flight on it. Listeners (``on_added``, ``on_removed``) let the KV event
+feed follow the pool.
+
 This module knows where workers are and how they are doing; it does not choose among them
-(``router.chooser``) and does not run requests (``router.orchestrator``).
+(``router.chooser``), does not read the registry (``router.discovery``) and does not run requests
+(``router.orchestrator``).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -56,20 +64,40 @@ class WorkerEndpoint:
     last_error: str = ""
     excluded_reason: str = ""  # set when the worker serves another model or block size
     last_seen: float = field(default=0.0)
+    static: bool = True  # named on the command line: never retired
+    registered_id: str = ""  # its id in the registry, when it came from there
+    registry_draining: bool = False  # its registration says it is draining
+    missing_since: float | None = None  # when discovery last found it absent from the registry
+    in_flight: int = 0  # worker calls of this router on it now (Prefill, Decode)
+    in_flight_tokens: int = 0  # prompt tokens of those calls
+    in_flight_tokens_at_poll: int = 0  # in_flight_tokens when the last stats arrived
 
     @property
     def name(self) -> str:
-        """The worker's id once it has announced one, its address before."""
-        return self.stats.worker_id if self.stats is not None and self.stats.worker_id else self.address
+        """The worker's id once it has announced one (stats, else registry), its address before."""
+        if self.stats is not None and self.stats.worker_id:
+            return self.stats.worker_id
+        return self.registered_id or self.address
+
+    @property
+    def draining(self) -> bool:
+        return self.registry_draining or (self.stats is not None and self.stats.draining)
 
     @property
     def usable(self) -> bool:
-        draining = self.stats is not None and self.stats.draining
-        return self.health is not Health.DOWN and not draining and not self.excluded_reason
+        return self.health is not Health.DOWN and not self.draining and not self.excluded_reason
+
+    def begin_call(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+
+    def end_call(self, tokens: int) -> None:
+        self.in_flight -= 1
+        self.in_flight_tokens -= tokens
 
 
 class WorkerPool:
-    """The prefill and decode workers named on the command line."""
+    """The prefill and decode workers: those named on the command line, and those discovery adds."""
 
     def __init__(
         self,
@@ -83,14 +111,62 @@ class WorkerPool:
         self.control_timeout_s = control_timeout_s
         self.stats_interval_s = stats_interval_s
         self.workers: list[WorkerEndpoint] = []
+        self.on_added: list[Callable[[WorkerEndpoint], None]] = []
+        self.on_removed: list[Callable[[WorkerEndpoint], None]] = []
+        self._retired: list[WorkerEndpoint] = []  # removed, channel open until nothing is in flight
+        self._tasks: set[asyncio.Task[None]] = set()
         for role, addresses in ((PREFILL, prefill_addresses), (DECODE, decode_addresses)):
-            for address in dict.fromkeys(addresses):  # a repeated address is one worker
-                channel = insecure_channel(address, WORKER_CHANNEL_OPTIONS)
-                self.workers.append(
-                    WorkerEndpoint(address, role, channel, worker_pb2_grpc.WorkerStub(channel))
-                )
+            for address in addresses:
+                if self.find(address) is None:  # a repeated address is one worker
+                    self.workers.append(self._endpoint(address, role, static=True))
         self.model_fingerprint: str | None = None
         self._poller: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _endpoint(address: str, role: str, static: bool) -> WorkerEndpoint:
+        channel = insecure_channel(address, WORKER_CHANNEL_OPTIONS)
+        return WorkerEndpoint(address, role, channel, worker_pb2_grpc.WorkerStub(channel), static=static)
+
+    # ---- membership --------------------------------------------------------------------------------
+    def find(self, address: str) -> WorkerEndpoint | None:
+        return next((w for w in self.workers if w.address == address), None)
+
+    def add(self, address: str, role: str, registered_id: str = "") -> WorkerEndpoint:
+        """A worker found in the registry; polled at once. An address already in the pool is that worker."""
+        w = self.find(address)
+        if w is not None:
+            w.registered_id = registered_id or w.registered_id
+            return w
+        w = self._endpoint(address, role, static=False)
+        w.registered_id = registered_id
+        self.workers.append(w)
+        log.info("%s worker %s (%s) joined the pool", role, address, registered_id or "no id")
+        for listener in self.on_added:
+            listener(w)
+        if self._poller is not None:  # started: learn its stats now rather than at the next poll
+            self._spawn(self._poll(w))
+        return w
+
+    def remove(self, w: WorkerEndpoint, why: str) -> None:
+        """Take a discovered worker out of the pool; its channel closes once no call is in flight on it."""
+        if w not in self.workers:
+            return
+        self.workers.remove(w)
+        self._retired.append(w)
+        log.info("%s worker %s (%s) left the pool: %s", w.role, w.address, w.name, why)
+        for listener in self.on_removed:
+            listener(w)
+        self._spawn(self._close_retired())
+
+    async def _close_retired(self) -> None:
+        for w in [w for w in self._retired if w.in_flight <= 0]:
+            self._retired.remove(w)
+            await w.channel.close()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,13 +179,16 @@ class WorkerPool:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        for w in self.workers:
+        for task in list(self._tasks):
+            task.cancel()
+        for w in [*self.workers, *self._retired]:
             await w.channel.close()
 
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             await self.poll_once()
+            await self._close_retired()
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
@@ -120,10 +199,13 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             self.mark_down(w, f"GetStats: {exc.code().name}: {exc.details()}")
             return
+        except grpc.aio.UsageError:  # removed from the pool meanwhile: its channel is closed
+            return
         self._accept_stats(w, stats)
 
     def _accept_stats(self, w: WorkerEndpoint, stats: common_pb2.WorkerStats) -> None:
         w.stats = stats
+        w.in_flight_tokens_at_poll = w.in_flight_tokens
         w.last_seen = time.monotonic()
         reason = ""
         if stats.block_size and stats.block_size != self.block_size:
@@ -168,22 +250,19 @@ class WorkerPool:
         return [
             w
             for w in self.by_role(role)
-            if w.health is Health.DOWN
-            and not w.excluded_reason
-            and not (w.stats is not None and w.stats.draining)
-            and w not in exclude
+            if w.health is Health.DOWN and not w.excluded_reason and not w.draining and w not in exclude
         ]
 
     def describe_unusable(self, role: str) -> str:
         """Why no worker of ``role`` can take a request (for the 503 message)."""
         workers = self.by_role(role)
         if not workers:
-            return f"no {role} workers are configured"
+            return f"no {role} workers are configured or registered"
         parts = []
         for w in workers:
             if w.excluded_reason:
                 parts.append(f"{w.address}: {w.excluded_reason}")
-            elif w.stats is not None and w.stats.draining:
+            elif w.draining:
                 parts.append(f"{w.address}: draining")
             else:
                 parts.append(f"{w.address}: {w.last_error or w.health.value}")

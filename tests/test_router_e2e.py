@@ -53,6 +53,7 @@ def router(pd_workers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rou
     proc = ServiceProcess.start(
         "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
         "--decode-workers", decode.address, "--trace-file", str(trace_file),
+        "--pd-threshold-tokens", "0",  # prefix routing, every prompt through the prefill worker
     )  # fmt: skip
     try:
         yield Router(proc, trace_file)
@@ -262,6 +263,7 @@ def test_a_decode_worker_killed_mid_stream_does_not_take_the_router_down(pd_work
     proc = ServiceProcess.start(
         "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
         "--decode-workers", decode.address, doomed.address, "--stats-interval-s", "60",
+        "--routing", "round_robin",
     )  # fmt: skip
     try:
         router = Router(proc, tmp_path / "unused.jsonl")

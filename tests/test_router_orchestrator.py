@@ -142,6 +142,7 @@ async def mesh(
         "decode_workers": [w.address for w in decode],
         "control_timeout_s": 2.0,
         "request_timeout_s": 20.0,
+        "pd_threshold_tokens": 0,  # these prompts are short: disaggregate them all the same
     }
     settings.update(overrides)
     service = RouterService(RouterConfig(**settings))
@@ -218,7 +219,7 @@ def test_disaggregated_request_sends_first_token_then_decode_stream() -> None:
             assert _metric(svc, "pdmesh_router_generated_tokens_total") == 4
             assert _metric(svc, "pdmesh_router_ttft_seconds_count") == 1
             assert (
-                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "disaggregated"}) == 1
+                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "long_uncached"}) == 1
             )
             assert (
                 _metric(svc, "pdmesh_router_requests_total", {"endpoint": "completions", "status": "ok"}) == 1
@@ -297,21 +298,46 @@ def test_when_every_prefill_worker_fails_the_decode_worker_prefills() -> None:
     asyncio.run(run())
 
 
-def test_decode_failure_before_any_token_is_retried_with_the_same_kv_handle() -> None:
+def test_decode_refusal_before_any_token_is_retried_with_the_same_kv_handle() -> None:
+    prefill = ScriptedWorker("prefill")
+    bad = ScriptedWorker("decode", fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    good = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([prefill], [bad, good], stats_interval_s=60.0) as svc:
+            for _ in range(2):
+                svc.pool.workers[-1].health = Health.DOWN  # the first attempt goes to `bad`
+                status, body = await _complete(svc, {"prompt": "x"})
+                assert status == 200 and body["choices"][0]["text"] == "ABCD"
+            assert len(bad.names("Decode")) == 2 and len(good.names("Decode")) == 2
+            handles = {r.kv_handle.request_id for r in good.decode_requests}
+            assert handles == set(prefill.names("Prefill"))
+            assert await _settle(lambda: len(bad.names("Abort")) == len(bad.names("Decode")))
+            assert prefill.names("ReleaseKV") == []
+
+    asyncio.run(run())
+
+
+def test_decode_failure_that_may_have_spent_the_kv_is_retried_with_a_local_prefill() -> None:
+    """INTERNAL may come after the worker read the blocks (and the prefill worker freed them): the retry
+    prefills on the next decode worker, whose first token equals the one the client already has."""
     prefill = ScriptedWorker("prefill")
     bad = ScriptedWorker("decode", fail_with=grpc.StatusCode.INTERNAL)
     good = ScriptedWorker("decode")
 
     async def run() -> None:
-        async with mesh([prefill], [bad, good]) as svc:
-            for _ in range(2):
-                status, body = await _complete(svc, {"prompt": "x"})
-                assert status == 200 and body["choices"][0]["text"] == "ABCD"
-            assert len(bad.names("Decode")) >= 1 and len(good.names("Decode")) == 2
-            handles = {r.kv_handle.request_id for r in good.decode_requests}
-            assert handles == set(prefill.names("Prefill"))
-            assert await _settle(lambda: len(bad.names("Abort")) == len(bad.names("Decode")))
-            assert prefill.names("ReleaseKV") == []
+        async with mesh([prefill], [bad, good], stats_interval_s=60.0) as svc:
+            svc.pool.workers[-1].health = Health.DOWN  # the first attempt goes to `bad`
+            events = await _sse(svc, {"prompt": "x", "max_tokens": 4})
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "ABCD"
+            (retry,) = good.decode_requests
+            assert not retry.HasField("kv_handle") and not retry.HasField("first_token_id")
+            assert await _settle(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
+            # Another first token on the retry (unseeded sampling would do that): a clean error.
+            good.first = ord("Z")
+            svc.pool.workers[-1].health = Health.DOWN
+            status, body = await _complete(svc, {"prompt": "x", "max_tokens": 4})
+            assert status == 502 and "another first token" in body["error"]["message"]
 
     asyncio.run(run())
 

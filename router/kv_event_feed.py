@@ -1,0 +1,139 @@
+"""Without Redis, the router's KV index lives in its own memory, fed by every worker's KV events.
+
+One ``StreamKVEvents(include_snapshot=True)`` subscription per worker in the pool feeds an
+``InProcessKVIndex``: the snapshot (``AllBlocksCleared`` then ``BlocksStored`` of what the worker holds)
+replaces whatever the index knew of that worker, then its events follow in order. A subscription that
+breaks is opened again (0.2 s, then up to 2 s apart), snapshot first, so nothing missed in between
+stays wrong; each break is logged once and counted in ``pdmesh_router_kv_event_stream_errors_total``. A
+worker that answers UNIMPLEMENTED has no events to give and is left alone. When a worker leaves the pool,
+or comes back under another worker id at the same address, the index forgets the old id.
+
+This module moves events from the workers into the index; it does not look anything up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.kv_index import InProcessKVIndex
+from protos.pdmesh.v1 import common_pb2, worker_pb2
+from router.metrics import RouterMetrics
+from router.worker_pool import WorkerEndpoint, WorkerPool
+
+log = logging.getLogger(__name__)
+
+TIERS = {common_pb2.TIER_GPU: Tier.GPU, common_pb2.TIER_CPU: Tier.CPU, common_pb2.TIER_DISK: Tier.DISK}
+
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 2.0
+
+
+def events_from_proto(events: list[common_pb2.KVEvent]) -> list[KVEvent]:
+    """``mesh.kv_events`` dataclasses from ``pdmesh.v1.KVEvent``s; an event with an unknown tier is an error."""
+    out: list[KVEvent] = []
+    for e in events:
+        which = e.WhichOneof("event")
+        if which is None:
+            continue  # an event kind newer than this router: nothing it can apply
+        msg = getattr(e, which)
+        tier = TIERS.get(msg.tier)
+        if tier is None:
+            raise ValueError(f"KV event {which} has tier {msg.tier}, which is not gpu, cpu or disk")
+        if which == "blocks_stored":
+            parent = msg.parent_hash if msg.HasField("parent_hash") else None
+            out.append(BlocksStored(tuple(msg.block_hashes), tier, parent))
+        elif which == "blocks_removed":
+            out.append(BlocksRemoved(tuple(msg.block_hashes), tier))
+        elif which == "all_blocks_cleared":
+            out.append(AllBlocksCleared(tier))
+    return out
+
+
+class KVEventFeed:
+    def __init__(self, index: InProcessKVIndex, pool: WorkerPool, metrics: RouterMetrics) -> None:
+        self.index = index
+        self.pool = pool
+        self.metrics = metrics
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # id(endpoint) -> subscription
+        self._ids: dict[int, str] = {}  # id(endpoint) -> the worker id its events came under
+        self._forgetting: set[asyncio.Task[None]] = set()
+        self._broken: set[int] = set()  # id(endpoint) of subscriptions that broke and are not back yet
+        pool.on_added.append(self.watch)
+        pool.on_removed.append(self.unwatch)
+
+    def start(self) -> None:
+        for w in self.pool.workers:
+            self.watch(w)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def watch(self, w: WorkerEndpoint) -> None:
+        if id(w) not in self._tasks:
+            self._tasks[id(w)] = asyncio.get_running_loop().create_task(
+                self._follow(w), name=f"kv-events-{w.address}"
+            )
+
+    def unwatch(self, w: WorkerEndpoint) -> None:
+        task = self._tasks.pop(id(w), None)
+        if task is not None:
+            task.cancel()
+        worker_id = self._ids.pop(id(w), None)
+        if worker_id is not None:
+            forget = asyncio.get_running_loop().create_task(self.index.remove_worker(worker_id))
+            self._forgetting.add(forget)
+            forget.add_done_callback(self._forgetting.discard)
+
+    async def _follow(self, w: WorkerEndpoint) -> None:
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                call = w.stub.StreamKVEvents(worker_pb2.KVEventsRequest(include_snapshot=True))
+                async for batch in call:
+                    await self._apply(w, batch)
+                    delay = RETRY_MIN_S
+                why = "the stream ended"
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info(
+                        "%s worker %s serves no KV events; routing to it ignores its cache", w.role, w.address
+                    )
+                    return
+                why = f"{exc.code().name}: {exc.details()}"
+            except ValueError as exc:  # a malformed event: start over from a snapshot
+                why = f"bad event: {exc}"
+            except grpc.aio.UsageError:
+                return  # the worker left the pool and its channel is closed
+            self.metrics.kv_event_stream_errors.inc()
+            if id(w) not in self._broken:
+                self._broken.add(id(w))
+                log.warning(
+                    "KV events of %s worker %s stopped (%s); resubscribing with a snapshot",
+                    w.role,
+                    w.address,
+                    why,
+                )
+            await asyncio.sleep(delay)
+            delay = min(RETRY_MAX_S, delay * 2)
+
+    async def _apply(self, w: WorkerEndpoint, batch: common_pb2.KVEventBatch) -> None:
+        worker_id = batch.worker_id or w.name
+        previous = self._ids.get(id(w))
+        if previous is not None and previous != worker_id:
+            await self.index.remove_worker(previous)  # the worker restarted under a new id
+        self._ids[id(w)] = worker_id
+        self.index.apply_sync(worker_id, events_from_proto(list(batch.events)))
+        if id(w) in self._broken:
+            self._broken.discard(id(w))
+            log.info("KV events of %s worker %s flow again", w.role, w.address)

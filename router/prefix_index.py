@@ -1,0 +1,110 @@
+"""The KV index as routing reads it: one lookup per request, with a deadline, and Redis outages survived.
+
+``PrefixIndex.lookup(model_fingerprint, block_hashes)`` answers ``{worker_id: PrefixMatch}``, or None when
+the index cannot be asked: the caller then routes by load alone and counts it. Two homes:
+
+- ``--redis-url``: a ``RedisKVIndex`` per model fingerprint (one EVALSHA per lookup), written by the
+  workers themselves. A lookup that fails or runs past ``timeout_s`` marks the index down: one warning
+  line, ``pdmesh_router_index_up`` 0, and no lookup is attempted while it is down (requests do not wait
+  on a dead Redis); a probe PINGs every ``probe_interval_s`` and brings the index back by itself, with
+  an info line, as soon as Redis answers.
+- no Redis: an ``InProcessKVIndex`` fed by ``router.kv_event_feed``; always up.
+
+This module owns availability and timing of lookups; block hashing and scoring happen in the chooser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from mesh.kv_index import InProcessKVIndex, PrefixMatch, RedisKVIndex
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        *,
+        in_process: InProcessKVIndex | None = None,
+        redis_client: aioredis.Redis | None = None,
+        timeout_s: float = 0.25,
+        probe_interval_s: float = 0.5,
+    ) -> None:
+        if (in_process is None) == (redis_client is None):
+            raise ValueError("PrefixIndex needs exactly one of in_process and redis_client")
+        self.metrics = metrics
+        self.in_process = in_process
+        self.redis = redis_client
+        self.timeout_s = timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.up = True
+        self._by_model: dict[str, RedisKVIndex] = {}
+        self._probe: asyncio.Task[None] | None = None
+        metrics.index_up.set(1)
+
+    async def lookup(
+        self, model_fingerprint: str, block_hashes: Sequence[int]
+    ) -> dict[str, PrefixMatch] | None:
+        """Cached prefixes per worker id; None while the index is unreachable (route by load alone)."""
+        if not block_hashes:
+            return {}
+        if self.in_process is not None:
+            started = time.perf_counter()
+            matches = self.in_process.lookup_sync(block_hashes)
+            self.metrics.index_lookup_latency.observe(time.perf_counter() - started)
+            return matches
+        if not self.up:
+            return None
+        index = self._by_model.get(model_fingerprint)
+        if index is None:
+            assert self.redis is not None
+            index = self._by_model[model_fingerprint] = RedisKVIndex(self.redis, model_fingerprint)
+        started = time.perf_counter()
+        try:
+            matches = await asyncio.wait_for(index.lookup(block_hashes), self.timeout_s)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._went_down(exc)
+            return None
+        self.metrics.index_lookup_latency.observe(time.perf_counter() - started)
+        return matches
+
+    def _went_down(self, exc: BaseException) -> None:
+        if not self.up:
+            return
+        self.up = False
+        self.metrics.index_up.set(0)
+        log.warning(
+            "KV index unreachable (%s: %s); routing by load alone until Redis answers again",
+            type(exc).__name__,
+            str(exc) or f"no answer in {self.timeout_s:g}s",
+        )
+        self._probe = asyncio.get_running_loop().create_task(self._probe_until_up(), name="kv-index-probe")
+
+    async def _probe_until_up(self) -> None:
+        assert self.redis is not None
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await asyncio.wait_for(self.redis.ping(), self.timeout_s * 4)
+            except (RedisError, OSError, TimeoutError):
+                continue
+            self.up = True
+            self.metrics.index_up.set(1)
+            log.info("KV index answers again; routing by cached prefix resumes")
+            return
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
