@@ -303,6 +303,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start a mesh, send one chat request through the OpenAI-compatible API, print the answer, stop."""
     args.http_port = args.http_port if args.http_port != 8000 else 0
+    # Show the disaggregated path even for a short prompt (by default the router prefills short prompts
+    # on the decode worker itself).
+    args.router_arg = ["--pd-threshold-tokens", "0", *args.router_arg]
     mesh = Mesh(args)
     try:
         mesh.start(echo=False)
@@ -324,13 +327,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
         elapsed = time.monotonic() - started
         print(f"request: {args.prompt!r}")
         print(f"answer:  {answer['choices'][0]['message']['content']!r}")
-        print(
-            f"usage:   {answer['usage']}  ({elapsed * 1000:.0f} ms, prefill on one worker, decode on another, "
-            "KV over NIXL)"
+        print(f"usage:   {answer['usage']}  ({elapsed * 1000:.0f} ms)")
+        moved = sum(
+            _metric(c, "pdmesh_decode_kv_transfer_bytes_total")
+            for c in mesh.children
+            if c.name.startswith("decode")
         )
+        print(f"KV cache moved prefill -> decode worker over {args.kv_transfer}: {moved:.0f} bytes")
         return 0
     finally:
         mesh.stop()
+
+
+def _metric(child: Child, name: str) -> float:
+    """One sample of a service's Prometheus metric (0 when absent), read from its /metrics endpoint."""
+    import re
+
+    for line in child.lines:
+        m = re.search(r"metrics=(\S+)", line)
+        if m:
+            try:
+                with urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=5) as resp:
+                    text = resp.read().decode()
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                return 0.0
+            return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
+    return 0.0
 
 
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
