@@ -1,8 +1,9 @@
 """Router decision latency, and the KV index costs docs/routing.md quotes.
 
 One decision = hash the prompt's blocks (``mesh.block_hash``, from the token list a tokenizer returns),
-look the chain up in the KV index, pick a prefill worker (prefix 3 + load 2, affinity, hot-spot guard),
-decide PD, pick a decode worker (KV headroom + load). Measured with the in-process index and with Redis.
+look the chain up in the KV index, pick a decode worker (KV headroom + load), decide PD on that worker's
+cache, pick a prefill worker (prefix 3 + load 2, affinity, hot-spot guard; every time, also when the
+decode worker would prefill), the router's order. Measured with the in-process index and with Redis.
 
 Workload (defaults): 64 prefill workers, 16 decode workers, block size 16, 8192-token prompts (512 blocks).
 The index holds 16 system prompts of 2048 tokens, each cached on 8 workers (gpu, some in cpu); 256
@@ -36,7 +37,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
@@ -109,7 +109,7 @@ async def populate(index: KVIndex, wl: Workload) -> tuple[float, int]:
     n = 0
     start = time.perf_counter()
     for w, seq, tier in wl.stores:
-        hashes = block_hashes(np.asarray(seq, dtype=np.uint32), wl.block_size, wl.root)
+        hashes = block_hashes(seq, wl.block_size, wl.root)
         await index.apply(w, [BlocksStored(tuple(hashes), tier)])
         n += len(hashes)
     for w, hashes in wl.background.items():
@@ -172,14 +172,16 @@ async def run_decisions(index: KVIndex, wl: Workload, args: argparse.Namespace, 
             prefill_states = worker_states(rng, prefill_ids, "prefill")
             decode_states = worker_states(rng, decode_ids, "decode")
         t0 = time.perf_counter()
-        hashes = block_hashes(np.asarray(toks, dtype=np.uint32), wl.block_size, wl.root)
+        hashes = block_hashes(toks, wl.block_size, wl.root)  # the list, as the router has it
         t1 = time.perf_counter()
         matches = await index.lookup(hashes)
         t2 = time.perf_counter()
         request = RoutingRequest(len(toks), hashes, wl.block_size, FP, session, matches)
+        # The router's order (router/scored_chooser.py): decode worker, PD on its cache, prefill worker
+        # (picked here every time, also when the decode worker would prefill: the worst case).
+        decode = decode_picker.pick(request, decode_states)
+        pd = decider.decide(request, prefill_states, decode.worker_id)
         prefill = prefill_picker.pick(request, prefill_states)
-        pd = decider.decide(request, prefill_states)
-        decode_picker.pick(request, decode_states)
         t3 = time.perf_counter()
         if i < args.warmup:
             continue
@@ -270,10 +272,7 @@ async def bench_index(kind: str, args: argparse.Namespace, wl: Workload, report:
         rng = random.Random(args.seed + 2)
         for req_kind in REQUEST_KINDS:
             chains = [
-                block_hashes(
-                    np.asarray(make_request(wl, rng, req_kind)[0], dtype=np.uint32), wl.block_size, wl.root
-                )
-                for _ in range(100)
+                block_hashes(make_request(wl, rng, req_kind)[0], wl.block_size, wl.root) for _ in range(100)
             ]
             matched = [max((m.blocks for m in (await index.lookup(c)).values()), default=0) for c in chains]
             before = evalsha_stats(sync_client) if sync_client else (0, 0)
@@ -293,9 +292,7 @@ async def bench_index(kind: str, args: argparse.Namespace, wl: Workload, report:
 
         # Worst case: every worker holds the whole 512-block prompt in gpu.
         rng = random.Random(args.seed + 1)
-        worst = block_hashes(
-            np.asarray(tokens(rng, wl.prompt_tokens), dtype=np.uint32), wl.block_size, wl.root
-        )
+        worst = block_hashes(tokens(rng, wl.prompt_tokens), wl.block_size, wl.root)
         for i in range(args.workers):
             await index.apply(f"prefill-{i}", [BlocksStored(tuple(worst), Tier.GPU)])
         before = evalsha_stats(sync_client) if sync_client else (0, 0)
