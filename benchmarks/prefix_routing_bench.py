@@ -11,7 +11,7 @@ never before the conversation's previous one has finished; each carries its conv
 
 For each routing mode a fresh mesh is started the way ``pdmesh up`` does (``mesh.cli.Mesh``: one process
 per service on loopback, tiny-dense on the CPU, ``--num-prefill`` prefill and ``--num-decode`` decode
-workers with ``--num-kv-blocks`` KV blocks each), warmed up with a few unrelated requests, then driven
+workers with ``--num-kv-blocks`` KV blocks each, ``--decode-kv-blocks`` on decode workers), warmed up with a few unrelated requests, then driven
 through the router's gRPC API. Modes: ``prefix`` (the default policy), ``prefix-pd0`` (prefix routing with
 ``--pd-threshold-tokens 0``: every prompt through a prefill worker, so that only the prefill choice
 differs from the baselines), ``round_robin``, ``random``.
@@ -208,9 +208,23 @@ def mesh_args(args: argparse.Namespace, mode: str) -> argparse.Namespace:
     )  # fmt: skip
 
 
+class BenchMesh(Mesh):
+    """``pdmesh up``'s mesh, with the decode workers' KV pool sized on its own (``--decode-kv-blocks``)."""
+
+    def __init__(self, args: argparse.Namespace, decode_kv_blocks: int | None) -> None:
+        super().__init__(args)
+        self.decode_kv_blocks = decode_kv_blocks
+
+    def _worker_argv(self, module: str, port: int) -> list[str]:
+        argv = super()._worker_argv(module, port)
+        if module == "decode_svc" and self.decode_kv_blocks:
+            argv += ["--num-kv-blocks", str(self.decode_kv_blocks)]  # the last one counts
+        return argv
+
+
 def run_mode(mode: str, schedule: list[Turn], args: argparse.Namespace) -> ModeResult:
     result = ModeResult(mode)
-    mesh = Mesh(mesh_args(args, mode))
+    mesh = BenchMesh(mesh_args(args, mode), args.decode_kv_blocks)
     started = time.perf_counter()
     try:
         mesh.start(echo=False, timeout=300)
@@ -268,6 +282,7 @@ def main() -> None:
     parser.add_argument("--num-prefill", type=int, default=3)
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--num-kv-blocks", type=int, default=384)
+    parser.add_argument("--decode-kv-blocks", type=int, default=None, help="default: --num-kv-blocks")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-session", action="store_true", help="send no session_id")
@@ -310,7 +325,7 @@ def main() -> None:
     print()
     print(
         f"{args.num_prefill} prefill + {args.num_decode} decode workers (tiny-dense, CPU, {args.num_kv_blocks} KV "
-        f"blocks of {args.block_size} each), concurrency {args.concurrency}, {args.max_tokens} new tokens per "
+        f"blocks of {args.block_size} each, {args.decode_kv_blocks or args.num_kv_blocks} on decode), concurrency {args.concurrency}, {args.max_tokens} new tokens per "
         f"request, index: {'Redis' if args.redis_url else 'in process'}, load average {os.getloadavg()[0]:.2f}"
     )
     header = [
