@@ -1,26 +1,113 @@
 """Turns a scheduled batch into model inputs, runs the model, and returns the logits of sampling rows.
 
-Batch metadata is built with vectorised numpy on the host and copied once to the device.
+Batch metadata is built with vectorised numpy on the host and copied once to the device. On a CUDA device
+with the Triton ops and CUDA graphs enabled, a pure decode batch (one new token per sequence) replays a
+captured graph (``engine.cuda_graphs``); prefill and mixed batches, and everything on the CPU, run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _TableRow:
+    index: int
+    seq: Sequence  # held so that id(seq) cannot be reused while the row exists
+    blocks: list[int]  # the seq.block_table list this row mirrors
+    filled: int
+
+
+class DecodeBlockTables:
+    """Host copy of the block tables of recent decode batches: one stable row per sequence, extended as
+    blocks are appended, so a decode step converts only new block ids instead of whole tables.
+
+    Relies on the block pool's contract: a sequence's ``block_table`` only grows by appending, and is
+    replaced by a new list when it is freed or reallocated (which is detected by identity).
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int) -> None:
+        self.table = np.zeros((max_rows, max_blocks), dtype=np.int32)
+        self._free = list(range(max_rows - 1, -1, -1))
+        self._rows: dict[int, _TableRow] = {}
+
+    def rows_for(self, seqs: list[Sequence]) -> tuple[np.ndarray, int]:
+        """Row index of each sequence's table, and the widest table's block count."""
+        if len(self._free) < len(seqs):
+            current = {id(s) for s in seqs}
+            for key in [k for k in self._rows if k not in current]:
+                self._free.append(self._rows.pop(key).index)
+        rows = np.empty(len(seqs), dtype=np.int64)
+        width = 0
+        for i, s in enumerate(seqs):
+            blocks = s.block_table
+            row = self._rows.get(id(s))
+            if row is None:
+                row = self._rows[id(s)] = _TableRow(self._free.pop(), s, blocks, 0)
+            elif row.blocks is not blocks or row.filled > len(blocks):
+                row.blocks, row.filled = blocks, 0
+            n = len(blocks)
+            if n > row.filled:
+                self.table[row.index, row.filled : n] = blocks[row.filled :]
+                row.filled = n
+            rows[i] = row.index
+            width = max(width, n)
+        return rows, width
+
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderModel, kv_pool: torch.Tensor, block_size: int, device: torch.device
+        self,
+        model: DecoderModel,
+        kv_pool: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        *,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+        self._tables: DecodeBlockTables | None = None
+        if cuda_graphs:
+            self.enable_cuda_graphs(max_num_seqs, max_model_len or model.cfg.max_position_embeddings)
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Capture decode graphs for batches up to ``min(max_num_seqs, 256)``; returns whether decode
+        now runs as graphs (only on CUDA devices with the Triton ops). Calling it again is a no-op."""
+        if self.graphs is not None:
+            return True
+        if self.device.type != "cuda":
+            return False
+        if self.model.ops.name != "triton":
+            log.warning(
+                "CUDA graphs need kernel_backend='triton' (the torch ops read device values on the host); "
+                "decode runs eagerly"
+            )
+            return False
+        max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
+        graphs = DecodeGraphs(
+            self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device
+        )
+        graphs.capture()
+        self.graphs = graphs
+        self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
+        return True
 
     def prepare(
         self, batch: ScheduledBatch
@@ -38,8 +125,10 @@ class ModelRunner:
             n_prompt = len(s.prompt_token_ids)
             if b <= n_prompt:
                 input_ids[cu[i] : cu[i + 1]] = s.prompt_token_ids[a:b]
-            else:
-                input_ids[cu[i] : cu[i + 1]] = s.all_token_ids[a:b]
+            else:  # slices only: all_token_ids would copy the whole context every step
+                input_ids[cu[i] : cu[i + 1]] = (
+                    s.prompt_token_ids[a:n_prompt] + s.output_token_ids[max(0, a - n_prompt) : b - n_prompt]
+                )
         seq_index = np.repeat(np.arange(len(seqs)), n_new)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + starts[seq_index]
         max_blocks = max(len(s.block_table) for s in seqs)
@@ -68,9 +157,36 @@ class ModelRunner:
         )
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step; returns the sequences that sample now and their logits [n, V] (fp32)."""
+        """Run one step; returns the sequences that sample now and their logits [n, V] (fp32).
+
+        After a graph replay the logits are a view of the graph's output buffer: use them before the
+        next step."""
+        if (
+            self.graphs is not None
+            and max(batch.num_new_tokens) == 1
+            and self.graphs.bucket_for(len(batch.seqs)) is not None
+        ):
+            return self._execute_decode_graph(batch.seqs)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)
         if not sample_seqs:
             return [], hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return sample_seqs, self.model.compute_logits(hidden[rows])
+
+    def _execute_decode_graph(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+        assert self.graphs is not None and self._tables is not None
+        n = len(seqs)
+        positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        token_ids = np.fromiter((s.token_at(s.num_computed_tokens) for s in seqs), dtype=np.int64, count=n)
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
+        rows, width = self._tables.rows_for(seqs)
+        bs = self.block_size
+        slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (positions + 1).astype(np.int32)
+        logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width)
+        sampling = np.flatnonzero(positions + 1 == num_tokens)
+        if len(sampling) == n:
+            return seqs, logits
+        # A one-token prefill chunk that is not the prompt's end takes part without sampling.
+        index = torch.from_numpy(sampling).to(self.device)
+        return [seqs[i] for i in sampling], logits[index]

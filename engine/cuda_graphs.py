@@ -1,0 +1,256 @@
+"""Decode steps captured as CUDA graphs, one per bucketed batch size, over static input buffers.
+
+Owns the graphs, their static inputs (token ids, positions, KV slots, sequence lengths, query starts,
+block tables), the pinned host staging those inputs are copied from, and the static logits buffer. A
+decode batch of ``n`` sequences replays the graphs of the smallest bucket ``>= n``: rows ``n..bucket``
+are padding (token 0, position 0, slot -1, seq_len 0), which the Triton ops skip (no KV write, attention
+over no keys). Logits of every row are computed inside the graphs. One step is two host-to-device copies,
+one device copy of the block-table rows and the launches of the step's pieces; nothing in it synchronises
+the host.
+
+A step is captured as a few graphs of ``LAYERS_PER_GRAPH`` layers each rather than one: launching a graph
+costs host time in proportion to its kernels (about 1 ms for a 48-layer MoE model's ~1,500), which the
+measured step times showed was not overlapped with device work; with pieces the device runs piece i
+while the host launches piece i+1 (docs/gpu.md has the numbers).
+
+It must not decide which batches run as graphs (``engine.model_runner`` does), and it needs the Triton op
+table: the PyTorch reference ops read device values on the host and cannot be captured.
+
+MoE expert counters (for the EPLB controller) are updated inside the graph, padding rows included. All
+padding rows of a graph see the same input, so after capture each graph is replayed once with padding
+only to measure what one padding row adds per layer; a padded replay then subtracts that, times the
+number of padding rows, in one fused launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.models.decoder import AttentionMetadata, DecoderModel
+
+log = logging.getLogger(__name__)
+
+# Batch sizes that get a graph (those up to max_num_seqs, plus max_num_seqs itself when it is not one).
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+MAX_GRAPH_BATCH = BUCKETS[-1]
+LAYERS_PER_GRAPH = 8
+
+
+def decode_step_pieces(
+    model: DecoderModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_pool: torch.Tensor,
+    meta: AttentionMetadata,
+    logits_out: torch.Tensor,
+    layers_per_piece: int = LAYERS_PER_GRAPH,
+) -> list[Callable[[], None]]:
+    """``DecoderModel.forward`` followed by ``compute_logits`` into ``logits_out``, cut into callables
+    that run in order, ``layers_per_piece`` decoder layers each (each becomes one graph). The hidden state
+    and residual pass between pieces through ``state``, which the captured graphs keep addressing."""
+    layers = list(model.layers)
+    bounds = list(range(0, len(layers), layers_per_piece)) + [len(layers)]
+    state: dict[str, torch.Tensor | None] = {}
+
+    def piece(lo: int, hi: int) -> Callable[[], None]:
+        @torch.inference_mode()
+        def run() -> None:
+            if lo == 0:
+                state["x"], state["residual"] = model.embed_tokens[input_ids], None
+            x, residual = state["x"], state["residual"]
+            for layer in layers[lo:hi]:
+                x, residual = layer(x, residual, positions, model.cos_sin, kv_pool, meta)
+            if hi == len(layers):
+                x, _ = model.ops.fused_add_rms_norm(x, residual, model.norm, model.cfg.rms_norm_eps)
+                logits_out.copy_(model.compute_logits(x))
+            state["x"], state["residual"] = x, residual
+
+        return run
+
+    return [piece(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    cap = max(1, min(max_num_seqs, MAX_GRAPH_BATCH))
+    return [b for b in BUCKETS if b < cap] + [cap]
+
+
+@dataclass
+class _Graph:
+    size: int
+    pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    runs: list[Callable[[], None]] = field(default_factory=list)  # keeps the pieces' shared state alive
+    # Per MoE block, the expert counts one padding row adds (None: no MoE, or not measurable).
+    pad_counts: list[torch.Tensor] | None = None
+
+    def replay(self) -> None:
+        for piece in self.pieces:
+            piece.replay()
+
+
+class DecodeGraphs:
+    """Captured decode steps of one model over one KV pool, with their static buffers."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_pool: torch.Tensor,
+        block_size: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+        self.sizes = bucket_sizes(max_num_seqs)
+        self.max_batch = b = self.sizes[-1]
+        self.max_blocks = max_blocks
+        self.device = device
+        # int64 inputs side by side in one buffer (one copy per step): ids | positions | slots.
+        self._dev64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.split(b)
+        # int32 inputs: seq_lens | the batch's block-table rows, packed [n, width] (then copied into place).
+        self._dev32 = torch.zeros(b + b * max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = self._dev32[:b]
+        self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token each
+        self.logits = torch.zeros((b, model.cfg.vocab_size), dtype=torch.float32, device=device)
+        self._host64 = torch.zeros(3 * b, dtype=torch.int64).pin_memory()
+        self._host32 = torch.zeros(b + b * max_blocks, dtype=torch.int32).pin_memory()
+        self._np64 = self._host64.numpy()
+        self._np32 = self._host32.numpy()
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self._counts = [blk.expert_counts for blk in model.moe_blocks()]
+        self.graphs: dict[int, _Graph] = {}
+        self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
+        self.capture_seconds = 0.0
+
+    def bucket_for(self, n: int) -> int | None:
+        """Smallest captured batch size that holds ``n`` sequences; None when ``n`` is too large."""
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return None
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool (the smaller ones reuse it)."""
+        started = time.perf_counter()
+        saved_counts = [c.clone() for c in self._counts]
+        self._stage_padding(0, self.max_batch)
+        self._dev64.copy_(self._host64)
+        self._dev32[: self.max_batch].copy_(self._host32[: self.max_batch])
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            pieces = self._pieces(size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                for run in pieces:
+                    run()
+            torch.cuda.current_stream().wait_stream(side)
+            g = _Graph(size, runs=pieces)
+            for run in pieces:  # in order: each piece's outputs, in the pool, are the next one's inputs
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    run()
+                g.pieces.append(graph)
+            self.graphs[size] = g
+        if self._counts:
+            self._measure_padding_counts()
+        for count, saved in zip(self._counts, saved_counts, strict=True):
+            count.copy_(saved)  # warm-ups and calibration replays saw no real tokens
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
+        log.info(
+            "captured decode CUDA graphs for batch %s (%d pieces each) in %.1f s",
+            ",".join(map(str, self.sizes)),
+            len(self.graphs[self.max_batch].pieces),
+            self.capture_seconds,
+        )
+
+    def _pieces(self, size: int) -> list[Callable[[], None]]:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            max_seq_len=self.max_blocks * self.block_size,
+            max_query_len=1,
+        )
+        return decode_step_pieces(
+            self.model, self.input_ids[:size], self.positions[:size], self.kv_pool, meta, self.logits[:size]
+        )
+
+    def _measure_padding_counts(self) -> None:
+        """Replay each graph with padding rows only; what one row adds is the padding correction."""
+        for size, g in self.graphs.items():
+            before = [c.clone() for c in self._counts]
+            g.replay()
+            deltas = [c - b for c, b in zip(self._counts, before, strict=True)]
+            if all(bool((d % size == 0).all()) for d in deltas):
+                g.pad_counts = [d // size for d in deltas]
+            else:  # padding rows disagreed (should not happen): counts stay uncorrected, and say so
+                log.warning(
+                    "padding rows of the batch-%d decode graph route differently; MoE expert "
+                    "counts of padded steps include padding tokens",
+                    size,
+                )
+
+    # ---- replay ----------------------------------------------------------------------------------
+    def replay(self, size: int) -> None:
+        """Launch the step of batch ``size`` on the inputs staged last (benchmarks time this alone)."""
+        self.graphs[size].replay()
+
+    def _stage_padding(self, start: int, stop: int) -> None:
+        b = self.max_batch
+        self._np64[start:stop] = 0  # token ids
+        self._np64[b + start : b + stop] = 0  # positions
+        self._np64[2 * b + start : 2 * b + stop] = -1  # slots: write nothing
+        self._np32[start:stop] = 0  # seq_lens: attend to nothing
+
+    def run(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        tables: np.ndarray,
+        rows: np.ndarray,
+        width: int,
+    ) -> torch.Tensor:
+        """One decode step of ``n = len(token_ids)`` sequences; sequence i's block table is
+        ``tables[rows[i], :width]``. Returns the logits ``[n, vocab]`` (fp32): a view of the static
+        buffer, valid until the next replay."""
+        n = len(token_ids)
+        size = self.bucket_for(n)
+        if size is None:
+            raise ValueError(f"a decode batch of {n} exceeds the largest captured graph ({self.max_batch})")
+        b = self.max_batch
+        self._copied.synchronize()  # the previous step's copies have left the staging buffers
+        self._np64[:n] = token_ids
+        self._np64[b : b + n] = positions
+        self._np64[2 * b : 2 * b + n] = slots
+        self._np32[:n] = seq_lens
+        if size > n:
+            self._stage_padding(n, size)
+        packed = self._np32[b : b + n * width].reshape(n, width)
+        np.take(tables[:, :width], rows, axis=0, out=packed)
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32[: b + n * width].copy_(self._host32[: b + n * width], non_blocking=True)
+        self._copied.record()
+        self.block_tables[:n, :width].copy_(self._dev32[b : b + n * width].view(n, width))
+        g = self.graphs[size]
+        g.replay()
+        if size > n and g.pad_counts is not None:
+            torch._foreach_add_(self._counts, g.pad_counts, alpha=-(size - n))
+        self.replays[size] += 1
+        return self.logits[:n]
