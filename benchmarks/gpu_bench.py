@@ -1,0 +1,891 @@
+"""GPU benchmark of the engine in one run: ceilings, decode steps against their roofline, prefill against the
+matmul rate, and transformers' ``generate()`` on weights of the same shapes.
+
+1. Ceilings: HBM bandwidth (a device-to-device copy, bytes read + written) and the bf16 matmul rate (8192^3).
+2. Models: random bf16 weights (``load_format="dummy"``, only a config.json is written) shaped like
+   Llama-3.1-8B (dense) and Qwen3-30B-A3B (MoE), run by ``LLMEngine`` with the Triton ops and CUDA graphs.
+3. Decode: steady-state ``engine.step()`` time (scheduler + runner + sampler) at batch 1/16/64/256 and
+   context 512/4096. The sequences enter the way a decode worker's do (``reserve_import`` + ``commit_import``:
+   blocks allocated, context already in the KV pool, which holds random values). Each row also times the
+   captured graph alone (device time of the step) and prints its roofline: the bytes a step must move (every
+   weight a step reads: for MoE the non-expert weights plus the experts the batch activates, counted from the
+   router per layer; plus the KV read) over the measured copy bandwidth.
+4. Prefill (dense): tokens/s over 4096-token prompts; FLOPs = 2 * matmul params * tokens + causal attention
+   (2 * heads * head_dim * L^2 per layer) + the LM head of the sampled row, against the measured matmul rate.
+5. End to end, like for like with transformers: 512-token prompts, 128 new tokens, batch 1/16/64, through our
+   engine, then ``AutoModelForCausalLM.from_config(...).generate()`` (random init on the GPU, bf16).
+
+Run on the device machine from the repository root: ``PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py``;
+``--sections`` picks parts, ``--out DIR`` (default ``$OUT`` or ./gpu_bench_out) gets the full log and a JSON
+of every number. ``--smoke`` runs small shapes on the CPU to check the plumbing. The short table is last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.models.model_config import ModelConfig  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+LLAMA_3_1_8B: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    attention_bias=False,
+    mlp_bias=False,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    attention_bias=False,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+SHAPES = {"dense": ("Llama-3.1-8B shape", LLAMA_3_1_8B), "moe": ("Qwen3-30B-A3B shape", QWEN3_30B_A3B)}
+# --smoke: the same code on small shapes, CPU, float32, torch ops.
+SMOKE_OVERRIDES: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+
+log = logging.getLogger("gpu_bench")
+
+
+@dataclass
+class Plan:
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    backend: str = "triton"
+    batches: tuple[int, ...] = (1, 16, 64, 256)
+    contexts: tuple[int, ...] = (512, 4096)
+    warmup_steps: int = 5
+    timed_steps: int = 20
+    prefill_len: int = 4096
+    prefill_prompts: int = 8
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    e2e_batches: tuple[int, ...] = (1, 16, 64)
+    e2e_prompt: int = 512
+    e2e_new: int = 128
+    gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
+    smoke: bool = False
+
+
+@dataclass
+class Results:
+    env: dict[str, Any] = field(default_factory=dict)
+    ceilings: dict[str, float] = field(default_factory=dict)
+    decode: list[dict[str, Any]] = field(default_factory=list)
+    prefill: list[dict[str, Any]] = field(default_factory=list)
+    e2e: list[dict[str, Any]] = field(default_factory=list)
+    hf: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+# ---- counting bytes and FLOPs ----------------------------------------------------------------------
+@dataclass
+class WeightBytes:
+    per_step_dense: float  # bytes every decode step reads whatever the routing (attention, norms, LM head...)
+    per_expert: float  # bytes of one expert of one layer
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    matmul_params: float  # params in the matmuls of one token's forward (LM head excluded)
+    lm_head_params: float
+    kv_bytes_per_token: float  # all layers, K and V
+
+
+def count_weights(cfg: ModelConfig, itemsize: int) -> WeightBytes:
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn = h * (q + 2 * kv) + q * h
+    norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+    dense_mlp = 3 * h * cfg.intermediate_size
+    per_expert = 3 * h * cfg.moe_intermediate_size
+    moe_layers = sum(1 for m in cfg.moe_layers if m) if cfg.is_moe else 0
+    dense_layers = cfg.num_layers - moe_layers
+    router = cfg.num_experts * h if cfg.is_moe else 0
+    lm_head = cfg.vocab_size * h
+    dense_params = (
+        cfg.num_layers * (attn + norms) + dense_layers * dense_mlp + moe_layers * router + h + lm_head
+    )
+    matmul = (
+        cfg.num_layers * attn
+        + dense_layers * dense_mlp
+        + moe_layers * (router + cfg.num_experts_per_tok * per_expert)
+    )
+    return WeightBytes(
+        per_step_dense=dense_params * itemsize,
+        per_expert=per_expert * itemsize,
+        moe_layers=moe_layers,
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        matmul_params=matmul,
+        lm_head_params=lm_head,
+        kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * d * itemsize,
+    )
+
+
+def expected_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts hit by ``tokens`` tokens routed uniformly at random, top-k each."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def attention_flops(cfg: ModelConfig, prompt_len: int) -> float:
+    """Causal attention of one prompt: QK^T and PV over the lower triangle, every layer."""
+    return 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len * prompt_len
+
+
+# ---- timing helpers --------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def cuda_median_ms(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def _copy_gbps() -> float:
+    nbytes = 4 << 30
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = cuda_median_ms(lambda: dst.copy_(src), iters=20)
+    return 2 * nbytes / ms / 1e6  # read + write
+
+
+def _matmul_tflops(n: int = 8192) -> float:
+    mats = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    calls = [0]
+
+    def mm() -> None:  # alternate input sets so no product reads the previous one's inputs from L2
+        k = calls[0] % 2
+        torch.matmul(mats[k], mats[2 + k], out=out)
+        calls[0] += 1
+
+    ms = cuda_median_ms(mm, iters=20)
+    return 2 * n**3 / ms / 1e9
+
+
+def measure_ceilings(res: Results) -> None:
+    res.ceilings["hbm_gbps"] = _copy_gbps()
+    res.ceilings["matmul_tflops"] = _matmul_tflops()
+    torch.cuda.empty_cache()
+    log.info(
+        "ceilings: copy %.0f GB/s, bf16 matmul %.0f TFLOP/s",
+        res.ceilings["hbm_gbps"],
+        res.ceilings["matmul_tflops"],
+    )
+
+
+# ---- the engine --------------------------------------------------------------------------------
+def write_config(cfg: dict[str, Any], smoke: bool) -> Path:
+    cfg = dict(cfg)
+    if smoke:
+        cfg.update({k: v for k, v in SMOKE_OVERRIDES.items() if k in cfg})
+    path = Path(tempfile.mkdtemp(prefix="pdmesh-bench-"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def blocks_needed(batch: int, ctx: int, plan: Plan, block_size: int = 16) -> int:
+    extra = plan.warmup_steps + plan.timed_steps + 16
+    return batch * -(-(ctx + extra) // block_size)
+
+
+def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(model_dir),
+        device=plan.device,
+        dtype=plan.dtype,
+        kernel_backend=plan.backend,
+        load_format="dummy",
+        num_kv_blocks=num_blocks,
+        max_num_seqs=max(plan.batches),
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        max_model_len=plan.max_model_len,
+    )
+    t = time.perf_counter()
+    engine = LLMEngine(cfg)
+    built = time.perf_counter() - t
+    # The engine's own switch; a no-op once LLMEngine passes config.cuda_graphs to the runner.
+    try:
+        on = engine.runner.enable_cuda_graphs(cfg.max_num_seqs, engine.max_model_len)
+    except Exception:
+        log.exception("decode graph capture failed: decode runs eagerly")
+        on = False
+    graphs = engine.runner.graphs
+    log.info(
+        "engine built in %.1f s; CUDA graphs %s%s",
+        built,
+        "on" if on else "off",
+        f" (captured in {graphs.capture_seconds:.1f} s)" if graphs else "",
+    )
+    with torch.no_grad():
+        engine.kv_pool.normal_()  # attention never reads zeros (they can run faster than real data)
+    return engine
+
+
+def drain(engine: LLMEngine, rids: list[str]) -> None:
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def host_launch_ms(fn: Callable[[], None], iters: int = 10) -> float:
+    """Host time of one call of ``fn`` (graph launches), each started on an idle device."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def kernel_profile(fn: Callable[[], None], iters: int = 5) -> str:
+    """Device time per kernel over ``iters`` calls (for the log)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "cuda_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=30)
+        except Exception:  # the sort key's name changed across torch versions
+            continue
+    return averages.table(row_limit=30)
+
+
+class StepBreakdown:
+    """Host wall time inside ``runner.execute`` (batch metadata, copies, launch: asynchronous) and the
+    sampler (which waits for the device first) over the steps run inside the ``with``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.seconds = {"runner": 0.0, "sampler": 0.0}
+        self.calls = {"runner": 0, "sampler": 0}
+
+    def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - t
+                self.calls[key] += 1
+
+        return timed
+
+    def __enter__(self) -> StepBreakdown:
+        self._runner, self._sampler = self.engine.runner, self.engine.sampler
+        self.engine.runner.execute = self._wrap("runner", self._runner.execute)  # type: ignore[method-assign]
+        self.engine.sampler = self._wrap("sampler", self._sampler)  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.runner.execute
+        self.engine.sampler = self._sampler
+
+    def mean_ms(self, key: str) -> float:
+        return self.seconds[key] / max(1, self.calls[key]) * 1e3
+
+
+def decode_point(
+    engine: LLMEngine,
+    name: str,
+    batch: int,
+    ctx: int,
+    plan: Plan,
+    wb: WeightBytes,
+    res: Results,
+    profile: bool,
+) -> None:
+    vocab = engine.vocab_size
+    rng = np.random.default_rng(batch * 100003 + ctx)
+    params = SamplingParams(
+        max_tokens=plan.warmup_steps + plan.timed_steps + 8, temperature=0.0, ignore_eos=True
+    )
+    rids = []
+    for i in range(batch):
+        rid = f"{name}-b{batch}-c{ctx}-{i}"
+        prompt = rng.integers(0, vocab, ctx).tolist()
+        engine.reserve_import(rid, prompt, params)
+        engine.commit_import(rid, int(rng.integers(0, vocab)))
+        rids.append(rid)
+    try:
+        for _ in range(plan.warmup_steps):
+            engine.step()
+        assert len(engine.scheduler.running) == batch, "every sequence decodes in every step"
+        engine.take_expert_counts()
+        engine.step()
+        counts = engine.take_expert_counts()
+        unique = float((counts > 0).sum(dim=1).float().mean()) if counts is not None else 0.0
+        times = []
+        with StepBreakdown(engine) as parts:
+            for _ in range(plan.timed_steps):
+                t = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t)
+        step_ms = statistics.median(times) * 1e3
+        graphs = engine.runner.graphs
+        replay_ms = float("nan")
+        bucket = graphs.bucket_for(batch) if graphs else None
+        launch_ms = float("nan")
+        if bucket is not None and plan.device == "cuda":
+
+            def replay() -> None:
+                graphs.replay(bucket)
+
+            replay_ms = cuda_median_ms(replay, iters=20)
+            launch_ms = host_launch_ms(replay)
+            if profile:
+                log.info(
+                    "kernel profile, %s batch %d ctx %d (graph replays):\n%s",
+                    name,
+                    batch,
+                    ctx,
+                    kernel_profile(replay),
+                )
+        t = time.perf_counter()
+        running = list(engine.scheduler.running)
+        for seq in running:
+            engine.block_pool.cache_full_blocks(seq)
+        cache_blocks_ms = (time.perf_counter() - t) * 1e3
+    finally:
+        drain(engine, rids)
+    ctx_now = ctx + plan.warmup_steps + 1 + plan.timed_steps // 2
+    kv_bytes = batch * ctx_now * wb.kv_bytes_per_token
+    expected = expected_unique_experts(wb.num_experts, wb.top_k, batch) if wb.moe_layers else 0.0
+    weight_bytes = wb.per_step_dense + wb.moe_layers * unique * wb.per_expert
+    total = weight_bytes + kv_bytes
+    row: dict[str, Any] = dict(
+        model=name,
+        batch=batch,
+        ctx=ctx,
+        step_ms=step_ms,
+        step_ms_min=min(times) * 1e3,
+        replay_ms=replay_ms,
+        tok_s=batch / step_ms * 1e3,
+        weight_gb=weight_bytes / 1e9,
+        kv_gb=kv_bytes / 1e9,
+        experts_per_layer=unique,
+        experts_expected=expected,
+        cache_full_blocks_ms=cache_blocks_ms,
+        launch_ms=launch_ms,
+        runner_ms=parts.mean_ms("runner"),
+        sampler_ms=parts.mean_ms("sampler"),
+    )
+    bw = res.ceilings.get("hbm_gbps")
+    if bw:
+        roof_ms = total / bw / 1e6
+        row.update(
+            roofline_ms=roof_ms,
+            pct_roofline=100 * roof_ms / step_ms,
+            pct_roofline_graph=100 * roof_ms / replay_ms if replay_ms == replay_ms else float("nan"),
+            roofline_tok_s=batch / roof_ms * 1e3,
+        )
+    res.decode.append(row)
+    log.info("decode %s", json.dumps(row))
+
+
+def prefill_point(engine: LLMEngine, name: str, plan: Plan, wb: WeightBytes, res: Results) -> None:
+    vocab = engine.vocab_size
+    rng = np.random.default_rng(7)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run(n: int, tag: str) -> float:
+        for i in range(n):
+            engine.add_request(f"{tag}-{i}", rng.integers(0, vocab, plan.prefill_len).tolist(), params)
+        _sync(plan.device)
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        _sync(plan.device)
+        return time.perf_counter() - t
+
+    run(2, f"{name}-prefill-warm")
+    seconds = run(plan.prefill_prompts, f"{name}-prefill")
+    cfg = engine.model_config
+    tokens = plan.prefill_prompts * plan.prefill_len
+    flops = plan.prefill_prompts * (
+        2 * wb.matmul_params * plan.prefill_len
+        + attention_flops(cfg, plan.prefill_len)
+        + 2 * wb.lm_head_params
+    )
+    row: dict[str, Any] = dict(
+        model=name,
+        prompt_len=plan.prefill_len,
+        prompts=plan.prefill_prompts,
+        seconds=seconds,
+        tok_s=tokens / seconds,
+        tflops=flops / seconds / 1e12,
+        attention_share=attention_flops(cfg, plan.prefill_len) * plan.prefill_prompts / flops,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+    )
+    if res.ceilings.get("matmul_tflops"):
+        row["pct_matmul"] = 100 * row["tflops"] / res.ceilings["matmul_tflops"]
+    res.prefill.append(row)
+    log.info("prefill %s", json.dumps(row))
+
+
+def _generate(
+    engine: LLMEngine, tag: str, batch: int, prompt_len: int, new: int, seed: int
+) -> dict[str, Any]:
+    """``batch`` random prompts added at once and stepped to completion; per-step times."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", rng.integers(0, engine.vocab_size, prompt_len).tolist(), params)
+    graphs = engine.runner.graphs
+    replays_before = sum(graphs.replays.values()) if graphs else 0
+    steps: list[float] = []
+    generated = 0
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+        steps.append(time.perf_counter() - s0)
+    seconds = time.perf_counter() - t
+    return dict(
+        seconds=seconds,
+        generated=generated,
+        steps=len(steps),
+        graph_replays=(sum(graphs.replays.values()) if graphs else 0) - replays_before,
+        median_step_ms=statistics.median(steps) * 1e3,
+        slowest_steps_ms=sorted((round(x * 1e3, 1), i) for i, x in enumerate(steps))[-3:],
+    )
+
+
+def e2e_point(engine: LLMEngine, name: str, batch: int, plan: Plan, res: Results) -> None:
+    """Our engine on transformers' workload: ``batch`` prompts at once, prefill included.
+
+    A short run of the same shape goes first: the first prefill of a new shape class JIT-compiles Triton
+    variants (seen: 3 to 4.5 s in one step, 2026-11-29), which a served engine pays once, not per request.
+    """
+    warm = _generate(engine, f"{name}-e2e{batch}-warm", batch, plan.e2e_prompt, 2, seed=batch + 99)
+    run = _generate(engine, f"{name}-e2e{batch}", batch, plan.e2e_prompt, plan.e2e_new, seed=batch + 5)
+    log.info("e2e %s batch %d: warm-up %s; timed %s", name, batch, json.dumps(warm), json.dumps(run))
+    row = dict(
+        model=name,
+        engine="pdmesh",
+        batch=batch,
+        prompt=plan.e2e_prompt,
+        new=plan.e2e_new,
+        seconds=run["seconds"],
+        tok_s=run["generated"] / run["seconds"],
+        warmup_seconds=warm["seconds"],
+    )
+    res.e2e.append(row)
+    log.info("e2e %s", json.dumps(row))
+
+
+def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str], profile: bool) -> None:
+    label, raw = SHAPES[shape]
+    model_dir = write_config(raw, plan.smoke)
+    from engine.loader import resolve_model_config
+
+    mcfg, _ = resolve_model_config(str(model_dir))
+    itemsize = 2 if plan.dtype != "float32" else 4
+    wb = count_weights(mcfg, itemsize)
+    block_bytes = wb.kv_bytes_per_token * 16
+    fits = {(b, c): blocks_needed(b, c, plan) for b in plan.batches for c in plan.contexts}
+    weights_bytes = wb.per_step_dense + wb.moe_layers * wb.num_experts * wb.per_expert
+    if plan.device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        budget = int((free * plan.gpu_mem_fraction - weights_bytes) // block_bytes)
+    else:
+        budget = 4096
+    # The pool holds the largest decode point that fits in memory (bigger ones are skipped), two prefill
+    # prompts, and the largest generate batch.
+    want = [n for n in fits.values() if n <= budget] + [2 * blocks_needed(1, plan.prefill_len, plan)]
+    want += [b * -(-(plan.e2e_prompt + plan.e2e_new) // 16) for b in plan.e2e_batches]
+    num_blocks = max(64, min(max(want), budget))
+    log.info(
+        "%s: %.2f GB of weights, %d KV blocks of %.2f MiB",
+        label,
+        weights_bytes / 1e9,
+        num_blocks,
+        block_bytes / 2**20,
+    )
+    engine = build_engine(model_dir, plan, num_blocks)
+    try:
+        if "decode" in sections:
+            for ctx in plan.contexts:
+                for batch in plan.batches:
+                    if fits[(batch, ctx)] > num_blocks:
+                        log.info(
+                            "decode %s batch %d ctx %d: needs %d KV blocks, the pool has %d: skipped",
+                            shape,
+                            batch,
+                            ctx,
+                            fits[(batch, ctx)],
+                            num_blocks,
+                        )
+                        res.decode.append(dict(model=shape, batch=batch, ctx=ctx, skipped="KV does not fit"))
+                        continue
+                    try:
+                        decode_point(
+                            engine,
+                            shape,
+                            batch,
+                            ctx,
+                            plan,
+                            wb,
+                            res,
+                            profile=profile and ctx == plan.contexts[0] and batch in (1, 64),
+                        )
+                    except Exception as exc:
+                        log.exception("decode %s batch %d ctx %d failed", shape, batch, ctx)
+                        res.errors.append(f"decode {shape} b{batch} c{ctx}: {exc!r}")
+        if "prefill" in sections and shape == "dense":
+            prefill_point(engine, shape, plan, wb, res)
+        if "e2e" in sections:
+            for batch in plan.e2e_batches:
+                e2e_point(engine, shape, batch, plan, res)
+    finally:
+        del engine
+        gc.collect()
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---- transformers ------------------------------------------------------------------------------
+def run_hf(shape: str, plan: Plan, res: Results) -> None:
+    import transformers
+
+    _, raw = SHAPES[shape]
+    raw = dict(raw)
+    if plan.smoke:
+        raw.update({k: v for k, v in SMOKE_OVERRIDES.items() if k in raw})
+    model_type = raw.pop("model_type")
+    raw.pop("architectures")
+    cfg = transformers.AutoConfig.for_model(model_type, **raw)
+    dtype = torch.bfloat16 if plan.dtype == "bfloat16" else torch.float32
+    t = time.perf_counter()
+    with torch.device(plan.device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    log.info(
+        "transformers %s %s built in %.1f s",
+        transformers.__version__,
+        type(model).__name__,
+        time.perf_counter() - t,
+    )
+    gen = torch.Generator(device=plan.device).manual_seed(0)
+
+    def generate(batch: int, new: int) -> float:
+        ids = torch.randint(0, cfg.vocab_size, (batch, plan.e2e_prompt), device=plan.device, generator=gen)
+        _sync(plan.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        _sync(plan.device)
+        assert out.shape[1] == plan.e2e_prompt + new, out.shape
+        return time.perf_counter() - t
+
+    try:
+        generate(1, 4)
+        for batch in plan.e2e_batches:
+            seconds = generate(batch, plan.e2e_new)
+            row = dict(
+                model=shape,
+                engine=f"transformers {transformers.__version__}",
+                batch=batch,
+                prompt=plan.e2e_prompt,
+                new=plan.e2e_new,
+                seconds=seconds,
+                tok_s=batch * plan.e2e_new / seconds,
+            )
+            res.hf.append(row)
+            log.info("hf %s", json.dumps(row))
+    finally:
+        model = None
+        gc.collect()
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---- report ------------------------------------------------------------------------------------
+def _f(x: Any, fmt: str = ".1f") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return format(x, fmt)
+
+
+def summary(res: Results, plan: Plan) -> str:
+    lines = []
+    c = res.ceilings
+    if c:
+        lines.append(
+            f"ceilings: copy {c['hbm_gbps']:.0f} GB/s (read+write), bf16 matmul 8192^3 "
+            f"{c['matmul_tflops']:.0f} TFLOP/s"
+        )
+    if res.decode:
+        lines += [
+            "",
+            "decode (engine.step: scheduler + graph replay + sampler; graph = replay alone, device time)",
+            "| model | batch | ctx | step ms | graph ms | tok/s | experts/layer | GB moved | roofline ms "
+            "| % roofline (step) | % roofline (graph) | runner ms | launch ms | sampler ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in res.decode:
+            if "skipped" in r:
+                lines.append(
+                    f"| {r['model']} | {r['batch']} | {r['ctx']} | {r['skipped']} | | | | | | | | | |"
+                )
+                continue
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {r['ctx']} | {_f(r['step_ms'], '.2f')} | {_f(r['replay_ms'], '.2f')} "
+                f"| {_f(r['tok_s'], '.0f')} | {_f(r['experts_per_layer'])} | {_f(r['weight_gb'] + r['kv_gb'], '.2f')} "
+                f"| {_f(r.get('roofline_ms'), '.2f')} | {_f(r.get('pct_roofline'), '.0f')} "
+                f"| {_f(r.get('pct_roofline_graph'), '.0f')} | {_f(r['runner_ms'], '.2f')} "
+                f"| {_f(r['launch_ms'], '.2f')} | {_f(r['sampler_ms'], '.2f')} |"
+            )
+    if res.prefill:
+        lines += [
+            "",
+            "prefill (dense, 4096-token prompts)",
+            "| model | tokens/s | TFLOP/s | % matmul rate | attention share of FLOPs |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in res.prefill:
+            lines.append(
+                f"| {r['model']} | {r['tok_s']:.0f} | {r['tflops']:.0f} | {_f(r.get('pct_matmul'), '.0f')} "
+                f"| {100 * r['attention_share']:.0f}% |"
+            )
+    if res.e2e or res.hf:
+        lines += [
+            "",
+            f"generate: {plan.e2e_prompt}-token prompts, {plan.e2e_new} new tokens, all at once (prefill included)",
+            "| model | batch | pdmesh tok/s | transformers tok/s | speed-up |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for shape in SHAPES:
+            for b in plan.e2e_batches:
+                ours = next((r["tok_s"] for r in res.e2e if r["model"] == shape and r["batch"] == b), None)
+                hf = next((r["tok_s"] for r in res.hf if r["model"] == shape and r["batch"] == b), None)
+                if ours is None and hf is None:
+                    continue
+                ratio = ours / hf if ours and hf else None
+                lines.append(f"| {shape} | {b} | {_f(ours, '.0f')} | {_f(hf, '.1f')} | {_f(ratio, '.1f')}x |")
+    lines += ["", "targets:"]
+    for shape in SHAPES:
+        r = next(
+            (
+                r
+                for r in res.decode
+                if r["model"] == shape and r["batch"] == 1 and r["ctx"] == 512 and "pct_roofline" in r
+            ),
+            None,
+        )
+        if r:
+            lines.append(
+                f"  decode batch 1 {shape} >= 80% of roofline: {r['pct_roofline']:.0f}% "
+                f"({r['tok_s']:.0f} of {r['roofline_tok_s']:.0f} tok/s) -> {'MET' if r['pct_roofline'] >= 80 else 'NOT MET'}"
+            )
+    r = next(
+        (
+            r
+            for r in res.decode
+            if r["model"] == "moe" and r["batch"] == 64 and r["ctx"] == 512 and "pct_roofline" in r
+        ),
+        None,
+    )
+    if r:
+        lines.append(
+            f"  decode batch 64 moe >= 70% of roofline: {r['pct_roofline']:.0f}% -> "
+            f"{'MET' if r['pct_roofline'] >= 70 else 'NOT MET'}"
+        )
+    r = next((r for r in res.prefill if "pct_matmul" in r), None)
+    if r:
+        lines.append(
+            f"  4k prefill dense >= 50% of matmul rate: {r['pct_matmul']:.0f}% -> "
+            f"{'MET' if r['pct_matmul'] >= 50 else 'NOT MET'}"
+        )
+    if res.errors:
+        lines += ["", "errors:"] + [f"  {e}" for e in res.errors]
+    return "\n".join(lines)
+
+
+def environment(plan: Plan) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        import transformers
+        import triton
+
+        env.update(triton=triton.__version__, transformers=transformers.__version__)
+    except ImportError:
+        pass
+    if plan.device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sections",
+        default="ceilings,decode,prefill,e2e,hf",
+        help="comma-separated: ceilings, decode, prefill, e2e, hf",
+    )
+    parser.add_argument("--shapes", default="dense,moe")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--contexts", default="512,4096")
+    parser.add_argument(
+        "--profile", action="store_true", help="log per-kernel device time of some decode graphs"
+    )
+    parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        handlers=[logging.FileHandler(out / "gpu_bench.log"), logging.StreamHandler(sys.stderr)],
+    )
+    plan = Plan(
+        batches=tuple(int(x) for x in args.batches.split(",")),
+        contexts=tuple(int(x) for x in args.contexts.split(",")),
+    )
+    if args.smoke:
+        plan = Plan(
+            device="cpu",
+            dtype="float32",
+            backend="torch",
+            batches=(1, 4),
+            contexts=(32, 64),
+            warmup_steps=1,
+            timed_steps=3,
+            prefill_len=64,
+            prefill_prompts=2,
+            max_num_batched_tokens=256,
+            max_model_len=512,
+            e2e_batches=(1, 2),
+            e2e_prompt=16,
+            e2e_new=4,
+            smoke=True,
+        )
+    sections = set(args.sections.split(","))
+    res = Results(env=environment(plan))
+    log.info("environment %s", json.dumps(res.env))
+    if "ceilings" in sections and plan.device == "cuda":
+        measure_ceilings(res)
+    for shape in args.shapes.split(","):
+        if sections & {"decode", "prefill", "e2e"}:
+            try:
+                run_engine_sections(shape, plan, res, sections, args.profile)
+            except Exception as exc:
+                log.exception("engine sections of %s failed", shape)
+                res.errors.append(f"engine {shape}: {exc!r}")
+    if "hf" in sections:
+        for shape in args.shapes.split(","):
+            try:
+                run_hf(shape, plan, res)
+            except Exception as exc:
+                log.exception("transformers %s failed", shape)
+                res.errors.append(f"transformers {shape}: {exc!r}")
+    (out / "gpu_bench.json").write_text(json.dumps(asdict(res), indent=1))
+    text = summary(res, plan)
+    (out / "gpu_bench_summary.md").write_text(text + "\n")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
