@@ -97,6 +97,7 @@ class BlockPool:
             self._ref(b)
         seq.block_table = list(hits)
         seq.block_table += self._take(need)
+        seq.cache_scan_upto = len(hits)  # hits are cached already
         return True
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
@@ -148,7 +149,8 @@ class BlockPool:
         n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_table))
         stored: list[int] = []
         parent: int | None = None
-        for i in range(n_full):
+        start, seq.cache_scan_upto = seq.cache_scan_upto, max(seq.cache_scan_upto, n_full)
+        for i in range(start, n_full):  # only blocks that became full since the last call
             block = seq.block_table[i]
             h = seq.block_hashes[i]
             if self.block_hash[block] is not None:
@@ -178,6 +180,7 @@ class BlockPool:
     def free(self, seq: Sequence) -> None:
         self.free_blocks(seq.block_table)
         seq.block_table = []
+        seq.cache_scan_upto = 0
 
     def touch(self, blocks: list[int]) -> None:
         """Mark cached blocks as recently used."""

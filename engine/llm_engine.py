@@ -110,7 +110,15 @@ class LLMEngine:
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
         )
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_pool,
+            config.block_size,
+            self.device,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.sampler = Sampler(config.seed)
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks

@@ -35,6 +35,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids so far
     num_computed_tokens: int = 0
+    cache_scan_upto: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache; -1 until first scheduled
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
