@@ -55,7 +55,7 @@ class DecodeServicer(WorkerServicerBase):
                 if request.HasField("kv_handle"):
                     stream = self._decode_imported(request, params, prompt)
                 else:
-                    stream = self._decode_local(rid, params, prompt)
+                    stream = self._decode_local(rid, params, prompt, request.cache_salt or None)
                 async for resp in stream:
                     yield resp
             except Exception as exc:  # every failure leaves as a gRPC status
@@ -69,8 +69,10 @@ class DecodeServicer(WorkerServicerBase):
         rid: str,
         params: SamplingParams,
         prompt: list[int],
+        cache_salt: str | None = None,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        async for resp in self._stream(rid, self.aengine.generate(rid, prompt, params), first_emitted=False):
+        stream = self.aengine.generate(rid, prompt, params, cache_salt=cache_salt)
+        async for resp in self._stream(rid, stream, first_emitted=False):
             yield resp
 
     async def _decode_imported(
@@ -99,7 +101,8 @@ class DecodeServicer(WorkerServicerBase):
             "kv_transfer", attributes={"pdmesh.blocks": n_blocks, "pdmesh.peer": handle.worker_id}
         ):
             peer = await self._ensure_peer(handle)
-            local = await self.aengine.call(lambda: self.engine.reserve_import(rid, prompt, params))
+            salt = request.cache_salt or None
+            local = await self.aengine.call(lambda: self.engine.reserve_import(rid, prompt, params, salt))
             committed = False
             try:
                 started = time.monotonic()

@@ -92,11 +92,18 @@ class AsyncEngine:
                 await asyncio.shield(self.call(lambda: self.engine.abort(request_id)))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         q = self.open_stream(request_id)
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, hold_kv))
+            await self.call(
+                lambda: self.engine.add_request(request_id, prompt_token_ids, params, hold_kv, cache_salt)
+            )
         except BaseException:
             self.close_stream(request_id)
             raise

@@ -65,7 +65,8 @@ class BlockPool:
         tokens = None
         while len(seq.block_hashes) < n_full:
             i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+            root = self.root_hash if seq.root_hash is None else seq.root_hash
+            prev = seq.block_hashes[-1] if seq.block_hashes else root
             if tokens is None:
                 tokens = seq.all_token_ids
             seq.block_hashes.append(hash_block(prev, tokens[i * bs : (i + 1) * bs]))

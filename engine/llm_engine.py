@@ -159,7 +159,12 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
@@ -171,11 +176,16 @@ class LLMEngine:
             self.eos_token_ids,
             hold_kv=hold_kv,
             arrival_time_ns=time.time_ns(),
+            root_hash=self._salted_root(cache_salt),
         )
         self._seqs[request_id] = seq
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(seq)
+
+    def _salted_root(self, cache_salt: str | None) -> int | None:
+        """A request's own cache salt isolates its prefix cache entries (it replaces the engine-wide one)."""
+        return root_hash(self.model_fingerprint, cache_salt) if cache_salt else None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. Returns whether it existed."""
@@ -218,7 +228,11 @@ class LLMEngine:
 
     # ---- decode role: importing KV from a prefill worker -----------------------------------------
     def reserve_import(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
         prompt_token_ids = list(prompt_token_ids)
@@ -228,7 +242,14 @@ class LLMEngine:
         self.block_pool.flush_events()
         if blocks is None:
             raise CapacityError(f"no room for {n_blocks} KV blocks ({self.block_pool.num_free_blocks} free)")
-        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrival), self.eos_token_ids)
+        seq = Sequence(
+            request_id,
+            prompt_token_ids,
+            params,
+            next(self._arrival),
+            self.eos_token_ids,
+            root_hash=self._salted_root(cache_salt),
+        )
         seq.block_table = blocks
         self._imports[request_id] = seq
         return blocks

@@ -30,6 +30,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     # Hold the prompt's KV blocks after finishing, for a decode worker to pull (prefill role).
     hold_kv: bool = False
+    root_hash: int | None = None  # block-hash chain root when the request has its own cache salt
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

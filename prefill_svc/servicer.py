@@ -57,7 +57,11 @@ class PrefillServicer(WorkerServicerBase):
                 params = SamplingParams(**sampling_kwargs(request.sampling_params))
                 out = None
                 async for item in self.aengine.generate(
-                    rid, list(request.prompt_token_ids), params, hold_kv=True
+                    rid,
+                    list(request.prompt_token_ids),
+                    params,
+                    hold_kv=True,
+                    cache_salt=request.cache_salt or None,
                 ):
                     out = item
                 assert out is not None and out.finished

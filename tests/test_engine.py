@@ -271,8 +271,42 @@ def test_unsupported_architecture_and_missing_files_are_clear_errors(tmp_path) -
         LLM(str(gpt))
     llama = tmp_path / "llama"
     llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "intermediate_size": 64}))
+    (llama / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            }
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="no safetensors weights"):
         LLM(str(llama))
+
+
+def test_request_cache_salt_isolates_prefix_cache() -> None:
+    from mesh.block_hash import block_hashes, root_hash
+
+    llm = LLM("tiny-dense", num_kv_blocks=128)
+    engine = llm.engine
+    prompt = list(range(10, 60))
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def run(rid: str, salt: str | None) -> int:
+        engine.add_request(rid, prompt, p, cache_salt=salt)
+        cached = -1
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    cached = out.num_cached_tokens
+        return cached
+
+    assert run("a", "tenant-a") == 0
+    assert run("b", "tenant-b") == 0  # same tokens, other tenant: no reuse
+    assert run("c", "tenant-a") == 48  # same tenant: 3 full blocks reused
+    assert run("d", None) == 0
+    salted = block_hashes(prompt, 16, root_hash(engine.model_fingerprint, "tenant-a"))
+    assert all(h in engine.block_pool.hash_to_block for h in salted[:3])
