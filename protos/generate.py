@@ -12,7 +12,6 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = Path("protos") / "pdmesh" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")

@@ -15,8 +15,12 @@ from protos.pdmesh.v1 import common_pb2, eplb_pb2, kvstore_pb2, router_pb2, work
 
 def test_generated_code_has_not_drifted(tmp_path: Path) -> None:
     # In a subprocess: grpc_tools' compiler must not share a process with NIXL's libraries (see generate.py).
-    subprocess.run([sys.executable, "-m", "protos.generate", str(tmp_path)], cwd=REPO_ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "protos.generate", str(tmp_path)],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+    )
     fresh = generated_files(tmp_path)
     committed = generated_files(REPO_ROOT)
     rel = lambda paths, root: sorted(p.relative_to(root) for p in paths)  # noqa: E731

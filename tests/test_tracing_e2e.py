@@ -22,14 +22,32 @@ def test_one_request_is_one_trace_across_three_services(tmp_path) -> None:
     decode = ServiceProcess.start("decode_svc", *worker_args(), *tracing)
     router = None
     try:
-        router = ServiceProcess.start("router", "--model", "tiny-dense", "--http-port", "0", "--routing",
-                                      "round_robin", "--prefill-workers", prefill.address, "--decode-workers",
-                                      decode.address, *tracing)
+        router = ServiceProcess.start(
+            "router",
+            "--model",
+            "tiny-dense",
+            "--http-port",
+            "0",
+            "--routing",
+            "round_robin",
+            "--prefill-workers",
+            prefill.address,
+            "--decode-workers",
+            decode.address,
+            *tracing,
+        )
         http = re.search(r"http=(\S+)", "\n".join(router.lines)).group(1)
-        body = json.dumps({"model": "tiny-dense", "prompt": "Trace me through the mesh, please.",
-                           "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://{http}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "tiny-dense",
+                "prompt": "Trace me through the mesh, please.",
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"http://{http}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.status == 200
             assert json.loads(resp.read())["usage"]["completion_tokens"] == 8
@@ -38,7 +56,8 @@ def test_one_request_is_one_trace_across_three_services(tmp_path) -> None:
         while time.monotonic() < deadline:
             spans = read_spans_jsonl(trace_file)
             if {s["service"] for s in spans} >= {"pdmesh-router", "pdmesh-prefill", "pdmesh-decode"} and any(
-                    s["name"] == "kv_transfer" for s in spans):
+                s["name"] == "kv_transfer" for s in spans
+            ):
                 break
             time.sleep(0.1)
     finally:
@@ -46,7 +65,9 @@ def test_one_request_is_one_trace_across_three_services(tmp_path) -> None:
             if svc is not None:
                 svc.stop()
     traces = {s["trace_id"] for s in spans}
-    assert len(traces) == 1, f"expected one trace, got {len(traces)}: {[(s['service'], s['name']) for s in spans]}"
+    assert len(traces) == 1, (
+        f"expected one trace, got {len(traces)}: {[(s['service'], s['name']) for s in spans]}"
+    )
     services = {s["service"] for s in spans}
     assert services == {"pdmesh-router", "pdmesh-prefill", "pdmesh-decode"}
     names = {s["name"] for s in spans}
