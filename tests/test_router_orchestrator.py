@@ -270,7 +270,8 @@ def test_failed_prefill_worker_is_replaced_by_the_next() -> None:
     decode = ScriptedWorker("decode")
 
     async def run() -> None:
-        async with mesh([bad, good], [decode]) as svc:
+        # Round-robin makes the bad worker certain to be tried first for one of the two requests.
+        async with mesh([bad, good], [decode], routing="round_robin") as svc:
             for _ in range(2):
                 status, body = await _complete(svc, {"prompt": "x"})
                 assert status == 200 and body["choices"][0]["text"] == "ABCD"
