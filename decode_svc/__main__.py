@@ -1,33 +1,17 @@
-"""``python -m decode_svc``: one decode worker process."""
+"""``python -m decode_svc``: one decode worker process (flags: ``--help``; each has a ``PDMESH_*`` twin)."""
 
 from __future__ import annotations
-
-import argparse
-import asyncio
-import sys
 
 from decode_svc.servicer import DecodeServicer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from mesh.config import add_arguments, from_sources
-from mesh.worker_service import WorkerSettings, serve_worker
+from mesh.worker_service import worker_main
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m decode_svc", description=__doc__)
-    add_arguments(parser, EngineConfig, "engine")
-    add_arguments(parser, WorkerSettings, "worker")
-    args = parser.parse_args(argv)
-    engine_cfg = from_sources(EngineConfig, args)
-    settings = from_sources(WorkerSettings, args)
-    try:
-        asyncio.run(
-            serve_worker(
-                "decode", DecodeServicer, settings, lambda sink: AsyncEngine(engine_cfg, event_sink=sink)
-            )
-        )
-    except KeyboardInterrupt:
-        sys.exit(130)
+    worker_main(
+        "decode", DecodeServicer, EngineConfig, lambda cfg, sink: AsyncEngine(cfg, event_sink=sink), argv
+    )
 
 
 if __name__ == "__main__":

@@ -488,3 +488,29 @@ async def _register(
     reg = WorkerRegistration(role, servicer, settings, metrics_port)
     await reg.start()
     return reg
+
+
+def worker_main(
+    role: str,
+    servicer_cls: type[WorkerServicerBase],
+    engine_config_cls: type,
+    make_engine: Callable[[Any, EventFanout], Any],
+    argv: list[str] | None = None,
+) -> None:
+    """``python -m <role>_svc``: parse the engine's and the worker's settings (flags, then ``PDMESH_*``),
+    then serve until drained. The engine classes come from the caller, so mesh never imports engine."""
+    import argparse
+    import sys
+
+    from mesh.config import add_arguments, from_sources
+
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_svc", description=f"pdmesh {role} worker.")
+    add_arguments(parser, engine_config_cls, "engine")
+    add_arguments(parser, WorkerSettings, "worker")
+    args = parser.parse_args(argv)
+    engine_cfg = from_sources(engine_config_cls, args)
+    settings = from_sources(WorkerSettings, args)
+    try:
+        asyncio.run(serve_worker(role, servicer_cls, settings, lambda sink: make_engine(engine_cfg, sink)))
+    except KeyboardInterrupt:
+        sys.exit(130)
