@@ -63,6 +63,11 @@ class WorkerSettings:
         "coalesced (one descriptor per run of adjacent blocks).",
         choices=("prepped", "coalesced"),
     )
+    nixl_progress_thread: str = setting(
+        "auto",
+        "NIXL progress thread (spins one core): auto = on for GPU KV pools, off for host-memory pools.",
+        choices=("auto", "on", "off"),
+    )
     kv_lease_s: float = setting(
         60.0, "How long a prefill worker holds KV blocks for a decode worker to pull."
     )
@@ -427,10 +432,14 @@ async def serve_worker(
     from mesh.kv_transfer import create_transfer_agent
 
     agent_name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    # NIXL's progress thread spins a whole core even when idle; workers drive progress themselves instead
-    # (the prefill lease keeper polls notifications, the decode side polls its reads).
+    # NIXL's progress thread spins a whole core even when idle. On a small CPU host workers drive progress
+    # themselves (the prefill lease keeper polls notifications, the decode side polls its reads); on a GPU
+    # host one of many cores is cheap, and READs of device memory then need not wait for that polling.
+    progress = settings.nixl_progress_thread == "on" or (
+        settings.nixl_progress_thread == "auto" and engine.kv_pool.device.type == "cuda"
+    )
     extra = (
-        {"progress_thread": False, "xfer_mode": settings.kv_xfer_mode}
+        {"progress_thread": progress, "xfer_mode": settings.kv_xfer_mode}
         if settings.kv_transfer == "nixl"
         else {}
     )
