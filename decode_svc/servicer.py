@@ -13,14 +13,13 @@ from engine import SamplingParams
 from mesh.grpc_server import StatusError, insecure_channel
 from mesh.kv_layout import LayoutMismatchError
 from mesh.kv_transfer import KVTransferError, TransferMetadata
-from mesh.telemetry import get_tracer, inject_metadata, server_span
+from mesh.telemetry import get_tracer, inject_metadata
 from mesh.worker_service import (
     FINISH_REASONS,
     WorkerServicerBase,
     logprobs_from_proto,
     logprobs_to_proto,
     sampling_kwargs,
-    status_of,
 )
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -40,14 +39,7 @@ class DecodeServicer(WorkerServicerBase):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
-        with (
-            server_span(
-                "Worker/Decode",
-                context.invocation_metadata(),
-                {"pdmesh.request_id": rid, "pdmesh.worker_id": self.worker_id},
-            ) as span,
-            self.tracking(rid),
-        ):
+        with self.request_scope("Decode", rid, context) as span:
             try:
                 self.check_admission()
                 params = SamplingParams(**sampling_kwargs(request.sampling_params))
@@ -59,10 +51,7 @@ class DecodeServicer(WorkerServicerBase):
                 async for resp in stream:
                     yield resp
             except Exception as exc:  # every failure leaves as a gRPC status
-                self.metrics.requests.labels(outcome="error").inc()
-                code, message = status_of(exc)
-                span.set_attribute("pdmesh.error", message)
-                await context.abort(code, message)
+                await self.fail(context, span, exc)
 
     async def _decode_local(
         self,

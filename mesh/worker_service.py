@@ -26,7 +26,7 @@ from mesh.config import setting
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.kv_layout import LayoutMismatchError
-from mesh.telemetry import ServiceMetrics, setup_tracing, start_metrics_server
+from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -394,12 +394,22 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
             await asyncio.sleep(0.05)
 
     @contextlib.contextmanager
-    def tracking(self, request_id: str):
-        self.in_flight.add(request_id)
-        try:
-            yield
-        finally:
-            self.in_flight.discard(request_id)
+    def request_scope(self, rpc: str, request_id: str, context: grpc.aio.ServicerContext):
+        """The server span of one request's RPC (child of the caller's), and its in-flight tracking."""
+        attributes = {"pdmesh.request_id": request_id, "pdmesh.worker_id": self.worker_id}
+        with server_span(f"Worker/{rpc}", context.invocation_metadata(), attributes) as span:
+            self.in_flight.add(request_id)
+            try:
+                yield span
+            finally:
+                self.in_flight.discard(request_id)
+
+    async def fail(self, context: grpc.aio.ServicerContext, span: Any, exc: Exception) -> None:
+        """End the RPC with the status the error maps to (raises), counted and recorded on the span."""
+        self.metrics.requests.labels(outcome="error").inc()
+        code, message = status_of(exc)
+        span.set_attribute("pdmesh.error", message)
+        await context.abort(code, message)
 
     async def background(self) -> None:
         """Role-specific background work (lease expiry, notifications); runs until cancelled."""

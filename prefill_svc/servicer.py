@@ -11,13 +11,12 @@ import grpc
 
 from engine import SamplingParams
 from engine.llm_engine import PREFILL_DONE
-from mesh.telemetry import get_tracer, server_span
+from mesh.telemetry import get_tracer
 from mesh.worker_service import (
     FINISH_REASONS,
     WorkerServicerBase,
     logprobs_to_proto,
     sampling_kwargs,
-    status_of,
 )
 from protos.pdmesh.v1 import common_pb2, worker_pb2
 
@@ -44,14 +43,7 @@ class PrefillServicer(WorkerServicerBase):
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.PrefillResponse:
         rid = request.request_id
-        with (
-            server_span(
-                "Worker/Prefill",
-                context.invocation_metadata(),
-                {"pdmesh.request_id": rid, "pdmesh.worker_id": self.worker_id},
-            ) as span,
-            self.tracking(rid),
-        ):
+        with self.request_scope("Prefill", rid, context) as span:
             try:
                 self.check_admission()
                 params = SamplingParams(**sampling_kwargs(request.sampling_params))
@@ -66,10 +58,7 @@ class PrefillServicer(WorkerServicerBase):
                     out = item
                 assert out is not None and out.finished
             except Exception as exc:  # every failure leaves as a gRPC status
-                self.metrics.requests.labels(outcome="error").inc()
-                code, message = status_of(exc)
-                span.set_attribute("pdmesh.error", message)
-                await context.abort(code, message)
+                await self.fail(context, span, exc)
             _record_phases(out, self.worker_id)
             self.metrics.ttft.observe((out.first_token_ns - out.arrival_time_ns) / 1e9)
             self.metrics.queue_time.observe(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
