@@ -24,6 +24,8 @@ def paged_attention_torch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // num_kv_heads
+    if q.shape[0] == seq_lens.shape[0] > 1 and bool((query_start_loc.diff() == 1).all()):
+        return _decode_batched(q, kv_pool, layer, block_tables, seq_lens, scale)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -47,3 +49,30 @@ def paged_attention_torch(
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode_batched(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence (pure decode): every sequence at once, keys padded to the widest
+    block table and masked past each sequence's length. Same function as the per-sequence loop."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv_pool.shape[4]
+    group = num_heads // num_kv_heads
+    kv = kv_pool[block_tables.long(), layer]  # [B, nblk, 2, bs, Hkv, D]
+    k = kv[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim).to(torch.float32)  # [B, S, Hkv, D]
+    v = kv[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim).to(torch.float32)
+    qg = q.to(torch.float32).reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale  # [B, Hkv, G, S]
+    positions = torch.arange(k.shape[1], device=q.device)
+    scores = scores.masked_fill(
+        (positions[None, :] >= seq_lens[:, None]).view(batch, 1, 1, -1), float("-inf")
+    )
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
