@@ -51,6 +51,7 @@ from redis.exceptions import NoScriptError
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 
 TIERS_BEST_FIRST: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.DISK)
+_GPU, _CPU, _DISK = TIERS_BEST_FIRST
 TIER_INDEX: dict[Tier, int] = {t: i for i, t in enumerate(TIERS_BEST_FIRST)}
 ALL_TIERS_MASK = 0b111  # a mask over tier indexes: bit i = TIERS_BEST_FIRST[i]
 
@@ -60,7 +61,7 @@ _LOOKUP_ENTRY = struct.Struct(">IIIH")  # the lookup script's reply, per worker:
 _APPLY_CHUNK = 512
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a lookup builds one per worker (0.7 us each, not 2 us)
 class PrefixMatch:
     """One worker's cached prefix of a block chain: ``blocks`` leading blocks, from block 0, no gaps.
 
@@ -73,7 +74,7 @@ class PrefixMatch:
 
     @staticmethod
     def from_counts(gpu: int, cpu: int, disk: int) -> PrefixMatch:
-        return PrefixMatch(gpu + cpu + disk, {Tier.GPU: gpu, Tier.CPU: cpu, Tier.DISK: disk})
+        return PrefixMatch(gpu + cpu + disk, {_GPU: gpu, _CPU: cpu, _DISK: disk})
 
 
 class KVIndex(Protocol):
