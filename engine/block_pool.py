@@ -44,14 +44,6 @@ class BlockPool:
         """Blocks an allocation can take now (free plus evictable cached blocks)."""
         return len(self._free_heap) + len(self._evictable)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.hash_to_block)
-
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its block table covers ``num_tokens`` tokens."""
         need = -(-num_tokens // self.block_size)
@@ -182,18 +174,6 @@ class BlockPool:
         self.free_blocks(seq.block_table)
         seq.block_table = []
         seq.cache_scan_upto = 0
-
-    def touch(self, blocks: list[int]) -> None:
-        """Mark cached blocks as recently used."""
-        for b in blocks:
-            if b in self._evictable:
-                self._evictable.move_to_end(b)
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._evictable):
-            self._uncache(block)
-            del self._evictable[block]
-            heapq.heappush(self._free_heap, block)
 
     # ---- events ---------------------------------------------------------------------------------
     def flush_events(self) -> None:

@@ -222,10 +222,6 @@ class LLMEngine:
         self.block_pool.flush_events()
         return True
 
-    @property
-    def held_request_ids(self) -> list[str]:
-        return list(self._held)
-
     # ---- decode role: importing KV from a prefill worker -----------------------------------------
     def reserve_import(
         self,

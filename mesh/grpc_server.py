@@ -167,11 +167,6 @@ async def wait_for_health(
             await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0)))
 
 
-def wait_for_health_blocking(address: str, service: str = "", timeout: float = 30.0) -> None:
-    """``wait_for_health`` for synchronous callers (the launcher, scripts). Not from inside an event loop."""
-    asyncio.run(wait_for_health(address, service, timeout))
-
-
 # --- errors -----------------------------------------------------------------------------------------
 
 

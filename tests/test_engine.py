@@ -122,20 +122,17 @@ def test_logprobs_stop_tokens_and_strings() -> None:
 
 def test_eos_stops_unless_ignored() -> None:
     llm = LLM("tiny-dense", num_kv_blocks=128)
-    eos = llm.engine.tokenizer.eos_token_ids[0]
+    assert llm.engine.tokenizer.eos_token_ids == [257]  # the byte tokenizer's EOS is the engine's
     prompt = [_prompts(1, seed=4)[0]]
     base = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
-    # Make the 3rd generated token an EOS by stopping on it as if it were one.
-    llm.engine.eos_token_ids = frozenset({base.token_ids[2]})
-    for seq_eos in [llm.engine.eos_token_ids]:
-        out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))[0]
-        assert (
-            out.finish_reason == "stop"
-            and out.token_ids == base.token_ids[: base.token_ids.index(next(iter(seq_eos))) + 1]
-        )
+    # Declare the 3rd generated token the model's EOS: generation must stop right after it.
+    eos = base.token_ids[2]
+    llm.engine.eos_token_ids = frozenset({eos})
+    out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == base.token_ids[: base.token_ids.index(eos) + 1]
     out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == base.token_ids
-    assert eos == 257
+    assert out.token_ids == base.token_ids and out.finish_reason == "length"
 
 
 def test_max_model_len_ends_with_length() -> None:
