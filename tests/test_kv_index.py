@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
-from mesh.kv_index import _LOOKUP_LUA, InProcessKVIndex, KVIndex, PrefixMatch, RedisKVIndex
+from mesh.kv_index import InProcessKVIndex, KVIndex, PrefixMatch, RedisKVIndex
 
 REDIS_URL = "redis://127.0.0.1:6379"
 FP = "test-model-fp"
@@ -251,7 +251,7 @@ async def test_redis_reloads_scripts_redis_lost() -> None:
         assert isinstance(index, RedisKVIndex)
         await index.apply("w", [stored(c)])
         index._sha = {src: "0" * 40 for src in index._sha}
-        index._sha[_LOOKUP_LUA] = "0" * 40
+        await index.apply("w", [BlocksStored((c[3],), Tier.CPU)])
         assert await index.lookup(c) == {"w": match(gpu=4)}
         index._sha = {src: "0" * 40 for src in index._sha}
         await index.apply("w", [BlocksRemoved((c[2],))])
