@@ -12,24 +12,23 @@ holders, and skips a block whose bitsets equal the previous block's, so its cost
 with the number of workers; per-worker work happens only where a worker's match or best tier changes.
 Per-worker sets of held hashes serve ``remove_worker`` and ``AllBlocksCleared``.
 
-Costs, measured by ``python benchmarks/router_decision_bench.py`` on CPU, 2 cores (shared, load average
-~2), Redis 7.0 on loopback, 2026-11-29; the full table and the alternatives measured are in
-docs/routing.md, "KV index costs":
+Costs, measured by ``python benchmarks/router_decision_bench.py`` on CPU, 2 cores, Redis 7.0 on loopback,
+2026-11-29 (13:36 UTC, quiet machine); the full table is in docs/routing.md, "KV index costs":
 
 - ``InProcessKVIndex``: ``dict[hash, [gpu, cpu, disk] slot bitsets (Python ints)]`` and
-  ``dict[worker, set[hash]]``. ``apply``: O(blocks), ~155k blocks/s. ``lookup`` of N blocks: O(N) up to
-  the first block no worker holds; 512-block prompts, realistic overlap: ~0.14 ms p50; all 64 workers
-  holding all 512 blocks: ~0.16 ms. Memory: ~180 B per block with one holder, +~40 B per further
-  holder. ``apply_sync``/``lookup_sync`` are the same without a coroutine.
+  ``dict[worker, set[hash]]``. ``apply``: O(blocks), ~180k blocks/s. ``lookup`` of N blocks: O(N) up to
+  the first block no worker holds; 512-block prompts, realistic overlap: ~0.1 ms p50; all 64 workers
+  holding all 512 blocks: ~0.12 ms. Memory: ~160 B per (block, worker) pair.
+  ``apply_sync``/``lookup_sync`` are the same without a coroutine.
 - ``RedisKVIndex``: ``<prefix>:<fp>:blk:<hash hex>`` is a string bitmap (SETBIT offset
   ``(slot // 32) * 96 + tier * 32 + slot % 32``: 12 bytes per 32 slots), ``<prefix>:<fp>:wblk:<worker>`` a
   set of the worker's hashes, ``kvslot`` / ``kvslotworker`` / ``kvslotnext`` / ``kvslotfree`` the slot
-  table. A lookup is one EVALSHA (one round trip) whose Lua walks the chain with MGETs of growing size
-  (16, 32, 64, ... blocks) and stops at the first block no worker still matching holds. Redis time per
-  512-block lookup: ~0.45 ms mean with realistic overlap (~0.05 ms fixed for the 512 declared keys, then
-  ~0.6-1 us per matched block), ~0.4 ms in the all-64-workers worst case; ~0.9 ms wall p50 from redis-py.
-  A batch of events is one pipeline of EVALSHAs (512 blocks per script call), ~100-140k blocks/s.
-  Memory (46-character fingerprint): ~220 B per block with one holder, +~70 B per further holder.
+  table. A lookup is one round trip, ``MULTI; MGET <the chain's block keys>; HGETALL kvslotworker; EXEC``
+  (a consistent snapshot), and the walk runs here on the bitmaps, decoding each distinct bitmap once.
+  Redis time per 512-block lookup: ~0.1-0.25 ms (the MGET's key lookups; the same walk as a Lua script
+  cost ~0.45 ms of Redis time, ~1 us per matched block, which every other client waited on); wall p50
+  ~0.5-0.65 ms from redis-py with hiredis. A batch of events is one pipeline of EVALSHAs (512 blocks per
+  script call), ~150-190k blocks/s. Memory (46-character fingerprint): ~165 B per (block, worker) pair.
 
 A lookup raises ``redis.RedisError`` when Redis is unreachable; the router then routes by load alone.
 One worker's events must be applied in order by one writer (the worker's event stream gives that order).

@@ -3,7 +3,7 @@
 ``PrefixIndex.lookup(model_fingerprint, block_hashes)`` answers ``{worker_id: PrefixMatch}``, or None when
 the index cannot be asked: the caller then routes by load alone and counts it. Two homes:
 
-- ``--redis-url``: a ``RedisKVIndex`` per model fingerprint (one EVALSHA per lookup), written by the
+- ``--redis-url``: a ``RedisKVIndex`` per model fingerprint (one Redis round trip per lookup), written by the
   workers themselves. A lookup that fails or runs past ``timeout_s`` marks the index down: one warning
   line, ``pdmesh_router_index_up`` 0, and no lookup is attempted while it is down (requests do not wait
   on a dead Redis); a probe PINGs every ``probe_interval_s`` and brings the index back by itself, with

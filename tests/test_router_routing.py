@@ -184,7 +184,7 @@ async def test_baselines_do_not_hash_and_always_disaggregate() -> None:
 
 
 class FlakyRedis:
-    """Stands in for a redis.asyncio client: EVALSHA (the lookup) and PING fail while ``down``."""
+    """Stands in for a redis.asyncio client: the lookup and PING fail while ``down``."""
 
     def __init__(self) -> None:
         self.down = False
