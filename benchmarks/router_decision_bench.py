@@ -22,7 +22,6 @@ other clients' commands: the script reports whether other MGETs were seen.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 import random
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
+import uvloop  # noqa: E402
 
 from mesh.block_hash import block_hashes, root_hash  # noqa: E402
 from mesh.kv_events import BlocksStored, Tier  # noqa: E402
@@ -382,6 +382,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import uvloop
-
-    uvloop.run(main())
+    uvloop.run(main())  # as the router runs (router/__main__.py)
