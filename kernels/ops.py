@@ -9,7 +9,9 @@ from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.moe import fused_moe_torch
+from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from kernels.qkv_prologue import qkv_prologue_torch
 from kernels.rope import apply_rope_torch
 
 BACKENDS = ("torch", "triton")
@@ -25,6 +27,8 @@ class Ops:
     write_kv: Callable
     paged_attention: Callable
     fused_moe: Callable
+    moe_route: Callable
+    qkv_prologue: Callable
 
 
 TORCH_OPS = Ops(
@@ -36,6 +40,8 @@ TORCH_OPS = Ops(
     write_kv=write_kv_torch,
     paged_attention=paged_attention_torch,
     fused_moe=fused_moe_torch,
+    moe_route=moe_route_torch,
+    qkv_prologue=qkv_prologue_torch,
 )
 
 

@@ -64,15 +64,20 @@ class Attention(nn.Module):
         qkv = x @ self.qkv_proj.t()
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.ops.rms_norm(q, self.q_norm, self.eps)
-            k = self.ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = self.ops.apply_rope(q, k, positions, cos_sin)
-        self.ops.write_kv(kv_pool, self.layer, k, v, meta.slot_mapping)
+        q = self.ops.qkv_prologue(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.q_norm,
+            self.k_norm,
+            self.eps,
+            positions,
+            cos_sin,
+            kv_pool,
+            self.layer,
+            meta.slot_mapping,
+        )
         o = self.ops.paged_attention(
             q, kv_pool, self.layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )

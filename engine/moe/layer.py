@@ -15,7 +15,8 @@ from kernels import Ops
 
 
 class ExpertPlacement:
-    """Physical-to-logical map of one layer and the logical-to-physical replica table derived from it."""
+    """Physical-to-logical map of one layer and the logical-to-physical replica table derived from it
+    (the routing op picks replica ``token % replica_counts[expert]`` of each chosen expert)."""
 
     def __init__(self, physical_to_logical: list[int], num_logical: int, device: torch.device) -> None:
         self.physical_to_logical = torch.tensor(physical_to_logical, dtype=torch.int64, device=device)
@@ -29,13 +30,6 @@ class ExpertPlacement:
         table = [r + [-1] * (max_rep - len(r)) for r in replicas]
         self.logical_to_physical = torch.tensor(table, dtype=torch.int64, device=device)
         self.replica_counts = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
-
-    def to_physical(self, logical_ids: torch.Tensor) -> torch.Tensor:
-        """Pick a replica per (token, k) pair: spread by token position so replicas share the load."""
-        counts = self.replica_counts[logical_ids]
-        token_pos = torch.arange(logical_ids.shape[0], device=logical_ids.device).unsqueeze(1)
-        replica = token_pos % counts
-        return self.logical_to_physical[logical_ids, replica]
 
 
 class MoEBlock(nn.Module):
@@ -79,14 +73,16 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = x @ self.gate.t()
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        topk_w, topk_logical = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
-        topk_w = topk_w.to(x.dtype)
-        topk_phys = self.placement.to_physical(topk_logical)
-        flat = topk_phys.reshape(-1)
-        self.expert_counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync, graph-safe
+        p = self.placement
+        topk_w, topk_phys = self.ops.moe_route(
+            router_logits,
+            self.top_k,
+            self.norm_topk_prob,
+            p.logical_to_physical,
+            p.replica_counts,
+            self.expert_counts,
+            x.dtype,
+        )
         return self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
 
     def _experts(self, x: torch.Tensor, topk_w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
