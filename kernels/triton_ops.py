@@ -5,12 +5,12 @@ Imported lazily by ``kernels.ops.get_ops("triton")`` so that the CPU path never 
 
 from __future__ import annotations
 
-from kernels.moe_routing import moe_route_torch
 from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_moe import fused_moe_triton
+from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 from kernels.triton_prologue import qkv_prologue_triton
 from kernels.triton_rope import apply_rope_triton
@@ -24,6 +24,6 @@ TRITON_OPS = Ops(
     write_kv=write_kv_triton,
     paged_attention=paged_attention_triton,
     fused_moe=fused_moe_triton,
-    moe_route=moe_route_torch,
+    moe_route=moe_route_triton,
     qkv_prologue=qkv_prologue_triton,
 )
