@@ -9,7 +9,7 @@ so it can be captured; this is how the engine's decode step runs it), the PyTorc
 rotate among several sets so that small cases are not served from the 60 MB L2. "bytes" is the least
 traffic the op must make (each input read once, each output written once); GB/s = bytes / Triton time,
 and "% copy" compares that with the measured copy bandwidth. ``--sweep`` also times tile-config variants
-of decode attention, extend attention and the MoE GEMM. Needs a CUDA GPU.
+of decode attention, extend attention, the MoE GEMM and the MoE small path. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -161,8 +161,11 @@ def extend_attention_case(num_seqs: int, q_len: int, prefix: int) -> Row:
     )
 
 
-def moe_case(tokens: int, reference: bool = True) -> Row:
-    """Qwen3-30B-A3B: hidden 2048, expert intermediate 768, 128 experts, top-8."""
+def moe_case(tokens: int, reference: bool = True, path: str = "auto") -> Row:
+    """Qwen3-30B-A3B: hidden 2048, expert intermediate 768, 128 experts, top-8.
+
+    ``path``: "auto" (what ``fused_moe_triton`` picks), or "small" / "grouped" forced, to compare the two.
+    """
     hidden, inter, experts, top_k = 2048, 768, 128, 8
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) * inter**-0.5
@@ -178,19 +181,29 @@ def moe_case(tokens: int, reference: bool = True) -> Row:
     def call(i: int) -> Callable[[], object]:
         return lambda: TRITON_OPS.fused_moe(xs[i], w13, w2, weights[i], ids[i])
 
-    t, spread = time_graph([call(i) for i in range(rot)])
+    small = triton_moe.use_small_path(tokens * top_k, experts) if path == "auto" else path == "small"
+    chooser = triton_moe.use_small_path
+    triton_moe.use_small_path = lambda *_a: small  # the path is chosen on the host, at capture
+    try:
+        t, spread = time_graph([call(i) for i in range(rot)])
+    finally:
+        triton_moe.use_small_path = chooser
     ref = time_eager(lambda: TORCH_OPS.fused_moe(xs[0], w13, w2, weights[0], ids[0])) if reference else None
     flops = 2 * tokens * top_k * 3 * hidden * inter
-    cfg = triton_moe.moe_tile_config(tokens * top_k, experts, xs[0].device)
+    if small:
+        sc = triton_moe.moe_small_config(xs[0].device)
+        note = f"small, BN {sc.gate_up_block_n}/{sc.down_block_n}, BK {sc.gate_up_block_k}/{sc.down_block_k}"
+    else:
+        note = f"grouped, BM {triton_moe.moe_tile_config(tokens * top_k, experts, xs[0].device).block_m}"
     return Row(
         "fused MoE",
-        f"{tokens} tokens",
+        f"{tokens} tokens" + ("" if path == "auto" else f", {path}"),
         t,
         ref,
         moved,
         flops,
         spread,
-        note=f"{touched:.0f} experts, BM {cfg.block_m}",
+        note=f"{touched:.0f} experts, {note}",
     )
 
 
@@ -380,7 +393,7 @@ def sweep() -> None:
     ]
     for cfg in configs:
         triton_moe.moe_tile_config = lambda *_a, cfg=cfg: cfg
-        rows = [moe_case(t, reference=False) for t in (1, 64, 256)]
+        rows = [moe_case(t, reference=False, path="grouped") for t in (1, 64, 256)]
         print(
             cfg,
             " | ".join(
@@ -389,6 +402,28 @@ def sweep() -> None:
         )
         sys.stdout.flush()
     triton_moe.moe_tile_config = base_m
+
+    print("\n## sweep: MoE small path (MoeSmallConfig: gate-up BN, BK, warps; down BN, BK, warps)")
+    base_s = triton_moe.moe_small_config
+    small_configs = [
+        triton_moe.MoeSmallConfig(16, 256, 4, 8, 256, 4),
+        triton_moe.MoeSmallConfig(16, 128, 4, 8, 128, 4),
+        triton_moe.MoeSmallConfig(32, 256, 4, 16, 256, 4),
+        triton_moe.MoeSmallConfig(16, 512, 8, 8, 512, 8),
+        triton_moe.MoeSmallConfig(8, 256, 4, 4, 256, 4),
+        triton_moe.MoeSmallConfig(16, 256, 8, 16, 128, 4),
+    ]
+    for cfg in small_configs:
+        triton_moe.moe_small_config = lambda *_a, cfg=cfg: cfg
+        rows = [moe_case(t, reference=False, path="small") for t in (1, 4, 8)]
+        print(
+            cfg,
+            " | ".join(
+                f"{r.shape}: {r.triton_us:.1f} us {r.bytes_moved / r.triton_us / 1e3:.0f} GB/s" for r in rows
+            ),
+        )
+        sys.stdout.flush()
+    triton_moe.moe_small_config = base_s
 
 
 def main() -> None:
@@ -414,6 +449,12 @@ def main() -> None:
         lambda: extend_attention_case(4, 2048, 2048),
         lambda: extend_attention_case(1, 4096, 0),
         *(lambda t=t: moe_case(t) for t in ((1, 16, 64, 256) if not args.quick else (1, 256))),
+        # The small path against the grouped one at decode batches (8 tokens x top-8 = its 64-pair limit).
+        *(
+            lambda t=t, p=p: moe_case(t, reference=False, path=p)
+            for t in ((1, 2, 4, 8) if not args.quick else (1, 8))
+            for p in ("small", "grouped")
+        ),
         *(lambda t=t: moe_align_case(t) for t in (1, 16, 64, 128, 256)),
         lambda: rms_norm_cases(256),
         lambda: rms_norm_cases(8192),

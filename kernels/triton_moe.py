@@ -1,6 +1,21 @@
 """Fused mixture-of-experts expert computation: Triton version of ``kernels/moe.py``.
 
-Pipeline (no host synchronisation, so it can sit inside a captured CUDA graph):
+Two paths, both without host synchronisation (sizes come from shapes, never from device values), so either
+can sit inside a captured CUDA graph. ``fused_moe_triton`` picks one by the number of token-expert pairs.
+
+Small path (decode: ``num_pairs <= min(SMALL_PATH_MAX_PAIRS, E)``, see ``use_small_path``): two GEMV-style
+launches, no alignment.
+
+1. ``_moe_small_gate_up_kernel``: grid (pairs, I tiles). Each program reduces its pair's token row of ``x``
+   against ``BLOCK_N`` gate rows and the matching up rows of ``w13[e]`` and writes ``silu(gate) * up``.
+2. ``_moe_small_down_kernel``: grid (tokens, H tiles). Each program loops over its token's top-k pairs and
+   accumulates ``weight_k * act[pair] @ w2[e].T`` in fp32; it writes its output slice once (no atomics,
+   no zero-fill, no separate sum).
+
+It reads an expert's weights once per pair, not once per distinct expert; the pair axis is the fastest in
+both grids, so pairs that share an expert read the same weight tile at about the same time, from L2.
+
+Grouped path (prefill and larger batches):
 
 1. ``moe_align_block_size``: sort the ``T * top_k`` token-expert pairs by expert and pad each expert's
    run to a multiple of the tile height ``BLOCK_M``; every tile then belongs to one expert. Buffers are
@@ -241,6 +256,180 @@ def _grouped_gemm(
     )  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Small path: two GEMV-style launches for decode-sized batches
+
+# The small path reads an expert's weights once per pair, the grouped path once per distinct expert (per
+# BLOCK_M tile). With P pairs spread over E experts, about P**2 / (2E) pairs repeat an expert already
+# chosen (Qwen3-30B-A3B, E=128, P=64: ~14 of 64, i.e. ~27% more weight traffic at worst, less where the
+# repeat is served from L2). Below ~64 pairs the grouped path's 4 extra launches (fill, align, SiLU, sum)
+# and its mostly-padding 16-row tiles cost more than that; past it, and past P = E (where duplicates become
+# the rule: Mixtral's E=8 at top-2 takes the small path up to 4 tokens), the grouped path wins.
+SMALL_PATH_MAX_PAIRS = 64
+
+
+def use_small_path(num_pairs: int, num_experts: int) -> bool:
+    """Whether ``fused_moe_triton`` takes the two-launch small path for this many token-expert pairs."""
+    return num_pairs <= min(SMALL_PATH_MAX_PAIRS, num_experts)
+
+
+@dataclass(frozen=True)
+class MoeSmallConfig:
+    """Block sizes of the small path: gate-up kernel (rows of I, K chunk of H) and down kernel (rows of H,
+    K chunk of I)."""
+
+    gate_up_block_n: int
+    gate_up_block_k: int
+    gate_up_num_warps: int
+    down_block_n: int
+    down_block_k: int
+    down_num_warps: int
+
+
+def moe_small_config(device: torch.device) -> MoeSmallConfig:
+    """Block sizes for the small path (reasoned, not yet measured: see ``benchmarks/kernel_bench.py``).
+
+    Both kernels load each weight element once and use it for one multiply-add per token, so they are bound
+    by HBM bandwidth, and what matters is bytes in flight: an H200 needs about 4.3 TB/s x ~0.7 us ~ 3 MB
+    outstanding over its 132 SMs, with every SM busy. At the Qwen3-30B-A3B shape (H=2048, I=768, top-8):
+
+    - gate-up, BLOCK_N 16 x BLOCK_K 256, 4 warps: batch 1 is 8 pairs x 768/16 = 384 programs (~3 per SM,
+      all resident at once, so no tail wave); each step loads a gate and an up tile of 16 x 256 bf16
+      (2 x 8 KB, ~6 MB in flight in all); a warp reads 512 contiguous bytes of one row, 16 B per thread.
+    - down, BLOCK_N 8 x BLOCK_K 256, 4 warps: the grid is tokens x H/BLOCK_N, only 128 programs at batch 1
+      with BLOCK_N 16, so BLOCK_N 8 gives 256. Each step loads the tiles of all top-k experts (an unrolled
+      loop of independent loads: 8 x 4 KB = 32 KB per program, ~8 MB in flight), which also keeps the
+      loaded data at ~64 registers per thread. Splitting the top-k loop over programs would need atomics
+      or another sum; this shape has enough parallelism without it.
+    """
+    if device.type != "cuda":
+        return MoeSmallConfig(16, 32, 4, 16, 32, 4)  # the interpreter: tiny shapes, few masked lanes
+    return MoeSmallConfig(16, 256, 4, 8, 256, 4)
+
+
+@triton.jit
+def _moe_small_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    topk_ids_ptr,
+    inter,
+    hidden,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    up_offset,
+    stride_am,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n."""
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_k
+    gate_ptrs = w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + up_offset  # I rows on; from the host, so 64-bit when it must be
+    # Per-lane partial sums; one cross-lane reduction at the end instead of one per step.
+    gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        mask = n_mask[:, None] & k_mask[None, :]
+        xk = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        gate_acc += tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32) * xk
+        up_acc += tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32) * xk
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    # The reference rounds gate_up to x's dtype, then SiLU (fp32, rounded) times up.
+    dtype = act_ptr.dtype.element_ty
+    gate = tl.sum(gate_acc, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (silu * up).to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _moe_small_down_kernel(
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    hidden,
+    inter,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    w_offs = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k0
+        mask = n_mask[:, None] & k_mask[None, :]
+        # Unrolled over the token's experts: their tile loads are independent and go out together.
+        for j in tl.static_range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+            weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+            a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + k0 + offs_k
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32) * weight
+            w = tl.load(w2_ptr + expert * stride_we + k0 + w_offs, mask=mask, other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _fused_moe_small(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: MoeSmallConfig,
+) -> torch.Tensor:
+    """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller)."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    # Pair (token) is grid axis 0, the fastest: pairs sharing an expert read its tile at about the same time.
+    grid_a = (num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_block_n))
+    _moe_small_gate_up_kernel[grid_a](
+        x, w13, act, topk_ids, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
+        num_warps=cfg.gate_up_num_warps,
+    )  # fmt: skip
+    grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
+    _moe_small_down_kernel[grid_b](
+        act, w2, out, topk_weights, topk_ids, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        num_warps=cfg.down_num_warps,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry point
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -250,7 +439,8 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate || up); w2: [E, H, I]; topk_weights/ids: [T, k] (physical ids).
 
-    Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H].
+    Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H]. Decode-sized batches (``use_small_path``)
+    take two GEMV-style launches; the rest align pairs by expert and run the grouped GEMM.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -263,6 +453,8 @@ def fused_moe_triton(
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
+    if use_small_path(num_pairs, num_experts):
+        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device))
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
     sorted_ids, expert_ids, num_rows_padded = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
 
