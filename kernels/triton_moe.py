@@ -287,7 +287,10 @@ class MoeSmallConfig:
 
 
 def moe_small_config(device: torch.device) -> MoeSmallConfig:
-    """Block sizes for the small path (reasoned, not yet measured: see ``benchmarks/kernel_bench.py``).
+    """Block sizes for the small path, reasoned as below and then swept on one H200 (2026-11-29, each
+    kernel alone, CUDA-graph replay, weights of 6 layers rotated so L2 holds none): gate-up 17.1 us at
+    batch 1 (2.9 TB/s) for every BLOCK_N 8-32 x BLOCK_K 256-512 x 4-8 warps x 2-4 stages tried; down
+    9.3 us (2.7 TB/s) with the values below, 12.4 us at best with the per-expert loop it replaced.
 
     Both kernels load each weight element once and use it for one multiply-add per token, so they are bound
     by HBM bandwidth, and what matters is bytes in flight: an H200 needs about 4.3 TB/s x ~0.7 us ~ 3 MB
@@ -297,10 +300,9 @@ def moe_small_config(device: torch.device) -> MoeSmallConfig:
       all resident at once, so no tail wave); each step loads a gate and an up tile of 16 x 256 bf16
       (2 x 8 KB, ~6 MB in flight in all); a warp reads 512 contiguous bytes of one row, 16 B per thread.
     - down, BLOCK_N 8 x BLOCK_K 256, 4 warps: the grid is tokens x H/BLOCK_N, only 128 programs at batch 1
-      with BLOCK_N 16, so BLOCK_N 8 gives 256. Each step loads the tiles of all top-k experts (an unrolled
-      loop of independent loads: 8 x 4 KB = 32 KB per program, ~8 MB in flight), which also keeps the
-      loaded data at ~64 registers per thread. Splitting the top-k loop over programs would need atomics
-      or another sum; this shape has enough parallelism without it.
+      with BLOCK_N 16, so BLOCK_N 8 gives 256. Each step loads one [top-k, 8, 256] tile of all the
+      token's experts (32 KB per program, ~8 MB in flight). Splitting the top-k over programs would need
+      atomics or another sum; this shape has enough parallelism without it.
     """
     if device.type != "cuda":
         return MoeSmallConfig(16, 32, 4, 16, 32, 4)  # the interpreter: tiny shapes, few masked lanes
@@ -368,29 +370,41 @@ def _moe_small_down_kernel(
     stride_wn,
     stride_om,
     TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32."""
+    """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
+
+    The token's expert ids and weights are read once, up front, and each step loads one
+    [top-k, BLOCK_N, BLOCK_K] tile of all its experts' rows: no load waits on an id loaded in the loop
+    (16.6 -> 9.3 us per Qwen3-30B-A3B layer at batch 1 on the H200 against a loop over the experts)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
+    js = tl.arange(0, BLOCK_J)
+    j_mask = js < TOP_K
+    pairs = token * TOP_K + js
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)
+    weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    w_offs = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_ptrs = (
+        w2_ptr
+        + experts[:, None, None] * stride_we
+        + offs_n.to(tl.int64)[None, :, None] * stride_wn
+        + offs_k[None, None, :]
+    )
+    a_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
-        mask = n_mask[:, None] & k_mask[None, :]
-        # Unrolled over the token's experts: their tile loads are independent and go out together.
-        for j in tl.static_range(TOP_K):
-            pair = token * TOP_K + j
-            expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-            weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-            a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + k0 + offs_k
-            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32) * weight
-            w = tl.load(w2_ptr + expert * stride_we + k0 + w_offs, mask=mask, other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
-    out = tl.sum(acc, axis=1)
+        a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * (a * weights[:, None])[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -420,7 +434,7 @@ def _fused_moe_small(
     _moe_small_down_kernel[grid_b](
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         num_warps=cfg.down_num_warps,
     )  # fmt: skip
     return out
