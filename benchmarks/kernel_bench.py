@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -311,6 +312,60 @@ def rope_case(tokens: int) -> Row:
     )
 
 
+def qkv_prologue_case(tokens: int, qk_norm: bool) -> Row:
+    """The fused attention prologue; Llama-3.1-8B heads (32/8, no q/k norm) or Qwen3-30B-A3B (32/4, norm)."""
+    hq, hk, d, block = 32, 4 if qk_norm else 8, 128, 16
+    num_blocks = max(64, 4 * triton.cdiv(tokens, block))
+    pool = torch.randn(num_blocks, 2, 2, block, hk, d, device="cuda", dtype=DTYPE)
+    cache = torch.randn(8192, d, device="cuda")
+    q_norm = torch.randn(d, device="cuda", dtype=DTYPE) if qk_norm else None
+    k_norm = torch.randn(d, device="cuda", dtype=DTYPE) if qk_norm else None
+
+    def make() -> tuple:
+        qkv = torch.randn(tokens, (hq + 2 * hk) * d, device="cuda", dtype=DTYPE)
+        slots = torch.randperm(num_blocks * block, device="cuda")[:tokens]
+        return qkv, torch.randint(0, 8192, (tokens,), device="cuda"), slots
+
+    def run(ops: Any, qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return ops.qkv_prologue(qkv, hq, hk, d, q_norm, k_norm, 1e-6, pos, cache, pool, 1, slots)
+
+    moved = tokens * (hq + 2 * hk) * d * 2 * 2 + tokens * d * 4
+    row = rotated_case(
+        "QKV prologue",
+        f"{tokens} tok, {hq}/{hk} heads{', q/k norm' if qk_norm else ''}",
+        moved,
+        make,
+        lambda *a: run(TRITON_OPS, *a),
+        lambda *a: run(TORCH_OPS, *a),
+        torch_in_graph=False,  # the reference's KV write checks for padding slots on the host
+    )
+    row.note = "one launch (norm + RoPE + KV write)"
+    return row
+
+
+def moe_route_case(tokens: int, experts: int = 128, top_k: int = 8) -> Row:
+    l2p = torch.arange(experts, device="cuda").unsqueeze(1)
+    replicas = torch.ones(experts, dtype=torch.int64, device="cuda")
+    counts = torch.zeros(experts, dtype=torch.int64, device="cuda")
+
+    def make() -> tuple:
+        return (torch.randn(tokens, experts, device="cuda", dtype=DTYPE),)
+
+    def run(ops: Any, logits: torch.Tensor) -> tuple:
+        return ops.moe_route(logits, top_k, True, l2p, replicas, counts, DTYPE)
+
+    row = rotated_case(
+        "MoE routing",
+        f"{tokens} tokens, {experts} experts, top-{top_k}",
+        tokens * experts * 2 + tokens * top_k * 10,
+        make,
+        lambda x: run(TRITON_OPS, x),
+        lambda x: run(TORCH_OPS, x),
+    )
+    row.note = "one launch (softmax, top-k, renormalise, replica, counters)"
+    return row
+
+
 def silu_case(tokens: int, inter: int = 14336) -> Row:
     def make() -> tuple:
         return (torch.randn(tokens, 2 * inter, device="cuda", dtype=DTYPE),)
@@ -462,6 +517,8 @@ def main() -> None:
         lambda: write_kv_case(8192),
         lambda: rope_case(8192),
         lambda: silu_case(4096),
+        *(lambda t=t, n=n: qkv_prologue_case(t, n) for t in (1, 8192) for n in (False, True)),
+        *(lambda t=t: moe_route_case(t) for t in (1, 64, 4096)),
     ]
     rows: list[Row] = []
     for case in cases:
