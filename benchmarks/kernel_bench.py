@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
-from kernels import triton_attention, triton_moe  # noqa: E402
+from kernels import triton_attention, triton_linear, triton_moe  # noqa: E402
 from kernels.ops import TORCH_OPS  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
@@ -380,6 +380,64 @@ def silu_case(tokens: int, inter: int = 14336) -> Row:
     )
 
 
+# (N, K) of decode projections: Qwen3-30B-A3B QKV, o-proj, router; Llama-3.1-8B QKV, gate-up, down;
+# Qwen3 LM head.
+LINEAR_SHAPES = [
+    (5120, 2048),
+    (2048, 4096),
+    (128, 2048),
+    (6144, 4096),
+    (28672, 4096),
+    (4096, 14336),
+    (151936, 2048),
+]
+
+
+def linear_case(tokens: int, n: int, k: int) -> Row:
+    """The GEMV (``linear``, M <= SMALL_M) against cuBLAS ``x @ w.t()``, both in CUDA graphs over rotated
+    weights (so that L2 holds none)."""
+
+    def make() -> tuple:
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
+        return torch.randn(tokens, k, device="cuda", dtype=DTYPE), w
+
+    row = rotated_case(
+        "linear",
+        f"{tokens} x {k} -> {n}",
+        (n * k + tokens * (n + k)) * 2,
+        make,
+        TRITON_OPS.linear,
+        TORCH_OPS.linear,
+    )
+    row.flops = 2 * tokens * n * k
+    cfg = triton_linear.linear_config(n, k, torch.device("cuda"))
+    path = "GEMV" if tokens <= triton_linear.SMALL_M else "cuBLAS"
+    row.note = f"{path}, BN {cfg.block_n}, BK {cfg.block_k}, {cfg.num_warps} warps, {triton.cdiv(n, cfg.block_n)} programs"
+    return row
+
+
+def norm_linear_case(tokens: int, n: int, k: int, residual: bool = True) -> Row:
+    """add + RMSNorm + projection in one launch, against the reference (torch add + RMSNorm + cuBLAS)."""
+    norm_w = torch.randn(k, device="cuda", dtype=DTYPE)
+
+    def make() -> tuple:
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
+        x, r = (torch.randn(tokens, k, device="cuda", dtype=DTYPE) for _ in range(2))
+        return x, r if residual else None, w
+
+    row = rotated_case(
+        "add+norm+linear" if residual else "norm+linear",
+        f"{tokens} x {k} -> {n}",
+        (n * k + tokens * (n + (4 if residual else 2) * k)) * 2,
+        make,
+        lambda x, r, w: TRITON_OPS.norm_linear(x, r, norm_w, 1e-6, w),
+        lambda x, r, w: TORCH_OPS.norm_linear(x, r, norm_w, 1e-6, w),
+    )
+    row.flops = 2 * tokens * n * k
+    row.note = "one launch" if tokens <= triton_linear.SMALL_M else "Triton norm + cuBLAS"
+    return row
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Output
 
@@ -480,6 +538,33 @@ def sweep() -> None:
         sys.stdout.flush()
     triton_moe.moe_small_config = base_s
 
+    print("\n## sweep: linear GEMV (LinearConfig: BLOCK_N, BLOCK_K, warps, stages)")
+    base_l = triton_linear.linear_config
+    linear_configs = [
+        triton_linear.LinearConfig(bn, bk, w, st)
+        for bn, bk, w, st in [
+            (16, 256, 4, 3),
+            (8, 512, 4, 3),
+            (4, 512, 4, 3),
+            (8, 256, 4, 3),
+            (16, 512, 8, 3),
+            (32, 128, 4, 3),
+            (16, 256, 4, 1),
+            (8, 512, 4, 4),
+        ]
+    ]
+    for cfg in linear_configs:
+        triton_linear.linear_config = lambda *_a, cfg=cfg: cfg
+        rows = [linear_case(t, n, k) for t in (1, 4) for n, k in LINEAR_SHAPES[:4]]
+        print(
+            cfg,
+            " | ".join(
+                f"{r.shape}: {r.triton_us:.1f} us {r.bytes_moved / r.triton_us / 1e3:.0f} GB/s" for r in rows
+            ),
+        )
+        sys.stdout.flush()
+    triton_linear.linear_config = base_l
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -519,6 +604,13 @@ def main() -> None:
         lambda: silu_case(4096),
         *(lambda t=t, n=n: qkv_prologue_case(t, n) for t in (1, 8192) for n in (False, True)),
         *(lambda t=t: moe_route_case(t) for t in (1, 64, 4096)),
+        *(lambda t=t, n=n, k=k: linear_case(t, n, k) for t in (1, 4) for n, k in LINEAR_SHAPES),
+        *(
+            lambda t=t, n=n, k=k, r=r: norm_linear_case(t, n, k, r)
+            for t in (1, 4)
+            for n, k in ((5120, 2048), (2048, 4096), (6144, 4096))
+            for r in (True, False)
+        ),
     ]
     rows: list[Row] = []
     for case in cases:
