@@ -382,59 +382,40 @@ def silu_case(tokens: int, inter: int = 14336) -> Row:
 
 # (N, K) of decode projections: Qwen3-30B-A3B QKV, o-proj, router; Llama-3.1-8B QKV, gate-up, down;
 # Qwen3 LM head.
-LINEAR_SHAPES = [
+LINEAR_SHAPES = [  # (N, K): Qwen3-30B-A3B QKV, o-proj, router, LM head; Llama-3.1-8B QKV, o, gate-up, down, head
     (5120, 2048),
     (2048, 4096),
     (128, 2048),
+    (151936, 2048),
     (6144, 4096),
+    (4096, 4096),
     (28672, 4096),
     (4096, 14336),
-    (151936, 2048),
+    (128256, 4096),
 ]
 
 
-def linear_case(tokens: int, n: int, k: int) -> Row:
-    """The GEMV (``linear``, M <= SMALL_M) against cuBLAS ``x @ w.t()``, both in CUDA graphs over rotated
-    weights (so that L2 holds none)."""
+def linear_case(n: int, k: int) -> Row:
+    """The GEMV at batch 1, forced, against cuBLAS ``x @ w.t()``, both in CUDA graphs over rotated weights
+    (so that L2 holds none); the note says which one ``use_gemv`` picks for the shape."""
 
     def make() -> tuple:
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
-        return torch.randn(tokens, k, device="cuda", dtype=DTYPE), w
+        return torch.randn(1, k, device="cuda", dtype=DTYPE), w
 
-    row = rotated_case(
-        "linear",
-        f"{tokens} x {k} -> {n}",
-        (n * k + tokens * (n + k)) * 2,
-        make,
-        TRITON_OPS.linear,
-        TORCH_OPS.linear,
-    )
-    row.flops = 2 * tokens * n * k
+    chooser = triton_linear.use_gemv
+    triton_linear.use_gemv = lambda *_a: True
+    try:
+        row = rotated_case("linear (GEMV)", f"1 x {k} -> {n}", (n * k + n + k) * 2, make, TRITON_OPS.linear,
+                           TORCH_OPS.linear)  # fmt: skip
+    finally:
+        triton_linear.use_gemv = chooser
+    row.flops = 2 * n * k
     cfg = triton_linear.linear_config(n, k, torch.device("cuda"))
-    path = "GEMV" if tokens <= triton_linear.SMALL_M else "cuBLAS"
-    row.note = f"{path}, BN {cfg.block_n}, BK {cfg.block_k}, {cfg.num_warps} warps, {triton.cdiv(n, cfg.block_n)} programs"
-    return row
-
-
-def norm_linear_case(tokens: int, n: int, k: int, residual: bool = True) -> Row:
-    """add + RMSNorm + projection in one launch, against the reference (torch add + RMSNorm + cuBLAS)."""
-    norm_w = torch.randn(k, device="cuda", dtype=DTYPE)
-
-    def make() -> tuple:
-        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
-        x, r = (torch.randn(tokens, k, device="cuda", dtype=DTYPE) for _ in range(2))
-        return x, r if residual else None, w
-
-    row = rotated_case(
-        "add+norm+linear" if residual else "norm+linear",
-        f"{tokens} x {k} -> {n}",
-        (n * k + tokens * (n + (4 if residual else 2) * k)) * 2,
-        make,
-        lambda x, r, w: TRITON_OPS.norm_linear(x, r, norm_w, 1e-6, w),
-        lambda x, r, w: TORCH_OPS.norm_linear(x, r, norm_w, 1e-6, w),
+    picked = "GEMV" if chooser(1, n, k) else "cuBLAS"
+    row.note = (
+        f"engine uses {picked}; BN {cfg.block_n}, BK {cfg.block_k}, {triton.cdiv(n, cfg.block_n)} programs"
     )
-    row.flops = 2 * tokens * n * k
-    row.note = "one launch" if tokens <= triton_linear.SMALL_M else "Triton norm + cuBLAS"
     return row
 
 
@@ -555,7 +536,7 @@ def sweep() -> None:
     ]
     for cfg in linear_configs:
         triton_linear.linear_config = lambda *_a, cfg=cfg: cfg
-        rows = [linear_case(t, n, k) for t in (1, 4) for n, k in LINEAR_SHAPES[:4]]
+        rows = [linear_case(n, k) for n, k in LINEAR_SHAPES[:4]]
         print(
             cfg,
             " | ".join(
@@ -604,13 +585,7 @@ def main() -> None:
         lambda: silu_case(4096),
         *(lambda t=t, n=n: qkv_prologue_case(t, n) for t in (1, 8192) for n in (False, True)),
         *(lambda t=t: moe_route_case(t) for t in (1, 64, 4096)),
-        *(lambda t=t, n=n, k=k: linear_case(t, n, k) for t in (1, 4) for n, k in LINEAR_SHAPES),
-        *(
-            lambda t=t, n=n, k=k, r=r: norm_linear_case(t, n, k, r)
-            for t in (1, 4)
-            for n, k in ((5120, 2048), (2048, 4096), (6144, 4096))
-            for r in (True, False)
-        ),
+        *(lambda n=n, k=k: linear_case(n, k) for n, k in LINEAR_SHAPES),
     ]
     rows: list[Row] = []
     for case in cases:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
-from kernels.linear import linear_torch, norm_linear_torch
+from kernels.linear import linear_torch
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -31,7 +31,6 @@ class Ops:
     moe_route: Callable
     qkv_prologue: Callable
     linear: Callable
-    norm_linear: Callable
 
 
 TORCH_OPS = Ops(
@@ -46,7 +45,6 @@ TORCH_OPS = Ops(
     moe_route=moe_route_torch,
     qkv_prologue=qkv_prologue_torch,
     linear=linear_torch,
-    norm_linear=norm_linear_torch,
 )
 
 

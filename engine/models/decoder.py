@@ -81,7 +81,7 @@ class Attention(nn.Module):
         o = self.ops.paged_attention(
             q, kv_pool, self.layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return o.reshape(-1, self.q_size) @ self.o_proj.t()
+        return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj)
 
 
 class DenseMLP(nn.Module):
@@ -200,7 +200,7 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.lm_head.t()).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

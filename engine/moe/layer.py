@@ -72,7 +72,7 @@ class MoEBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = x @ self.gate.t()
+        router_logits = self.ops.linear(x, self.gate)
         p = self.placement
         topk_w, topk_phys = self.ops.moe_route(
             router_logits,
