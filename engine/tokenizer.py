@@ -124,25 +124,39 @@ def render_chat(
 
 
 class IncrementalDetokenizer:
-    """Text deltas for a growing list of token ids; holds back an incomplete UTF-8 character."""
+    """Text deltas for a growing list of token ids; holds back an incomplete UTF-8 character.
+
+    Each call decodes only a window: the tokens from ``prefix_offset`` (a few already-emitted tokens, so
+    that merges and leading spaces come out as they do in a full decode) to the end, and returns what
+    that window adds beyond its already-emitted part. The cost per token is O(window), not O(output):
+    decoding the whole list every token made a long stream quadratic. ``flush`` decodes everything
+    once and returns whatever the windows did not (in practice nothing).
+    """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # tokens before this are in ``text``
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-        if full.endswith("\ufffd"):
-            return ""
-        delta = full[len(self.text) :] if full.startswith(self.text) else full
-        self.text = full
+        emitted = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self.ids[self._prefix_offset :])
+        if len(window) <= len(emitted) or window.endswith("\ufffd"):
+            return ""  # nothing new yet (a skipped special token), or a character still incomplete
+        delta = window[len(emitted) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self.text += delta
         return delta
 
     def flush(self) -> str:
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        full = self._decode(self.ids)
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full
         return delta

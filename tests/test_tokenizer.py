@@ -1,0 +1,81 @@
+"""IncrementalDetokenizer: streamed deltas add up to the full decode, with bounded decode windows."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+from tests.checkpoints import write_tokenizer
+
+TEXTS = [
+    "plain ascii text, with punctuation!",
+    "naïve café — 東京タワー 🗼 and ünïcödé mixed with ascii",
+    "emoji runs 😀😀👍🏽 then text",
+]
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each decode call was given."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[attr-defined]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[attr-defined]
+
+
+def hf_tokenizer(tmp_path: Path) -> HFTokenizer:
+    write_tokenizer(tmp_path)
+    return HFTokenizer(tmp_path, [], vocab_size=512)
+
+
+def stream(tok: object, ids: list[int], step_sizes: list[int], skip_special: bool) -> tuple[str, str]:
+    detok = IncrementalDetokenizer(tok, skip_special)  # type: ignore[arg-type]
+    out, i = [], 0
+    for n in step_sizes:
+        out.append(detok.add(ids[i : i + n]))
+        i += n
+    out.append(detok.add(ids[i:]))
+    tail = detok.flush()
+    return "".join(out), tail
+
+
+@pytest.mark.parametrize("kind", ["byte-level tokenizer.json", "byte tokenizer"])
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_deltas_add_up_to_the_full_decode(tmp_path: Path, kind: str, skip_special: bool) -> None:
+    base = hf_tokenizer(tmp_path) if kind.startswith("byte-level") else ByteTokenizer()
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = base.encode(text, add_special_tokens=False)
+        if isinstance(base, HFTokenizer):  # specials in the middle: skipped or kept
+            eos = base.eos_token_ids[0]
+            for _ in range(3):
+                ids.insert(rng.randrange(len(ids)), eos)
+        full = base.decode(ids, skip_special_tokens=skip_special)
+        for steps in ([1] * len(ids), [rng.randint(1, 4) for _ in range(len(ids) // 2)]):
+            tok = CountingTokenizer(base)
+            streamed, tail = stream(tok, ids, steps, skip_special)
+            assert streamed == full and tail == "", (kind, text)
+            assert "\ufffd" not in streamed
+            # One token at a time, every decode but flush's sees a short window, not the whole output.
+            if steps[0] == 1 and len(steps) == len(ids):
+                assert max(tok.lengths[:-1]) <= 12, max(tok.lengths[:-1])
+
+
+def test_incomplete_character_is_held_back() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("é🗼", add_special_tokens=False)  # 2 + 4 bytes
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(ids[:1]) == ""
+    assert detok.add(ids[1:2]) == "é"
+    assert [detok.add([i]) for i in ids[2:5]] == ["", "", ""]
+    assert detok.add(ids[5:]) == "🗼"
+    assert detok.text == "é🗼" and detok.flush() == ""
