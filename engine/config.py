@@ -40,7 +40,9 @@ class EngineConfig:
     seed: int = setting(0, "Seed for dummy weights and for unseeded sampling.")
     cuda_graphs: bool = setting(True, "Capture decode steps as CUDA graphs on GPUs.")
     cache_salt: str | None = setting(
-        None, "Salt mixed into every block hash (isolates tenants' prefix caches)."
+        None,
+        "Engine-wide cache salt: the worker publishes a salted model fingerprint, so its prefix cache "
+        "and KV index entries form their own domain; a request's cache_salt narrows it further.",
     )
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer
 from kernels import get_ops
-from mesh.block_hash import root_hash
+from mesh.block_hash import root_hash, salted_fingerprint
 from mesh.kv_events import KVEventSink
 from mesh.kv_layout import KVLayout
 
@@ -100,12 +100,13 @@ class LLMEngine:
         self.model_config = loaded.cfg
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.model_fingerprint = loaded.fingerprint
+        # With an engine-wide cache salt the engine is its own cache domain (mesh.block_hash).
+        self.model_fingerprint = salted_fingerprint(loaded.fingerprint, config.cache_salt)
         self.eos_token_ids = frozenset(loaded.cfg.eos_token_ids)
         self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, config.dtype, config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
         self.kv_pool = allocate_pool(self.layout, num_blocks, DTYPES[config.dtype], self.device)
-        self.root_hash = root_hash(self.model_fingerprint, config.cache_salt)
+        self.root_hash = root_hash(self.model_fingerprint)
         self.block_pool = BlockPool(
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
         )
@@ -184,7 +185,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _salted_root(self, cache_salt: str | None) -> int | None:
-        """A request's own cache salt isolates its prefix cache entries (it replaces the engine-wide one)."""
+        """A request's own cache salt isolates its prefix cache entries, within the engine's domain."""
         return root_hash(self.model_fingerprint, cache_salt) if cache_salt else None
 
     def abort(self, request_id: str) -> bool:

@@ -27,6 +27,16 @@ def root_hash(model_fingerprint: str, cache_salt: str | None = None, lora_id: st
     return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode())
 
 
+def salted_fingerprint(model_fingerprint: str, cache_salt: str | None) -> str:
+    """The fingerprint a worker with an engine-wide cache salt publishes: its own cache domain. Routers
+    and indexes key everything by the published fingerprint, so a request's own ``cache_salt`` combines
+    with the engine's through ``root_hash(salted_fingerprint(...), request_salt)``, and the router,
+    which only knows the published fingerprint, computes the same chain. The salt itself is not shown."""
+    if not cache_salt:
+        return model_fingerprint
+    return f"{model_fingerprint}:salt-{xxhash.xxh3_64_hexdigest(cache_salt.encode())[:12]}"
+
+
 def hash_block(prev_hash: int, token_ids: Sequence[int], salt: bytes = b"") -> int:
     """Hash one full block chained to the hash of the block before it."""
     tokens = np.asarray(token_ids, dtype="<u4").tobytes()

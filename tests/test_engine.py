@@ -307,3 +307,32 @@ def test_request_cache_salt_isolates_prefix_cache() -> None:
     assert run("d", None) == 0
     salted = block_hashes(prompt, 16, root_hash(engine.model_fingerprint, "tenant-a"))
     assert all(h in engine.block_pool.hash_to_block for h in salted[:3])
+
+
+def test_engine_cache_salt_is_its_own_domain_and_combines_with_request_salts() -> None:
+    """An engine-wide salt changes the fingerprint the worker publishes, so the router (which hashes
+    with the published fingerprint and the request's salt) computes the engine's chains, and a request
+    salt narrows the domain further instead of replacing the engine's salt."""
+    from mesh.block_hash import block_hashes, root_hash, salted_fingerprint
+
+    plain = LLM("tiny-dense", num_kv_blocks=64).engine
+    salted = LLM("tiny-dense", num_kv_blocks=64, cache_salt="deployment-x").engine
+    assert salted.model_fingerprint == salted_fingerprint(plain.model_fingerprint, "deployment-x")
+    assert salted.model_fingerprint != plain.model_fingerprint
+    assert "deployment-x" not in salted.model_fingerprint
+    prompt = list(range(10, 60))
+    roots = {
+        root_hash(plain.model_fingerprint),
+        root_hash(plain.model_fingerprint, "tenant-a"),
+        root_hash(salted.model_fingerprint),
+        root_hash(salted.model_fingerprint, "tenant-a"),
+    }
+    assert len(roots) == 4  # every (engine salt, request salt) pair is its own domain
+    p = SamplingParams(max_tokens=1, temperature=0.0)
+    for rid, salt in (("no-salt", None), ("tenant", "tenant-a")):
+        salted.add_request(rid, prompt, p, cache_salt=salt)
+        while salted.has_unfinished():
+            salted.step()
+        # What a router computes from the published fingerprint is what the engine cached.
+        expected = block_hashes(prompt, 16, root_hash(salted.model_fingerprint, salt))
+        assert all(h in salted.block_pool.hash_to_block for h in expected[:3]), rid
