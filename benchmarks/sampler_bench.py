@@ -1,0 +1,87 @@
+"""Sampler time per decode step: greedy, temperature, temperature + top-p, seeded, at several batch sizes.
+
+    python benchmarks/sampler_bench.py [--device cuda] [--vocab 128256] [--batches 1,64,256]
+
+Times ``engine.sampler.Sampler.__call__`` on random fp32 logits (what the runner hands it), including the
+host side (building the per-row tensors, the token list it returns), median of 20 after 3 warm-ups, with
+a device synchronisation around each call. Peers: greedy argmax (the floor for any sampling), and the
+previous sampler's temperature path (noise drawn by a CPU generator per row, then copied to the device),
+rebuilt here as ``previous_temperature_sample``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.sampler import Sampler  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+MODES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "temperature 0.8, top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "temperature 0.8, seeded": SamplingParams(temperature=0.8, seed=1234),
+}
+
+
+def previous_temperature_sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> list[int]:
+    """The sampler before 2026-11-29's change, temperature only: CPU exponential noise per row."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    noise = torch.empty(logits.shape, dtype=torch.float32)
+    for i in range(logits.shape[0]):
+        noise[i].exponential_(generator=gen)
+    return (probs / noise.to(logits.device)).argmax(dim=-1).tolist()
+
+
+def time_call(
+    fn: Callable, logits: torch.Tensor, params: list[SamplingParams], device: torch.device
+) -> float:
+    positions = list(range(logits.shape[0]))
+    times = []
+    for i in range(23):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(logits, params, positions)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--vocab", type=int, default=128_256)
+    parser.add_argument("--batches", default="1,64,256")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sampler = Sampler()
+    print(f"# sampler, vocab {args.vocab}, device {device}, torch {torch.__version__}")
+    gen = torch.Generator().manual_seed(0)
+
+    def previous(logits: torch.Tensor, params: list[SamplingParams], _positions: list[int]) -> list[int]:
+        return previous_temperature_sample(logits, params[0].temperature, gen)
+
+    header = [*MODES, "previous sampler, temperature 0.8"]
+    print("| batch | " + " | ".join(f"{m} ms" for m in header) + " |")
+    print("|---:|" + "---:|" * len(header))
+    for batch in (int(b) for b in args.batches.split(",")):
+        logits = torch.randn(batch, args.vocab, device=device) * 3
+        cells = [f"{time_call(sampler, logits, [p] * batch, device):.3f}" for p in MODES.values()]
+        cells.append(f"{time_call(previous, logits, [MODES['temperature 0.8']] * batch, device):.3f}")
+        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
