@@ -30,6 +30,10 @@ pytest.importorskip("triton")
 
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 from kernels.triton_prologue import qkv_prologue_triton  # noqa: E402
+from tests.test_kernels import (  # noqa: E402
+    poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
+    randn,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -70,22 +74,6 @@ def _fix_interpreter_bf16_rounding() -> None:
 
 if INTERPRETED:
     _fix_interpreter_bf16_rounding()
-
-
-@pytest.fixture(autouse=True)
-def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float tensor from torch.empty / empty_like starts as NaN, so unwritten outputs fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, device=DEVICE).to(dtype)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
