@@ -63,9 +63,9 @@ class Sampler:
         """logits: [B, V] fp32; positions: each request's output index of the token being sampled."""
         batch, vocab = logits.shape
         device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
+            greedy = torch.tensor([p.greedy for p in params], device=device)
             temps = torch.tensor(
                 [p.temperature if p.temperature > 0 else 1.0 for p in params],
                 device=device,
