@@ -6,7 +6,8 @@ Times ``engine.sampler.Sampler.__call__`` on random fp32 logits (what the runner
 host side (building the per-row tensors, the token list it returns), median of 20 after 3 warm-ups, with
 a device synchronisation around each call. Peers: greedy argmax (the floor for any sampling), and the
 previous sampler's temperature path (noise drawn by a CPU generator per row, then copied to the device),
-rebuilt here as ``previous_temperature_sample``.
+rebuilt here as ``previous_temperature_sample``. On a GPU also the Triton backend's one-pass kernel
+(``kernels/triton_sampling.py``), which takes rows without top-k and top-p.
 """
 
 from __future__ import annotations
@@ -73,13 +74,20 @@ def main() -> None:
     def previous(logits: torch.Tensor, params: list[SamplingParams], _positions: list[int]) -> list[int]:
         return previous_temperature_sample(logits, params[0].temperature, gen)
 
+    fused = Sampler(kernel_backend="triton") if device.type == "cuda" else None
     header = [*MODES, "previous sampler, temperature 0.8"]
+    if fused is not None:
+        header += ["Triton one-pass, temperature 0.8", "Triton one-pass, temperature 0.8 + min-p 0.05"]
     print("| batch | " + " | ".join(f"{m} ms" for m in header) + " |")
     print("|---:|" + "---:|" * len(header))
     for batch in (int(b) for b in args.batches.split(",")):
         logits = torch.randn(batch, args.vocab, device=device) * 3
         cells = [f"{time_call(sampler, logits, [p] * batch, device):.3f}" for p in MODES.values()]
         cells.append(f"{time_call(previous, logits, [MODES['temperature 0.8']] * batch, device):.3f}")
+        if fused is not None:
+            min_p = SamplingParams(temperature=0.8, min_p=0.05)
+            cells.append(f"{time_call(fused, logits, [MODES['temperature 0.8']] * batch, device):.3f}")
+            cells.append(f"{time_call(fused, logits, [min_p] * batch, device):.3f}")
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
 

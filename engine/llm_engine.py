@@ -120,7 +120,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.kernel_backend)
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks
         self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled

@@ -5,7 +5,8 @@ from a counter-based hash of (row key, token id), computed in one vectorised pas
 a seeded request's row key is a hash of (seed, output position) alone, so its tokens do not depend on
 what else is in the batch, nor on which worker or device samples which position (the prefill worker
 samples position 0, the decode worker the rest): the integer hash is exact everywhere. Unseeded rows take
-their keys from the sampler's own generator. (Drawing the noise from a CPU generator per row, as an
+their keys from the sampler's own generator. With the Triton backend on a GPU, rows without top-k or
+top-p take the one-pass Gumbel-max kernel of ``kernels/triton_sampling.py`` (same race, same hash). (Drawing the noise from a CPU generator per row, as an
 earlier version did, cost a host-side draw of batch x vocab values and a copy to the GPU every step:
 32 MB at batch 64 with a 128k vocabulary.)
 """
@@ -51,8 +52,13 @@ def exponential_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, kernel_backend: str = "torch") -> None:
         self._unseeded = torch.Generator().manual_seed(seed)
+        self._gumbel_sample = None
+        if kernel_backend == "triton":  # one-pass temperature sampling on GPUs (kernels/triton_sampling.py)
+            from kernels.triton_sampling import gumbel_sample_triton
+
+            self._gumbel_sample = gumbel_sample_triton
 
     def __call__(
         self,
@@ -71,17 +77,23 @@ class Sampler:
                 device=device,
                 dtype=torch.float32,
             )
-            scaled = logits / temps.unsqueeze(1)
-            scaled = _apply_top_k(scaled, [p.top_k for p in params])
-            probs = torch.softmax(scaled, dim=-1)
-            probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
             unseeded = torch.randint(0, 1 << 62, (batch,), generator=self._unseeded).tolist()
             keys = [
                 _position_seed(p.seed, pos) if p.seed is not None else key
                 for p, pos, key in zip(params, positions, unseeded, strict=True)
             ]
-            noise = exponential_noise(torch.tensor(keys, dtype=torch.int64).to(device), vocab)
-            sampled = (probs / noise).argmax(dim=-1)
+            row_keys = torch.tensor(keys, dtype=torch.int64).to(device)
+            needs_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+            if self._gumbel_sample is not None and logits.is_cuda and not needs_sort:
+                min_p = [p.min_p for p in params]
+                min_p_t = torch.tensor(min_p, device=device) if any(m > 0 for m in min_p) else None
+                sampled = self._gumbel_sample(logits, temps, row_keys, min_p_t)
+            else:
+                scaled = logits / temps.unsqueeze(1)
+                scaled = _apply_top_k(scaled, [p.top_k for p in params])
+                probs = torch.softmax(scaled, dim=-1)
+                probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
+                sampled = (probs / exponential_noise(row_keys, vocab)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * batch
