@@ -406,10 +406,7 @@ class RedisKVIndex:
         self._blk = ns + "blk:"
         self._slot_keys = [ns + "kvslot", ns + "kvslotworker", ns + "kvslotnext", ns + "kvslotfree"]
         self._packer = _KeyPacker(self._blk.encode())
-        slots_key = self._slot_keys[1].encode()
-        self._slot_table: Any = None  # the last slot table read, and its names by bit (see _decode_bitmap)
-        self._names_by_bit: dict[int, str] = {}
-        self._hgetall_slots = b"*2\r\n" + _resp_bulk(b"HGETALL") + _resp_bulk(slots_key)
+        self._hgetall_slots = b"*2\r\n" + _resp_bulk(b"HGETALL") + _resp_bulk(self._slot_keys[1].encode())
         self._sha: dict[str, str] = {}
 
     def block_key(self, block_hash: int) -> str:
