@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import uuid
@@ -275,3 +276,43 @@ async def test_redis_index_is_shared_between_clients() -> None:
         finally:
             await reader.aclose()
             await other_model.aclose()
+
+
+@needs_redis
+@pytest.mark.parametrize(
+    "client_options",
+    [
+        {"protocol": 2},
+        {"protocol": 3},
+        {"protocol": 2, "decode_responses": True},
+        {"protocol": 3, "decode_responses": True},
+    ],
+    ids=["resp2", "resp3", "resp2-decoded", "resp3-decoded"],
+)
+@async_test
+async def test_redis_lookup_with_any_client_protocol(client_options: dict[str, Any]) -> None:
+    """The lookup reads raw replies itself: RESP2 (the slot table comes back as a flat list) and RESP3 (a
+    map), decoding or not, must give the same answer, and a cancelled lookup must not leave its reply for
+    the next user of the connection."""
+    c = chain(40)
+    async with open_index("redis") as plain:
+        assert isinstance(plain, RedisKVIndex)
+        prefix = plain.namespace.split(":")[0]
+        client = aioredis.from_url(REDIS_URL, max_connections=1, **client_options)
+        index = RedisKVIndex(client, FP, prefix=prefix)
+        try:
+            await index.apply("a", [stored(c[:40])])
+            await index.apply("b", [stored(c[:7], Tier.CPU)])
+            expected = {"a": match(gpu=40), "b": match(cpu=7)}
+            assert await index.lookup(c) == expected
+            assert await plain.lookup(c) == expected
+            for delay in range(6):
+                task = asyncio.create_task(index.lookup(c))
+                for _ in range(delay):
+                    await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                assert await index.lookup(c[:3]) == {"a": match(gpu=3), "b": match(cpu=3)}
+        finally:
+            await client.aclose()
