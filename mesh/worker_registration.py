@@ -60,15 +60,17 @@ class WorkerRegistration:
 
     async def stop(self) -> None:
         self.events.forward = None
+        # The writer stops first: events still queued (or a batch in flight) applied after remove_worker
+        # would put the departed worker's blocks back in the index, where nothing would ever remove them.
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
         try:
             await self.heartbeater.stop(deregister=True)
             await self.index.remove_worker(self.worker_id)
         except (RedisError, OSError) as exc:
             log.warning("could not deregister %s: %s (its entry expires by TTL)", self.worker_id, exc)
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
         with contextlib.suppress(RedisError, OSError):
             await self.index.aclose()
             await self.registry.aclose()
