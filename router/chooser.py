@@ -17,9 +17,8 @@ from typing import Any, Protocol
 from router.worker_pool import WorkerEndpoint
 
 # Decision reasons (the router counts decisions by role and reason). Scored decisions add the reasons of
-# router.scoring (prefix, load, kv_headroom, affinity, hotspot_guard, tie, short_uncached, ...).
-ONLY_CANDIDATE = "only_candidate"
-NO_PREFILL_WORKER = "no_prefill_worker"
+# router.scoring (prefix, load, kv_headroom, affinity, hotspot_guard, tie, only_candidate,
+# short_uncached, no_prefill_worker, ...).
 DISAGGREGATED = "disaggregated"  # round_robin / random: always through a prefill worker when there is one
 PREFILL_FAILED = "prefill_failed"  # every prefill worker failed: the decode worker prefills
 

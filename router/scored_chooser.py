@@ -32,17 +32,12 @@ from dataclasses import dataclass, field
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.registry import WorkerInfo
-from router.chooser import (
-    DISAGGREGATED,
-    NO_PREFILL_WORKER,
-    Choice,
-    LocalPrefillDecision,
-    RouteRequest,
-)
+from router.chooser import DISAGGREGATED, Choice, LocalPrefillDecision, RouteRequest
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, Route, merge
 from router.scoring import PDDecider, RoutingRequest, WorkerState, WorkerStats, make_picker
+from router.scoring.pd_decider import NO_PREFILL_WORKER
 from router.worker_pool import DECODE, PREFILL, WorkerEndpoint, WorkerPool
 
 PREFIX = "prefix"
@@ -51,7 +46,6 @@ PREFIX = "prefix"
 @dataclass
 class _Memo:
     request: RoutingRequest
-    index_answered: bool
     routes: list[Route] = field(default_factory=list)  # where this request's prefill was sent
 
 
@@ -139,7 +133,6 @@ class ScoredChooser:
         block_size = self.pool.block_size
         hashes: list[int] = []
         matches = None
-        answered = True
         if self.routing == PREFIX and fingerprint:
             hashes = block_hashes(
                 request.prompt_token_ids, block_size, self._root(fingerprint, request.cache_salt)
@@ -147,7 +140,6 @@ class ScoredChooser:
             assert self.index is not None
             matches = await self.index.lookup(fingerprint, hashes)
             if matches is None:
-                answered = False
                 self.metrics.index_unavailable.inc()
             else:
                 matches = merge(matches, self.recent.lookup(hashes))
@@ -159,8 +151,7 @@ class ScoredChooser:
                 model_fingerprint=fingerprint,
                 session_id=request.session_id,
                 prefix_matches=matches or {},
-            ),
-            answered,
+            )
         )
         request.routing = memo
         return memo

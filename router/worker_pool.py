@@ -21,9 +21,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -63,7 +62,6 @@ class WorkerEndpoint:
     stats: common_pb2.WorkerStats | None = None
     last_error: str = ""
     excluded_reason: str = ""  # set when the worker serves another model or block size
-    last_seen: float = field(default=0.0)
     static: bool = True  # named on the command line: never retired
     registered_id: str = ""  # its id in the registry, when it came from there
     registry_draining: bool = False  # its registration says it is draining
@@ -206,7 +204,6 @@ class WorkerPool:
     def _accept_stats(self, w: WorkerEndpoint, stats: common_pb2.WorkerStats) -> None:
         w.stats = stats
         w.in_flight_tokens_at_poll = w.in_flight_tokens
-        w.last_seen = time.monotonic()
         reason = ""
         if stats.block_size and stats.block_size != self.block_size:
             reason = f"block_size {stats.block_size} != the router's {self.block_size} (--block-size)"
