@@ -16,10 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-
 
 @triton.jit
 def _gumbel_sample_kernel(
