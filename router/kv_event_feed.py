@@ -59,10 +59,10 @@ class KVEventFeed:
         self.index = index
         self.pool = pool
         self.metrics = metrics
-        self._tasks: dict[int, asyncio.Task[None]] = {}  # id(endpoint) -> subscription
-        self._ids: dict[int, str] = {}  # id(endpoint) -> the worker id its events came under
+        self._tasks: dict[WorkerEndpoint, asyncio.Task[None]] = {}  # subscription per endpoint
+        self._ids: dict[WorkerEndpoint, str] = {}  # the worker id its events came under
         self._forgetting: set[asyncio.Task[None]] = set()
-        self._broken: set[int] = set()  # id(endpoint) of subscriptions that broke and are not back yet
+        self._broken: set[WorkerEndpoint] = set()  # subscriptions that broke and are not back yet
         pool.on_added.append(self.watch)
         pool.on_removed.append(self.unwatch)
 
@@ -80,16 +80,17 @@ class KVEventFeed:
                 await task
 
     def watch(self, w: WorkerEndpoint) -> None:
-        if id(w) not in self._tasks:
-            self._tasks[id(w)] = asyncio.get_running_loop().create_task(
+        if w not in self._tasks:
+            self._tasks[w] = asyncio.get_running_loop().create_task(
                 self._follow(w), name=f"kv-events-{w.address}"
             )
 
     def unwatch(self, w: WorkerEndpoint) -> None:
-        task = self._tasks.pop(id(w), None)
+        task = self._tasks.pop(w, None)
         if task is not None:
             task.cancel()
-        worker_id = self._ids.pop(id(w), None)
+        self._broken.discard(w)
+        worker_id = self._ids.pop(w, None)
         if worker_id is not None:
             forget = asyncio.get_running_loop().create_task(self.index.remove_worker(worker_id))
             self._forgetting.add(forget)
@@ -116,8 +117,8 @@ class KVEventFeed:
             except grpc.aio.UsageError:
                 return  # the worker left the pool and its channel is closed
             self.metrics.kv_event_stream_errors.inc()
-            if id(w) not in self._broken:
-                self._broken.add(id(w))
+            if w not in self._broken:
+                self._broken.add(w)
                 log.warning(
                     "KV events of %s worker %s stopped (%s); resubscribing with a snapshot",
                     w.role,
@@ -129,11 +130,11 @@ class KVEventFeed:
 
     async def _apply(self, w: WorkerEndpoint, batch: common_pb2.KVEventBatch) -> None:
         worker_id = batch.worker_id or w.name
-        previous = self._ids.get(id(w))
+        previous = self._ids.get(w)
         if previous is not None and previous != worker_id:
             await self.index.remove_worker(previous)  # the worker restarted under a new id
-        self._ids[id(w)] = worker_id
+        self._ids[w] = worker_id
         self.index.apply_sync(worker_id, events_from_proto(list(batch.events)))
-        if id(w) in self._broken:
-            self._broken.discard(id(w))
+        if w in self._broken:
+            self._broken.discard(w)
             log.info("KV events of %s worker %s flow again", w.role, w.address)

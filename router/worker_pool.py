@@ -50,7 +50,7 @@ class Health(enum.Enum):
     DOWN = "down"
 
 
-@dataclass
+@dataclass(eq=False)  # an endpoint is its identity (one channel): hashable, compared with `is`
 class WorkerEndpoint:
     """One worker as the router sees it."""
 

@@ -453,9 +453,13 @@ async def test_feed_applies_snapshot_and_events_and_resubscribes() -> None:
             lambda: index.lookup_sync([11, 12]).get("p-feed") == PrefixMatch.from_counts(1, 0, 0)
         )
         assert metric(metrics, "pdmesh_router_kv_event_stream_errors_total") == 1
-        # A worker leaving the pool is forgotten by the index.
-        pool.remove(pool.workers[0], "test")
+        # A worker that stops answering and leaves the pool is forgotten by the index, and by the feed.
+        await server.stop(0)
+        assert await until(lambda: metric(metrics, "pdmesh_router_kv_event_stream_errors_total") >= 2)
+        gone = pool.workers[0]
+        pool.remove(gone, "test")
         assert await until(lambda: index.lookup_sync([11]) == {})
+        assert gone not in feed._tasks and gone not in feed._ids and gone not in feed._broken
     finally:
         await feed.close()
         await pool.close()
