@@ -2,9 +2,9 @@
 
 ``prefix`` (the default), per request:
 
-1. hash the prompt's full blocks once (``mesh.block_hash``, rooted at the mesh's model fingerprint, the
-   chain the workers' prefix caches use, and at the request's cache salt: workers do not salt per
-   request yet, so a salted request finds no cached prefix and goes by load);
+1. hash the prompt's full blocks once (``mesh.block_hash``, rooted at the mesh's model fingerprint and
+   the request's cache salt: the chain the workers' prefix caches use, so a salted request finds only
+   what was cached under the same salt);
 2. one KV index lookup (``router.prefix_index``), lengthened by the chains this router sent to a worker
    in the last seconds that the worker's events have not announced yet (``router.recent_routes``); when
    the index is unreachable the request is routed by load alone (no cached prefix anywhere) and

@@ -134,6 +134,21 @@ async def test_pd_decision_looks_at_the_chosen_decode_workers_cache() -> None:
 
 
 @async_test
+async def test_a_salted_request_finds_only_what_was_cached_under_its_salt() -> None:
+    pool, metrics, index = make_pool(2, 1), RouterMetrics(), InProcessKVIndex()
+    chooser = ScoredChooser("prefix", pool, metrics, PrefixIndex(metrics, in_process=index), seed=0)
+    prompt = tokens(320, seed=5)
+    # p1 computed the prompt for tenant "t1" (the engine's chain: root_hash(fingerprint, salt)).
+    index.apply_sync("p1", [BlocksStored(tuple(block_hashes(prompt, BS, root_hash(FP, "t1"))))])
+    salted = await chooser.choose(PREFILL, RouteRequest("a", prompt, cache_salt="t1"), pool.by_role(PREFILL))
+    assert (salted.worker.name, salted.reason) == ("p1", "prefix")
+    for rid, salt in (("b", ""), ("c", "t2")):  # unsalted, or another tenant: nothing cached for them
+        rr = RouteRequest(rid, prompt, cache_salt=salt)
+        await chooser.choose(PREFILL, rr, pool.by_role(PREFILL))
+        assert "p1" not in rr.routing.request.prefix_matches
+
+
+@async_test
 async def test_load_between_polls_counts_what_this_router_has_in_flight() -> None:
     pool, metrics = make_pool(2, 1), RouterMetrics()
     chooser = ScoredChooser("prefix", pool, metrics, PrefixIndex(metrics, in_process=InProcessKVIndex()))
