@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_kv_cache import pool_strides
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -336,12 +338,6 @@ def num_kv_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, device: 
     return triton.next_power_of_2(splits)
 
 
-def _pool_strides(kv_pool: torch.Tensor) -> tuple[int, int, int, int, int]:
-    if kv_pool.stride(-1) != 1:
-        raise ValueError("kv_pool must be contiguous in head_dim")
-    return kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4)
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -369,7 +365,7 @@ def paged_attention_triton(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    pool_strides = _pool_strides(kv_pool)
+    strides = pool_strides(kv_pool)
     scale_log2 = scale * math.log2(math.e)
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -384,7 +380,7 @@ def paged_attention_triton(
         _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
             q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
             layer, scale_log2, num_seqs, splits,
-            q.stride(0), q.stride(1), *pool_strides, block_tables.stride(0),
+            q.stride(0), q.stride(1), *strides, block_tables.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
@@ -403,7 +399,7 @@ def paged_attention_triton(
     _extend_kernel[grid](
         q, kv_pool, block_tables, seq_lens, query_start_loc, out,
         layer, scale_log2, num_seqs,
-        q.stride(0), q.stride(1), *pool_strides, block_tables.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_D=block_d,
         DOT_PRECISION=precision, num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,

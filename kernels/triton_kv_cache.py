@@ -57,12 +57,18 @@ def _write_kv_kernel(
     tl.store(dst + stride_pool_kv, v.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
+def pool_strides(kv_pool: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Strides of the pool's block, layer, K/V, slot and head dimensions; head_dim must be contiguous."""
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("kv_pool must be contiguous in head_dim")
+    return kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4)
+
+
 def write_kv_triton(
     kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """k, v: [T, Hkv, D]; slot_mapping: [T] int (negative slots are skipped: padding)."""
-    if kv_pool.stride(-1) != 1:
-        raise ValueError("kv_pool must be contiguous in head_dim")
+    strides = pool_strides(kv_pool)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -81,11 +87,7 @@ def write_kv_triton(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        kv_pool.stride(0),
-        kv_pool.stride(1),
-        kv_pool.stride(2),
-        kv_pool.stride(3),
-        kv_pool.stride(4),
+        *strides,
         BLOCK_SIZE=kv_pool.shape[3],
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_kv_cache import pool_strides
+
 
 @triton.jit
 def _norm_rotate(
@@ -266,8 +268,7 @@ def qkv_prologue_triton(
         raise ValueError(f"q_norm ({q_norm.dtype}) and k_norm ({k_norm.dtype}) must share a dtype")
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    if kv_pool.stride(-1) != 1:
-        raise ValueError("kv_pool must be contiguous in head_dim")
+    strides = pool_strides(kv_pool)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
@@ -296,11 +297,7 @@ def qkv_prologue_triton(
         q_out.stride(0),
         q_out.stride(1),
         cache.stride(0),
-        kv_pool.stride(0),
-        kv_pool.stride(1),
-        kv_pool.stride(2),
-        kv_pool.stride(3),
-        kv_pool.stride(4),
+        *strides,
         eps,
         HEAD_DIM=head_dim,
         HALF=half,

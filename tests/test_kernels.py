@@ -193,6 +193,25 @@ def test_write_kv(dtype: torch.dtype, block_size: int) -> None:
     assert torch.equal(pool, ref_pool)
 
 
+def test_pool_ops_reject_a_pool_strided_in_head_dim() -> None:
+    """write_kv, paged_attention and qkv_prologue address the pool with a unit head_dim stride."""
+    torch.manual_seed(12)
+    # [blocks, layers, 2, block_size, Hkv, D] with D strided (Hkv is the unit-stride dimension).
+    pool = randn(4, 2, 2, 4, 32, 2).transpose(-1, -2)
+    assert pool.stride(-1) != 1
+    kv, slots = randn(3, 2, 32), torch.tensor([0, 5, 9], device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous in head_dim"):
+        TRITON_OPS.write_kv(pool, 1, kv, kv, slots)
+    qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    bt = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)[[0, 1, 0]]
+    with pytest.raises(ValueError, match="contiguous in head_dim"):
+        TRITON_OPS.paged_attention(randn(3, 4, 32), pool, 1, bt, qsl[1:], qsl, 0.2)
+    with pytest.raises(ValueError, match="contiguous in head_dim"):
+        TRITON_OPS.qkv_prologue(
+            randn(3, 8 * 32), 4, 2, 32, None, None, 1e-6, slots, randn(16, 32), pool, 1, slots
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Paged attention
 
