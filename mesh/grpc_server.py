@@ -180,11 +180,15 @@ class StatusError(Exception):
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status an exception surfaces as. Unknown errors are INTERNAL, named by their type."""
+    """The gRPC status an exception surfaces as. An error with a ``status`` attribute naming a status code
+    (the engine's typed errors) surfaces as that code. Unknown errors are INTERNAL, named by their type."""
     if isinstance(exc, StatusError):
         return exc.code, exc.message
     if isinstance(exc, LayoutMismatchError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    name = getattr(exc, "status", None)
+    if isinstance(name, str) and isinstance(code := getattr(grpc.StatusCode, name, None), grpc.StatusCode):
+        return code, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     if isinstance(exc, NotImplementedError):

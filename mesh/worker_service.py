@@ -25,7 +25,6 @@ import grpc
 from mesh.config import setting
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
-from mesh.kv_layout import LayoutMismatchError
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -80,14 +79,6 @@ class WorkerSettings:
         None, "Append finished spans as JSON lines to this file (tests, debugging)."
     )
     log_level: str = setting("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-
-
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """gRPC status for an error raised while serving: engine errors carry their status by name."""
-    name = getattr(exc, "status", None)
-    if isinstance(name, str) and hasattr(grpc.StatusCode, name) and not isinstance(exc, LayoutMismatchError):
-        return getattr(grpc.StatusCode, name), str(exc)
-    return status_for(exc)
 
 
 def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
@@ -407,7 +398,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     async def fail(self, context: grpc.aio.ServicerContext, span: Any, exc: Exception) -> None:
         """End the RPC with the status the error maps to (raises), counted and recorded on the span."""
         self.metrics.requests.labels(outcome="error").inc()
-        code, message = status_of(exc)
+        code, message = status_for(exc)
         span.set_attribute("pdmesh.error", message)
         await context.abort(code, message)
 

@@ -262,5 +262,15 @@ def test_errors_map_to_statuses() -> None:
     )
     assert status_for(LayoutMismatchError("fingerprints differ"))[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert status_for(TimeoutError())[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    class NamedStatusError(ValueError):  # how the engine's typed errors carry their status
+        status = "RESOURCE_EXHAUSTED"
+
+    assert status_for(NamedStatusError("KV pool full")) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "KV pool full",
+    )
+    NamedStatusError.status = "NOT_A_STATUS_CODE"
+    assert status_for(NamedStatusError("x"))[0] == grpc.StatusCode.INTERNAL
     code, message = status_for(KeyError("x"))
     assert code == grpc.StatusCode.INTERNAL and message.startswith("KeyError")
