@@ -214,7 +214,7 @@ def moe_align_case(tokens: int) -> Row:
     ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
     cfg = triton_moe.moe_tile_config(tokens * top_k, experts, ids.device)
     pairs = tokens * top_k
-    max_rows = triton.cdiv(pairs + min(experts, pairs) * (cfg.block_m - 1), cfg.block_m) * cfg.block_m
+    max_rows = triton_moe.align_max_rows(pairs, experts, cfg.block_m)
     t, spread = time_graph([lambda: triton_moe._moe_align_triton(ids, cfg.block_m, experts, max_rows)])
     ref, _ = time_graph([lambda: triton_moe._moe_align_torch(ids, cfg.block_m, experts, max_rows)])
     used = "triton" if pairs <= triton_moe.ALIGN_KERNEL_MAX_PAIRS else "torch"

@@ -69,6 +69,12 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
 ALIGN_KERNEL_MAX_PAIRS = 2048
 
 
+def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the alignment allocates, from shapes alone: at most min(E, pairs) experts are non-empty, and
+    each pads by at most block_m - 1 rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,8 +86,7 @@ def moe_align_block_size(
     Sizes come from shapes, never from device values.
     """
     num_pairs = topk_ids.numel()
-    # At most min(E, pairs) experts are non-empty, and each pads by at most block_m - 1 rows.
-    max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    max_rows = align_max_rows(num_pairs, num_experts, block_m)
     if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
         return _moe_align_triton(topk_ids, block_m, num_experts, max_rows)
     return _moe_align_torch(topk_ids, block_m, num_experts, max_rows)

@@ -345,7 +345,7 @@ def test_moe_align_block_size(tokens: int, top_k: int, experts: int, block_m: in
     used = torch.randperm(experts, device=DEVICE)[: max(top_k, experts // 2)]  # some experts get nothing
     ids = torch.stack([used[torch.randperm(used.numel(), device=DEVICE)[:top_k]] for _ in range(tokens)])
     pairs = ids.numel()
-    max_rows = triton.cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m) * block_m
+    max_rows = triton_moe.align_max_rows(pairs, experts, block_m)
     got = triton_moe._moe_align_triton(ids, block_m, experts, max_rows)
     want = triton_moe._moe_align_torch(ids, block_m, experts, max_rows)
     for a, b in zip(got, want, strict=True):
