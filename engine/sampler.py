@@ -98,14 +98,17 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * batch
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+        if want:  # one transfer of each result to the host, not one per row
+            rows = torch.tensor(want, device=device)
+            lp = torch.log_softmax(logits[rows], dim=-1)
+            chosen = lp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
             top_n = max(params[i].logprobs or 0 for i in want)
-            top_v, top_i = lp.topk(top_n, dim=-1) if top_n > 0 else (None, None)
+            top_v, top_i = lp.topk(top_n, dim=-1)
+            top_v_rows, top_i_rows = top_v.tolist(), top_i.tolist()
             for row, i in enumerate(want):
                 n = params[i].logprobs or 0
-                top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist(), strict=True)) if n else []
-                logprobs[i] = TokenLogprobs(token_list[i], float(lp[row, token_list[i]]), top)
+                top = list(zip(top_i_rows[row][:n], top_v_rows[row][:n], strict=True))
+                logprobs[i] = TokenLogprobs(token_list[i], chosen[row], top)
         return token_list, logprobs
 
 

@@ -55,6 +55,28 @@ def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
     assert together[1] == int(logits[1].argmax())  # greedy rows stay greedy
 
 
+def test_logprobs_are_of_the_sampled_token_with_each_rows_top_n() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300)
+    params = [
+        SamplingParams(temperature=1.0, seed=5, logprobs=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=6, logprobs=0),
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=1.2, seed=7, logprobs=1),
+    ]
+    tokens, logprobs = Sampler()(logits, params, [0, 1, 2, 3, 4])
+    lp = torch.log_softmax(logits, dim=-1)
+    assert logprobs[1] is None
+    for i in (0, 2, 3, 4):
+        got, n = logprobs[i], params[i].logprobs
+        assert got is not None and got.token_id == tokens[i]
+        assert got.logprob == lp[i, tokens[i]].item()
+        top_v, top_i = lp[i].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.int64))
+        assert got.top == list(zip(top_i.tolist(), top_v.tolist(), strict=True))
+    assert logprobs[3].top[0][0] == tokens[3]  # a greedy row's token is its best
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_noise_equals_cpu_noise() -> None:
