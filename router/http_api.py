@@ -234,7 +234,7 @@ class _Writer:
         self.created = int(time.time())
         sp = parsed.sampling
         self.text = TextStream(model.tokenizer, sp.stop, sp.skip_special_tokens)
-        self.token_ids: list[int] = []
+        self.last_token_id: int | None = None  # for the stop reason of a stop token
         self.want_logprobs = sp.logprobs is not None
         self.completion_logprobs = CompletionLogprobs(model.tokenizer)
         self.logprob_parts: list[Any] = []
@@ -258,7 +258,8 @@ class _Writer:
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         """Take one chunk; return the stream events it makes (ignored when not streaming)."""
-        self.token_ids.extend(chunk.token_ids)
+        if chunk.token_ids:
+            self.last_token_id = chunk.token_ids[-1]
         delta = self.text.add(chunk.token_ids)
         logprobs: Any = None
         if self.want_logprobs and chunk.logprobs:
@@ -283,8 +284,8 @@ class _Writer:
             return None
         if self.text.stopped_on is not None:
             return self.text.stopped_on
-        if self.token_ids and self.token_ids[-1] in self.stop_token_ids:
-            return self.token_ids[-1]
+        if self.last_token_id in self.stop_token_ids:
+            return self.last_token_id
         return None
 
     def _choice(self, text: str, logprobs: Any, stream: bool) -> dict[str, Any]:

@@ -261,6 +261,23 @@ def test_stop_string_is_cut_from_the_text() -> None:
     asyncio.run(run())
 
 
+def test_stop_token_is_the_stop_reason() -> None:
+    decode = ScriptedWorker("decode", text="bc!", first="a", finish=STOP)
+
+    async def run() -> None:
+        async with mesh([], [decode]) as svc:
+            _, body = await _complete(svc, {"prompt": "x", "stop_token_ids": [ord("!")]})
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["choices"][0]["stop_reason"] == ord("!")
+            events = await _sse(svc, {"prompt": "x", "stop_token_ids": [ord("!")]})
+            assert events[-2]["choices"][0]["stop_reason"] == ord("!")
+            # Stopped on a token that is not a stop token (an EOS): no stop reason.
+            _, body = await _complete(svc, {"prompt": "x", "stop_token_ids": [ord("?")]})
+            assert body["choices"][0]["stop_reason"] is None
+
+    asyncio.run(run())
+
+
 # ---- failures ---------------------------------------------------------------------------------------
 
 
