@@ -24,7 +24,6 @@ any scattered block table work. Softmax runs in base 2 with the scale folded in;
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_device import sm_count
 from kernels.triton_kv_cache import pool_strides
 
 
@@ -321,17 +321,12 @@ def _extend_kernel(
     )
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_kv_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per (token, KV head): enough programs for about two waves, at least 128 keys per split.
 
     A power of two, so few variants are ever compiled; it depends on shapes and ``max_seq_len`` only.
     """
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    sms = sm_count(device) if device.type == "cuda" else 4
     by_occupancy = triton.cdiv(2 * sms, max(1, num_tokens * num_kv_heads))
     by_length = triton.cdiv(max(1, max_seq_len), DECODE_CONFIG.min_tokens_per_split)
     splits = max(1, min(by_occupancy, by_length, DECODE_CONFIG.max_splits))

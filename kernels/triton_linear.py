@@ -16,12 +16,13 @@ synchronisation: the choice and the sizes come from shapes, so it sits in CUDA g
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_device import sm_count
 
 GEMV_MAX_K = 4096
 GEMV_MAX_SMALL_N = 2048
@@ -41,11 +42,6 @@ class LinearConfig:
     num_stages: int
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def linear_config(n: int, k: int, device: torch.device) -> LinearConfig:
     """Block sizes by the shape of ``w`` ([n, k]): bytes in flight with every SM busy. BLOCK_N is the
     largest of 16, 8, 4 rows that still gives about 2 programs per SM (o-proj 2048: 8 rows, 256 programs;
@@ -53,7 +49,7 @@ def linear_config(n: int, k: int, device: torch.device) -> LinearConfig:
     (8 KB of bf16). ``kernel_bench.py --sweep`` times variants."""
     if device.type != "cuda":
         return LinearConfig(16, 32, 4, 1)  # the interpreter: tiny shapes, several K steps, masked edges
-    sms = _num_sms(device)
+    sms = sm_count(device)
     block_n = 4
     for candidate in (16, 8):
         if triton.cdiv(n, candidate) >= 1.9 * sms:
