@@ -338,12 +338,13 @@ class LLMEngine:
             return "stop", token
         detok = self._detok.get(seq.request_id)
         if detok is not None:
+            checked = len(detok.text)  # holds no stop string, or the request would have stopped
             detok.add([token])
             text = detok.text
             for s in p.stop:  # type: ignore[union-attr]
                 idx = text.find(s, max(0, len(text) - len(s) - 8))
-                if idx < 0:
-                    idx = text.find(s)
+                if idx < 0:  # a long delta: any match overlaps it (not a scan of the whole text)
+                    idx = text.find(s, max(0, checked - len(s) + 1))
                 if idx >= 0:
                     seq.output_text = text[:idx]
                     return "stop", s

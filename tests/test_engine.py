@@ -120,6 +120,27 @@ def test_logprobs_stop_tokens_and_strings() -> None:
     assert out.finish_reason == "length" and len(out.token_ids) == 7
 
 
+class _LongTokenTokenizer:
+    """Every token decodes to 25 characters, so a stop string can end far from the text's end."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"[{i:03d}]" + "." * 20 for i in ids)
+
+
+def test_stop_string_inside_a_long_token_across_a_token_boundary() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=128)
+    prompt = list(b"Hello there")
+    base = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    llm.engine.tokenizer = _LongTokenTokenizer()  # type: ignore[assignment]
+    k = 3
+    stop = "." * 5 + f"[{base.token_ids[k]:03d}]"  # ends 20 characters before the text does
+    first = base.token_ids.index(base.token_ids[k], 1)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.text == _LongTokenTokenizer().decode(base.token_ids[:first])[:-5]
+
+
 def test_eos_stops_unless_ignored() -> None:
     llm = LLM("tiny-dense", num_kv_blocks=128)
     assert llm.engine.tokenizer.eos_token_ids == [257]  # the byte tokenizer's EOS is the engine's
