@@ -285,17 +285,11 @@ def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
     t = time.perf_counter()
     engine = LLMEngine(cfg)
     built = time.perf_counter() - t
-    # The engine's own switch; a no-op once LLMEngine passes config.cuda_graphs to the runner.
-    try:
-        on = engine.runner.enable_cuda_graphs(cfg.max_num_seqs, engine.max_model_len)
-    except Exception:
-        log.exception("decode graph capture failed: decode runs eagerly")
-        on = False
-    graphs = engine.runner.graphs
+    graphs = engine.runner.graphs  # captured by LLMEngine (config.cuda_graphs) on CUDA with the Triton ops
     log.info(
         "engine built in %.1f s; CUDA graphs %s%s",
         built,
-        "on" if on else "off",
+        "on" if graphs else "off",
         f" (captured in {graphs.capture_seconds:.1f} s)" if graphs else "",
     )
     with torch.no_grad():

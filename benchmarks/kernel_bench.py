@@ -380,9 +380,9 @@ def silu_case(tokens: int, inter: int = 14336) -> Row:
     )
 
 
-# (N, K) of decode projections: Qwen3-30B-A3B QKV, o-proj, router; Llama-3.1-8B QKV, gate-up, down;
-# Qwen3 LM head.
-LINEAR_SHAPES = [  # (N, K): Qwen3-30B-A3B QKV, o-proj, router, LM head; Llama-3.1-8B QKV, o, gate-up, down, head
+# (N, K) of decode projections: Qwen3-30B-A3B QKV, o-proj, router, LM head; Llama-3.1-8B QKV, o-proj,
+# gate-up, down, LM head.
+LINEAR_SHAPES = [
     (5120, 2048),
     (2048, 4096),
     (128, 2048),
