@@ -4,7 +4,8 @@
 service SERVING until ``set_serving(server, False)`` (drain), server reflection, 64 MiB messages,
 keepalive, and a clear error when the port is taken. ``insecure_channel`` opens client channels with
 matching options; ``wait_for_health`` polls a service until it is SERVING (launchers, tests).
-``abort_with`` / ``abort_from`` turn errors into gRPC statuses with a message that says what to do.
+``status_for`` maps errors to gRPC statuses and ``abort_with`` ends an RPC with one, with a message
+that says what to do.
 
 It knows no service: servicers and their service names come from the caller.
 """
@@ -200,9 +201,3 @@ async def abort_with(context: grpc.aio.ServicerContext, code: grpc.StatusCode, m
     """End the RPC with ``code`` and ``message`` (raises; nothing after it runs)."""
     await context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # for type checkers
-
-
-async def abort_from(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the RPC with the status ``status_for(exc)`` maps the exception to."""
-    code, message = status_for(exc)
-    await abort_with(context, code, message)

@@ -82,10 +82,6 @@ class TransferHandle:
     error: str | None = None
     backend_handle: Any = field(default=None, repr=False)
 
-    @property
-    def elapsed_s(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.started_at
-
 
 def coalesce_runs(
     local_block_ids: Sequence[int], remote_block_ids: Sequence[int]

@@ -73,7 +73,8 @@ def _run_descs(
 class NixlKVTransferAgent(KVTransferAgent):
     """KV transfer over NIXL (UCX backend).
 
-    ``xfer_mode="coalesced"`` (default) builds one descriptor per run of adjacent blocks and posts it with
+    ``xfer_mode="coalesced"`` (this class's default; the workers' ``--kv-xfer-mode`` defaults to prepped)
+    builds one descriptor per run of adjacent blocks and posts it with
     ``initialize_xfer``. ``xfer_mode="prepped"`` prepares one descriptor per block of each pool once (local at
     construction, remote per peer) and posts ``make_prepped_xfer`` with block indices; see
     ``benchmarks/kv_transfer_bench.py`` for how the two compare.

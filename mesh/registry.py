@@ -29,12 +29,11 @@ from redis.exceptions import RedisError, WatchError
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "kvstore", "eplb", "router")
-
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What a worker announces. ``role`` is one of ``ROLES`` (others are accepted, for new services)."""
+    """What a worker announces. ``role``: prefill, decode, kvstore, eplb or router (others are accepted,
+    for new services)."""
 
     worker_id: str
     role: str

@@ -70,10 +70,15 @@ class WorkerRegistration:
             await self.heartbeater.stop(deregister=True)
             await self.index.remove_worker(self.worker_id)
         except (RedisError, OSError) as exc:
-            log.warning("could not deregister %s: %s (its entry expires by TTL)", self.worker_id, exc)
-        with contextlib.suppress(RedisError, OSError):
-            await self.index.aclose()
-            await self.registry.aclose()
+            log.warning(
+                "could not deregister %s: %s (its registry entry expires by TTL; its KV index entries stay "
+                "until a worker with this id starts again, and routers skip them meanwhile)",
+                self.worker_id,
+                exc,
+            )
+        for client in (self.index, self.registry):
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
 
     async def _write_events(self) -> None:
         """Apply events in order; when Redis is unreachable, start over from a snapshot once it is back."""

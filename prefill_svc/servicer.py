@@ -56,7 +56,8 @@ class PrefillServicer(WorkerServicerBase):
                     cache_salt=request.cache_salt or None,
                 ):
                     out = item
-                assert out is not None and out.finished
+                if out is None or not out.finished:
+                    raise RuntimeError(f"the engine's stream for {rid} ended without a finished output")
             except Exception as exc:  # every failure leaves as a gRPC status
                 await self.fail(context, span, exc)
             _record_phases(out, self.worker_id)
