@@ -11,7 +11,7 @@ import heapq
 from collections import OrderedDict
 
 from engine.sequence import Sequence
-from mesh.block_hash import hash_block
+from mesh.block_hash import block_hashes
 from mesh.kv_events import BlocksRemoved, BlocksStored, KVEvent, KVEventSink, Tier
 
 
@@ -52,16 +52,14 @@ class BlockPool:
     # ---- hashing ------------------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
         """Extend ``seq.block_hashes`` to every full block of its tokens."""
-        n_full = seq.num_tokens // self.block_size
-        bs = self.block_size
-        tokens = None
-        while len(seq.block_hashes) < n_full:
-            i = len(seq.block_hashes)
-            root = self.root_hash if seq.root_hash is None else seq.root_hash
-            prev = seq.block_hashes[-1] if seq.block_hashes else root
-            if tokens is None:
-                tokens = seq.all_token_ids
-            seq.block_hashes.append(hash_block(prev, tokens[i * bs : (i + 1) * bs]))
+        start = len(seq.block_hashes)
+        if start >= seq.num_tokens // self.block_size:
+            return
+        if start:
+            prev = seq.block_hashes[-1]
+        else:
+            prev = self.root_hash if seq.root_hash is None else seq.root_hash
+        seq.block_hashes += block_hashes(seq.all_token_ids, self.block_size, prev, start=start)
 
     # ---- allocation -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
