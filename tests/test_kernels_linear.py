@@ -29,19 +29,18 @@ triton = pytest.importorskip("triton")
 from kernels import triton_linear  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
+    DEVICE,
+    DTYPES,
     assert_close,
+    gpu,
+    needs_cuda,
     poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
     randn,
     up,
 )
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Tiny shapes: not multiples of the interpreter's 16 x 32 blocks, and more than two K steps.
 N, K = 40, 72
-
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture

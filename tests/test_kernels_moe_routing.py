@@ -26,14 +26,9 @@ triton = pytest.importorskip("triton")
 
 from kernels.triton_moe_routing import moe_route_triton  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
-from tests.test_kernels import assert_close  # noqa: E402
+from tests.test_kernels import DEVICE, DTYPES, assert_close, gpu, needs_cuda  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT_POISON = -7_777_777
-
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)

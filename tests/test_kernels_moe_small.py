@@ -28,21 +28,21 @@ triton = pytest.importorskip("triton")
 from kernels import triton_moe  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    INTERPRETED,
     _fix_interpreter_bf16_dot,
     assert_close,
+    gpu,
+    needs_cuda,
     poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
     randn,
     up,
 )
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Tiny shapes: H and I not multiples of the interpreter's blocks, so every mask is exercised.
 HIDDEN, INTER = 40, 48
 
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if INTERPRETED:
     _fix_interpreter_bf16_dot()  # the grouped path (tl.dot) runs in the threshold tests

@@ -31,21 +31,20 @@ pytest.importorskip("triton")
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 from kernels.triton_prologue import qkv_prologue_triton  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    INTERPRETED,
+    gpu,
+    needs_cuda,
     poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
     randn,
 )
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # |out - ref| <= tol * (|ref| + mean|ref|). float32 differs only by rsqrt's precision and fused
 # multiply-adds; in 16 bits a different rsqrt can flip the norm's or the weight product's rounding, which
 # the final rounding can carry to two ulps: 2^-6 is a quarter of the bound the single-op tests use for bf16.
 TOL = {torch.float32: 1e-5, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6}
 LAYERS, LAYER = 3, 1
-
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _fix_interpreter_bf16_rounding() -> None:
