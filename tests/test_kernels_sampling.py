@@ -80,7 +80,12 @@ def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
     ]
     positions = list(range(64))
     fused, reference = Sampler(7, "triton"), Sampler(7, "torch")
+    kernel_calls: list[int] = []
+    kernel = fused._gumbel_sample
+    assert kernel is gumbel_sample_triton
+    fused._gumbel_sample = lambda *args: kernel_calls.append(1) or kernel(*args)
     a, _ = fused(logits, params, positions)
+    assert kernel_calls == [1], "the Triton sampler did not take the one-pass kernel"
     b, _ = reference(logits, params, positions)
     assert sum(x != y for x, y in zip(a, b, strict=True)) <= 1, (a, b)
     assert a[-1] == int(logits[-1].argmax())
