@@ -183,8 +183,6 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
-            max_seq_len=self.max_blocks * self.block_size,
-            max_query_len=1,
         )
         return decode_step_pieces(
             self.model, self.input_ids[:size], self.positions[:size], self.kv_pool, meta, self.logits[:size]

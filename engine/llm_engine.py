@@ -8,7 +8,6 @@ arrive with its prompt's KV imported into reserved blocks (``reserve_import`` / 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -125,7 +124,6 @@ class LLMEngine:
         self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks
         self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._arrival = itertools.count()
         self._pending: list[RequestOutput] = []
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
@@ -173,7 +171,6 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            next(self._arrival),
             self.eos_token_ids,
             hold_kv=hold_kv,
             arrival_time_ns=time.time_ns(),
@@ -243,7 +240,6 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            next(self._arrival),
             self.eos_token_ids,
             root_hash=self._salted_root(cache_salt),
         )

@@ -145,8 +145,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev),
             seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
             query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            max_seq_len=int(ends.max()),
-            max_query_len=int(n_new.max()),
         )
         return (
             torch.from_numpy(input_ids).to(dev),

@@ -22,13 +22,6 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -104,7 +97,6 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

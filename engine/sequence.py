@@ -26,7 +26,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: int
     eos_token_ids: frozenset[int] = frozenset()
     # Hold the prompt's KV blocks after finishing, for a decode worker to pull (prefill role).
     hold_kv: bool = False
@@ -38,7 +37,6 @@ class Sequence:
     num_computed_tokens: int = 0
     cache_scan_upto: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache; -1 until first scheduled
-    num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None

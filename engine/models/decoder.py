@@ -25,8 +25,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32: tokens in the context after this step
     query_start_loc: torch.Tensor  # [B+1] int32
-    max_seq_len: int = 0
-    max_query_len: int = 0
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

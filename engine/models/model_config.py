@@ -40,8 +40,6 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_layers: list[bool] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    raw: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_moe(self) -> bool:
@@ -118,6 +116,4 @@ class ModelConfig:
             norm_topk_prob=norm_topk,
             moe_layers=moe_layers,
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            raw=cfg,
         )

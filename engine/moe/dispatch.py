@@ -3,7 +3,7 @@
 ``SingleRankDispatcher`` keeps everything local. ``AllGatherDispatcher`` uses torch.distributed
 all-gather / all-reduce (runs on gloo on the CPU and NCCL on GPUs): every rank sees every token,
 computes only the experts it holds, and the partial outputs are summed back to the token's rank.
-DeepEP slots in behind the same interface where it is installed.
+A DeepEP backend would implement the same interface (none is wired in).
 """
 
 from __future__ import annotations
@@ -97,20 +97,3 @@ class AllGatherDispatcher:
         dist.all_reduce(y, group=self.group)
         start = sum(counts[: self.ep_rank])
         return y[start : start + n_local]
-
-
-def create_dispatcher(backend: str = "single") -> TokenDispatcher:
-    if backend == "single":
-        return SingleRankDispatcher()
-    if backend == "allgather":
-        return AllGatherDispatcher()
-    if backend == "deepep":
-        try:
-            import deep_ep  # noqa: F401
-        except ImportError as exc:
-            raise ValueError(
-                "moe dispatch backend 'deepep' needs DeepEP (Hopper GPUs, NVSHMEM); it is not installed. "
-                "Use 'single' or 'allgather'."
-            ) from exc
-        raise NotImplementedError("DeepEP dispatch is not wired in yet; use 'single' or 'allgather'")
-    raise ValueError(f"unknown moe dispatch backend {backend!r}; choose single, allgather or deepep")
