@@ -20,7 +20,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from engine.models.rope_cache import cos_sin_cache  # noqa: E402
@@ -33,7 +32,6 @@ from kernels.triton_prologue import qkv_prologue_triton  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
     DEVICE,
     DTYPES,
-    INTERPRETED,
     gpu,
     needs_cuda,
     poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
@@ -45,34 +43,6 @@ from tests.test_kernels import (  # noqa: E402
 # the final rounding can carry to two ulps: 2^-6 is a quarter of the bound the single-op tests use for bf16.
 TOL = {torch.float32: 1e-5, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6}
 LAYERS, LAYER = 3, 1
-
-
-def _fix_interpreter_bf16_rounding() -> None:
-    """The interpreter truncates float32 -> bfloat16 casts where the GPU rounds to nearest even, which
-    is several bf16 ulps apart after the prologue's three roundings. Round to nearest even, as compiled
-    code does; the kernel itself is unchanged."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_pdmesh_bf16_rtne", False):
-        return
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
-            return interpreter.TensorHandle(rounded, tl.bfloat16)
-        return original(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-    builder._pdmesh_bf16_rtne = True
-
-
-if INTERPRETED:
-    _fix_interpreter_bf16_rounding()
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
