@@ -171,7 +171,6 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            self.eos_token_ids,
             hold_kv=hold_kv,
             arrival_time_ns=time.time_ns(),
             root_hash=self._salted_root(cache_salt),
@@ -240,7 +239,6 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            self.eos_token_ids,
             root_hash=self._salted_root(cache_salt),
         )
         seq.block_table = blocks
@@ -328,7 +326,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
         p = seq.params
-        if not p.ignore_eos and token in seq.eos_token_ids:
+        if not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         if token in p.stop_token_ids:
             return "stop", token

@@ -26,7 +26,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_ids: frozenset[int] = frozenset()
     # Hold the prompt's KV blocks after finishing, for a decode worker to pull (prefill role).
     hold_kv: bool = False
     root_hash: int | None = None  # block-hash chain root when the request has its own cache salt
