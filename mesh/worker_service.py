@@ -24,6 +24,7 @@ import grpc
 
 from mesh.config import setting
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
+from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -37,7 +38,6 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
 }
-TIERS = {Tier.GPU: common_pb2.TIER_GPU, Tier.CPU: common_pb2.TIER_CPU, Tier.DISK: common_pb2.TIER_DISK}
 
 
 @dataclass
@@ -117,27 +117,6 @@ class ProtoLogprobs:
 
 def logprobs_from_proto(p: common_pb2.Logprobs) -> ProtoLogprobs:
     return ProtoLogprobs(p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top_logprobs])
-
-
-def events_to_proto(events: list[KVEvent]) -> list[common_pb2.KVEvent]:
-    out = []
-    for e in events:
-        if isinstance(e, BlocksStored):
-            msg = common_pb2.BlocksStored(block_hashes=list(e.block_hashes), tier=TIERS[e.tier])
-            if e.parent_hash is not None:
-                msg.parent_hash = e.parent_hash
-            out.append(common_pb2.KVEvent(blocks_stored=msg))
-        elif isinstance(e, BlocksRemoved):
-            out.append(
-                common_pb2.KVEvent(
-                    blocks_removed=common_pb2.BlocksRemoved(
-                        block_hashes=list(e.block_hashes), tier=TIERS[e.tier]
-                    )
-                )
-            )
-        elif isinstance(e, AllBlocksCleared):
-            out.append(common_pb2.KVEvent(all_blocks_cleared=common_pb2.AllBlocksCleared(tier=TIERS[e.tier])))
-    return out
 
 
 class EventFanout:

@@ -19,7 +19,7 @@ import logging
 
 import grpc
 
-from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.kv_event_proto import events_from_proto
 from mesh.kv_index import InProcessKVIndex
 from protos.pdmesh.v1 import common_pb2, worker_pb2
 from router.metrics import RouterMetrics
@@ -27,31 +27,8 @@ from router.worker_pool import WorkerEndpoint, WorkerPool
 
 log = logging.getLogger(__name__)
 
-TIERS = {common_pb2.TIER_GPU: Tier.GPU, common_pb2.TIER_CPU: Tier.CPU, common_pb2.TIER_DISK: Tier.DISK}
-
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 2.0
-
-
-def events_from_proto(events: list[common_pb2.KVEvent]) -> list[KVEvent]:
-    """``mesh.kv_events`` dataclasses from ``pdmesh.v1.KVEvent``s; an event with an unknown tier is an error."""
-    out: list[KVEvent] = []
-    for e in events:
-        which = e.WhichOneof("event")
-        if which is None:
-            continue  # an event kind newer than this router: nothing it can apply
-        msg = getattr(e, which)
-        tier = TIERS.get(msg.tier)
-        if tier is None:
-            raise ValueError(f"KV event {which} has tier {msg.tier}, which is not gpu, cpu or disk")
-        if which == "blocks_stored":
-            parent = msg.parent_hash if msg.HasField("parent_hash") else None
-            out.append(BlocksStored(tuple(msg.block_hashes), tier, parent))
-        elif which == "blocks_removed":
-            out.append(BlocksRemoved(tuple(msg.block_hashes), tier))
-        elif which == "all_blocks_cleared":
-            out.append(AllBlocksCleared(tier))
-    return out
 
 
 class KVEventFeed:

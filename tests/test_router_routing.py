@@ -18,14 +18,14 @@ import redis
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.grpc_server import start_server
+from mesh.kv_event_proto import events_from_proto, events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
 from mesh.kv_index import InProcessKVIndex, PrefixMatch
 from mesh.registry import InProcessRegistry, WorkerInfo
-from mesh.worker_service import events_to_proto
 from protos.pdmesh.v1 import common_pb2, worker_pb2_grpc
 from router.chooser import RouteRequest
 from router.discovery import RegistryDiscovery
-from router.kv_event_feed import KVEventFeed, events_from_proto
+from router.kv_event_feed import KVEventFeed
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, merge
