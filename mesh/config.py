@@ -117,6 +117,11 @@ def from_sources(
                 values[f.name] = _convert(tp, env[env_name(f.name)])
             except ValueError as exc:
                 raise ValueError(f"{env_name(f.name)}: {exc}") from exc
+            choices = f.metadata.get("choices")
+            if choices and values[f.name] not in choices:  # argparse checks flags; variables are checked here
+                raise ValueError(
+                    f"{env_name(f.name)}: {values[f.name]!r} is not one of {', '.join(map(str, choices))}"
+                )
     values.update(overrides)
     return cls(**values)
 

@@ -35,6 +35,12 @@ def test_bad_values_are_clear_errors() -> None:
     add_arguments(parser, EngineConfig)
     with pytest.raises(SystemExit):
         parser.parse_args(["--kernel-backend", "cuda-magic"])
+    # The same choices hold for a variable, which argparse never sees.
+    with pytest.raises(ValueError, match="PDMESH_KERNEL_BACKEND: 'cuda-magic' is not one of torch, triton"):
+        from_sources(EngineConfig, None, env={"PDMESH_KERNEL_BACKEND": "cuda-magic"})
+    assert (
+        from_sources(EngineConfig, None, env={"PDMESH_KERNEL_BACKEND": "triton"}).kernel_backend == "triton"
+    )
 
 
 def test_configuration_reference_is_current() -> None:
