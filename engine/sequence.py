@@ -21,7 +21,7 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list removals must not compare every field
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
