@@ -9,6 +9,12 @@ from dataclasses import dataclass
 
 from mesh.config import setting
 from router.scoring import ROUTING_MODES
+from router.scoring.weighted_picker import (
+    DEFAULT_HOTSPOT_MARGIN_TOKENS,
+    DEFAULT_KV_HEADROOM_WEIGHT,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_PREFIX_WEIGHT,
+)
 
 
 @dataclass
@@ -48,11 +54,17 @@ class RouterConfig:
     index_timeout_s: float = setting(
         0.25, "Deadline of one KV index lookup in Redis; past it the request is routed by load alone."
     )
-    prefix_weight: float = setting(3.0, "Weight of the prefix scorer for prefill workers (--routing prefix).")
-    load_weight: float = setting(2.0, "Weight of the load scorer for prefill and decode workers.")
-    kv_headroom_weight: float = setting(2.0, "Weight of the KV headroom scorer for decode workers.")
+    prefix_weight: float = setting(
+        DEFAULT_PREFIX_WEIGHT, "Weight of the prefix scorer for prefill workers (--routing prefix)."
+    )
+    load_weight: float = setting(
+        DEFAULT_LOAD_WEIGHT, "Weight of the load scorer for prefill and decode workers."
+    )
+    kv_headroom_weight: float = setting(
+        DEFAULT_KV_HEADROOM_WEIGHT, "Weight of the KV headroom scorer for decode workers."
+    )
     hotspot_margin_tokens: int = setting(
-        16384,
+        DEFAULT_HOTSPOT_MARGIN_TOKENS,
         "Hot-spot guard: a cached prefix does not win on a worker whose queued + running tokens exceed the "
         "least-loaded worker's by more than this; -1 turns the guard off.",
     )

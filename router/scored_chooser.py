@@ -38,6 +38,12 @@ from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, Route, merge
 from router.scoring import PDDecider, RoutingRequest, WorkerState, WorkerStats, make_picker
 from router.scoring.pd_decider import NO_PREFILL_WORKER
+from router.scoring.weighted_picker import (
+    DEFAULT_HOTSPOT_MARGIN_TOKENS,
+    DEFAULT_KV_HEADROOM_WEIGHT,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_PREFIX_WEIGHT,
+)
 from router.worker_pool import DECODE, PREFILL, WorkerEndpoint, WorkerPool
 
 PREFIX = "prefix"
@@ -57,10 +63,10 @@ class ScoredChooser:
         metrics: RouterMetrics,
         index: PrefixIndex | None = None,
         *,
-        prefix_weight: float = 3.0,
-        load_weight: float = 2.0,
-        kv_headroom_weight: float = 2.0,
-        hotspot_margin_tokens: int | None = 16384,
+        prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
+        kv_headroom_weight: float = DEFAULT_KV_HEADROOM_WEIGHT,
+        hotspot_margin_tokens: int | None = DEFAULT_HOTSPOT_MARGIN_TOKENS,
         pd_threshold_tokens: int = 256,
         seed: int | None = None,
     ) -> None:

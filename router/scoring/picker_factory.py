@@ -13,7 +13,13 @@ from router.scoring.load_scorer import LoadScorer
 from router.scoring.picker import Picker
 from router.scoring.prefix_scorer import PrefixScorer
 from router.scoring.session_affinity import SessionAffinity
-from router.scoring.weighted_picker import DEFAULT_HOTSPOT_MARGIN_TOKENS, WeightedPicker
+from router.scoring.weighted_picker import (
+    DEFAULT_HOTSPOT_MARGIN_TOKENS,
+    DEFAULT_KV_HEADROOM_WEIGHT,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_PREFIX_WEIGHT,
+    WeightedPicker,
+)
 
 ROUTING_MODES = ("prefix", "round_robin", "random")
 
@@ -23,9 +29,9 @@ def make_picker(
     role: str,
     *,
     seed: int | None = None,
-    prefix_weight: float = 3.0,
-    load_weight: float = 2.0,
-    kv_headroom_weight: float = 2.0,
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+    load_weight: float = DEFAULT_LOAD_WEIGHT,
+    kv_headroom_weight: float = DEFAULT_KV_HEADROOM_WEIGHT,
     hotspot_margin_tokens: int | None = DEFAULT_HOTSPOT_MARGIN_TOKENS,
     affinity_capacity: int = 100_000,
 ) -> Picker:

@@ -29,11 +29,15 @@ from router.scoring.prefix_scorer import PrefixScorer
 from router.scoring.scorer import RoutingRequest, Scorer, WorkerState, clamp01
 from router.scoring.session_affinity import SessionAffinity
 
+# The router's defaults (its flags, the picker factory and the chooser take them from here).
 DEFAULT_HOTSPOT_MARGIN_TOKENS = 16384
+DEFAULT_PREFIX_WEIGHT = 3.0
+DEFAULT_LOAD_WEIGHT = 2.0
+DEFAULT_KV_HEADROOM_WEIGHT = 2.0
 
 
 def default_prefill_scorers() -> list[tuple[Scorer, float]]:
-    return [(PrefixScorer(), 3.0), (LoadScorer(), 2.0)]
+    return [(PrefixScorer(), DEFAULT_PREFIX_WEIGHT), (LoadScorer(), DEFAULT_LOAD_WEIGHT)]
 
 
 class WeightedPicker:
