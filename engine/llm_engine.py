@@ -25,7 +25,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
-from engine.tokenizer import IncrementalDetokenizer
+from engine.tokenizer import IncrementalDetokenizer, find_stop
 from kernels import get_ops
 from mesh.block_hash import root_hash, salted_fingerprint
 from mesh.kv_events import KVEventSink
@@ -334,14 +334,10 @@ class LLMEngine:
         if detok is not None:
             checked = len(detok.text)  # holds no stop string, or the request would have stopped
             detok.add([token])
-            text = detok.text
-            for s in p.stop:  # type: ignore[union-attr]
-                idx = text.find(s, max(0, len(text) - len(s) - 8))
-                if idx < 0:  # a long delta: any match overlaps it (not a scan of the whole text)
-                    idx = text.find(s, max(0, checked - len(s) + 1))
-                if idx >= 0:
-                    seq.output_text = text[:idx]
-                    return "stop", s
+            found = find_stop(detok.text, p.stop, checked)  # type: ignore[arg-type]
+            if found is not None:
+                seq.output_text = detok.text[: found[0]]
+                return "stop", found[1]
         if len(seq.output_token_ids) >= p.max_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:

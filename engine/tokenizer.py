@@ -7,6 +7,7 @@ and an incremental detokenizer that never emits half a UTF-8 character.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -121,6 +122,17 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         **{k: v for k, v in extra.items() if v is not None},
     )
+
+
+def find_stop(text: str, stops: Sequence[str], checked: int) -> tuple[int, str] | None:
+    """The first of ``stops`` (in request order) found in ``text``, as (index, stop string), where
+    ``text[:checked]`` is known to hold none: only a match overlapping the rest can be new, so the search
+    costs O(new text), not O(text). The engine and the router's text stream both stop by this rule."""
+    for s in stops:
+        idx = text.find(s, max(0, checked - len(s) + 1))
+        if idx >= 0:
+            return idx, s
+    return None
 
 
 class IncrementalDetokenizer:

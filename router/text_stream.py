@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 
 class TextStream:
@@ -35,16 +35,18 @@ class TextStream:
         """New text safe to send; after a stop string matched, always ''."""
         if self.stopped_on is not None:
             return ""
+        checked = len(self._text)
         self._text += self._detok.add(list(token_ids))
-        if self._cut_at_stop():
+        if self._cut_at_stop(checked):
             return self._take(len(self._text))
         return self._take(max(self._sent, len(self._text) - self._holdback))
 
     def finish(self) -> str:
         """The held-back rest, once the request is over."""
         if self.stopped_on is None:
+            checked = len(self._text)
             self._text += self._detok.flush()
-            self._cut_at_stop()
+            self._cut_at_stop(checked)
         return self._take(len(self._text))
 
     def _take(self, upto: int) -> str:
@@ -52,19 +54,14 @@ class TextStream:
         self._sent = max(self._sent, upto)
         return delta
 
-    def _cut_at_stop(self) -> bool:
-        # The engine's rule (engine.llm_engine._check_stop): stop strings in request order, each looked
-        # for near the end first.
-        for s in self.stop:
-            idx = self._text.find(s, max(0, len(self._text) - len(s) - 8))
-            if idx < 0:
-                idx = self._text.find(s, max(0, self._sent - len(s)))
-            if idx >= 0:
-                self._text = self._text[:idx]
-                self._sent = min(self._sent, idx)
-                self.stopped_on = s
-                return True
-        return False
+    def _cut_at_stop(self, checked: int) -> bool:
+        found = find_stop(self._text, self.stop, checked)  # the engine's rule
+        if found is None:
+            return False
+        idx, self.stopped_on = found
+        self._text = self._text[:idx]
+        self._sent = min(self._sent, idx)
+        return True
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

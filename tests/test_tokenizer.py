@@ -79,3 +79,16 @@ def test_incomplete_character_is_held_back() -> None:
     assert [detok.add([i]) for i in ids[2:5]] == ["", "", ""]
     assert detok.add(ids[5:]) == "🗼"
     assert detok.text == "é🗼" and detok.flush() == ""
+
+
+def test_find_stop_searches_only_what_could_be_new() -> None:
+    from engine.tokenizer import find_stop
+
+    # A long delta holding the stop twice: the first occurrence wins, not the one near the end.
+    text = "held" + "xx END yy" * 3
+    assert find_stop(text, ["END"], checked=4) == (7, "END")
+    # A match across the boundary of what was checked counts; one wholly inside it cannot be new.
+    assert find_stop("abcSTOP", ["cST"], checked=3) == (2, "cST")
+    assert find_stop("STOP then more", ["STOP"], checked=9) is None
+    # Stop strings are tried in request order.
+    assert find_stop("one two", ["two", "one"], checked=0) == (4, "two")
