@@ -71,23 +71,22 @@ class Sampler:
         device = logits.device
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
-            greedy = torch.tensor([p.greedy for p in params], device=device)
-            temps = torch.tensor(
-                [p.temperature if p.temperature > 0 else 1.0 for p in params],
-                device=device,
-                dtype=torch.float32,
-            )
             unseeded = torch.randint(0, 1 << 62, (batch,), generator=self._unseeded).tolist()
             keys = [
                 _position_seed(p.seed, pos) if p.seed is not None else key
                 for p, pos, key in zip(params, positions, unseeded, strict=True)
             ]
+            # Per-row values in two host-to-device copies (each copy waits for the step's device work).
+            rows = torch.tensor(
+                [(p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.min_p) for p in params],
+                dtype=torch.float32,
+            ).to(device)
+            temps, greedy, min_p_rows = rows[:, 0], rows[:, 1] > 0, rows[:, 2]
             row_keys = torch.tensor(keys, dtype=torch.int64).to(device)
             needs_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
             if self._gumbel_sample is not None and logits.is_cuda and not needs_sort:
-                min_p = [p.min_p for p in params]
-                min_p_t = torch.tensor(min_p, device=device) if any(m > 0 for m in min_p) else None
-                sampled = self._gumbel_sample(logits, temps, row_keys, min_p_t)
+                has_min_p = any(p.min_p > 0 for p in params)
+                sampled = self._gumbel_sample(logits, temps, row_keys, min_p_rows if has_min_p else None)
             else:
                 scaled = logits / temps.unsqueeze(1)
                 scaled = _apply_top_k(scaled, [p.top_k for p in params])
