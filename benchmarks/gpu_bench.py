@@ -46,6 +46,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels import triton_device  # noqa: E402
 
 LLAMA_3_1_8B: dict[str, Any] = dict(
     architectures=["LlamaForCausalLM"],
@@ -795,6 +796,7 @@ def environment(plan: Plan) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "pdl": triton_device.PDL_ENABLED,
     }
     try:
         import transformers
@@ -823,6 +825,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument(
         "--profile", action="store_true", help="log per-kernel device time of some decode graphs"
+    )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch the Triton kernels without programmatic dependent launch",
     )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
@@ -857,6 +864,7 @@ def main(argv: list[str] | None = None) -> None:
             smoke=True,
         )
     sections = set(args.sections.split(","))
+    triton_device.PDL_ENABLED = not args.no_pdl
     res = Results(env=environment(plan))
     log.info("environment %s", json.dumps(res.env))
     if "ceilings" in sections and plan.device == "cuda":

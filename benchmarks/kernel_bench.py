@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
-from kernels import triton_attention, triton_linear, triton_moe  # noqa: E402
+from kernels import triton_attention, triton_device, triton_linear, triton_moe  # noqa: E402
 from kernels.ops import TORCH_OPS  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
@@ -547,12 +547,66 @@ def sweep() -> None:
     triton_linear.linear_config = base_l
 
 
+def sweep_linear() -> None:
+    """Every batch-1 projection shape against a grid of GEMV tile configs (best first), and cuBLAS."""
+    print("\n## sweep: GEMV configs per shape (BLOCK_N, BLOCK_K, warps, stages), best 4 and cuBLAS")
+    base = triton_linear.linear_config
+    grid = [
+        triton_linear.LinearConfig(bn, bk, w, st)
+        for bn in (1, 2, 4, 8, 16)
+        for bk, w in ((256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8))
+        for st in (2, 4)
+        if bn * bk <= 8192
+    ]
+    for n, k in LINEAR_SHAPES:
+        if n * k > 1 << 29:  # the LM heads: too slow to sweep, and near the copy rate already
+            continue
+        timed = []
+        for cfg in grid:
+            triton_linear.linear_config = lambda *_a, cfg=cfg: cfg
+            try:
+                timed.append((linear_case(n, k).triton_us, cfg))
+            except Exception as exc:  # a config that does not compile (registers, shared memory)
+                print(f"  {n} x {k} {cfg}: {type(exc).__name__}")
+        triton_linear.linear_config = base
+        timed.sort(key=lambda t: t[0])
+        ref = linear_case(n, k).torch_us
+        best = ", ".join(
+            f"{us:.1f} us {c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}" for us, c in timed[:4]
+        )
+        print(f"{n} x {k} ({n * k * 2 / 1e6:.0f} MB): cuBLAS {ref:.1f} us; GEMV {best}", flush=True)
+
+
+def pdl_compare() -> None:
+    """The decode-path kernels with programmatic dependent launch on and off (back-to-back in a graph)."""
+    print("\n## programmatic dependent launch: on / off (us per call, back-to-back calls in one graph)")
+    cases = [
+        ("linear 4096 x 4096", lambda: linear_case(4096, 4096)),
+        ("linear 2048 x 4096", lambda: linear_case(2048, 4096)),
+        ("linear 6144 x 4096", lambda: linear_case(6144, 4096)),
+        ("add + RMSNorm 1 x 4096", lambda: rms_norm_cases(1)[1]),
+        ("decode attention bs 1 ctx 512", lambda: decode_attention_case(1, 512, reference=False)),
+        ("qkv prologue 1 token", lambda: qkv_prologue_case(1, True)),
+        ("MoE route 1 token", lambda: moe_route_case(1)),
+        ("fused MoE 1 token", lambda: moe_case(1, reference=False)),
+    ]
+    for name, case in cases:
+        got = {}
+        for on in (True, False):
+            triton_device.PDL_ENABLED = on
+            got[on] = case().triton_us
+        triton_device.PDL_ENABLED = True
+        print(f"{name}: {got[True]:.2f} / {got[False]:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true", help="also time tile-config variants")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--sweep-linear", action="store_true", help="only: GEMV tile configs per shape")
+    parser.add_argument("--pdl", action="store_true", help="only: decode kernels with PDL on and off")
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -564,6 +618,12 @@ def main() -> None:
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
+    if args.sweep_linear or args.pdl:
+        if args.pdl:
+            pdl_compare()
+        if args.sweep_linear:
+            sweep_linear()
+        return
     batches = (1, 16, 64, 256) if not args.quick else (1, 64)
     cases: list[Callable[[], Row | list[Row]]] = [
         *(lambda b=b, c=c: decode_attention_case(b, c) for c in (512, 4096) for b in batches),

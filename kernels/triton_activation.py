@@ -10,9 +10,22 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_device import pdl_kwargs
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    inter,
+    stride_x,
+    stride_out,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -32,5 +45,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](
+            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, **pdl_kwargs(x.device), num_warps=4
+        )
     return out.view(*x.shape[:-1], inter)

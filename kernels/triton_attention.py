@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import sm_count
+from kernels.triton_device import pdl_kwargs, sm_count
 from kernels.triton_kv_cache import pool_strides
 
 
@@ -153,7 +153,11 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,7 +221,11 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -379,13 +387,13 @@ def paged_attention_triton(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
-            DOT_PRECISION=precision, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+            DOT_PRECISION=precision, **pdl_kwargs(q.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         )  # fmt: skip
         _decode_merge_kernel[(num_tokens, num_heads)](
             mid_o, mid_lse, out, splits,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=splits, BLOCK_D=block_d, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_S=splits, BLOCK_D=block_d, **pdl_kwargs(q.device), num_warps=4,
         )  # fmt: skip
         return out
 

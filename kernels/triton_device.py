@@ -1,4 +1,5 @@
-"""What the Triton launch heuristics read about the GPU: its SM count, cached per device.
+"""What the Triton launch heuristics read about the GPU (its SM count, cached per device) and whether
+kernels launch with programmatic dependent launch.
 
 Host-side only (no kernel here); it must not read device values, so it is safe while a graph is captured.
 """
@@ -18,3 +19,26 @@ def _sm_count(device_index: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the current one when ``device`` has no index)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Programmatic dependent launch (PDL, compute capability 9.0+): a kernel launched with it may start
+# while the previous kernel in the stream is still running; it waits (``griddepcontrol.wait``) before it
+# touches anything the previous kernel writes, so launch latency and block scheduling overlap the previous
+# kernel's tail. Captured CUDA graphs keep it (programmatic edges). Benchmarks switch it off to compare.
+PDL_ENABLED = True
+
+
+@functools.cache
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_kwargs(device: torch.device) -> dict[str, bool]:
+    """Launch arguments for a kernel with a ``USE_PDL`` constexpr (which must then call ``gdc_wait``
+    before reading its inputs or writing anything): PDL on where the device supports it."""
+    if not PDL_ENABLED or device.type != "cuda":
+        return {"USE_PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _supports_pdl(index):
+        return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True}

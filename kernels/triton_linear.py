@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import sm_count
+from kernels.triton_device import pdl_kwargs, sm_count
 
 GEMV_MAX_K = 4096
 GEMV_MAX_SMALL_N = 2048
@@ -68,8 +68,12 @@ def _gemv_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[n] = x . w[n] for BLOCK_N rows n, fp32 accumulation."""
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -99,6 +103,7 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     cfg = linear_config(n, k, x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, out, n, k, w.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_device import pdl_kwargs
+
 # Tokens per program are capped so that a program's logits tile stays about this many elements (16 tokens
 # at E = 128), and small batches spread one token per program over as many SMs as possible.
 _TILE_ELEMENTS = 2048
@@ -49,7 +51,11 @@ def _moe_route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
@@ -127,6 +133,6 @@ def moe_route_triton(
         logical_to_physical.stride(0), logical_to_physical.stride(1), expert_counts.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=num_warps,
+        **pdl_kwargs(router_logits.device), num_warps=num_warps,
     )  # fmt: skip
     return weights, ids

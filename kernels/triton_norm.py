@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_device import pdl_kwargs
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -27,7 +29,11 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -78,6 +84,7 @@ def _launch(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            **pdl_kwargs(x.device),
             num_warps=min(16, max(1, block // 512)),
         )
     out = out.view(x.shape)

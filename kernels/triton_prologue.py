@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_device import pdl_kwargs
 from kernels.triton_kv_cache import pool_strides
 
 
@@ -186,7 +187,11 @@ def _qkv_prologue_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     row = qkv_ptr + token * stride_qkv_t
@@ -306,6 +311,7 @@ def qkv_prologue_triton(
         BLOCK_HQ=block_hq,
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
+        **pdl_kwargs(qkv.device),
         num_warps=4,
     )
     return q_out
