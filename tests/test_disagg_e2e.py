@@ -137,9 +137,12 @@ def test_local_prefill_on_decode_worker_equals_offline(pd_workers) -> None:  # n
 
 
 def test_abort_mid_stream_returns_every_block(pd_workers) -> None:  # noqa: F811
+    """A client that goes away mid-stream (CANCELLED on its side) and a request stopped by the Abort RPC
+    (its stream ends OK on a FINISH_REASON_ABORT message) both give every block back, on both workers."""
     prefill_proc, decode_proc = pd_workers
+    unfinished = common_pb2.FINISH_REASON_UNSPECIFIED
 
-    async def run() -> tuple[int, int, int]:
+    async def run() -> None:
         pch, prefill = _stub(prefill_proc.address)
         dch, decode = _stub(decode_proc.address)
         async with pch, dch:
@@ -150,6 +153,7 @@ def test_abort_mid_stream_returns_every_block(pd_workers) -> None:  # noqa: F811
                     request_id="abort-me", prompt_token_ids=prompt, sampling_params=params
                 )
             )
+            assert first.finish_reason == unfinished and first.kv_handle.block_ids
             call = decode.Decode(
                 worker_pb2.DecodeRequest(
                     request_id="abort-me",
@@ -161,35 +165,41 @@ def test_abort_mid_stream_returns_every_block(pd_workers) -> None:  # noqa: F811
             )
             got = 0
             async for msg in call:
+                assert msg.finish_reason == unfinished
                 got += len(msg.token_ids)
                 if got >= 5:
                     break
-            call.cancel()  # the client goes away mid-stream
-            # A second request aborted through the Abort RPC instead.
+            assert call.cancel()  # the client goes away mid-stream
+            assert await call.code() == grpc.StatusCode.CANCELLED
+
+            # A second request (prefilled on the decode worker) stopped through the Abort RPC instead.
             call2 = decode.Decode(
                 worker_pb2.DecodeRequest(
                     request_id="abort-rpc", prompt_token_ids=prompt, sampling_params=params
                 )
             )
-            async for _msg in call2:
+            async for msg in call2:
+                assert msg.finish_reason == unfinished
                 break
-            found = (await decode.Abort(worker_pb2.AbortRequest(request_id="abort-rpc"))).found
-            assert found
-            statuses = []
-            try:
-                async for _msg in call2:
-                    pass
-            except grpc.aio.AioRpcError as exc:
-                statuses.append(exc.code())
+            assert (await decode.Abort(worker_pb2.AbortRequest(request_id="abort-rpc"))).found
+            reasons = [msg.finish_reason async for msg in call2]  # raises if the stream ends in an error
+            assert reasons and reasons[-1] == common_pb2.FINISH_REASON_ABORT
+            assert set(reasons[:-1]) <= {unfinished}
+            assert await call2.code() == grpc.StatusCode.OK
+
             for _ in range(100):
                 if await _free_blocks(decode) == 256 and await _free_blocks(prefill) == 256:
                     break
                 await asyncio.sleep(0.05)
-            return got, await _free_blocks(prefill), await _free_blocks(decode)
+            assert await _free_blocks(prefill) == 256
+            assert await _free_blocks(decode) == 256
+            # Neither request lingers anywhere: aborting them again finds nothing.
+            for stub, rid in ((decode, "abort-me"), (decode, "abort-rpc"), (prefill, "abort-me")):
+                assert not (await stub.Abort(worker_pb2.AbortRequest(request_id=rid))).found, rid
+            stats = await decode.GetStats(worker_pb2.StatsRequest())
+            assert stats.num_running == 0 and stats.num_waiting == 0
 
-    got, prefill_free, decode_free = asyncio.run(run())
-    assert got >= 5
-    assert prefill_free == 256 and decode_free == 256
+    asyncio.run(run())
 
 
 def test_malformed_requests_get_invalid_argument(pd_workers) -> None:  # noqa: F811
