@@ -1,13 +1,15 @@
 """Linear projection of one row (decode batch 1): the Triton version of ``kernels/linear.py``.
 
-At batch 1 a projection is a GEMV that streams its whole weight from HBM once. cuBLAS is at the copy rate
-on large weights but slow on some small ones: on an H200 (``benchmarks/kernel_bench.py``, 2026-11-29) the
-Qwen3-30B-A3B o-proj (2048 x 4096) takes 9.5 us with its split-K reduce and the MoE router (128 x 2048)
-4.8 us, where ``_gemv_kernel`` takes 8.1 and 2.3 us; the LM heads (151936 x 2048) 153 against 145 us.
-Elsewhere cuBLAS is as fast (QKV 5120 x 2048: 8.3 against 8.7 us; 6144 x 4096 and 28672 x 4096: equal)
-or faster (14336-long rows: 32.9 against 43.6 us, where the GEMV's few programs run long K loops), and
-with several rows its tensor-core kernels win by far (4 rows: 0.1-0.3x). So ``use_gemv`` takes the
-GEMV for one row, rows of at most 4096, and weights of at most 2048 rows or at least 65536 (LM heads).
+At batch 1 a projection is a GEMV that streams its whole weight from HBM once. ``_gemv_kernel`` with one
+or two weight rows per program beats cuBLAS on every decode projection of the benchmark models: on an
+H200 (``benchmarks/kernel_bench.py --sweep-linear``, 2026-11-29, back-to-back in a CUDA graph with
+programmatic dependent launch) Llama-3.1-8B QKV 14.0 against 16.6 us, o-proj 10.0 / 13.5, gate-up
+56.3 / 59.6, down (14336-long rows) 30.0 / 32.7, LM head 235.8 / 251.9; Qwen3-30B-A3B QKV 7.0 / 8.4,
+o-proj 6.0 / 9.7, router 1.4 / 4.9, LM head 145.2 / 153.2. Many small programs keep enough loads in
+flight on every SM, where cuBLAS splits K and reduces in a second kernel. With several rows cuBLAS's
+tensor-core kernels win by far (4 rows: the GEMV is 0.1-0.3x as fast), so ``use_gemv`` takes the GEMV for
+one row only. One launch per projection also keeps the layer's kernels in one chain of programmatic
+dependent launches (``kernels.triton_device``), which a cuBLAS kernel would break.
 
 ``_gemv_kernel``: grid over N tiles; each program streams ``BLOCK_N`` rows of ``w`` in ``BLOCK_K`` chunks
 against the input row, keeps per-lane fp32 partial sums and reduces them once at the end. No host
@@ -22,16 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs, sm_count
-
-GEMV_MAX_K = 4096
-GEMV_MAX_SMALL_N = 2048
-GEMV_MIN_LARGE_N = 65536
+from kernels.triton_device import pdl_kwargs
 
 
 def use_gemv(m: int, n: int, k: int) -> bool:
     """Whether ``linear_triton`` runs the GEMV kernel for x [m, k] @ w[n, k].T (see the module docstring)."""
-    return m == 1 and k <= GEMV_MAX_K and (n <= GEMV_MAX_SMALL_N or n >= GEMV_MIN_LARGE_N)
+    return m == 1 and n > 0 and k > 0
 
 
 @dataclass(frozen=True)
@@ -43,19 +41,14 @@ class LinearConfig:
 
 
 def linear_config(n: int, k: int, device: torch.device) -> LinearConfig:
-    """Block sizes by the shape of ``w`` ([n, k]): bytes in flight with every SM busy. BLOCK_N is the
-    largest of 16, 8, 4 rows that still gives about 2 programs per SM (o-proj 2048: 8 rows, 256 programs;
-    router 128: 4 rows, 32, latency-bound whatever the tile); BLOCK_K keeps a step's tile at 4096 elements
-    (8 KB of bf16). ``kernel_bench.py --sweep`` times variants."""
+    """Tile sizes by the shape of ``w`` ([n, k]), from ``kernel_bench.py --sweep-linear``: one row per
+    program in 512-element chunks for rows of 4096 and longer, two rows in 1024-element chunks for shorter
+    ones; 4 warps, 4 stages (2 stages measured within 1%)."""
     if device.type != "cuda":
         return LinearConfig(16, 32, 4, 1)  # the interpreter: tiny shapes, several K steps, masked edges
-    sms = sm_count(device)
-    block_n = 4
-    for candidate in (16, 8):
-        if triton.cdiv(n, candidate) >= 1.9 * sms:
-            block_n = candidate
-            break
-    return LinearConfig(block_n, 256 if block_n == 16 else 512, 4, 3)
+    if k >= 4096:
+        return LinearConfig(1, 512, 4, 4)
+    return LinearConfig(2, 1024, 4, 4)
 
 
 @triton.jit

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = x @ self.qkv_proj.t()
+        qkv = self.ops.linear(x, self.qkv_proj)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q = self.ops.qkv_prologue(
@@ -90,7 +90,7 @@ class DenseMLP(nn.Module):
         self.down_proj = _param(hidden, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_and_mul(x @ self.gate_up_proj.t()) @ self.down_proj.t()
+        return self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
