@@ -71,8 +71,8 @@ class WorkerRegistration:
             await self.index.remove_worker(self.worker_id)
         except (RedisError, OSError) as exc:
             log.warning(
-                "could not deregister %s: %s (its registry entry expires by TTL; its KV index entries stay "
-                "until a worker with this id starts again, and routers skip them meanwhile)",
+                "could not deregister %s: %s (its registry entry expires by TTL; the routers that see it "
+                "expire remove its KV index entries)",
                 self.worker_id,
                 exc,
             )

@@ -77,6 +77,11 @@ class RouterMetrics:
             "total",
             "Routing decisions made by load alone because the KV index could not be reached.",
         )
+        self.index_forget_errors = m.counter(
+            "index_forget_errors",
+            "total",
+            "Departed workers whose KV index entries could not be removed (Redis unreachable).",
+        )
         self.registry_up = m.gauge(
             "registry", "up", "1 while the registry answers, 0 while the last known worker list is in use."
         )

@@ -10,6 +10,9 @@ the index cannot be asked: the caller then routes by load alone and counts it. T
   an info line, as soon as Redis answers.
 - no Redis: an ``InProcessKVIndex`` fed by ``router.kv_event_feed``; always up.
 
+``forget_worker`` removes a departed worker's entries (``router.discovery`` calls it when the registry has
+dropped a worker that is gone), in O(that worker's entries): the index keeps a set of blocks per worker.
+
 This module owns availability and timing of lookups; block hashing and scoring happen in the chooser.
 """
 
@@ -65,10 +68,7 @@ class PrefixIndex:
             return matches
         if not self.up:
             return None
-        index = self._by_model.get(model_fingerprint)
-        if index is None:
-            assert self.redis is not None
-            index = self._by_model[model_fingerprint] = RedisKVIndex(self.redis, model_fingerprint)
+        index = self._redis_index(model_fingerprint)
         started = time.perf_counter()
         try:
             matches = await asyncio.wait_for(index.lookup(block_hashes), self.timeout_s)
@@ -77,6 +77,36 @@ class PrefixIndex:
             return None
         self.metrics.index_lookup_latency.observe(time.perf_counter() - started)
         return matches
+
+    async def forget_worker(self, model_fingerprint: str, worker_id: str) -> bool:
+        """Remove everything the index holds for a worker that is gone, so that no request is scored on
+        its cache again (nor a later worker that reuses its id). False when Redis could not be reached:
+        one warning and ``pdmesh_router_index_forget_errors_total``; its entries then stay until a worker
+        with that id starts again (no router scores a worker that is not in its pool meanwhile)."""
+        if self.in_process is not None:
+            await self.in_process.remove_worker(worker_id)
+        else:
+            try:
+                await self._redis_index(model_fingerprint).remove_worker(worker_id)
+            except (RedisError, OSError) as exc:
+                self.metrics.index_forget_errors.inc()
+                log.warning(
+                    "could not remove the KV index entries of departed worker %s (%s: %s); they stay until "
+                    "a worker with this id starts again",
+                    worker_id,
+                    type(exc).__name__,
+                    exc,
+                )
+                return False
+        log.info("KV index: forgot departed worker %s", worker_id)
+        return True
+
+    def _redis_index(self, model_fingerprint: str) -> RedisKVIndex:
+        index = self._by_model.get(model_fingerprint)
+        if index is None:
+            assert self.redis is not None
+            index = self._by_model[model_fingerprint] = RedisKVIndex(self.redis, model_fingerprint)
+        return index
 
     def _went_down(self, exc: BaseException) -> None:
         if not self.up:

@@ -87,14 +87,6 @@ class RouterService:
                 socket_connect_timeout=max(config.index_timeout_s, 0.5),
                 socket_timeout=max(config.index_timeout_s * 4, 1.0),
             )
-            self.discovery = RegistryDiscovery(
-                RedisRegistry(self.redis),
-                self.pool,
-                self.metrics,
-                config.model,
-                config.discovery_interval_s,
-                config.registry_grace_s,
-            )
         if config.routing == "prefix":
             if self.redis is not None:
                 self.index = PrefixIndex(
@@ -104,6 +96,17 @@ class RouterService:
                 in_process = InProcessKVIndex()
                 self.feed = KVEventFeed(in_process, self.pool, self.metrics)
                 self.index = PrefixIndex(self.metrics, in_process=in_process)
+        if self.redis is not None:
+            # Discovery also removes the KV index entries of workers that left the registry and are gone.
+            self.discovery = RegistryDiscovery(
+                RedisRegistry(self.redis),
+                self.pool,
+                self.metrics,
+                config.model,
+                config.discovery_interval_s,
+                config.registry_grace_s,
+                index=self.index,
+            )
         self.model = ServedModel(
             config.model,
             self.pool,

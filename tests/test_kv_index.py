@@ -155,6 +155,78 @@ async def test_remove_worker_and_slot_reuse(kind: str) -> None:
         assert await index.lookup(c) == {}
 
 
+class _RecordingBlocks(dict):
+    """The in-process index's block table, noting every block ``remove_worker`` reads or deletes."""
+
+    touched: set[int]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.touched.add(key)
+        return super().get(key, default)
+
+    def __delitem__(self, key: Any) -> None:
+        self.touched.add(key)
+        super().__delitem__(key)
+
+
+async def _blocks_touched(index: KVIndex, action: Coroutine[Any, Any, None]) -> set[int]:
+    """The block hashes ``action`` reads or writes: in process through the block table; in Redis, every
+    block key a command names, Lua's own commands included (MONITOR, filtered to this test's keys)."""
+    if isinstance(index, InProcessKVIndex):
+        blocks = _RecordingBlocks(index._blocks)
+        blocks.touched = set()
+        index._blocks = blocks
+        await action
+        return blocks.touched
+    assert isinstance(index, RedisKVIndex)
+    block_prefix = index.block_key(0)[:-16]
+    sentinel = f"{index.namespace}done-{uuid.uuid4().hex}"
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        async with client.monitor() as monitor:
+            listening = asyncio.create_task(_monitored(monitor, sentinel))
+            await asyncio.sleep(0.05)  # MONITOR is on before the action runs
+            await action
+            await client.echo(sentinel)
+            commands = await asyncio.wait_for(listening, 10)
+    finally:
+        await client.aclose()
+    return {
+        int(arg[len(block_prefix) :], 16)
+        for command in commands
+        for arg in command.split()
+        if arg.startswith(block_prefix)
+    }
+
+
+async def _monitored(monitor: Any, sentinel: str) -> list[str]:
+    seen = []
+    async for entry in monitor.listen():
+        if sentinel in entry["command"]:
+            return seen
+        seen.append(entry["command"])
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@async_test
+async def test_remove_worker_touches_only_that_workers_blocks(kind: str) -> None:
+    """Forgetting a departed worker costs O(its entries), not O(index): it reads and clears its own
+    blocks (kept in a per-worker set), whatever else the index holds."""
+    big, small = chain(2000, seed=1), chain(3, seed=2)
+    async with open_index(kind) as index:
+        await index.apply("big", [stored(big), stored(small[:1], Tier.CPU)])
+        await index.apply("small", [stored(small), stored(small[1:], Tier.DISK)])
+        touched = await _blocks_touched(index, index.remove_worker("small"))
+        assert touched == set(small)
+        assert await index.lookup(small) == {"big": match(cpu=1)}
+        assert await index.lookup(big) == {"big": match(gpu=2000)}
+        # Nothing of it is left: the same id coming back starts empty.
+        await index.apply("small", [stored(big[:2])])
+        assert await index.lookup(big) == {"big": match(gpu=2000), "small": match(gpu=2)}
+        assert await index.lookup(small) == {"big": match(cpu=1)}
+
+
 def reference_lookup(held: dict[str, dict[int, set[Tier]]], hashes: list[int]) -> dict[str, PrefixMatch]:
     out = {}
     for worker, blocks in held.items():

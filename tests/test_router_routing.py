@@ -8,19 +8,22 @@ with real workers and Redis in tests/test_routing_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.grpc_server import start_server
 from mesh.kv_event_proto import events_from_proto, events_to_proto
-from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
-from mesh.kv_index import InProcessKVIndex, PrefixMatch
+from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.kv_index import InProcessKVIndex, PrefixMatch, RedisKVIndex
 from mesh.registry import InProcessRegistry, WorkerInfo
 from protos.pdmesh.v1 import common_pb2, worker_pb2_grpc
 from router.chooser import RouteRequest
@@ -375,6 +378,168 @@ async def test_a_removed_worker_keeps_its_channel_until_its_calls_end() -> None:
     w.end_call(10)
     await pool._close_retired()
     assert w not in pool._retired
+    await pool.close()
+
+
+# ---- departed workers leave the KV index ------------------------------------------------------------
+
+REDIS_URL = "redis://127.0.0.1:6379"
+
+
+def _redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def index_home(
+    kind: str, fp: str, metrics: RouterMetrics
+) -> AsyncIterator[tuple[PrefixIndex, Callable[[str, list[KVEvent]], Awaitable[None]]]]:
+    """The router's index in either home, and how a worker's events reach it: through the router's feed
+    (in process), or written by the worker itself (Redis, under the model's real key namespace)."""
+    if kind == "inprocess":
+        in_process = InProcessKVIndex()
+        yield PrefixIndex(metrics, in_process=in_process), in_process.apply
+        return
+    client = aioredis.from_url(REDIS_URL)
+    worker_side = RedisKVIndex(REDIS_URL, fp)
+    index = PrefixIndex(metrics, redis_client=client)
+    try:
+        yield index, worker_side.apply
+    finally:
+        await index.close()
+        await worker_side.aclose()
+        keys = [k async for k in client.scan_iter(match=f"{worker_side.namespace}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["inprocess", pytest.param("redis", marks=pytest.mark.skipif(not _redis_up(), reason="no Redis"))],
+)
+@async_test
+async def test_a_worker_gone_from_the_registry_gets_no_prefix_score(kind: str) -> None:
+    """A killed worker's registration expires; discovery drops it and the index forgets its blocks, so a
+    worker with its id (restarted with --worker-id) is scored on what it caches now: nothing."""
+    fp = f"tiny-dense-test-{uuid.uuid4().hex[:12]}"  # a model of this test's own: its own Redis keys
+    clock, metrics = Clock(), RouterMetrics()
+    registry = InProcessRegistry(clock=clock)
+    pool = WorkerPool([], [], BS)
+    pool.model_fingerprint = fp
+    prompt = tokens(320)
+    hashes = block_hashes(prompt, BS, root_hash(fp))
+
+    def usable_with_stats() -> None:  # what the first stats poll of a new worker would set
+        for w in pool.workers:
+            if w.stats is None:
+                busy = 4000 if w.name == "p-a" else 0  # p-a is busier: only its cache makes it win
+                w.stats, w.health = stats(w.name, w.role, queued=busy), Health.UP
+
+    async with index_home(kind, fp, metrics) as (index, write_events):
+        discovery = RegistryDiscovery(registry, pool, metrics, "tiny-dense", clock=clock, index=index)
+        chooser = ScoredChooser("prefix", pool, metrics, index, seed=0)
+        for worker_id, role, port in (
+            ("p-a", PREFILL, 30201),
+            ("p-b", PREFILL, 30202),
+            ("d-c", DECODE, 30203),
+        ):
+            await registry.register(info(worker_id, role, port, fp=fp), 10)
+        assert await discovery.poll_once()
+        usable_with_stats()
+        await write_events("p-a", [BlocksStored(tuple(hashes), Tier.GPU)])
+        choice = await chooser.choose(PREFILL, RouteRequest("before", prompt), pool.usable(PREFILL))
+        assert (choice.worker.name, choice.reason) == ("p-a", "prefix")
+
+        # p-a is killed: the others renew their registrations, its own expires; stats polls fail.
+        clock.now = 6.0
+        assert await registry.heartbeat("p-b", 10) and await registry.heartbeat("d-c", 10)
+        clock.now = 12.0
+        p_a = pool.find("127.0.0.1:30201")
+        assert p_a is not None
+        pool.mark_down(p_a, "GetStats: UNAVAILABLE: connection refused")
+        assert await discovery.poll_once()
+        assert [w.name for w in pool.by_role(PREFILL)] == ["p-b"]
+        assert await index.lookup(fp, hashes) == {}
+        assert metric(metrics, "pdmesh_router_index_forget_errors_total") == 0
+
+        # A worker registers under the same id, holding nothing yet: no prefix score, load decides.
+        await registry.register(info("p-a", PREFILL, 30201, fp=fp), 10)
+        assert await discovery.poll_once()
+        usable_with_stats()
+        request = RouteRequest("after", prompt)
+        choice = await chooser.choose(PREFILL, request, pool.usable(PREFILL))
+        assert (choice.worker.name, choice.reason) == ("p-b", "load")
+        assert request.routing.request.prefix_matches == {}  # type: ignore[union-attr]
+        await pool.close()
+
+
+@async_test
+async def test_forgetting_a_worker_while_redis_is_unreachable_is_one_warning_and_counted(caplog: Any) -> None:
+    metrics = RouterMetrics()
+    client = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.5)  # nothing listens
+    index = PrefixIndex(metrics, redis_client=client)
+    with caplog.at_level(logging.WARNING, logger="router.prefix_index"):
+        assert not await index.forget_worker(FP, "p-gone")
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "could not remove the KV index entries of departed worker p-gone"
+    ]
+    assert metric(metrics, "pdmesh_router_index_forget_errors_total") == 1
+    await client.aclose()
+
+
+@async_test
+async def test_discovery_forgets_the_workers_that_are_gone_and_only_those() -> None:
+    """Drained then deregistered: forgotten. Another process now at its address: the old id is forgotten.
+    Unregistered past the grace while it still answers: kept (alive, its own events keep them true)."""
+    clock, metrics, kv = Clock(), RouterMetrics(), InProcessKVIndex()
+    registry = InProcessRegistry(clock=clock)
+    pool = WorkerPool([], [], BS)
+    pool.model_fingerprint = FP
+    discovery = RegistryDiscovery(
+        registry,
+        pool,
+        metrics,
+        "tiny-dense",
+        grace_s=5.0,
+        clock=clock,
+        index=PrefixIndex(metrics, in_process=kv),
+    )
+    ids = {"p-drain": 30301, "p-alive": 30302, "p-old": 30303}
+    for worker_id, port in ids.items():
+        await registry.register(info(worker_id, PREFILL, port), 600)
+    assert await discovery.poll_once()
+    for w in pool.workers:
+        w.stats, w.health = stats(w.name, PREFILL), Health.UP
+    hashes = block_hashes(tokens(64), BS, root_hash(FP))
+    for worker_id in ids:
+        kv.apply_sync(worker_id, [BlocksStored(tuple(hashes), Tier.GPU)])
+
+    def holders() -> set[str]:
+        return set(kv.lookup_sync(hashes))
+
+    await registry.set_draining("p-drain", True)
+    assert await discovery.poll_once()
+    assert holders() == set(ids)  # draining: no new requests, but it still holds its blocks
+    await registry.deregister("p-drain")  # done draining, exits
+    assert await discovery.poll_once()
+    assert holders() == {"p-alive", "p-old"}
+
+    await registry.deregister("p-old")  # p-old was restarted: another process, another id, same address
+    await registry.register(info("p-new", PREFILL, 30303), 600)
+    assert await discovery.poll_once()
+    assert holders() == {"p-alive"}
+    assert [w.registered_id for w in pool.workers] == ["p-alive", "p-new"]
+
+    await registry.deregister("p-alive")  # its registration is lost, but it answers
+    assert await discovery.poll_once()
+    clock.now = 6.0
+    assert await discovery.poll_once()
+    assert [w.registered_id for w in pool.workers] == ["p-new"]  # out of the pool after the grace
+    assert holders() == {"p-alive"}  # yet alive: its entries stay
     await pool.close()
 
 
