@@ -18,12 +18,10 @@ import time
 import uuid
 from typing import Any
 
-import jinja2
 from aiohttp import web
 
-from engine.tokenizer import render_chat
 from mesh.telemetry import extract_context, metrics_handler
-from router.errors import InvalidRequestError, RouterError
+from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
     FINISH_REASONS,
@@ -62,12 +60,7 @@ def build_generation(model: ServedModel, parsed: ParsedRequest, request_id: str,
     else:
         text = parsed.prompt_text
         if parsed.kind == "chat_completions":
-            try:
-                text = render_chat(model.tokenizer, parsed.messages, parsed.add_generation_prompt)
-            except jinja2.TemplateError as exc:
-                raise InvalidRequestError(
-                    f"the chat template rejected the messages: {exc}", param="messages"
-                ) from None
+            text = model.render_chat(parsed.messages, parsed.add_generation_prompt)
         ids = model.encode(text or "", add_special_tokens=parsed.add_special_tokens)
     param = "messages" if parsed.kind == "chat_completions" else "prompt"
     model.check_prompt(ids, param=param)

@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+
 from engine.errors import InvalidRequestError as EngineInvalidRequest
 from engine.loader import load_tokenizer
 from engine.models.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, render_chat
 from protos.pdmesh.v1 import common_pb2
 from router.errors import InvalidRequestError, ModelNotFoundError
 from router.worker_pool import WorkerPool
@@ -83,6 +85,15 @@ class ServedModel:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The messages through the model's chat template; a template error is the user's (400)."""
+        try:
+            return render_chat(self.tokenizer, messages, add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {exc}", param="messages"
+            ) from None
 
     def check_prompt(self, prompt_token_ids: Sequence[int], param: str = "prompt") -> None:
         if not prompt_token_ids:
