@@ -192,7 +192,7 @@ def moe_case(tokens: int, reference: bool = True, path: str = "auto") -> Row:
     ref = time_eager(lambda: TORCH_OPS.fused_moe(xs[0], w13, w2, weights[0], ids[0])) if reference else None
     flops = 2 * tokens * top_k * 3 * hidden * inter
     if small:
-        sc = triton_moe.moe_small_config(xs[0].device)
+        sc = triton_moe.moe_small_config(xs[0].device, tokens)
         note = f"small, BN {sc.gate_up_block_n}/{sc.down_block_n}, BK {sc.gate_up_block_k}/{sc.down_block_k}"
     else:
         note = f"grouped, BM {triton_moe.moe_tile_config(tokens * top_k, experts, xs[0].device).block_m}"
@@ -577,6 +577,40 @@ def sweep_linear() -> None:
         print(f"{n} x {k} ({n * k * 2 / 1e6:.0f} MB): cuBLAS {ref:.1f} us; GEMV {best}", flush=True)
 
 
+def sweep_moe_small() -> None:
+    """The small MoE path at batch 1: gate-up tiles with the down kernel fixed, then down tiles."""
+    print("\n## sweep: MoE small path at 1 token (gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)")
+    base = triton_moe.moe_small_config
+    current = base(torch.device("cuda"), 1)
+
+    def timed(cfg: triton_moe.MoeSmallConfig) -> float:
+        triton_moe.moe_small_config = lambda *_a: cfg
+        try:
+            return moe_case(1, reference=False, path="small").triton_us
+        except Exception as exc:  # a config that does not compile
+            print(f"  {cfg}: {type(exc).__name__}")
+            return float("inf")
+        finally:
+            triton_moe.moe_small_config = base
+
+    print(f"current {current}: {timed(current):.1f} us")
+    gate_up = [
+        (timed(dataclasses.replace(current, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_warps=w,
+                                   gate_up_num_stages=st)), (bn, bk, w, st))
+        for bn in (1, 2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for st in (2, 4)
+        if bn * bk <= 8192
+    ]  # fmt: skip
+    gate_up.sort()
+    print("gate-up best:", ", ".join(f"{us:.1f} us {c}" for us, c in gate_up[:5]), flush=True)
+    down = [
+        (timed(dataclasses.replace(current, down_block_n=bn, down_block_k=bk, down_num_warps=w,
+                                   down_num_stages=st)), (bn, bk, w, st))
+        for bn in (1, 2, 4, 8) for bk in (128, 256, 512) for w in (2, 4, 8) for st in (2, 4)
+    ]  # fmt: skip
+    down.sort()
+    print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
+
+
 def pdl_compare() -> None:
     """The decode-path kernels with programmatic dependent launch on and off (back-to-back in a graph)."""
     print("\n## programmatic dependent launch: on / off (us per call, back-to-back calls in one graph)")
@@ -607,6 +641,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep-linear", action="store_true", help="only: GEMV tile configs per shape")
     parser.add_argument("--pdl", action="store_true", help="only: decode kernels with PDL on and off")
+    parser.add_argument(
+        "--sweep-moe-small", action="store_true", help="only: small MoE path tiles at batch 1"
+    )
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -618,7 +655,9 @@ def main() -> None:
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
-    if args.sweep_linear or args.pdl:
+    if args.sweep_linear or args.pdl or args.sweep_moe_small:
+        if args.sweep_moe_small:
+            sweep_moe_small()
         if args.pdl:
             pdl_compare()
         if args.sweep_linear:

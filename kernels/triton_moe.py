@@ -300,28 +300,33 @@ class MoeSmallConfig:
     down_block_n: int
     down_block_k: int
     down_num_warps: int
+    gate_up_num_stages: int = 3
+    down_num_stages: int = 3
 
 
-def moe_small_config(device: torch.device) -> MoeSmallConfig:
-    """Block sizes for the small path, reasoned as below and then swept on one H200 (2026-11-29, each
-    kernel alone, CUDA-graph replay, weights of 6 layers rotated so L2 holds none): gate-up 17.1 us at
-    batch 1 (2.9 TB/s) for every BLOCK_N 8-32 x BLOCK_K 256-512 x 4-8 warps x 2-4 stages tried; down
-    9.3 us (2.7 TB/s) with the values below, 12.4 us at best with the per-expert loop it replaced.
+def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfig:
+    """Block sizes for the small path, reasoned as below and then swept on one H200 (each kernel alone,
+    CUDA-graph replay, weights rotated so L2 holds none).
 
     Both kernels load each weight element once and use it for one multiply-add per token, so they are bound
-    by HBM bandwidth, and what matters is bytes in flight: an H200 needs about 4.3 TB/s x ~0.7 us ~ 3 MB
-    outstanding over its 132 SMs, with every SM busy. At the Qwen3-30B-A3B shape (H=2048, I=768, top-8):
+    by HBM bandwidth, and what matters is bytes in flight with every SM busy: an H200 needs about
+    4.3 TB/s x ~0.7 us ~ 3 MB outstanding over its 132 SMs. At the Qwen3-30B-A3B shape (H=2048, I=768,
+    top-8):
 
-    - gate-up, BLOCK_N 16 x BLOCK_K 256, 4 warps: batch 1 is 8 pairs x 768/16 = 384 programs (~3 per SM,
-      all resident at once, so no tail wave); each step loads a gate and an up tile of 16 x 256 bf16
-      (2 x 8 KB, ~6 MB in flight in all); a warp reads 512 contiguous bytes of one row, 16 B per thread.
-    - down, BLOCK_N 8 x BLOCK_K 256, 4 warps: the grid is tokens x H/BLOCK_N, only 128 programs at batch 1
-      with BLOCK_N 16, so BLOCK_N 8 gives 256. Each step loads one [top-k, 8, 256] tile of all the
-      token's experts (32 KB per program, ~8 MB in flight). Splitting the top-k over programs would need
-      atomics or another sum; this shape has enough parallelism without it.
+    - One token (8 pairs), ``kernel_bench.py --sweep-moe-small`` 2026-11-29 16:27 UTC: one weight row per
+      program, as for the batch-1 GEMV (``kernels/triton_linear.py``). Gate-up BLOCK_N 1 x BLOCK_K 256,
+      2 stages: 8 x 768 = 6,144 programs, many resident per SM; the pair took 24.0 us against 28.8 with
+      the tiles below. Down BLOCK_N 1 x BLOCK_K 128, 4 stages: 2,048 programs of [top-8, 1, 128] tiles,
+      25.2 against 28.8 us (each with the other kernel unchanged).
+    - More tokens (up to 8, 64 pairs; 2026-11-29 13:50 UTC): gate-up BLOCK_N 16 x BLOCK_K 256, 4 warps
+      (8 pairs x 768/16 = 384 programs at one token; 2.9 TB/s for every BLOCK_N 8-32 x BLOCK_K 256-512 x
+      4-8 warps x 2-4 stages tried); down BLOCK_N 8 x BLOCK_K 256 loads one [top-k, 8, 256] tile of all
+      the token's experts per step (9.3 us per layer against 12.4 with a loop over the experts).
     """
     if device.type != "cuda":
         return MoeSmallConfig(16, 32, 4, 16, 32, 4)  # the interpreter: tiny shapes, few masked lanes
+    if num_tokens == 1:
+        return MoeSmallConfig(1, 256, 4, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
     return MoeSmallConfig(16, 256, 4, 8, 256, 4)
 
 
@@ -452,14 +457,14 @@ def _fused_moe_small(
         x, w13, act, topk_ids, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
-        **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps,
+        **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
     )  # fmt: skip
     grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
     _moe_small_down_kernel[grid_b](
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        **pdl_kwargs(x.device), num_warps=cfg.down_num_warps,
+        **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
 
@@ -492,7 +497,9 @@ def fused_moe_triton(
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
     if use_small_path(num_pairs, num_experts):
-        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device))
+        return _fused_moe_small(
+            x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device, x.shape[0])
+        )
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
     sorted_ids, expert_ids, num_rows_padded = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
 
