@@ -44,6 +44,11 @@ class BlockPool:
         """Blocks an allocation can take now (free plus evictable cached blocks)."""
         return len(self._free_heap) + len(self._evictable)
 
+    @property
+    def num_uncached_free_blocks(self) -> int:
+        """Blocks an allocation can take without evicting a cached block."""
+        return len(self._free_heap)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its block table covers ``num_tokens`` tokens."""
         need = -(-num_tokens // self.block_size)

@@ -39,6 +39,11 @@ class EngineConfig:
     )
     seed: int = setting(0, "Seed for dummy weights and for unseeded sampling.")
     cuda_graphs: bool = setting(True, "Capture decode steps as CUDA graphs on GPUs.")
+    async_scheduling: bool = setting(
+        False,
+        "Overlap the host's scheduling and output processing with the next decode step (one step of "
+        "lookahead).",
+    )
     cache_salt: str | None = setting(
         None,
         "Engine-wide cache salt: the worker publishes a salted model fingerprint, so its prefix cache "

@@ -6,7 +6,8 @@ decode batch of ``n`` sequences replays the graphs of the smallest bucket ``>= n
 are padding (token 0, position 0, slot -1, seq_len 0), which the Triton ops skip (no KV write, attention
 over no keys). Logits of every row are computed inside the graphs. One step is two host-to-device copies,
 one device copy of the block-table rows and the launches of the step's pieces; nothing in it synchronises
-the host.
+the host. Under asynchronous scheduling the token ids come from the previous step's sampled-token tensor
+by one more device copy, so the host never reads them before the launch.
 
 A step is captured as a few graphs of ``LAYERS_PER_GRAPH`` layers each rather than one: launching a graph
 costs host time in proportion to its kernels (about 1 ms for a 48-layer MoE model's ~1,500), which the
@@ -217,7 +218,7 @@ class DecodeGraphs:
 
     def run(
         self,
-        token_ids: np.ndarray,
+        token_ids: np.ndarray | torch.Tensor,
         positions: np.ndarray,
         slots: np.ndarray,
         seq_lens: np.ndarray,
@@ -227,14 +228,19 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """One decode step of ``n = len(token_ids)`` sequences; sequence i's block table is
         ``tables[rows[i], :width]``. Returns the logits ``[n, vocab]`` (fp32): a view of the static
-        buffer, valid until the next replay."""
+        buffer, valid until the next replay.
+
+        ``token_ids`` may be a device tensor (int64), such as the previous step's sampled tokens: it is
+        copied into the static input ids on the device, after the staged inputs, without the host
+        reading it (asynchronous scheduling)."""
         n = len(token_ids)
         size = self.bucket_for(n)
         if size is None:
             raise ValueError(f"a decode batch of {n} exceeds the largest captured graph ({self.max_batch})")
         b = self.max_batch
         self._copied.synchronize()  # the previous step's copies have left the staging buffers
-        self._np64[:n] = token_ids
+        on_device = isinstance(token_ids, torch.Tensor)
+        self._np64[:n] = 0 if on_device else token_ids
         self._np64[b : b + n] = positions
         self._np64[2 * b : 2 * b + n] = slots
         self._np32[:n] = seq_lens
@@ -245,6 +251,8 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32[: b + n * width].copy_(self._host32[: b + n * width], non_blocking=True)
         self._copied.record()
+        if on_device:
+            self.input_ids[:n].copy_(token_ids)
         self.block_tables[:n, :width].copy_(self._dev32[b : b + n * width].view(n, width))
         g = self.graphs[size]
         g.replay()

@@ -4,6 +4,12 @@ Owns the model, the KV pool, the block pool, the scheduler and the sampler. Sing
 on other threads go through ``engine.async_engine``. In the prefill role a request can hold its prompt's
 KV blocks after its first token (``hold_kv``) until ``release_held``; in the decode role a request can
 arrive with its prompt's KV imported into reserved blocks (``reserve_import`` / ``commit_import``).
+
+With ``async_scheduling`` a steady pure decode batch runs one step ahead: ``step()`` launches the next
+decode step on the previous step's sampled tokens, still on the device, and only then reads those tokens
+and processes them (stop checks, outputs) while the device computes. Anything else drains the step in
+flight first and runs synchronously, so the outputs are those of the synchronous engine
+(docs/architecture.md, "Asynchronous scheduling").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from engine.kv_cache import allocate_pool, make_layout, num_blocks_for
 from engine.loader import DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
-from engine.sampler import Sampler
+from engine.sampler import Sampler, host_to_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -66,6 +72,37 @@ class EngineStats:
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     generated_tokens_total: int
+    lookahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
+    lookahead_drains: int = 0  # steps in flight read out first because the next step could not overlap
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet (asynchronous scheduling).
+
+    Each of ``seqs`` has ``num_computed_tokens == num_tokens``: its next token exists on the device only,
+    so nothing on the host (stop checks, block hashes) has seen it."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [n] int64 on the device: the next lookahead step's input ids
+    host_tokens: torch.Tensor  # their copy on the host, complete once ``copied`` has fired
+    copied: torch.cuda.Event | None  # None on the CPU, where host_tokens is tokens
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], tokens: torch.Tensor) -> _InFlight:
+        """Queue the tokens' copy to the host now, before the next step's work is queued behind it."""
+        if not tokens.is_cuda:
+            return cls(seqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(seqs, tokens, host, copied)
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
 
 
 class LLMEngine:
@@ -125,6 +162,9 @@ class LLMEngine:
         self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
+        self._inflight: _InFlight | None = None  # async_scheduling: the step whose tokens are unread
+        self.lookahead_steps = 0
+        self.lookahead_drains = 0
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
@@ -192,6 +232,7 @@ class LLMEngine:
         if request_id in self._imports:
             self.cancel_import(request_id)
             return True
+        self._drain_inflight()  # the synchronous engine would have processed that step already
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
@@ -212,6 +253,7 @@ class LLMEngine:
         return seq.block_table[:n]
 
     def release_held(self, request_id: str) -> bool:
+        self._drain_inflight()  # frees in the synchronous engine's order: the LRU order of cached blocks
         seq = self._held.pop(request_id, None)
         if seq is None:
             return False
@@ -230,6 +272,7 @@ class LLMEngine:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
+        self._drain_inflight()  # blocks finished requests free go back before this allocation
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
         blocks = self.block_pool.allocate_blocks(n_blocks)
         self.block_pool.flush_events()
@@ -253,6 +296,7 @@ class LLMEngine:
         num_cached_tokens: int = 0,
     ) -> None:
         """The reserved blocks now hold the prompt's KV: the request joins the batch with its first token."""
+        self._drain_inflight()
         seq = self._imports.pop(request_id)
         if not 0 <= first_token_id < self.vocab_size:
             self.block_pool.free(seq)
@@ -275,6 +319,7 @@ class LLMEngine:
         self.block_pool.flush_events()
 
     def cancel_import(self, request_id: str) -> None:
+        self._drain_inflight()
         seq = self._imports.pop(request_id, None)
         if seq is not None:
             self.block_pool.free(seq)
@@ -282,21 +327,114 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if batch.seqs:
-            sample_seqs, logits = self.runner.execute(batch)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                self.block_pool.cache_full_blocks(seq)
-            if sample_seqs:
-                positions = [len(s.output_token_ids) for s in sample_seqs]
-                tokens, logprobs = self.sampler(logits, [s.params for s in sample_seqs], positions)
-                for seq, tok, lp in zip(sample_seqs, tokens, logprobs, strict=True):
-                    self._count_prompt(seq)
-                    self._append_token(seq, tok, lp)
-                    outputs.append(self._output(seq))
+        if self._inflight is None or not self._step_lookahead(outputs):
+            self._drain_inflight(outputs)
+            self._step_sync(outputs)
         self.block_pool.flush_events()
         return outputs
+
+    def _step_sync(self, outputs: list[RequestOutput]) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return
+        sample_seqs, logits = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_pool.cache_full_blocks(seq)
+        if not sample_seqs:
+            return
+        positions = [len(s.output_token_ids) for s in sample_seqs]
+        params = [s.params for s in sample_seqs]
+        if self.config.async_scheduling and self._can_run_ahead(batch.seqs, sample_seqs):
+            tokens = self.sampler.sample(logits, params, positions, non_blocking=True)
+            self._inflight = _InFlight.start(sample_seqs, tokens)
+            return
+        token_list, logprobs = self.sampler(logits, params, positions)
+        for seq, tok, lp in zip(sample_seqs, token_list, logprobs, strict=True):
+            self._count_prompt(seq)
+            self._append_token(seq, tok, lp)
+            outputs.append(self._output(seq))
+
+    # ---- asynchronous scheduling: one decode step of lookahead ------------------------------------
+    @staticmethod
+    def _can_run_ahead(seqs: list[Sequence], sample_seqs: list[Sequence]) -> bool:
+        """A batch whose tokens may stay on the device: every sequence samples (decodes, or ends its
+        prompt), no logprobs to compute on the host, no KV to hold for a transfer. The next step is then
+        a pure decode of (some of) the same sequences, unless requests wait."""
+        return len(sample_seqs) == len(seqs) and all(
+            s.params.logprobs is None and not s.hold_kv for s in sample_seqs
+        )
+
+    def _ends_at_next_token(self, seq: Sequence) -> bool:
+        """Whether the token in flight is ``seq``'s last whatever its value (lengths known in advance)."""
+        return (
+            len(seq.output_token_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+        )
+
+    def _step_lookahead(self, outputs: list[RequestOutput]) -> bool:
+        """Launch the next decode step of the sequences in flight on their sampled tokens, still on the
+        device, then read and process those tokens while it runs. Returns False, having changed nothing,
+        when the synchronous engine's next step could differ from that decode step: requests waiting to
+        be admitted (or preempted, or imported), a batch that is not all running sequences, or blocks
+        that would have to come from evicting cached blocks or preempting."""
+        prev = self._inflight
+        assert prev is not None
+        sched, pool = self.scheduler, self.block_pool
+        running = sched.running
+        if (
+            sched.waiting
+            or len(running) != len(prev.seqs)
+            or any(a is not b for a, b in zip(running, prev.seqs, strict=True))
+        ):
+            return False
+        keep = [i for i, s in enumerate(prev.seqs) if not self._ends_at_next_token(s)]
+        if not keep or len(keep) > sched.max_num_batched_tokens:
+            return False
+        seqs = [prev.seqs[i] for i in keep] if len(keep) < len(prev.seqs) else prev.seqs
+        # The synchronous step allocates after the finished requests freed their blocks: taking only
+        # uncached free blocks here keeps the prefix cache, its events and its LRU order the same.
+        if sum(pool.blocks_needed(s, s.num_tokens + 1) for s in seqs) > pool.num_uncached_free_blocks:
+            return False
+        for s in seqs:
+            pool.append_slots(s, s.num_tokens + 1)
+        input_ids = prev.tokens if seqs is prev.seqs else prev.tokens[self._device_index(keep)]
+        self._inflight = None
+        logits = self.runner.execute_lookahead(seqs, input_ids)
+        self.lookahead_steps += 1
+        self._process_inflight(prev, outputs)  # the host's work, while the device computes
+        # A sequence that finished on the token just read drops its row: its next token never existed.
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if not live:
+            return True
+        if len(live) < len(seqs):
+            seqs = [seqs[i] for i in live]
+            logits = logits[self._device_index(live)]
+        for seq in seqs:  # its KV is computed and, from now, its token real: the block may be hashed
+            seq.num_computed_tokens += 1
+            pool.cache_full_blocks(seq)
+        positions = [len(s.output_token_ids) for s in seqs]
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], positions, non_blocking=True)
+        self._inflight = _InFlight.start(seqs, tokens)
+        return True
+
+    def _drain_inflight(self, outputs: list[RequestOutput] | None = None) -> None:
+        """Read and process the step in flight, if any; its outputs go to ``outputs`` (default: the next
+        ``step()``'s)."""
+        prev = self._inflight
+        if prev is None:
+            return
+        self._inflight = None
+        self.lookahead_drains += 1
+        self._process_inflight(prev, self._pending if outputs is None else outputs)
+
+    def _process_inflight(self, prev: _InFlight, outputs: list[RequestOutput]) -> None:
+        for seq, tok in zip(prev.seqs, prev.read(), strict=True):
+            self._count_prompt(seq)
+            self._append_token(seq, tok, None)
+            outputs.append(self._output(seq))
+
+    def _device_index(self, rows: list[int]) -> torch.Tensor:
+        return host_to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
     def _count_prompt(self, seq: Sequence) -> None:
         if not seq.prompt_counted:
@@ -397,6 +535,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             cached_prompt_tokens_total=self.cached_prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
+            lookahead_steps=self.lookahead_steps,
+            lookahead_drains=self.lookahead_drains,
         )
 
     def take_expert_counts(self) -> torch.Tensor | None:

@@ -131,10 +131,7 @@ class ModelRunner:
                 )
         seq_index = np.repeat(np.arange(len(seqs)), n_new)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + starts[seq_index]
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+        tables = _block_tables(seqs)
         block_of = tables[seq_index, positions // self.block_size].astype(np.int64)
         slots = block_of * self.block_size + positions % self.block_size
         sampling = [i for i, s in enumerate(seqs) if ends[i] == s.num_tokens]
@@ -171,20 +168,55 @@ class ModelRunner:
             return [], hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return sample_seqs, self.model.compute_logits(hidden[rows])
 
+    def execute_lookahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step whose input tokens are still on the device (asynchronous scheduling): token
+        ``input_ids[i]``, not yet in sequence i's ``output_token_ids``, goes at position
+        ``seqs[i].num_computed_tokens``, whose KV slot the block table already covers. Every row samples;
+        returns the logits [n, V] (fp32; after a graph replay, a view valid until the next step)."""
+        n = len(seqs)
+        positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        if self.graphs is not None and self.graphs.bucket_for(n) is not None:
+            return self._replay_decode(seqs, positions, input_ids)
+        tables = _block_tables(seqs)
+        bs = self.block_size
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+        )
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_pool, meta)
+        return self.model.compute_logits(hidden)
+
     def _execute_decode_graph(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
-        assert self.graphs is not None and self._tables is not None
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         token_ids = np.fromiter((s.token_at(s.num_computed_tokens) for s in seqs), dtype=np.int64, count=n)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
-        rows, width = self._tables.rows_for(seqs)
-        bs = self.block_size
-        slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (positions + 1).astype(np.int32)
-        logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width)
+        logits = self._replay_decode(seqs, positions, token_ids)
         sampling = np.flatnonzero(positions + 1 == num_tokens)
         if len(sampling) == n:
             return seqs, logits
         # A one-token prefill chunk that is not the prompt's end takes part without sampling.
         index = torch.from_numpy(sampling).to(self.device)
         return [seqs[i] for i in sampling], logits[index]
+
+    def _replay_decode(
+        self, seqs: list[Sequence], positions: np.ndarray, token_ids: np.ndarray | torch.Tensor
+    ) -> torch.Tensor:
+        assert self.graphs is not None and self._tables is not None
+        rows, width = self._tables.rows_for(seqs)
+        bs = self.block_size
+        slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (positions + 1).astype(np.int32)
+        return self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width)
+
+
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    """The sequences' block tables as one zero-padded [n, widest] int32 array."""
+    tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.block_table
+    return tables

@@ -60,13 +60,16 @@ class Sampler:
 
             self._gumbel_sample = gumbel_sample_triton
 
-    def __call__(
+    def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         positions: list[int],
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [B, V] fp32; positions: each request's output index of the token being sampled."""
+        non_blocking: bool = False,
+    ) -> torch.Tensor:
+        """The sampled token ids [B] (int64), left on the logits' device. With ``non_blocking`` the
+        per-row values go to a GPU through pinned memory, so the host does not wait for the device work
+        queued before (asynchronous scheduling launches the next step meanwhile)."""
         batch, vocab = logits.shape
         device = logits.device
         tokens = logits.argmax(dim=-1)
@@ -76,13 +79,14 @@ class Sampler:
                 _position_seed(p.seed, pos) if p.seed is not None else key
                 for p, pos, key in zip(params, positions, unseeded, strict=True)
             ]
-            # Per-row values in two host-to-device copies (each copy waits for the step's device work).
+            # Per-row values in two host-to-device copies (a pageable copy waits for the queued device work).
             rows = torch.tensor(
                 [(p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.min_p) for p in params],
                 dtype=torch.float32,
-            ).to(device)
+            )
+            rows = host_to_device(rows, device, non_blocking)
             temps, greedy, min_p_rows = rows[:, 0], rows[:, 1] > 0, rows[:, 2]
-            row_keys = torch.tensor(keys, dtype=torch.int64).to(device)
+            row_keys = host_to_device(torch.tensor(keys, dtype=torch.int64), device, non_blocking)
             needs_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
             if self._gumbel_sample is not None and logits.is_cuda and not needs_sort:
                 has_min_p = any(p.min_p > 0 for p in params)
@@ -94,6 +98,18 @@ class Sampler:
                 probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
                 sampled = (probs / exponential_noise(row_keys, vocab)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
+        return tokens
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [B, V] fp32; positions: each request's output index of the token being sampled."""
+        batch = logits.shape[0]
+        device = logits.device
+        tokens = self.sample(logits, params, positions)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * batch
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -109,6 +125,14 @@ class Sampler:
                 top = list(zip(top_i_rows[row][:n], top_v_rows[row][:n], strict=True))
                 logprobs[i] = TokenLogprobs(token_list[i], chosen[row], top)
         return token_list, logprobs
+
+
+def host_to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = True) -> torch.Tensor:
+    """Copy a small host tensor to ``device``; ``non_blocking`` on a GPU goes through pinned memory so the
+    host does not wait for the device work queued before the copy."""
+    if non_blocking and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it alive
+    return t.to(device)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -1,0 +1,349 @@
+"""Asynchronous scheduling (one decode step of lookahead) against the synchronous engine.
+
+The same scripted traffic (requests arriving at given steps, aborts mid-stream) runs through both modes;
+every output, finish reason, usage count, KV event and cached block hash must be the same, and every block
+must come back. The CPU tests run the eager model (the device tensor is a CPU tensor, the logic is the
+same); the GPU test runs the Triton ops with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from mesh.kv_events import KVEvent, ListEventSink
+
+# Tokens the tiny models produce often, declared EOS, stop tokens or stop strings so requests stop early.
+EOS = {"tiny-dense": 70, "tiny-moe": 35}
+STOP_TOKENS = {"tiny-dense": [125, 95], "tiny-moe": [96, 87]}
+STOP_STRINGS = {"tiny-dense": ["B", "hG", "w"], "tiny-moe": ["T", "W", "'s"]}
+
+
+def needs_gpu(fn: Callable[..., None]) -> Callable[..., None]:
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
+
+
+@dataclass
+class Add:
+    step: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Abort:
+    step: int
+    request_id: str
+
+
+@dataclass
+class Trace:
+    outputs: dict[str, list[tuple]] = field(default_factory=dict)
+    aborted: list[tuple[str, bool]] = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
+    cached_hashes: list[int] = field(default_factory=list)
+    totals: tuple[int, int, int] = (0, 0, 0)
+    engine: LLMEngine | None = None
+
+    def finish_reasons(self) -> list[tuple]:
+        return [outs[-1][2:4] for outs in self.outputs.values()]
+
+
+def _strip(out: RequestOutput) -> tuple:
+    """Everything a caller sees of one output except the timestamps."""
+    return (
+        out.new_token_ids,
+        out.finished,
+        out.finish_reason,
+        out.stop_reason,
+        out.num_prompt_tokens,
+        out.num_cached_tokens,
+        out.num_output_tokens,
+        out.text,
+    )
+
+
+def run_script(script: list[Add | Abort], eos: int | None = None, **config) -> Trace:
+    sink = ListEventSink()
+    engine = LLMEngine(EngineConfig(**config), event_sink=sink)
+    if eos is not None:
+        engine.eos_token_ids = frozenset({eos})
+    trace = Trace(engine=engine)
+    todo = sorted(script, key=lambda a: a.step)
+    step = 0
+    while todo or engine.has_unfinished():
+        while todo and todo[0].step <= step:
+            action = todo.pop(0)
+            if isinstance(action, Add):
+                trace.outputs[action.request_id] = []
+                engine.add_request(action.request_id, action.prompt, action.params)
+            else:
+                trace.aborted.append((action.request_id, engine.abort(action.request_id)))
+        for out in engine.step():
+            outs = trace.outputs[out.request_id]
+            assert not (outs and outs[-1][1]), f"{out.request_id}: output after it finished"
+            outs.append(_strip(out))
+        step += 1
+        assert step < 10_000
+    for rid, outs in trace.outputs.items():
+        assert outs and outs[-1][1], f"{rid} never finished"
+        assert sum(len(o[0]) for o in outs) == outs[-1][6]  # tokens streamed == tokens counted
+    pool = engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    assert sorted(pool.ref_counts) == [0] * pool.num_blocks
+    trace.events = sink.events
+    trace.cached_hashes = sorted(pool.hash_to_block)
+    s = engine.stats()
+    trace.totals = (s.prompt_tokens_total, s.cached_prompt_tokens_total, s.generated_tokens_total)
+    return trace
+
+
+def assert_same(sync: Trace, lookahead: Trace) -> None:
+    assert lookahead.outputs.keys() == sync.outputs.keys()
+    for rid in sync.outputs:
+        assert lookahead.outputs[rid] == sync.outputs[rid], rid
+    assert lookahead.aborted == sync.aborted
+    assert lookahead.totals == sync.totals
+    assert lookahead.events == sync.events
+    assert lookahead.cached_hashes == sync.cached_hashes
+
+
+def random_script(model: str, seed: int, n: int = 14, last_arrival: int = 30) -> list[Add | Abort]:
+    """Mixed traffic: shared system prompts (prefix-cache hits), greedy, seeded and unseeded sampling,
+    top-k / top-p / min-p, EOS, stop tokens, stop strings, max_tokens from 1 to 60, staggered arrivals,
+    and aborts of requests that are running, finished or not yet admitted."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(0, 256) for _ in range(rng.choice((20, 40, 70)))] for _ in range(2)]
+    script: list[Add | Abort] = []
+    for i in range(n):
+        tail = [rng.randrange(0, 256) for _ in range(rng.randrange(1, 30))]
+        prompt = (rng.choice(systems) + tail) if rng.random() < 0.6 else tail
+        kind = rng.choice(("greedy", "seeded", "unseeded", "filtered"))
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 4) if rng.random() < 0.2 else rng.randrange(4, 61),
+            temperature=0.0 if kind == "greedy" else rng.choice((0.7, 1.0, 1.3)),
+            seed=rng.randrange(1 << 30) if kind in ("seeded", "filtered") else None,
+            top_k=rng.choice((0, 20)) if kind == "filtered" else 0,
+            top_p=rng.choice((1.0, 0.9)) if kind == "filtered" else 1.0,
+            min_p=rng.choice((0.0, 0.05)) if kind == "filtered" else 0.0,
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=rng.sample(STOP_TOKENS[model], 1) if rng.random() < 0.4 else [],
+            stop=rng.sample(STOP_STRINGS[model], 1) if rng.random() < 0.4 else None,
+        )
+        script.append(Add(rng.randrange(0, last_arrival) if i else 0, f"r{i}", prompt, params))
+    adds = [a for a in script if isinstance(a, Add)]
+    for a in rng.sample(adds, 3):
+        script.append(Abort(a.step + rng.randrange(1, 25), a.request_id))
+    return script
+
+
+@pytest.fixture(params=["tiny-dense", "tiny-moe"])
+def model(request) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_traffic_matches_the_synchronous_engine(model: str, seed: int) -> None:
+    script = random_script(model, seed)
+    config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    sync = run_script(script, EOS[model], **config)
+    lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert lookahead.engine.lookahead_steps > 0
+    reasons = {r for r, _ in sync.finish_reasons()}
+    assert {"stop", "length", "abort"} <= reasons, reasons
+
+
+def test_traffic_mix_reaches_every_finish_kind(model: str) -> None:
+    """The scripts above stop on EOS, on stop tokens and on stop strings, not only on length."""
+    config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    kinds: set[str] = set()
+    for seed in (0, 1, 2):
+        for reason, stop in run_script(random_script(model, seed), EOS[model], **config).finish_reasons():
+            kinds.add(f"{reason}:{type(stop).__name__}")
+    assert {"stop:NoneType", "stop:int", "stop:str", "length:NoneType", "abort:NoneType"} <= kinds, kinds
+
+
+def test_tight_pool_preempts_and_evicts_the_same(model: str) -> None:
+    """Few blocks: lookahead steps must not take blocks the synchronous engine would get from a
+    finished request, nor evict cached blocks, nor skip a preemption."""
+    script = random_script(model, seed=7, n=10, last_arrival=10)
+    config = dict(model=model, num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=48)
+    sync = run_script(script, EOS[model], **config)
+    lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert sync.engine.scheduler.num_preemptions > 0
+    assert lookahead.engine.scheduler.num_preemptions == sync.engine.scheduler.num_preemptions
+    assert any(type(e).__name__ == "BlocksRemoved" for e in sync.events)  # evictions happened
+
+
+@pytest.mark.parametrize(("seed", "num_blocks"), [(5, 16), (7, 12), (8, 14), (11, 12)])
+def test_full_pool_runs_ahead_without_evicting_cached_blocks(seed: int, num_blocks: int) -> None:
+    """Cached blocks of finished requests fill the pool while others decode and stop on stop tokens.
+    A lookahead step allocates before the request that stops frees its blocks: taking an evictable
+    cached block then, where the synchronous engine reuses the freed one, would change the KV events
+    and later prefix hits."""
+    rng = random.Random(seed)
+    script: list[Add | Abort] = [
+        Add(
+            0,
+            f"w{i}",
+            [rng.randrange(256) for _ in range(rng.choice((33, 49)))],
+            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
+    for i in range(4):
+        params = SamplingParams(
+            max_tokens=rng.randrange(20, 60),
+            temperature=0.0,
+            ignore_eos=i == 0,
+            stop_token_ids=rng.sample(STOP_TOKENS["tiny-dense"], 1),
+        )
+        script.append(Add(4, f"r{i}", [rng.randrange(256) for _ in range(rng.randrange(10, 30))], params))
+    config = dict(model="tiny-dense", num_kv_blocks=num_blocks, max_num_seqs=8)
+    sync = run_script(script, EOS["tiny-dense"], **config)
+    lookahead = run_script(script, EOS["tiny-dense"], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert lookahead.engine.lookahead_steps > 0
+
+
+def test_steady_decode_overlaps_and_wastes_no_step() -> None:
+    """Greedy decode of requests all present from the start: after the first decode step every step
+    runs ahead; max_tokens is known in advance, so no step is launched for a token past it."""
+    rng = random.Random(5)
+    lengths = [12, 20, 20, 31]
+    script: list[Add | Abort] = [
+        Add(
+            0,
+            f"r{i}",
+            [rng.randrange(0, 256) for _ in range(9)],
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        for i, n in enumerate(lengths)
+    ]
+    sync = run_script(script, model="tiny-dense", num_kv_blocks=64)
+    lookahead = run_script(script, model="tiny-dense", num_kv_blocks=64, async_scheduling=True)
+    assert_same(sync, lookahead)
+    engine = lookahead.engine
+    # Step 1 prefills and keeps token 1 on the device; each later step (tokens 2..31) runs ahead; the
+    # only drain reads token 31.
+    assert engine.lookahead_steps == max(lengths) - 1
+    assert engine.lookahead_drains == 1
+    assert engine.stats().lookahead_steps == engine.lookahead_steps
+
+
+def test_finish_on_content_discards_the_token_in_flight() -> None:
+    """A request that stops on EOS has its next step in flight already: that token is never emitted
+    nor counted, its blocks come back, and its last block is not hashed with a token it never had."""
+    prompt = list(range(40, 71))  # 31 tokens: the 32nd (first generated) fills block 2 of 16
+    base = run_script([Add(0, "a", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])
+    tokens = [t for o in base.outputs["a"] for t in o[0]]
+    for k in (1, 2, 5):  # stop on the k-th generated token
+        eos = tokens[k - 1]
+        if eos in tokens[: k - 1]:
+            continue
+        script = [
+            Add(0, "a", prompt, SamplingParams(max_tokens=20, temperature=0.0)),
+            Add(0, "b", prompt[:20], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
+        ]
+        sync = run_script(script, eos, model="tiny-dense", num_kv_blocks=32)
+        lookahead = run_script(script, eos, model="tiny-dense", num_kv_blocks=32, async_scheduling=True)
+        assert_same(sync, lookahead)
+        assert [t for o in lookahead.outputs["a"] for t in o[0]] == tokens[:k]
+        assert lookahead.totals[2] == k + 20
+
+
+def test_abort_of_a_request_in_flight_emits_its_token_first() -> None:
+    script: list[Add | Abort] = [
+        Add(0, "a", list(range(10, 30)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+        Add(0, "b", list(range(50, 60)), SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)),
+        Abort(6, "a"),
+        Abort(9, "b"),
+        Abort(12, "b"),  # already gone: False in both modes
+    ]
+    sync = run_script(script, model="tiny-moe", num_kv_blocks=32)
+    lookahead = run_script(script, model="tiny-moe", num_kv_blocks=32, async_scheduling=True)
+    assert_same(sync, lookahead)
+    assert lookahead.aborted == [("a", True), ("b", True), ("b", False)]
+    assert lookahead.outputs["a"][-1][2] == "abort" and lookahead.outputs["a"][-1][0] == []
+
+
+def test_logprobs_and_hold_kv_run_synchronously() -> None:
+    engine = LLMEngine(EngineConfig(model="tiny-dense", num_kv_blocks=64, async_scheduling=True))
+    engine.add_request("lp", list(range(10, 20)), SamplingParams(max_tokens=6, temperature=0.0, logprobs=2))
+    engine.add_request(
+        "held", list(range(30, 50)), SamplingParams(max_tokens=6, temperature=0.0), hold_kv=True
+    )
+    got: dict[str, list[RequestOutput]] = {"lp": [], "held": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    assert engine.lookahead_steps == 0 and engine.lookahead_drains == 0
+    assert sum(len(o.new_logprobs) for o in got["lp"]) == 6
+    assert got["held"][-1].finish_reason == "prefill_done" and engine.held_blocks("held")
+    engine.release_held("held")
+    assert engine.block_pool.num_free_blocks == 64
+
+
+def test_kv_import_while_a_step_is_in_flight() -> None:
+    """reserve_import / commit_import between steps drain the step in flight first (decode role)."""
+    prompt = list(range(100, 140))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    traces = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(
+            EngineConfig(model="tiny-dense", num_kv_blocks=64, async_scheduling=async_scheduling)
+        )
+        engine.add_request("a", list(range(10, 30)), params)
+        outs: list[tuple] = []
+        for _ in range(4):
+            outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        blocks = engine.reserve_import("b", prompt, params)
+        assert len(blocks) == 3
+        engine.commit_import("b", 7)  # no KV was written: only the bookkeeping is compared
+        while engine.has_unfinished():
+            outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert engine.block_pool.num_free_blocks == 64
+        traces.append(outs)
+    sync_outs, lookahead_outs = traces
+    for rid in ("a", "b"):
+        assert [o for o in lookahead_outs if o[0] == rid] == [o for o in sync_outs if o[0] == rid]
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str) -> None:
+    rng = random.Random(11)
+    script: list[Add | Abort] = [
+        Add(
+            rng.randrange(0, 6),
+            f"r{i}",
+            [rng.randrange(3, 256) for _ in range(rng.randrange(2, 70))],
+            SamplingParams(max_tokens=rng.randrange(8, 40), temperature=0.0, ignore_eos=i % 3 == 0),
+        )
+        for i in range(24)
+    ]
+    script.append(Abort(15, "r1"))
+    config = dict(
+        model=model,
+        device="cuda",
+        dtype="float32",
+        kernel_backend="triton",
+        cuda_graphs=True,
+        num_kv_blocks=512,
+    )
+    sync = run_script(script, EOS[model], **config)
+    lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    engine = lookahead.engine
+    assert engine.runner.graphs is not None and sum(engine.runner.graphs.replays.values()) > 0
+    assert engine.lookahead_steps > 0
