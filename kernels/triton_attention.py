@@ -120,7 +120,7 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _decode_split_kernel(
     q_ptr,
     pool_ptr,
@@ -251,7 +251,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _extend_kernel(
     q_ptr,
     pool_ptr,

@@ -114,7 +114,7 @@ def _moe_align_torch(
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
 def _moe_align_kernel(
     topk_ids_ptr,
     sorted_ids_ptr,
@@ -180,7 +180,7 @@ def _moe_align_triton(
     return sorted_ids, expert_ids, num_rows_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_rows", "num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,

@@ -31,7 +31,7 @@ _TILE_ELEMENTS = 2048
 _TARGET_PROGRAMS = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _moe_route_kernel(
     logits_ptr,
     weights_ptr,
