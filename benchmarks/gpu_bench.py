@@ -23,6 +23,7 @@ of every number. ``--smoke`` runs small shapes on the CPU to check the plumbing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -135,6 +136,7 @@ class Plan:
     e2e_prompt: int = 512
     e2e_new: int = 128
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
+    async_scheduling: bool = False
     smoke: bool = False
 
 
@@ -282,6 +284,7 @@ def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
         max_num_seqs=max(plan.batches),
         max_num_batched_tokens=plan.max_num_batched_tokens,
         max_model_len=plan.max_model_len,
+        async_scheduling=plan.async_scheduling,
     )
     t = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -336,28 +339,29 @@ def kernel_profile(fn: Callable[[], None], iters: int = 5) -> str:
 
 class StepBreakdown:
     """Host wall time inside ``runner.execute`` (batch metadata, copies, launch: asynchronous) and the
-    sampler (which waits for the device first) over the steps run inside the ``with``."""
+    sampler (``__call__`` waits for the device first; ``sample``, used by asynchronous scheduling, does
+    not) over the steps run inside the ``with``."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.seconds = {"runner": 0.0, "sampler": 0.0}
         self.calls = {"runner": 0, "sampler": 0}
 
-    def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, key: str, fn: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - t
-                self.calls[key] += 1
+                self.calls[key] += count
 
         return timed
 
     def __enter__(self) -> StepBreakdown:
         self._runner, self._sampler = self.engine.runner, self.engine.sampler
         self.engine.runner.execute = self._wrap("runner", self._runner.execute)  # type: ignore[method-assign]
-        self.engine.sampler = self._wrap("sampler", self._sampler)  # type: ignore[assignment]
+        self.engine.sampler = _TimedSampler(self._sampler, self._wrap)  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -366,6 +370,21 @@ class StepBreakdown:
 
     def mean_ms(self, key: str) -> float:
         return self.seconds[key] / max(1, self.calls[key]) * 1e3
+
+
+class _TimedSampler:
+    """The engine's sampler with its two entry points timed (everything else passes through)."""
+
+    def __init__(self, inner: Any, wrap: Callable[..., Callable[..., Any]]) -> None:
+        self._inner = inner
+        self._call = wrap("sampler", inner.__call__)
+        self.sample = wrap("sampler", inner.sample)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def decode_point(
@@ -797,6 +816,7 @@ def environment(plan: Plan) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "pdl": triton_device.PDL_ENABLED,
+        "async_scheduling": plan.async_scheduling,
     }
     try:
         import transformers
@@ -831,6 +851,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="launch the Triton kernels without programmatic dependent launch",
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="engines overlap each step's host work with the next decode step (EngineConfig.async_scheduling)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -863,6 +888,7 @@ def main(argv: list[str] | None = None) -> None:
             e2e_new=4,
             smoke=True,
         )
+    plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling)
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl
     res = Results(env=environment(plan))
