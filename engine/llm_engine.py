@@ -327,7 +327,9 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self._inflight is None or not self._step_lookahead(outputs):
+        if self._inflight is None:
+            self._step_sync(outputs)
+        elif not self._step_lookahead(outputs):
             self._drain_inflight(outputs)
             self._step_sync(outputs)
         self.block_pool.flush_events()

@@ -3,6 +3,8 @@
 Batch metadata is built with vectorised numpy on the host and copied once to the device. On a CUDA device
 with the Triton ops and CUDA graphs enabled, a pure decode batch (one new token per sequence) replays a
 captured graph (``engine.cuda_graphs``); prefill and mixed batches, and everything on the CPU, run eagerly.
+``execute_lookahead`` runs a decode step whose input tokens are still on the device (asynchronous
+scheduling), through the same graphs.
 """
 
 from __future__ import annotations

@@ -216,9 +216,10 @@ def test_full_pool_runs_ahead_without_evicting_cached_blocks(seed: int, num_bloc
     assert lookahead.engine.lookahead_steps > 0
 
 
-def test_steady_decode_overlaps_and_wastes_no_step() -> None:
-    """Greedy decode of requests all present from the start: after the first decode step every step
-    runs ahead; max_tokens is known in advance, so no step is launched for a token past it."""
+@pytest.mark.parametrize("max_model_len", [None, 30])
+def test_steady_decode_overlaps_and_wastes_no_step(max_model_len: int | None) -> None:
+    """Greedy decode of requests all present from the start: after the prefill every step runs ahead;
+    max_tokens and max_model_len are known in advance, so no step is launched for a token past them."""
     rng = random.Random(5)
     lengths = [12, 20, 20, 31]
     script: list[Add | Abort] = [
@@ -230,13 +231,16 @@ def test_steady_decode_overlaps_and_wastes_no_step() -> None:
         )
         for i, n in enumerate(lengths)
     ]
-    sync = run_script(script, model="tiny-dense", num_kv_blocks=64)
-    lookahead = run_script(script, model="tiny-dense", num_kv_blocks=64, async_scheduling=True)
+    config = dict(model="tiny-dense", num_kv_blocks=64, max_model_len=max_model_len)
+    sync = run_script(script, **config)
+    lookahead = run_script(script, async_scheduling=True, **config)
     assert_same(sync, lookahead)
+    longest = max(len(sum((o[0] for o in outs), [])) for outs in sync.outputs.values())
+    assert longest == (31 if max_model_len is None else 30 - 9)
     engine = lookahead.engine
-    # Step 1 prefills and keeps token 1 on the device; each later step (tokens 2..31) runs ahead; the
-    # only drain reads token 31.
-    assert engine.lookahead_steps == max(lengths) - 1
+    # Step 1 prefills and keeps token 1 on the device; each later step (tokens 2..longest) runs ahead;
+    # the only drain reads the last token.
+    assert engine.lookahead_steps == longest - 1
     assert engine.lookahead_drains == 1
     assert engine.stats().lookahead_steps == engine.lookahead_steps
 
@@ -319,20 +323,34 @@ def test_kv_import_while_a_step_is_in_flight() -> None:
         assert [o for o in lookahead_outs if o[0] == rid] == [o for o in sync_outs if o[0] == rid]
 
 
-@needs_gpu
-@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
-def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str) -> None:
+def _gpu_script(model: str, stop_early: bool) -> list[Add | Abort]:
     rng = random.Random(11)
     script: list[Add | Abort] = [
         Add(
             rng.randrange(0, 6),
             f"r{i}",
             [rng.randrange(3, 256) for _ in range(rng.randrange(2, 70))],
-            SamplingParams(max_tokens=rng.randrange(8, 40), temperature=0.0, ignore_eos=i % 3 == 0),
+            SamplingParams(
+                max_tokens=rng.randrange(8, 40),
+                temperature=0.0,
+                ignore_eos=not stop_early or i % 3 == 0,
+                stop_token_ids=STOP_TOKENS[model][:1] if stop_early and i % 4 == 1 else [],
+            ),
         )
         for i in range(24)
     ]
     script.append(Abort(15, "r1"))
+    return script
+
+
+@needs_gpu
+@pytest.mark.parametrize("stop_early", [False, True])
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str, stop_early: bool) -> None:
+    """Triton ops with CUDA graphs, float32. Without early stops every lookahead step has exactly the
+    synchronous step's batch. With EOS and stop tokens, a request that stops keeps its row in the step
+    already in flight, so the other rows ran in a batch one larger than the synchronous one: a failure
+    only there means a kernel's result for one row depends on the batch size, not a scheduling bug."""
     config = dict(
         model=model,
         device="cuda",
@@ -341,9 +359,12 @@ def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str) -> No
         cuda_graphs=True,
         num_kv_blocks=512,
     )
+    script = _gpu_script(model, stop_early)
     sync = run_script(script, EOS[model], **config)
     lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
     assert_same(sync, lookahead)
     engine = lookahead.engine
     assert engine.runner.graphs is not None and sum(engine.runner.graphs.replays.values()) > 0
     assert engine.lookahead_steps > 0
+    if stop_early:
+        assert any(outs[-1][2] == "stop" for outs in sync.outputs.values())
