@@ -8,6 +8,7 @@ same); the GPU test runs the Triton ops with CUDA graphs.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from mesh.kv_events import KVEvent, ListEventSink
@@ -298,29 +300,72 @@ def test_logprobs_and_hold_kv_run_synchronously() -> None:
     assert engine.block_pool.num_free_blocks == 64
 
 
-def test_kv_import_while_a_step_is_in_flight() -> None:
-    """reserve_import / commit_import between steps drain the step in flight first (decode role)."""
+def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
+    """release_held, reserve_import and commit_import between steps drain the step in flight first."""
     prompt = list(range(100, 140))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     traces = []
     for async_scheduling in (False, True):
-        engine = LLMEngine(
-            EngineConfig(model="tiny-dense", num_kv_blocks=64, async_scheduling=async_scheduling)
-        )
+        sink = ListEventSink()
+        config = EngineConfig(model="tiny-dense", num_kv_blocks=64, async_scheduling=async_scheduling)
+        engine = LLMEngine(config, event_sink=sink)
+        engine.add_request("held", list(range(60, 95)), params, hold_kv=True)
         engine.add_request("a", list(range(10, 30)), params)
         outs: list[tuple] = []
         for _ in range(4):
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert engine.release_held("held")
+        outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         blocks = engine.reserve_import("b", prompt, params)
         assert len(blocks) == 3
         engine.commit_import("b", 7)  # no KV was written: only the bookkeeping is compared
         while engine.has_unfinished():
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         assert engine.block_pool.num_free_blocks == 64
-        traces.append(outs)
-    sync_outs, lookahead_outs = traces
-    for rid in ("a", "b"):
+        traces.append((outs, sink.events, engine.lookahead_steps))
+    (sync_outs, sync_events, _), (lookahead_outs, lookahead_events, lookahead_steps) = traces
+    for rid in ("held", "a", "b"):
         assert [o for o in lookahead_outs if o[0] == rid] == [o for o in sync_outs if o[0] == rid]
+    assert lookahead_events == sync_events
+    assert lookahead_steps > 0
+
+
+def test_async_engine_streams_match_the_synchronous_engine() -> None:
+    """The engine thread of the services (AsyncEngine): concurrent streams, one cancelled early."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(0, 256) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+
+    async def serve(async_scheduling: bool) -> dict[str, list[int]]:
+        config = EngineConfig(model="tiny-moe", num_kv_blocks=128, async_scheduling=async_scheduling)
+        aengine = AsyncEngine(config)
+        aengine.start()
+        try:
+
+            async def one(i: int) -> tuple[str, list[int]]:
+                tokens: list[int] = []
+                stream = aengine.generate(f"r{i}", prompts[i], params[i])
+                async for out in stream:
+                    tokens += out.new_token_ids
+                    if i == 5 and len(tokens) >= 4:
+                        break
+                await stream.aclose()  # a consumer that left early aborts its request
+                return f"r{i}", tokens
+
+            results = dict(await asyncio.gather(*(one(i) for i in range(6))))
+            stats = await aengine.call(aengine.engine.stats)
+            assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+            assert stats.num_running == stats.num_waiting == 0
+            return results
+        finally:
+            aengine.stop()
+
+    sync = asyncio.run(serve(False))
+    lookahead = asyncio.run(serve(True))
+    for rid in sync:
+        n = len(sync[rid]) if rid != "r5" else 4
+        assert lookahead[rid][:n] == sync[rid][:n], rid
+    assert [len(lookahead[f"r{i}"]) for i in range(5)] == [p.max_tokens for p in params[:5]]
 
 
 def _gpu_script(model: str, stop_early: bool) -> list[Add | Abort]:
