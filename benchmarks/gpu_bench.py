@@ -43,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import copy_gbps  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
@@ -225,14 +226,6 @@ def cuda_median_ms(fn: Callable[[], None], iters: int, warmup: int = 3) -> float
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
-def _copy_gbps() -> float:
-    nbytes = 4 << 30
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = cuda_median_ms(lambda: dst.copy_(src), iters=20)
-    return 2 * nbytes / ms / 1e6  # read + write
-
-
 def _matmul_tflops(n: int = 8192) -> float:
     mats = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
@@ -248,7 +241,7 @@ def _matmul_tflops(n: int = 8192) -> float:
 
 
 def measure_ceilings(res: Results) -> None:
-    res.ceilings["hbm_gbps"] = _copy_gbps()
+    res.ceilings["hbm_gbps"] = copy_gbps()
     res.ceilings["matmul_tflops"] = _matmul_tflops()
     torch.cuda.empty_cache()
     log.info(

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
+from benchmarks.common import copy_gbps  # noqa: E402
 from kernels import triton_attention, triton_device, triton_linear, triton_moe  # noqa: E402
 from kernels.ops import TORCH_OPS  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
@@ -48,14 +49,6 @@ class Row:
     flops: float = 0.0
     spread: float = 0.0
     note: str = ""
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB: (read + write) bytes per second, median of 20."""
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def time_graph(calls: list[Callable[[], object]], replays: int = 15) -> tuple[float, float]:
@@ -611,6 +604,20 @@ def sweep_moe_small() -> None:
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
+def decode_variants() -> None:
+    """Decode attention with V loaded beside K (``v_first``) and after the QK dot, at every batch/context."""
+    print("\n## decode attention: v_first on / off (us)")
+    base = triton_attention.DECODE_CONFIG
+    for c in (512, 4096):
+        for b in (1, 4, 16, 64, 256):
+            got = {}
+            for v_first in (True, False):
+                triton_attention.DECODE_CONFIG = dataclasses.replace(base, v_first=v_first)
+                got[v_first] = decode_attention_case(b, c, reference=False).triton_us
+            triton_attention.DECODE_CONFIG = base
+            print(f"bs {b} ctx {c}: {got[True]:.2f} / {got[False]:.2f}", flush=True)
+
+
 def pdl_compare() -> None:
     """The decode-path kernels with programmatic dependent launch on and off (back-to-back in a graph)."""
     print("\n## programmatic dependent launch: on / off (us per call, back-to-back calls in one graph)")
@@ -650,12 +657,14 @@ def main() -> None:
         sys.exit("kernel_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_gbps() * 1e9
     print(
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
-    if args.sweep_linear or args.pdl or args.sweep_moe_small:
+    if args.sweep_linear or args.pdl or args.sweep_moe_small or args.decode_variants:
+        if args.decode_variants:
+            decode_variants()
         if args.sweep_moe_small:
             sweep_moe_small()
         if args.pdl:

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
+from benchmarks.common import percentile  # noqa: E402
 from mesh.block_hash import block_hashes, root_hash  # noqa: E402
 from mesh.cli import Mesh  # noqa: E402
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
@@ -254,11 +255,6 @@ def run_mode(mode: str, schedule: list[Turn], args: argparse.Namespace) -> ModeR
     return result
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
-
-
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -315,7 +311,7 @@ def main() -> None:
                 f"{r.router_hits / max(1.0, r.router_prompt):.1%}",
                 f"{r.hit_rate / (best / total):.0%}",
                 f"{r.hit_rate / baseline.hit_rate:.2f}x" if baseline and baseline.hit_rate else "-",
-                f"{pct(ttfts, 50):.0f} / {pct(ttfts, 90):.0f}",
+                f"{percentile(ttfts, 50):.0f} / {percentile(ttfts, 90):.0f}",
                 f"{r.wall_s:.1f}",
                 f"{local}/{len(r.outcomes)}",
                 str(len(r.failures)),

@@ -40,6 +40,7 @@ import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 import uvloop  # noqa: E402
 
+from benchmarks.common import percentile  # noqa: E402
 from mesh.block_hash import block_hashes, root_hash  # noqa: E402
 from mesh.kv_events import BlocksStored, Tier  # noqa: E402
 from mesh.kv_index import InProcessKVIndex, KVIndex, RedisKVIndex  # noqa: E402
@@ -134,11 +135,6 @@ def worker_states(rng: random.Random, ids: list[str], role: str) -> list[WorkerS
         )
         out.append(WorkerState(info, stats))
     return out
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def lookup_stats(client: redis.Redis) -> tuple[int, int]:
@@ -257,8 +253,8 @@ async def bench_index(kind: str, args: argparse.Namespace, wl: Workload, report:
                 [
                     kind,
                     phase,
-                    f"{pct(values, 50):.0f}",
-                    f"{pct(values, 99):.0f}",
+                    f"{percentile(values, 50):.0f}",
+                    f"{percentile(values, 99):.0f}",
                     f"{statistics.mean(values):.0f}",
                     server if phase == "index lookup" else "",
                 ]
@@ -285,8 +281,8 @@ async def bench_index(kind: str, args: argparse.Namespace, wl: Workload, report:
                 [
                     kind,
                     f"lookup, {req_kind} (matched {statistics.mean(matched):.0f} blocks)",
-                    f"{pct(wall, 50):.0f}",
-                    f"{pct(wall, 99):.0f}",
+                    f"{percentile(wall, 50):.0f}",
+                    f"{percentile(wall, 99):.0f}",
                     f"{statistics.mean(wall):.0f}",
                     server,
                 ]
@@ -307,8 +303,8 @@ async def bench_index(kind: str, args: argparse.Namespace, wl: Workload, report:
             [
                 kind,
                 f"lookup, worst case ({args.workers} x {len(worst)})",
-                f"{pct(wall, 50):.0f}",
-                f"{pct(wall, 99):.0f}",
+                f"{percentile(wall, 50):.0f}",
+                f"{percentile(wall, 99):.0f}",
                 f"{statistics.mean(wall):.0f}",
                 server,
             ]

@@ -14,17 +14,15 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    idx = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return values[idx]
+from benchmarks.common import percentile  # noqa: E402
 
 
 async def one_request(
