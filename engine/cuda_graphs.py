@@ -63,6 +63,7 @@ def decode_step_pieces(
         @torch.inference_mode()
         def run() -> None:
             if lo == 0:
+                model.begin_forward()
                 state["x"], state["residual"] = model.embed_tokens[input_ids], None
             x, residual = state["x"], state["residual"]
             for layer in layers[lo:hi]:

@@ -160,6 +160,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
+        self.dispatcher = dispatcher
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(
@@ -189,12 +190,18 @@ class DecoderModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        self.begin_forward()
         x = self.embed_tokens[input_ids]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, kv_pool, meta)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
+
+    def begin_forward(self) -> None:
+        """Start of a forward pass (``forward`` calls it; so must callers that run the layers themselves)."""
+        if self.dispatcher is not None:
+            self.dispatcher.begin_forward()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,11 @@ class TokenDispatcher(Protocol):
     ep_rank: int
     ep_size: int
 
+    def begin_forward(self) -> None:
+        """Called once per forward pass, before its first MoE layer (every layer of a pass sees the same
+        tokens, so per-pass facts such as the ranks' token counts can be exchanged once)."""
+        ...
+
     def run(
         self,
         x: torch.Tensor,
@@ -40,6 +45,9 @@ class TokenDispatcher(Protocol):
 class SingleRankDispatcher:
     ep_rank = 0
     ep_size = 1
+
+    def begin_forward(self) -> None:
+        pass
 
     def run(
         self,
@@ -62,6 +70,10 @@ class AllGatherDispatcher:
         self.group = group
         self.ep_rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
+        self._counts: list[int] | None = None  # tokens per rank in the current forward pass
+
+    def begin_forward(self) -> None:
+        self._counts = None
 
     def run(
         self,
@@ -73,9 +85,16 @@ class AllGatherDispatcher:
     ) -> torch.Tensor:
         dist = self.dist
         n_local = x.shape[0]
-        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
-        dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
-        counts = [int(s.item()) for s in sizes]
+        if self._counts is None:  # the pass's first MoE layer: one exchange (and host sync) per pass
+            sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
+            dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
+            self._counts = [int(s.item()) for s in sizes]
+        elif self._counts[self.ep_rank] != n_local:
+            raise RuntimeError(
+                f"rank {self.ep_rank} has {n_local} tokens in this MoE layer but {self._counts[self.ep_rank]} "
+                "in the pass's first one: begin_forward() must be called at the start of every forward pass"
+            )
+        counts = self._counts
         max_n = max(counts)
 
         def gather(t: torch.Tensor) -> torch.Tensor:
