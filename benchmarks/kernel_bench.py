@@ -604,20 +604,6 @@ def sweep_moe_small() -> None:
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
-def decode_variants() -> None:
-    """Decode attention with V loaded beside K (``v_first``) and after the QK dot, at every batch/context."""
-    print("\n## decode attention: v_first on / off (us)")
-    base = triton_attention.DECODE_CONFIG
-    for c in (512, 4096):
-        for b in (1, 4, 16, 64, 256):
-            got = {}
-            for v_first in (True, False):
-                triton_attention.DECODE_CONFIG = dataclasses.replace(base, v_first=v_first)
-                got[v_first] = decode_attention_case(b, c, reference=False).triton_us
-            triton_attention.DECODE_CONFIG = base
-            print(f"bs {b} ctx {c}: {got[True]:.2f} / {got[False]:.2f}", flush=True)
-
-
 def pdl_compare() -> None:
     """The decode-path kernels with programmatic dependent launch on and off (back-to-back in a graph)."""
     print("\n## programmatic dependent launch: on / off (us per call, back-to-back calls in one graph)")
@@ -662,9 +648,7 @@ def main() -> None:
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
-    if args.sweep_linear or args.pdl or args.sweep_moe_small or args.decode_variants:
-        if args.decode_variants:
-            decode_variants()
+    if args.sweep_linear or args.pdl or args.sweep_moe_small:
         if args.sweep_moe_small:
             sweep_moe_small()
         if args.pdl:
