@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 ENDPOINT = "grpc_generate"
 
 
-def build_generation(model: ServedModel, request: router_pb2.GenerateRequest, metadata: object) -> Generation:
+async def build_generation(
+    model: ServedModel, request: router_pb2.GenerateRequest, metadata: object
+) -> Generation:
     model.check_model(request.model)
     which = request.WhichOneof("prompt")
     if which == "text":
-        ids = model.encode(request.text)
+        ids = await model.tokenize(request.text)
     elif which == "token_ids":
         ids = list(request.token_ids.ids)
     else:
@@ -69,7 +71,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         status = "ok"
         try:
             try:
-                gen = build_generation(self.model, request, context.invocation_metadata())
+                gen = await build_generation(self.model, request, context.invocation_metadata())
                 sp = gen.sampling_params
                 text = (
                     TextStream(self.model.tokenizer, list(sp.stop), sp.skip_special_tokens)

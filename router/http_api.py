@@ -52,16 +52,20 @@ def sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-def build_generation(model: ServedModel, parsed: ParsedRequest, request_id: str, headers: Any) -> Generation:
-    """Model check, chat rendering, tokenization, length and sampling checks: a request workers accept."""
+async def build_generation(
+    model: ServedModel, parsed: ParsedRequest, request_id: str, headers: Any
+) -> Generation:
+    """Model check, chat rendering, tokenization (off the event loop), length and sampling checks: a
+    request workers accept."""
     model.check_model(parsed.model)
     if parsed.prompt_token_ids is not None:
         ids = parsed.prompt_token_ids
+    elif parsed.kind == "chat_completions":
+        ids = await model.tokenize_chat(
+            parsed.messages, parsed.add_generation_prompt, parsed.add_special_tokens
+        )
     else:
-        text = parsed.prompt_text
-        if parsed.kind == "chat_completions":
-            text = model.render_chat(parsed.messages, parsed.add_generation_prompt)
-        ids = model.encode(text or "", add_special_tokens=parsed.add_special_tokens)
+        ids = await model.tokenize(parsed.prompt_text or "", parsed.add_special_tokens)
     param = "messages" if parsed.kind == "chat_completions" else "prompt"
     model.check_prompt(ids, param=param)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.kind == "completions" else None
@@ -148,7 +152,7 @@ class HttpApi:
             parsed = (parse_completion if kind == "completions" else parse_chat)(body, request.headers)
             prefix = "cmpl" if kind == "completions" else "chatcmpl"
             request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
-            gen = build_generation(self.model, parsed, request_id, request.headers)
+            gen = await build_generation(self.model, parsed, request_id, request.headers)
             writer = _Writer(self.model, parsed, request_id, kind)
             if parsed.stream:
                 return await self._stream(request, gen, writer, outcome)

@@ -190,6 +190,7 @@ class RouterService:
         if self.index is not None:
             await self.index.close()
         await self.pool.close()
+        self.model.close()
         if self.redis is not None:
             await self.redis.aclose()
         if self.tracing is not None:

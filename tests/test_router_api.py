@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,13 +18,13 @@ import aiohttp
 import grpc
 import pytest
 
-from engine.tokenizer import ByteTokenizer
+from engine.tokenizer import ByteTokenizer, render_chat
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.__main__ import parse_config
 from router.config import RouterConfig
 from router.errors import InvalidRequestError, ModelNotFoundError
 from router.openai_protocol import parse_chat, parse_completion, parse_json_body
-from router.served_model import SamplingInput, ServedModel
+from router.served_model import INLINE_ENCODE_MAX_CHARS, SamplingInput, ServedModel
 from router.service import RouterService
 from router.text_stream import TextStream
 
@@ -212,6 +213,109 @@ def test_unknown_model_is_not_found(model: ServedModel) -> None:
     model.check_model("tiny-dense")
     with pytest.raises(ModelNotFoundError, match="`gpt-4` does not exist"):
         model.check_model("gpt-4")
+
+
+# ---- tokenization off the event loop ----------------------------------------------------------------
+
+
+class GatedTokenizer:
+    """The model's own tokenizer, whose ``encode`` first waits (up to 5 s) for ``gate``, which only a
+    coroutine on the event loop opens: it returns at once if the loop runs while it encodes, and records
+    whether it did. Deterministic: no timing, no sleep-based race."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.loop_ran_meanwhile: list[bool] = []
+        self.threads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        opened = self.gate.wait(timeout=5)
+        self.gate.clear()
+        self.loop_ran_meanwhile.append(opened)
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+    async def open_gate_once_encoding(self) -> None:
+        """What any other request would do meanwhile: run on the loop. One call per encode."""
+        for _ in range(10_000):  # 10 s at most: a test that fails must not hang
+            if self.started.is_set():
+                break
+            await asyncio.sleep(0.001)
+        self.started.clear()
+        self.gate.set()
+
+
+def test_long_prompts_and_chats_are_tokenized_off_the_event_loop() -> None:
+    async def run() -> None:
+        model = ServedModel("tiny-dense", None, max_model_len=64)
+        plain = ByteTokenizer()
+        gated = GatedTokenizer(model.tokenizer)
+        model.tokenizer = gated
+        text = "y" * INLINE_ENCODE_MAX_CHARS
+        ids, _ = await asyncio.gather(model.tokenize(text), gated.open_gate_once_encoding())
+        assert ids == plain.encode(text)
+        messages = [{"role": "user", "content": "hi"}]
+        ids, _ = await asyncio.gather(
+            model.tokenize_chat(messages, True, False), gated.open_gate_once_encoding()
+        )
+        assert ids == plain.encode(render_chat(plain, messages, True), add_special_tokens=False)
+        assert gated.loop_ran_meanwhile == [True, True]
+        # A short text costs less than the hop to a thread: encoded on the loop's thread, same ids.
+        gated.gate.set()
+        assert await model.tokenize("hi") == plain.encode("hi")
+        on_loop = threading.current_thread().name
+        assert [t.startswith("router-tokenize") for t in gated.threads] == [True, True, False]
+        assert gated.threads[-1] == on_loop
+        # A template error is still a 400 naming the messages, raised from the thread.
+        with pytest.raises(InvalidRequestError, match="chat template rejected") as err:
+            model.tokenizer = plain
+            plain.chat_template = "{{ raise_exception('no system role') }}"
+            await model.tokenize_chat(messages, True, False)
+        assert err.value.param == "messages"
+        model.close()
+
+    asyncio.run(run())
+
+
+def test_the_front_ends_tokenize_off_the_event_loop() -> None:
+    """Over real HTTP and gRPC, in the router's own loop: the request's tokenization waits for a coroutine
+    of that loop, so it completes only if tokenizing leaves the loop free; then the usual checks answer."""
+
+    async def run() -> None:
+        async with running_router() as svc, aiohttp.ClientSession() as session:
+            gated = GatedTokenizer(svc.model.tokenizer)
+            svc.model.tokenizer = gated
+            base = f"http://127.0.0.1:{svc.http_port}"
+            long_text = "z" * INLINE_ENCODE_MAX_CHARS
+            cases = [  # past tokenization: a prompt over max_model_len (400), or no worker (503)
+                ("/v1/completions", {"prompt": long_text, "max_tokens": 1}, 400, "prompt has 513 tokens"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 503, "no decode"),
+            ]
+            for path, body, status, fragment in cases:
+                (got_status, got), _ = await asyncio.gather(
+                    _post(session, base + path, body), gated.open_gate_once_encoding()
+                )
+                assert got_status == status and fragment in got["error"]["message"], got
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+
+                async def generate() -> tuple[grpc.StatusCode, str]:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in stub.Generate(router_pb2.GenerateRequest(text=long_text), timeout=10):
+                            pass
+                    return err.value.code(), err.value.details() or ""
+
+                (code, details), _ = await asyncio.gather(generate(), gated.open_gate_once_encoding())
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt has 513 tokens" in details
+            assert gated.loop_ran_meanwhile == [True, True, True]
+
+    asyncio.run(run())
 
 
 # ---- text assembly ----------------------------------------------------------------------------------
