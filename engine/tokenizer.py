@@ -91,7 +91,9 @@ class HFTokenizer:
         return self._tok.token_to_id(text) if text else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it runs (encode does not, in tokenizers 0.23), so a long prompt
+        # tokenized on a worker thread does not stall the router's event loop.
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
