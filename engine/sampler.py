@@ -92,10 +92,7 @@ class Sampler:
                 has_min_p = any(p.min_p > 0 for p in params)
                 sampled = self._gumbel_sample(logits, temps, row_keys, min_p_rows if has_min_p else None)
             else:
-                scaled = logits / temps.unsqueeze(1)
-                scaled = _apply_top_k(scaled, [p.top_k for p in params])
-                probs = torch.softmax(scaled, dim=-1)
-                probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
+                probs = _filtered_probs(logits / temps.unsqueeze(1), params)
                 sampled = (probs / exponential_noise(row_keys, vocab)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens
@@ -135,25 +132,32 @@ def host_to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = T
     return t.to(device)
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    if not any(k > 0 for k in top_k):
-        return logits
-    vocab = logits.shape[1]
-    k = torch.tensor([min(x, vocab) if x > 0 else vocab for x in top_k], device=logits.device)
-    sorted_vals = logits.sort(dim=-1, descending=True).values
-    kth = sorted_vals.gather(1, (k - 1).unsqueeze(1))
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _apply_top_p_min_p(probs: torch.Tensor, top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, device=probs.device, dtype=probs.dtype).unsqueeze(1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        cum = sorted_probs.cumsum(dim=-1)
-        drop_sorted = (cum - sorted_probs) >= p  # keep the smallest set whose mass reaches top_p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-    if any(m > 0 for m in min_p):
-        m = torch.tensor(min_p, device=probs.device, dtype=probs.dtype).unsqueeze(1)
+def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of the temperature-scaled logits with each row's top-k, top-p and min-p applied (dropped
+    tokens get probability 0). The vocabulary is sorted at most once per batch: top-k reads its k-th value
+    and top-p its cumulative mass from the same descending order (softmax keeps the logits' order)."""
+    vocab = scaled.shape[1]
+    need_k = any(p.top_k > 0 for p in params)
+    need_p = any(p.top_p < 1.0 for p in params)
+    order = None
+    if need_k or need_p:
+        sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    if need_k:
+        k = torch.tensor(
+            [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=scaled.device
+        )
+        kth = sorted_vals.gather(1, (k - 1).unsqueeze(1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if need_p:
+        assert order is not None
+        top_p = torch.tensor([p.top_p for p in params], device=probs.device, dtype=probs.dtype).unsqueeze(1)
+        sorted_probs = probs.gather(1, order)
+        drop_sorted = (
+            sorted_probs.cumsum(dim=-1) - sorted_probs
+        ) >= top_p  # keep the smallest set reaching top_p
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
+    if any(p.min_p > 0 for p in params):
+        m = torch.tensor([p.min_p for p in params], device=probs.device, dtype=probs.dtype).unsqueeze(1)
         probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

@@ -85,3 +85,43 @@ def test_gpu_noise_equals_cpu_noise() -> None:
     cpu = exponential_noise(keys, 151_936)
     gpu = exponential_noise(keys.cuda(), 151_936).cpu()
     assert torch.allclose(cpu, gpu, rtol=1e-6, atol=0)
+
+
+def _filtered_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, filtered the textbook way: top-k on the logits, then top-p and min-p on the probabilities."""
+    if p.top_k > 0:
+        kth = logits.sort(descending=True).values[min(p.top_k, logits.numel()) - 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs
+        probs = probs.clone()
+        probs[order[before >= p.top_p]] = 0.0
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> None:
+    """Rows with top-k, top-p, both, min-p and none in one batch (one shared sort) keep exactly the
+    tokens each row's own filter keeps, with the same probabilities."""
+    from engine.sampler import _filtered_probs
+
+    torch.manual_seed(3)
+    params = [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.95, min_p=0.2),
+        SamplingParams(temperature=1.0),
+    ]
+    logits = torch.randn(len(params), 512) * 3
+    got = _filtered_probs(logits, params)
+    for i, p in enumerate(params):
+        want = _filtered_row(logits[i], p)
+        assert torch.equal(got[i] > 0, want > 0), i
+        assert torch.allclose(got[i], want, atol=1e-6), i
+    kept = (got > 0).sum(dim=1).tolist()
+    assert kept[0] == 5 and kept[4] <= 3 and kept[5] == 512 and 1 <= kept[1] < 512
