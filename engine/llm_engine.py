@@ -121,8 +121,8 @@ class LLMEngine:
         self.ops = get_ops(config.kernel_backend)
         from engine.loader import resolve_model_config
 
-        model_cfg, _ = resolve_model_config(config.model)
-        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        resolved = resolve_model_config(config.model)
+        self.max_model_len = config.max_model_len or resolved[0].max_position_embeddings
         loaded = load_model(
             config.model,
             config.dtype,
@@ -132,6 +132,7 @@ class LLMEngine:
             load_format=config.load_format,
             seed=config.seed,
             dispatcher=dispatcher,
+            resolved=resolved,
         )
         self.model_config = loaded.cfg
         self.model = loaded.model

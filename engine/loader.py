@@ -98,8 +98,10 @@ def load_model(
     seed: int = 0,
     dispatcher: TokenDispatcher | None = None,
     physical_to_logical: list[list[int]] | None = None,
+    resolved: tuple[ModelConfig, Path | None] | None = None,
 ) -> LoadedModel:
-    cfg, path = resolve_model_config(model)
+    """``resolved``: ``resolve_model_config(model)``'s result when the caller already has it."""
+    cfg, path = resolved or resolve_model_config(model)
     torch_dtype = DTYPES[dtype]
     net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical)
     if path is None:
