@@ -118,3 +118,20 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+# ---- Redis (127.0.0.1:6379 on these machines; .ci/run starts one when none answers) ------------------
+
+REDIS_URL = "redis://127.0.0.1:6379"
+
+
+def redis_up() -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+needs_redis = pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")

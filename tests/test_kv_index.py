@@ -12,25 +12,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.kv_index import InProcessKVIndex, KVIndex, PrefixMatch, RedisKVIndex
+from tests.mesh_fixtures import REDIS_URL, needs_redis
 
-REDIS_URL = "redis://127.0.0.1:6379"
 FP = "test-model-fp"
 
 
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(not _redis_up(), reason=f"no Redis at {REDIS_URL}")
 KINDS = ["inprocess", pytest.param("redis", marks=needs_redis)]
 
 

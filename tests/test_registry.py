@@ -14,18 +14,8 @@ import redis
 import redis.asyncio as aioredis
 
 from mesh.registry import Heartbeater, InProcessRegistry, RedisRegistry, Registry, WorkerInfo
+from tests.mesh_fixtures import REDIS_URL, needs_redis
 
-REDIS_URL = "redis://127.0.0.1:6379"
-
-
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(not _redis_up(), reason=f"no Redis at {REDIS_URL}")
 KINDS = ["inprocess", pytest.param("redis", marks=needs_redis)]
 TTL = 0.3  # seconds
 

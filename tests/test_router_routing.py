@@ -34,6 +34,7 @@ from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, merge
 from router.scored_chooser import ScoredChooser
 from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
+from tests.mesh_fixtures import REDIS_URL, redis_up
 
 FP = "tiny-dense-v1:float32"
 BS = 16
@@ -383,15 +384,6 @@ async def test_a_removed_worker_keeps_its_channel_until_its_calls_end() -> None:
 
 # ---- departed workers leave the KV index ------------------------------------------------------------
 
-REDIS_URL = "redis://127.0.0.1:6379"
-
-
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
 
 @contextlib.asynccontextmanager
 async def index_home(
@@ -419,7 +411,7 @@ async def index_home(
 
 @pytest.mark.parametrize(
     "kind",
-    ["inprocess", pytest.param("redis", marks=pytest.mark.skipif(not _redis_up(), reason="no Redis"))],
+    ["inprocess", pytest.param("redis", marks=pytest.mark.skipif(not redis_up(), reason="no Redis"))],
 )
 @async_test
 async def test_a_worker_gone_from_the_registry_gets_no_prefix_score(kind: str) -> None:
