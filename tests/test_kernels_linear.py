@@ -122,7 +122,7 @@ def test_linear_empty_batch() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real shapes at batch 1, int64 weight offsets, CUDA graphs
 
-# (N, K): Qwen3-30B-A3B o-proj, router, LM head; Llama-3.1-8B LM head; two cuBLAS shapes.
+# (N, K): Qwen3-30B-A3B o-proj, router, LM head, QKV; Llama-3.1-8B LM head, down (a long K).
 REAL_SHAPES = [(2048, 4096), (128, 2048), (151936, 2048), (128256, 4096), (5120, 2048), (4096, 14336)]
 
 
