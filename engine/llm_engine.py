@@ -40,6 +40,9 @@ from mesh.kv_layout import KVLayout
 log = logging.getLogger(__name__)
 
 PREFILL_DONE = "prefill_done"  # finish reason of a hold_kv request whose decode continues elsewhere
+# Prefill sizes run once at start on GPUs (besides the step budget): one per size class of the Triton
+# kernels' launch choices (MoE tiles by pairs per expert, routing tiles, the align kernel's range).
+WARM_UP_TOKENS = (128, 256, 512, 1024)
 
 
 @dataclass
@@ -157,6 +160,11 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        if self.runner.graphs is not None:  # a GPU with the Triton ops: compile prefill variants now
+            cap = min(config.max_num_batched_tokens, self.max_model_len - 1)
+            sizes = sorted({min(n, cap) for n in (*WARM_UP_TOKENS, cap)})
+            seconds = self.runner.warm_up(sizes)
+            log.info("warmed up the prefill kernels for %s tokens in %.1f s", sizes, seconds)
         self.sampler = Sampler(config.seed, config.kernel_backend)
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks

@@ -10,6 +10,8 @@ scheduling), through the same graphs.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +112,32 @@ class ModelRunner:
         self.graphs = graphs
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
         return True
+
+    def warm_up(self, token_counts: Seq[int]) -> float:
+        """One prefill forward (and its logits) per size in ``token_counts``, with nothing written to the
+        KV pool and the outputs dropped, so that the Triton kernels' variants for those size classes (MoE
+        tiles, routing tiles, prefill attention) are compiled now rather than inside a served step.
+        Expert counters are restored. Returns the seconds it took."""
+        started = time.perf_counter()
+        counts = [b.expert_counts for b in self.model.moe_blocks()]
+        saved = [c.clone() for c in counts]
+        dev = self.device
+        for n in token_counts:
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
+                block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            )
+            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            positions = torch.arange(n, dtype=torch.int64, device=dev)
+            hidden = self.model(ids, positions, self.kv_pool, meta)
+            self.model.compute_logits(hidden[-1:])
+        for count, before in zip(counts, saved, strict=True):
+            count.copy_(before)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - started
 
     def prepare(
         self, batch: ScheduledBatch

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
@@ -357,3 +358,24 @@ def test_engine_cache_salt_is_its_own_domain_and_combines_with_request_salts() -
         # What a router computes from the published fingerprint is what the engine cached.
         expected = block_hashes(prompt, 16, root_hash(salted.model_fingerprint, salt))
         assert all(h in salted.block_pool.hash_to_block for h in expected[:3]), rid
+
+
+def test_prefill_warm_up_writes_no_kv_and_keeps_expert_counts() -> None:
+    """The start-up warm-up (run on GPUs) is invisible: the KV pool, the MoE expert counters and the
+    block pool are as before, and the engine then serves as usual."""
+    llm = LLM("tiny-moe", num_kv_blocks=64)
+    engine = llm.engine
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0))
+    pool = engine.kv_pool.clone()
+    counts = [b.expert_counts.clone() for b in engine.model.moe_blocks()]
+    assert any(int(c.sum()) > 0 for c in counts)
+    free = engine.block_pool.num_free_blocks
+    seconds = engine.runner.warm_up([1, 16, 37])
+    assert seconds >= 0.0
+    assert torch.equal(engine.kv_pool, pool)
+    assert all(
+        torch.equal(b.expert_counts, c) for b, c in zip(engine.model.moe_blocks(), counts, strict=True)
+    )
+    assert engine.block_pool.num_free_blocks == free
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].token_ids) == 3
