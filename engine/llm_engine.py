@@ -162,7 +162,7 @@ class LLMEngine:
         )
         if self.runner.graphs is not None:  # a GPU with the Triton ops: compile prefill variants now
             cap = min(config.max_num_batched_tokens, self.max_model_len - 1)
-            sizes = sorted({min(n, cap) for n in (*WARM_UP_TOKENS, cap)})
+            sizes = sorted({min(n, cap) for n in (*WARM_UP_TOKENS, cap)} - {0})
             seconds = self.runner.warm_up(sizes)
             log.info("warmed up the prefill kernels for %s tokens in %.1f s", sizes, seconds)
         self.sampler = Sampler(config.seed, config.kernel_backend)
