@@ -496,3 +496,56 @@ def test_gpu_decode_step_in_cuda_graph() -> None:
             attn_out, paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, scale), torch.bfloat16
         )
         assert_close(moe_out, fused_moe_torch(*up(x, w13, w2), weights, ids), torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch
+
+
+def test_pdl_only_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off on the CPU (the interpreter has no grid dependency control) and when switched off; on a CUDA
+    device of compute capability 9.0+ both the kernel's constexpr and the launch option are set."""
+    from kernels import triton_device
+
+    assert triton_device.pdl_kwargs(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setattr(triton_device, "_supports_pdl", lambda _index: True)
+    assert triton_device.pdl_kwargs(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(triton_device, "PDL_ENABLED", False)
+    assert triton_device.pdl_kwargs(torch.device("cuda", 0)) == {"USE_PDL": False}
+    monkeypatch.setattr(triton_device, "PDL_ENABLED", True)
+    monkeypatch.setattr(triton_device, "_supports_pdl", lambda _index: False)
+    assert triton_device.pdl_kwargs(torch.device("cuda", 0)) == {"USE_PDL": False}
+
+
+def test_every_pdl_kernel_waits_before_its_first_load() -> None:
+    """A kernel launched with PDL may start while the previous one still writes its inputs: each kernel
+    with a USE_PDL switch must call gdc_wait before any tl.load or tl.store."""
+    import re
+
+    from kernels import (
+        triton_activation,
+        triton_linear,
+        triton_moe_routing,
+        triton_norm,
+        triton_prologue,
+    )
+
+    modules = (triton_activation, triton_attention, triton_linear, triton_moe, triton_moe_routing, triton_norm,
+               triton_prologue)  # fmt: skip
+    checked = 0
+    for module in modules:
+        source = inspect.getsource(module)
+        for match in re.finditer(r"def (\w+)\((?:(?!\ndef ).)*?USE_PDL: tl\.constexpr,\n\):\n(.*?)(?=\n@triton|\ndef |\Z)",
+                                 source, re.S):  # fmt: skip
+            body = match.group(2)
+            wait = body.find("gdc_wait()")
+            first_access = min(
+                (i for i in (body.find("tl.load("), body.find("tl.store(")) if i >= 0), default=-1
+            )
+            assert 0 <= wait < first_access, (
+                f"{module.__name__}.{match.group(1)} reads or writes before gdc_wait"
+            )
+            checked += 1
+    assert (
+        checked >= 10
+    )  # every decode-path kernel: norm, SiLU, attention x2, GEMV, prologue, routing, MoE x4
