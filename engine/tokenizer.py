@@ -6,6 +6,7 @@ and an incremental detokenizer that never emits half a UTF-8 character.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,14 +103,13 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-) -> str:
-    """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none)."""
+@functools.lru_cache(maxsize=16)
+def _compiled_chat_template(template: str) -> Any:
+    """A chat template compiled once (in a sandbox, as transformers does): compiling takes ~1.7 ms, which
+    every chat request paid when it was compiled per call."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    template = tokenizer.chat_template or PLAIN_CHAT_TEMPLATE
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
@@ -118,8 +118,16 @@ def render_chat(
         raise jinja2.exceptions.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def render_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> str:
+    """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none)."""
+    template = _compiled_chat_template(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
     extra = getattr(tokenizer, "special_tokens", {}) or {}
-    return env.from_string(template).render(
+    return template.render(
         messages=messages,
         add_generation_prompt=add_generation_prompt,
         **{k: v for k, v in extra.items() if v is not None},

@@ -113,8 +113,8 @@ class ServedModel:
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
     ) -> list[int]:
-        """``render_chat`` then ``encode``, off the event loop (rendering alone is ~1.7 ms: the template is
-        compiled per call)."""
+        """``render_chat`` then ``encode``, off the event loop (the template is compiled once, but rendering a
+        long conversation is still Python work, and the encode of its text may be long)."""
         return await self._off_loop(
             lambda: self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens)
         )
