@@ -92,3 +92,17 @@ def test_find_stop_searches_only_what_could_be_new() -> None:
     assert find_stop("STOP then more", ["STOP"], checked=9) is None
     # Stop strings are tried in request order.
     assert find_stop("one two", ["two", "one"], checked=0) == (4, "two")
+
+
+def test_chat_template_is_compiled_once_and_renders_the_same() -> None:
+    from engine.tokenizer import ByteTokenizer, _compiled_chat_template, render_chat
+
+    tok = ByteTokenizer(300)
+    messages = [{"role": "user", "content": "hi"}]
+    first = render_chat(tok, messages)
+    before = _compiled_chat_template.cache_info()
+    for _ in range(3):
+        assert render_chat(tok, messages) == first
+    after = _compiled_chat_template.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 3
+    assert "hi" in first
