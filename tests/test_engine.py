@@ -370,8 +370,13 @@ def test_prefill_warm_up_writes_no_kv_and_keeps_expert_counts() -> None:
     counts = [b.expert_counts.clone() for b in engine.model.moe_blocks()]
     assert any(int(c.sum()) > 0 for c in counts)
     free = engine.block_pool.num_free_blocks
-    seconds = engine.runner.warm_up([1, 16, 37])
-    assert seconds >= 0.0
+    seen: list[int] = []  # the forward passes it ran, by token count: it must really run the model
+    hook = engine.model.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+    try:
+        engine.runner.warm_up([1, 16, 37])
+    finally:
+        hook.remove()
+    assert seen == [1, 16, 37]
     assert torch.equal(engine.kv_pool, pool)
     assert all(
         torch.equal(b.expert_counts, c) for b, c in zip(engine.model.moe_blocks(), counts, strict=True)
