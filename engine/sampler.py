@@ -80,11 +80,7 @@ class Sampler:
                 for p, pos, key in zip(params, positions, unseeded, strict=True)
             ]
             # Per-row values in two host-to-device copies (a pageable copy waits for the queued device work).
-            rows = torch.tensor(
-                [(p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.min_p) for p in params],
-                dtype=torch.float32,
-            )
-            rows = host_to_device(rows, device, non_blocking)
+            rows = host_to_device(_row_values(params, vocab), device, non_blocking)
             temps, greedy, min_p_rows = rows[:, 0], rows[:, 1] > 0, rows[:, 2]
             row_keys = host_to_device(torch.tensor(keys, dtype=torch.int64), device, non_blocking)
             needs_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
@@ -92,7 +88,7 @@ class Sampler:
                 has_min_p = any(p.min_p > 0 for p in params)
                 sampled = self._gumbel_sample(logits, temps, row_keys, min_p_rows if has_min_p else None)
             else:
-                probs = _filtered_probs(logits / temps.unsqueeze(1), params)
+                probs = _filtered_probs(logits / temps.unsqueeze(1), params, rows)
                 sampled = (probs / exponential_noise(row_keys, vocab)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens
@@ -132,32 +128,45 @@ def host_to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = T
     return t.to(device)
 
 
-def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _row_values(params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """Per-row sampling values, one host tensor [B, 5] float32 (one copy to the device): temperature (1
+    for greedy rows), greedy flag, min-p, top-p, top-k (the vocabulary size when off; exact in float32)."""
+    return torch.tensor(
+        [
+            (
+                p.temperature if p.temperature > 0 else 1.0,
+                float(p.greedy),
+                p.min_p,
+                p.top_p,
+                min(p.top_k, vocab) if p.top_k > 0 else vocab,
+            )
+            for p in params
+        ],
+        dtype=torch.float32,
+    )
+
+
+def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor) -> torch.Tensor:
     """Softmax of the temperature-scaled logits with each row's top-k, top-p and min-p applied (dropped
-    tokens get probability 0). The vocabulary is sorted at most once per batch: top-k reads its k-th value
-    and top-p its cumulative mass from the same descending order (softmax keeps the logits' order)."""
-    vocab = scaled.shape[1]
+    tokens get probability 0); ``rows`` is ``_row_values`` on the logits' device. The vocabulary is sorted
+    at most once per batch: top-k reads its k-th value and top-p its cumulative mass from the same
+    descending order (softmax keeps the logits' order). Which filters run is decided from ``params`` on
+    the host; their per-row values come from ``rows``, so nothing here copies from host memory."""
     need_k = any(p.top_k > 0 for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     order = None
     if need_k or need_p:
         sorted_vals, order = scaled.sort(dim=-1, descending=True)
     if need_k:
-        k = torch.tensor(
-            [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=scaled.device
-        )
-        kth = sorted_vals.gather(1, (k - 1).unsqueeze(1))
+        kth = sorted_vals.gather(1, rows[:, 4:5].long() - 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if need_p:
         assert order is not None
-        top_p = torch.tensor([p.top_p for p in params], device=probs.device, dtype=probs.dtype).unsqueeze(1)
         sorted_probs = probs.gather(1, order)
-        drop_sorted = (
-            sorted_probs.cumsum(dim=-1) - sorted_probs
-        ) >= top_p  # keep the smallest set reaching top_p
+        # Keep the smallest set whose mass reaches top-p.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= rows[:, 3:4]
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
     if any(p.min_p > 0 for p in params):
-        m = torch.tensor([p.min_p for p in params], device=probs.device, dtype=probs.dtype).unsqueeze(1)
-        probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs.masked_fill(probs < rows[:, 2:3] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

@@ -106,7 +106,7 @@ def _filtered_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> None:
     """Rows with top-k, top-p, both, min-p and none in one batch (one shared sort) keep exactly the
     tokens each row's own filter keeps, with the same probabilities."""
-    from engine.sampler import _filtered_probs
+    from engine.sampler import _filtered_probs, _row_values
 
     torch.manual_seed(3)
     params = [
@@ -118,7 +118,7 @@ def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> N
         SamplingParams(temperature=1.0),
     ]
     logits = torch.randn(len(params), 512) * 3
-    got = _filtered_probs(logits, params)
+    got = _filtered_probs(logits, params, _row_values(params, logits.shape[1]))
     for i, p in enumerate(params):
         want = _filtered_row(logits[i], p)
         assert torch.equal(got[i] > 0, want > 0), i
