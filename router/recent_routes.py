@@ -13,8 +13,8 @@ included (a worker whose cache churns fast must not look as if it kept what it w
 settled (a lost call) is forgotten after ``ttl_s``.
 
 Layout: ``dict[hash, dict[worker id, expiry]]`` and a queue of routes for cleanup. A lookup walks the
-chain keeping the workers that hold every block so far (usually one or two), so it costs
-O(blocks x matching workers). Memory: one entry per (block, worker) of the prefills in flight.
+chain once per worker holding its first block (usually one or two), stopping at that worker's first
+missing block, so it costs O(blocks x matching workers). Memory: one entry per (block, worker) of the prefills in flight.
 """
 
 from __future__ import annotations
@@ -85,22 +85,22 @@ class RecentRoutes:
         first = self._holders.get(block_hashes[0])
         if not first:
             return {}
-        active = {w for w, expiry in first.items() if expiry > now}
-        counts = dict.fromkeys(active, 1)
-        for h in block_hashes[1:]:
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            active = {w for w in active if holders.get(w, 0.0) > now}
-            if not active:
-                break
-            for w in active:
-                counts[w] += 1
+        counts: dict[str, int] = {}
+        for w, expiry in first.items():  # usually one or two workers: count each one's leading run
+            if expiry <= now:
+                continue
+            n = 1
+            for h in block_hashes[1:]:
+                if self._holders.get(h, {}).get(w, 0.0) <= now:
+                    break
+                n += 1
+            counts[w] = n
         return counts
 
     def forget_worker(self, worker_id: str) -> None:
-        for holders in self._holders.values():
-            holders.pop(worker_id, None)
+        for h, holders in list(self._holders.items()):
+            if holders.pop(worker_id, None) is not None and not holders:
+                del self._holders[h]  # _expire would never drop it: it finds no expiry of this worker there
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._holders.values())

@@ -90,7 +90,6 @@ class ScoredChooser:
         self.pd = PDDecider(pd_threshold_tokens) if routing == PREFIX else None
         self.recent = RecentRoutes()
         pool.on_removed.append(lambda w: self.recent.forget_worker(self._state_id(w)))
-        self._roots: dict[tuple[str, str], int] = {}
 
     # ---- WorkerChooser --------------------------------------------------------------------------------
     async def choose(self, role: str, request: RouteRequest, candidates: Sequence[WorkerEndpoint]) -> Choice:
@@ -141,7 +140,7 @@ class ScoredChooser:
         matches = None
         if self.routing == PREFIX and fingerprint:
             hashes = block_hashes(
-                request.prompt_token_ids, block_size, self._root(fingerprint, request.cache_salt)
+                request.prompt_token_ids, block_size, root_hash(fingerprint, request.cache_salt or None)
             )
             assert self.index is not None
             matches = await self.index.lookup(fingerprint, hashes)
@@ -161,15 +160,6 @@ class ScoredChooser:
         )
         request.routing = memo
         return memo
-
-    def _root(self, fingerprint: str, cache_salt: str) -> int:
-        key = (fingerprint, cache_salt)
-        root = self._roots.get(key)
-        if root is None:
-            if len(self._roots) > 4096:  # salts are per tenant; keep the memo bounded all the same
-                self._roots.clear()
-            root = self._roots[key] = root_hash(fingerprint, cache_salt or None)
-        return root
 
     @staticmethod
     def _state_id(w: WorkerEndpoint) -> str:

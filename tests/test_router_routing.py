@@ -665,6 +665,7 @@ def test_recent_routes_match_settle_expire_and_merge_with_the_index() -> None:
     recent.record("p2", [5])
     recent.forget_worker("p2")
     assert recent.lookup([5]) == {}
+    assert not recent._holders  # no empty entry left behind (nothing would ever expire it)
     index = {"p0": PrefixMatch.from_counts(1, 2, 0), "p2": PrefixMatch.from_counts(4, 0, 0)}
     merged = merge(index, {"p0": 5, "p1": 2, "p2": 1})
     assert merged["p0"] == PrefixMatch(5, {Tier.GPU: 3, Tier.CPU: 2, Tier.DISK: 0})

@@ -324,11 +324,22 @@ def test_redis_restart_under_load_falls_back_to_load_and_recovers(private_redis:
         prompt = prompt_of(320, 77)
         first = router.generate(prompt, max_tokens=4)
 
-        def repeated_hits() -> bool:
-            again = router.generate(prompt, max_tokens=4)
-            return again.prefill_worker == first.prefill_worker and again.usage.cached_prompt_tokens >= 304
+        def decided_by_prefix() -> float:
+            return router.metric("pdmesh_router_decisions_total", role="prefill", reason="prefix")
 
-        assert wait_until(repeated_hits, timeout=10, interval=0.3)
+        def repeated_hits() -> bool:
+            # Past the router's own memory of recent routes (settle lag 0.5 s): the hit must come from the
+            # index, refilled by the workers' events after the restart, and count as a prefix decision.
+            time.sleep(0.8)
+            before = decided_by_prefix()
+            again = router.generate(prompt, max_tokens=4)
+            return (
+                again.prefill_worker == first.prefill_worker
+                and again.usage.cached_prompt_tokens >= 304
+                and decided_by_prefix() > before
+            )
+
+        assert wait_until(repeated_hits, timeout=15, interval=0.0)
         assert router.metric("pdmesh_router_prefix_hit_tokens_total", tier="gpu") >= hits + 304
         assert (
             router.metric("pdmesh_router_decisions_total", role="prefill", reason="prefix") > prefix_decisions
@@ -350,9 +361,15 @@ def test_prefix_routing_and_failover_without_redis() -> None:
         prompt = prompt_of(200, 5)
         first = router.generate(prompt + [7])
         hits = router.metric("pdmesh_router_prefix_hit_tokens_total", tier="gpu")
-        time.sleep(0.3)  # the worker's KV events reach the router's index
+        # Past the router's memory of recent routes (settle lag 0.5 s): only the worker's KV events, in
+        # the router's index, can send the second request to the first one's worker.
+        time.sleep(0.8)
+        decisions = router.metric("pdmesh_router_decisions_total", role="prefill", reason="prefix")
         second = router.generate(prompt + [9])
         assert second.prefill_worker == first.prefill_worker and second.usage.cached_prompt_tokens >= 192
+        assert (
+            router.metric("pdmesh_router_decisions_total", role="prefill", reason="prefix") == decisions + 1
+        )
         assert router.metric("pdmesh_router_prefix_hit_tokens_total", tier="gpu") >= hits + 192
         # Prefill failover: the worker holding the prefix dies; the next best one serves, same tokens.
         holder = by_id[first.prefill_worker]
