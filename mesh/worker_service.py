@@ -29,6 +29,11 @@ from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEven
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+# How a worker words an UNAVAILABLE that refused a request before touching it (the router reads these to
+# know that a Decode's KV handle is still intact and can go to another decode worker).
+REFUSED_DRAINING = "is draining"
+REFUSED_ENGINE_DOWN = "engine is not running"
+
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = {
@@ -339,9 +344,9 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     # ---- drain and admission -------------------------------------------------------------------
     def check_admission(self) -> None:
         if self.draining:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} {REFUSED_DRAINING}")
         if not self.aengine.alive:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id}: engine is not running")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id}: {REFUSED_ENGINE_DOWN}")
 
     def start_drain(self) -> None:
         if not self.draining:

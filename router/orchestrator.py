@@ -34,6 +34,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from mesh.telemetry import get_tracer, inject_metadata
+from mesh.worker_service import REFUSED_DRAINING, REFUSED_ENGINE_DOWN
 from protos.pdmesh.v1 import common_pb2, worker_pb2
 from router.chooser import PREFILL_FAILED, RouteRequest, WorkerChooser
 from router.errors import (
@@ -56,7 +57,8 @@ FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
 KV_UNTOUCHED = frozenset(
     {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
 )
-UNREACHED_MARKERS = ("failed to connect", "connection refused", "draining", "engine is not running")
+# gRPC's own words for a channel that never reached the worker, and the worker's for a refused request.
+UNREACHED_MARKERS = ("failed to connect", "connection refused", REFUSED_DRAINING, REFUSED_ENGINE_DOWN)
 
 # Worker statuses after which another worker of the same role may succeed.
 RETRYABLE = frozenset(

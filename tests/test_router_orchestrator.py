@@ -528,3 +528,23 @@ def test_one_trace_per_request_reaches_the_workers(tmp_path: Path) -> None:
     assert prefill.traceparents[0].split("-")[1] == parent_trace
     assert prefill.traceparents[0].split("-")[2] == spans["prefill"]["span_id"]
     assert decode.traceparents[0].split("-")[2] == spans["decode"]["span_id"]
+
+
+def test_a_refused_decode_keeps_its_kv_handle_and_a_broken_one_does_not() -> None:
+    """UNAVAILABLE counts as "KV untouched" only in the words of a worker that refused the request (or of
+    a channel that never connected); any other UNAVAILABLE may have come after the pull started."""
+    from grpc.aio import AioRpcError
+
+    from mesh.worker_service import REFUSED_DRAINING, REFUSED_ENGINE_DOWN
+    from router.orchestrator import _kv_untouched
+
+    def error(code: grpc.StatusCode, details: str) -> AioRpcError:
+        return AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    assert _kv_untouched(error(unavailable, f"worker d-1 {REFUSED_DRAINING}"))
+    assert _kv_untouched(error(unavailable, f"worker d-1: {REFUSED_ENGINE_DOWN}"))
+    assert _kv_untouched(error(unavailable, "failed to connect to all addresses"))
+    assert _kv_untouched(error(grpc.StatusCode.FAILED_PRECONDITION, "fingerprint mismatch"))
+    assert not _kv_untouched(error(unavailable, "Socket closed"))
+    assert not _kv_untouched(error(grpc.StatusCode.INTERNAL, "worker d-1 is draining"))
