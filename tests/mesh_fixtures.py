@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import re
 import signal
@@ -13,9 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +138,13 @@ def redis_up() -> bool:
 
 
 needs_redis = pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
+
+
+def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async test function on its own event loop."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return wrapper

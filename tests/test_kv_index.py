@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,20 +16,12 @@ import redis.asyncio as aioredis
 from mesh.block_hash import block_hashes, root_hash
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.kv_index import InProcessKVIndex, KVIndex, PrefixMatch, RedisKVIndex
-from tests.mesh_fixtures import REDIS_URL, needs_redis
+from tests.mesh_fixtures import REDIS_URL, async_test, needs_redis
 
 FP = "test-model-fp"
 
 
 KINDS = ["inprocess", pytest.param("redis", marks=needs_redis)]
-
-
-def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
 
 
 @asynccontextmanager

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,18 +13,10 @@ import redis
 import redis.asyncio as aioredis
 
 from mesh.registry import Heartbeater, InProcessRegistry, RedisRegistry, Registry, WorkerInfo
-from tests.mesh_fixtures import REDIS_URL, needs_redis
+from tests.mesh_fixtures import REDIS_URL, async_test, needs_redis
 
 KINDS = ["inprocess", pytest.param("redis", marks=needs_redis)]
 TTL = 0.3  # seconds
-
-
-def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
 
 
 @asynccontextmanager

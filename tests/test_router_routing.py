@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -34,18 +33,10 @@ from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, merge
 from router.scored_chooser import ScoredChooser
 from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
-from tests.mesh_fixtures import REDIS_URL, redis_up
+from tests.mesh_fixtures import REDIS_URL, async_test, redis_up
 
 FP = "tiny-dense-v1:float32"
 BS = 16
-
-
-def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
 
 
 def metric(metrics: RouterMetrics, name: str, labels: dict[str, str] | None = None) -> float:
