@@ -356,6 +356,7 @@ def test_async_engine_streams_match_the_synchronous_engine() -> None:
             stats = await aengine.call(aengine.engine.stats)
             assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
             assert stats.num_running == stats.num_waiting == 0
+            assert (stats.lookahead_steps > 0) == async_scheduling  # the lookahead really ran (or not)
             return results
         finally:
             aengine.stop()

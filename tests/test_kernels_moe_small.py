@@ -30,8 +30,6 @@ from kernels.triton_ops import TRITON_OPS  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
     DEVICE,
     DTYPES,
-    INTERPRETED,
-    _fix_interpreter_bf16_dot,
     assert_close,
     gpu,
     needs_cuda,
@@ -42,10 +40,6 @@ from tests.test_kernels import (  # noqa: E402
 
 # Tiny shapes: H and I not multiples of the interpreter's blocks, so every mask is exercised.
 HIDDEN, INTER = 40, 48
-
-
-if INTERPRETED:
-    _fix_interpreter_bf16_dot()  # the grouped path (tl.dot) runs in the threshold tests
 
 
 def make_weights(
@@ -250,6 +244,7 @@ def test_gpu_small_path_in_cuda_graph(tokens: int) -> None:
 
 @gpu
 @needs_cuda
+@pytest.mark.usefixtures("small_path_only")
 def test_gpu_small_path_has_no_host_sync() -> None:
     torch.manual_seed(130)
     shape = QWEN3_30B_A3B
