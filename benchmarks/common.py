@@ -1,8 +1,12 @@
-"""Helpers the benchmark scripts share: percentiles of timings and the device's copy bandwidth."""
+"""Helpers the benchmark scripts share: the output folder and log, percentiles of timings, and the device's
+copy bandwidth."""
 
 from __future__ import annotations
 
+import logging
 import statistics
+import sys
+from pathlib import Path
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -30,3 +34,15 @@ def copy_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
         if i >= 3:
             times.append(start.elapsed_time(end))
     return 2 * nbytes / statistics.median(times) / 1e6
+
+
+def setup_output(out: str, log_name: str) -> Path:
+    """Create the output folder and log INFO lines to ``<out>/<log_name>`` and to stderr."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        handlers=[logging.FileHandler(path / log_name), logging.StreamHandler(sys.stderr)],
+    )
+    return path

@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
+from benchmarks.common import setup_output  # noqa: E402
 from benchmarks.gpu_bench import LLAMA_3_1_8B  # noqa: E402
 from mesh.telemetry import read_spans_jsonl  # noqa: E402
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -154,13 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny-dense on the CPU over host memory")
     parser.add_argument("--out", default=os.environ.get("OUT") or "disagg_ttft_out")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        handlers=[logging.FileHandler(out / "disagg_ttft.log"), logging.StreamHandler(sys.stderr)],
-    )
+    out = setup_output(args.out, "disagg_ttft.log")
     workdir = Path(tempfile.mkdtemp(prefix="pdmesh-disagg-"))
     trace_file = workdir / "spans.jsonl"
     if args.smoke:

@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import copy_gbps  # noqa: E402
+from benchmarks.common import copy_gbps, setup_output  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
@@ -331,7 +331,8 @@ def kernel_profile(fn: Callable[[], None], iters: int = 5) -> str:
 
 
 class StepBreakdown:
-    """Host wall time inside ``runner.execute`` (batch metadata, copies, launch: asynchronous) and the
+    """Host wall time inside the runner (``execute``, or ``execute_lookahead`` under asynchronous
+    scheduling: batch metadata, copies, launch, all asynchronous) and the
     sampler (``__call__`` waits for the device first; ``sample``, used by asynchronous scheduling, does
     not) over the steps run inside the ``with``."""
 
@@ -340,25 +341,27 @@ class StepBreakdown:
         self.seconds = {"runner": 0.0, "sampler": 0.0}
         self.calls = {"runner": 0, "sampler": 0}
 
-    def _wrap(self, key: str, fn: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
+    def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - t
-                self.calls[key] += count
+                self.calls[key] += 1
 
         return timed
 
     def __enter__(self) -> StepBreakdown:
         self._runner, self._sampler = self.engine.runner, self.engine.sampler
-        self.engine.runner.execute = self._wrap("runner", self._runner.execute)  # type: ignore[method-assign]
+        runner = self._runner
+        runner.execute = self._wrap("runner", runner.execute)  # type: ignore[method-assign]
+        runner.execute_lookahead = self._wrap("runner", runner.execute_lookahead)  # type: ignore[method-assign]
         self.engine.sampler = _TimedSampler(self._sampler, self._wrap)  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.engine.runner.execute
+        del self.engine.runner.execute, self.engine.runner.execute_lookahead
         self.engine.sampler = self._sampler
 
     def mean_ms(self, key: str) -> float:
@@ -579,7 +582,12 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
     wb = count_weights(mcfg, itemsize)
     block_bytes = wb.kv_bytes_per_token * 16
     fits = {(b, c): blocks_needed(b, c, plan) for b in plan.batches for c in plan.contexts}
-    weights_bytes = wb.per_step_dense + wb.moe_layers * wb.num_experts * wb.per_expert
+    # Every weight in memory: what steps read, all experts, and the input embedding (a step reads a row).
+    weights_bytes = (
+        wb.per_step_dense
+        + wb.moe_layers * wb.num_experts * wb.per_expert
+        + mcfg.vocab_size * mcfg.hidden_size * itemsize
+    )
     if plan.device == "cuda":
         free, _ = torch.cuda.mem_get_info()
         budget = int((free * plan.gpu_mem_fraction - weights_bytes) // block_bytes)
@@ -680,8 +688,8 @@ def run_hf(shape: str, plan: Plan, res: Results) -> None:
         return time.perf_counter() - t
 
     try:
-        generate(1, 4)
         for batch in plan.e2e_batches:
+            generate(batch, 2)  # the same warm-up per batch shape as pdmesh's (e2e_point)
             seconds = generate(batch, plan.e2e_new)
             row = dict(
                 model=shape,
@@ -852,13 +860,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        handlers=[logging.FileHandler(out / "gpu_bench.log"), logging.StreamHandler(sys.stderr)],
-    )
+    out = setup_output(args.out, "gpu_bench.log")
     plan = Plan(
         batches=tuple(int(x) for x in args.batches.split(",")),
         contexts=tuple(int(x) for x in args.contexts.split(",")),

@@ -389,26 +389,18 @@ LINEAR_SHAPES = [
 
 
 def linear_case(n: int, k: int) -> Row:
-    """The GEMV at batch 1, forced, against cuBLAS ``x @ w.t()``, both in CUDA graphs over rotated weights
-    (so that L2 holds none); the note says which one ``use_gemv`` picks for the shape."""
+    """The GEMV (what the Triton ``linear`` runs for one row) against cuBLAS ``x @ w.t()``, both in CUDA
+    graphs over rotated weights (so that L2 holds none); the note gives the GEMV's tiles."""
 
     def make() -> tuple:
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
         return torch.randn(1, k, device="cuda", dtype=DTYPE), w
 
-    chooser = triton_linear.use_gemv
-    triton_linear.use_gemv = lambda *_a: True
-    try:
-        row = rotated_case("linear (GEMV)", f"1 x {k} -> {n}", (n * k + n + k) * 2, make, TRITON_OPS.linear,
-                           TORCH_OPS.linear)  # fmt: skip
-    finally:
-        triton_linear.use_gemv = chooser
+    row = rotated_case("linear (GEMV)", f"1 x {k} -> {n}", (n * k + n + k) * 2, make, TRITON_OPS.linear,
+                       TORCH_OPS.linear)  # fmt: skip
     row.flops = 2 * n * k
     cfg = triton_linear.linear_config(n, k, torch.device("cuda"))
-    picked = "GEMV" if chooser(1, n, k) else "cuBLAS"
-    row.note = (
-        f"engine uses {picked}; BN {cfg.block_n}, BK {cfg.block_k}, {triton.cdiv(n, cfg.block_n)} programs"
-    )
+    row.note = f"BN {cfg.block_n}, BK {cfg.block_k}, {triton.cdiv(n, cfg.block_n)} programs"
     return row
 
 
@@ -490,7 +482,9 @@ def sweep() -> None:
         sys.stdout.flush()
     triton_moe.moe_tile_config = base_m
 
-    print("\n## sweep: MoE small path (MoeSmallConfig: gate-up BN, BK, warps; down BN, BK, warps)")
+    print(
+        "\n## sweep: MoE small path at 1-8 tokens (MoeSmallConfig: gate-up BN, BK, warps; down BN, BK, warps)"
+    )
     base_s = triton_moe.moe_small_config
     small_configs = [
         triton_moe.MoeSmallConfig(16, 256, 4, 8, 256, 4),
@@ -512,32 +506,8 @@ def sweep() -> None:
         sys.stdout.flush()
     triton_moe.moe_small_config = base_s
 
-    print("\n## sweep: linear GEMV (LinearConfig: BLOCK_N, BLOCK_K, warps, stages)")
-    base_l = triton_linear.linear_config
-    linear_configs = [
-        triton_linear.LinearConfig(bn, bk, w, st)
-        for bn, bk, w, st in [
-            (16, 256, 4, 3),
-            (8, 512, 4, 3),
-            (4, 512, 4, 3),
-            (8, 256, 4, 3),
-            (16, 512, 8, 3),
-            (32, 128, 4, 3),
-            (16, 256, 4, 1),
-            (8, 512, 4, 4),
-        ]
-    ]
-    for cfg in linear_configs:
-        triton_linear.linear_config = lambda *_a, cfg=cfg: cfg
-        rows = [linear_case(n, k) for n, k in LINEAR_SHAPES[:4]]
-        print(
-            cfg,
-            " | ".join(
-                f"{r.shape}: {r.triton_us:.1f} us {r.bytes_moved / r.triton_us / 1e3:.0f} GB/s" for r in rows
-            ),
-        )
-        sys.stdout.flush()
-    triton_linear.linear_config = base_l
+    sweep_moe_small()
+    sweep_linear()
 
 
 def sweep_linear() -> None:

@@ -309,7 +309,7 @@ def main() -> None:
                 r.mode,
                 f"{r.hit_rate:.1%}",
                 f"{r.router_hits / max(1.0, r.router_prompt):.1%}",
-                f"{r.hit_rate / (best / total):.0%}",
+                f"{r.hit_rate / (best / total):.0%}" if best else "-",
                 f"{r.hit_rate / baseline.hit_rate:.2f}x" if baseline and baseline.hit_rate else "-",
                 f"{percentile(ttfts, 50):.0f} / {percentile(ttfts, 90):.0f}",
                 f"{r.wall_s:.1f}",

@@ -2,7 +2,7 @@
 
 Without a GPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set here before
 anything imports triton, and only when CUDA is absent), in float32: the interpreter mishandles bf16 dots.
-With a GPU the same test runs compiled (float32, decode eager). A small token budget makes the steps mix
+With a GPU the same test runs compiled (float32; pure decode steps as CUDA graphs, the default). A small token budget makes the steps mix
 chunked prefill (extend attention over a cached prefix) with decode rows, so both attention kernels, the
 MoE path and every row op take part.
 """
