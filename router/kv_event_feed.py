@@ -6,7 +6,8 @@ replaces whatever the index knew of that worker, then its events follow in order
 breaks is opened again (0.2 s, then up to 2 s apart), snapshot first, so nothing missed in between
 stays wrong; each break is logged once and counted in ``pdmesh_router_kv_event_stream_errors_total``. A
 worker that answers UNIMPLEMENTED has no events to give and is left alone. When a worker leaves the pool,
-or comes back under another worker id at the same address, the index forgets the old id.
+or comes back under another worker id at the same address, the index forgets the old id. ``close`` cancels
+and awaits every task the feed started (subscriptions and forgetting alike).
 
 This module moves events from the workers into the index; it does not look anything up.
 """
@@ -14,7 +15,6 @@ This module moves events from the workers into the index; it does not look anyth
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
@@ -22,6 +22,7 @@ import grpc
 from mesh.kv_event_proto import events_from_proto
 from mesh.kv_index import InProcessKVIndex
 from protos.pdmesh.v1 import common_pb2, worker_pb2
+from router.background import BackgroundTasks
 from router.metrics import RouterMetrics
 from router.worker_pool import WorkerEndpoint, WorkerPool
 
@@ -36,9 +37,9 @@ class KVEventFeed:
         self.index = index
         self.pool = pool
         self.metrics = metrics
+        self._background = BackgroundTasks("KV event feed")  # subscriptions and index.remove_worker calls
         self._tasks: dict[WorkerEndpoint, asyncio.Task[None]] = {}  # subscription per endpoint
         self._ids: dict[WorkerEndpoint, str] = {}  # the worker id its events came under
-        self._forgetting: set[asyncio.Task[None]] = set()
         self._broken: set[WorkerEndpoint] = set()  # subscriptions that broke and are not back yet
         pool.on_added.append(self.watch)
         pool.on_removed.append(self.unwatch)
@@ -48,19 +49,12 @@ class KVEventFeed:
             self.watch(w)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
         self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.close()
 
     def watch(self, w: WorkerEndpoint) -> None:
         if w not in self._tasks:
-            self._tasks[w] = asyncio.get_running_loop().create_task(
-                self._follow(w), name=f"kv-events-{w.address}"
-            )
+            self._tasks[w] = self._background.spawn(self._follow(w), f"kv-events-{w.address}")
 
     def unwatch(self, w: WorkerEndpoint) -> None:
         task = self._tasks.pop(w, None)
@@ -69,9 +63,7 @@ class KVEventFeed:
         self._broken.discard(w)
         worker_id = self._ids.pop(w, None)
         if worker_id is not None:
-            forget = asyncio.get_running_loop().create_task(self.index.remove_worker(worker_id))
-            self._forgetting.add(forget)
-            forget.add_done_callback(self._forgetting.discard)
+            self._background.spawn(self.index.remove_worker(worker_id), f"kv-forget-{worker_id}")
 
     async def _follow(self, w: WorkerEndpoint) -> None:
         delay = RETRY_MIN_S

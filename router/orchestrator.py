@@ -36,6 +36,7 @@ from opentelemetry import trace
 from mesh.telemetry import get_tracer, inject_metadata
 from mesh.worker_service import REFUSED_DRAINING, REFUSED_ENGINE_DOWN
 from protos.pdmesh.v1 import common_pb2, worker_pb2
+from router.background import BackgroundTasks
 from router.chooser import PREFILL_FAILED, RouteRequest, WorkerChooser
 from router.errors import (
     NoWorkerAvailableError,
@@ -143,7 +144,7 @@ class Orchestrator:
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.max_decode_attempts = max_decode_attempts
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks("orchestrator")  # Abort / ReleaseKV calls after a request
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -212,7 +213,7 @@ class Orchestrator:
             if st.decode_call is not None and not st.decode_call.done():
                 st.decode_call.cancel()
             if not st.finished:
-                self._spawn(self._cleanup(g.request_id, st))
+                self._background.spawn(self._cleanup(g.request_id, st), f"cleanup-{g.request_id}")
             span.end()
 
     # ---- steps ---------------------------------------------------------------------------------------
@@ -283,7 +284,7 @@ class Orchestrator:
                             st.prefill_worker = None  # it refused the request: it holds nothing
                         raise from_worker_status(exc.code(), exc.details() or "", calling.address) from None
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        self._spawn(self._release(calling, g.request_id, abort=True))
+                        self._spawn_release(calling, g.request_id, abort=True)
                     tried.append(calling)
                     st.prefill_worker = None
                     current = await self._next(PREFILL, rr, tried)
@@ -409,7 +410,7 @@ class Orchestrator:
                 st.decode_call = None
                 self._worker_error(worker, "Decode", exc)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    self._spawn(self._release(worker, g.request_id, abort=True))
+                    self._spawn_release(worker, g.request_id, abort=True)
                 st.decode_worker = None  # told already (or unreachable): cleanup need not tell it again
                 failures.append(f"{worker.address}: {exc.code().name}: {exc.details()}")
                 retry = (
@@ -492,7 +493,7 @@ class Orchestrator:
 
     def _release_prefill_kv(self, st: _State, request_id: str) -> None:
         if st.kv_held and st.prefill_worker is not None:
-            self._spawn(self._release(st.prefill_worker, request_id, abort=False))
+            self._spawn_release(st.prefill_worker, request_id, abort=False)
             st.kv_held = False
             st.prefill_worker = None
 
@@ -522,10 +523,9 @@ class Orchestrator:
                 m.tpot.observe((st.last_token_at - st.first_token_at) / (st.num_generated - 1))
 
     # ---- cleanup -------------------------------------------------------------------------------------
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _spawn_release(self, worker: WorkerEndpoint, request_id: str, abort: bool) -> None:
+        what = "abort" if abort else "release-kv"
+        self._background.spawn(self._release(worker, request_id, abort=abort), f"{what}-{request_id}")
 
     async def _cleanup(self, request_id: str, st: _State) -> None:
         """The request ended early (client gone, error): tell every worker it touched to let go."""
@@ -582,6 +582,5 @@ class Orchestrator:
                 self._worker_error(worker, "Abort", exc)
 
     async def drain_background(self, timeout: float = 5.0) -> None:
-        """Wait for pending cleanup calls (shutdown, tests)."""
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=timeout)
+        """Give pending cleanup calls up to ``timeout`` seconds, then cancel the rest (shutdown, tests)."""
+        await self._background.close(grace_s=timeout)

@@ -18,7 +18,6 @@ This module knows where workers are and how they are doing; it does not choose a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ import grpc
 
 from mesh.grpc_server import CHANNEL_OPTIONS, insecure_channel
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from router.background import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class WorkerPool:
         self.on_added: list[Callable[[WorkerEndpoint], None]] = []
         self.on_removed: list[Callable[[WorkerEndpoint], None]] = []
         self._retired: list[WorkerEndpoint] = []  # removed, channel open until nothing is in flight
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("worker pool")  # the poller, polls of new workers, channel closes
         for role, addresses in ((PREFILL, prefill_addresses), (DECODE, decode_addresses)):
             for address in addresses:
                 if self.find(address) is None:  # a repeated address is one worker
@@ -142,7 +142,7 @@ class WorkerPool:
         for listener in self.on_added:
             listener(w)
         if self._poller is not None:  # started: learn its stats now rather than at the next poll
-            self._spawn(self._poll(w))
+            self._tasks.spawn(self._poll(w), f"poll-{address}")
         return w
 
     def remove(self, w: WorkerEndpoint, why: str) -> None:
@@ -154,31 +154,21 @@ class WorkerPool:
         log.info("%s worker %s (%s) left the pool: %s", w.role, w.address, w.name, why)
         for listener in self.on_removed:
             listener(w)
-        self._spawn(self._close_retired())
+        self._tasks.spawn(self._close_retired(), "close-retired-channels")
 
     async def _close_retired(self) -> None:
         for w in [w for w in self._retired if w.in_flight <= 0]:
             self._retired.remove(w)
             await w.channel.close()
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         """Poll every worker once (so the first requests see who is up), then keep polling."""
         await self.poll_once()
-        self._poller = asyncio.create_task(self._poll_forever(), name="worker-pool-poller")
+        self._poller = self._tasks.spawn(self._poll_forever(), "worker-pool-poller")
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-        for task in list(self._tasks):
-            task.cancel()
+        await self._tasks.close()
         for w in [*self.workers, *self._retired]:
             await w.channel.close()
 
