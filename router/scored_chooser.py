@@ -16,7 +16,9 @@
    guard, ties at random (``WeightedPicker``).
 
 ``round_robin`` and ``random`` are the baselines: no hashing, no lookup, and always through a prefill
-worker when there is one. Retries reuse the request's hashes and index answer.
+worker when there is one. Retries reuse the request's hashes and index answer. The prefill candidates'
+states that the PD decision was made on serve the prefill choice that follows it (built once per
+request); a retry builds them again, from the load as it is then.
 
 Load between two stats polls (``--stats-interval-s``, 2 s) is brought up to date: a worker's queued +
 running tokens count as what it reported beyond this router's own calls at the time of the poll (other
@@ -49,10 +51,21 @@ from router.worker_pool import DECODE, PREFILL, WorkerEndpoint, WorkerPool
 PREFIX = "prefix"
 
 
+@dataclass(frozen=True)
+class _States:
+    """What the pickers see of some candidates, and the endpoint behind each state's worker id."""
+
+    candidates: tuple[WorkerEndpoint, ...]
+    states: list[WorkerState]
+    by_id: dict[str, WorkerEndpoint]
+
+
 @dataclass
 class _Memo:
     request: RoutingRequest
     routes: list[Route] = field(default_factory=list)  # where this request's prefill was sent
+    # The prefill candidates' states the PD decision saw, for the prefill choice right after it (once).
+    prefill_states: _States | None = None
 
 
 class ScoredChooser:
@@ -96,11 +109,14 @@ class ScoredChooser:
         if not candidates:
             raise ValueError(f"no {role} candidates to choose from")
         memo = await self._memo(request)
-        states, by_id = self._states(candidates, memo.request)
-        decision = self.pickers[role].pick(memo.request, states)
+        built = memo.prefill_states if role == PREFILL else None
+        memo.prefill_states = None  # a retry sees the load as it is then
+        if built is None or built.candidates != tuple(candidates):
+            built = self._states(candidates, memo.request)
+        decision = self.pickers[role].pick(memo.request, built.states)
         if role == PREFILL:
             self._remember(memo, decision.worker_id)
-        return Choice(by_id[decision.worker_id], decision.reason)
+        return Choice(built.by_id[decision.worker_id], decision.reason)
 
     async def local_prefill(
         self,
@@ -108,16 +124,20 @@ class ScoredChooser:
         prefill_candidates: Sequence[WorkerEndpoint],
         decode_worker: WorkerEndpoint | None = None,
     ) -> LocalPrefillDecision:
+        """When the request goes through a prefill worker, the states built here are the ones the prefill
+        choice then picks from: the orchestrator asks for it straight after, with nothing awaited in
+        between, so no worker's stats or in-flight load can have changed."""
         if self.pd is None:
             if not prefill_candidates:
                 return LocalPrefillDecision(True, NO_PREFILL_WORKER)
             return LocalPrefillDecision(False, DISAGGREGATED)
         memo = await self._memo(request)
-        states, _ = self._states(prefill_candidates, memo.request)
+        built = self._states(prefill_candidates, memo.request)
         decode_id = self._state_id(decode_worker) if decode_worker is not None else None
-        d = self.pd.decide(memo.request, states, decode_id)
+        d = self.pd.decide(memo.request, built.states, decode_id)
         if d.prefill_on_decode and decode_id is not None:
             self._remember(memo, decode_id)
+        memo.prefill_states = None if d.prefill_on_decode else built
         return LocalPrefillDecision(d.prefill_on_decode, d.reason)
 
     def prefill_done(self, request: RouteRequest) -> None:
@@ -165,9 +185,7 @@ class ScoredChooser:
     def _state_id(w: WorkerEndpoint) -> str:
         return w.name
 
-    def _states(
-        self, candidates: Sequence[WorkerEndpoint], request: RoutingRequest
-    ) -> tuple[list[WorkerState], dict[str, WorkerEndpoint]]:
+    def _states(self, candidates: Sequence[WorkerEndpoint], request: RoutingRequest) -> _States:
         """The pool already left out draining workers and other models or block sizes: every candidate is
         announced with the request's model and block size, so the pickers' own eligibility agrees."""
         states: list[WorkerState] = []
@@ -178,7 +196,7 @@ class ScoredChooser:
                 wid = w.address
             by_id[wid] = w
             states.append(WorkerState(self._info(w, wid, request), self._stats(w)))
-        return states, by_id
+        return _States(tuple(candidates), states, by_id)
 
     @staticmethod
     def _info(w: WorkerEndpoint, wid: str, request: RoutingRequest) -> WorkerInfo:

@@ -109,6 +109,34 @@ async def test_prefix_routing_prefers_the_worker_holding_the_prompt_and_hashes_o
     assert retry.worker.name == "p0" and index.lookups == 1
 
 
+class StateCountingChooser(ScoredChooser):
+    """Counts how often the prefill candidates' states are built."""
+
+    prefill_builds = 0
+
+    def _states(self, candidates: Any, request: Any) -> Any:
+        if candidates and candidates[0].role == PREFILL:
+            self.prefill_builds += 1
+        return super()._states(candidates, request)
+
+
+@async_test
+async def test_the_pd_decision_and_the_prefill_choice_share_one_build_of_the_prefill_states() -> None:
+    pool, metrics, index = make_pool(3, 1), RouterMetrics(), InProcessKVIndex()
+    chooser = StateCountingChooser("prefix", pool, metrics, PrefixIndex(metrics, in_process=index), seed=1)
+    prompt = tokens(640)
+    index.apply_sync("p2", stored(prompt[:512]))
+    rr = RouteRequest("r1", prompt)
+    decode = await chooser.choose(DECODE, rr, pool.by_role(DECODE))
+    assert not (await chooser.local_prefill(rr, pool.by_role(PREFILL), decode.worker)).prefill_on_decode
+    choice = await chooser.choose(PREFILL, rr, pool.by_role(PREFILL))
+    assert (choice.worker.name, choice.reason) == ("p2", "prefix")
+    assert chooser.prefill_builds == 1
+    # A retry is chosen from the load as it is then: its states are built again.
+    retry = await chooser.choose(PREFILL, rr, [w for w in pool.by_role(PREFILL) if w.name != "p2"])
+    assert retry.worker.name in ("p0", "p1") and chooser.prefill_builds == 2
+
+
 @async_test
 async def test_pd_decision_looks_at_the_chosen_decode_workers_cache() -> None:
     pool, metrics, index = make_pool(2, 2), RouterMetrics(), InProcessKVIndex()
