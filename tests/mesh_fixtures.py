@@ -18,9 +18,12 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from router.metrics import RouterMetrics
 
 REPO = Path(__file__).resolve().parent.parent
 READY = re.compile(r"pdmesh (\w+) ready: grpc=(\S+) metrics=(\S+)")
@@ -121,6 +124,23 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+async def until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """``wait_until`` on the running event loop: poll without blocking it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return bool(predicate())
+
+
+def metric(metrics: RouterMetrics, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample of an in-process router's metrics (0 when absent), by exact name and labels."""
+    value = metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
 
 
 # ---- Redis (127.0.0.1:6379 on these machines; .ci/run starts one when none answers) ------------------

@@ -17,7 +17,7 @@ from router.background import BackgroundTasks
 from router.kv_event_feed import KVEventFeed
 from router.metrics import RouterMetrics
 from router.worker_pool import WorkerPool
-from tests.mesh_fixtures import async_test
+from tests.mesh_fixtures import async_test, until
 
 BS = 16
 
@@ -101,11 +101,7 @@ async def test_feed_close_leaves_no_subscription_or_forgetting_task_running() ->
     feed = KVEventFeed(index, pool, RouterMetrics())
     feed.start()
     try:
-        for _ in range(250):
-            if index.lookup_sync([7, 8]):
-                break
-            await asyncio.sleep(0.02)
-        assert index.lookup_sync([7, 8]) == {"p-bg": PrefixMatch.from_counts(2, 0, 0)}
+        assert await until(lambda: index.lookup_sync([7, 8]) == {"p-bg": PrefixMatch.from_counts(2, 0, 0)})
         # The worker leaves: its subscription is cancelled and the index is told to forget it, in a task
         # that has not run yet when close is called.
         pool.remove(pool.workers[0], "test")

@@ -25,6 +25,7 @@ from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.service import RouterService
 from router.worker_pool import Health
+from tests.mesh_fixtures import metric, until
 
 WORKER = service_name(worker_pb2, "Worker")
 STOP = common_pb2.FINISH_REASON_STOP
@@ -180,21 +181,6 @@ async def _sse(svc: RouterService, body: dict[str, Any]) -> list[Any]:
     return events
 
 
-async def _settle(predicate: Any, timeout: float = 5.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(predicate())
-
-
-def _metric(svc: RouterService, name: str, labels: dict[str, str] | None = None) -> float:
-    value = svc.metrics.registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else value
-
-
 # ---- the happy paths --------------------------------------------------------------------------------
 
 
@@ -215,14 +201,20 @@ def test_disaggregated_request_sends_first_token_then_decode_stream() -> None:
                 req.HasField("kv_handle") and req.first_token_id == ord("A") and req.num_cached_tokens == 16
             )
             assert req.sampling_params.max_tokens == 4 and list(req.prompt_token_ids) == [256, *b"hello"]
-            assert _metric(svc, "pdmesh_router_prefix_hit_tokens_total", {"tier": "gpu"}) == 16
-            assert _metric(svc, "pdmesh_router_generated_tokens_total") == 4
-            assert _metric(svc, "pdmesh_router_ttft_seconds_count") == 1
+            assert metric(svc.metrics, "pdmesh_router_prefix_hit_tokens_total", {"tier": "gpu"}) == 16
+            assert metric(svc.metrics, "pdmesh_router_generated_tokens_total") == 4
+            assert metric(svc.metrics, "pdmesh_router_ttft_seconds_count") == 1
             assert (
-                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "long_uncached"}) == 1
+                metric(
+                    svc.metrics, "pdmesh_router_decisions_total", {"role": "pd", "reason": "long_uncached"}
+                )
+                == 1
             )
             assert (
-                _metric(svc, "pdmesh_router_requests_total", {"endpoint": "completions", "status": "ok"}) == 1
+                metric(
+                    svc.metrics, "pdmesh_router_requests_total", {"endpoint": "completions", "status": "ok"}
+                )
+                == 1
             )
         assert prefill.names("Abort") == [] and prefill.names("ReleaseKV") == []
 
@@ -240,7 +232,11 @@ def test_without_prefill_workers_the_decode_worker_prefills() -> None:
             assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
             assert not decode.decode_requests[0].HasField("kv_handle")
             assert (
-                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "no_prefill_worker"})
+                metric(
+                    svc.metrics,
+                    "pdmesh_router_decisions_total",
+                    {"role": "pd", "reason": "no_prefill_worker"},
+                )
                 == 1
             )
 
@@ -294,7 +290,7 @@ def test_failed_prefill_worker_is_replaced_by_the_next() -> None:
                 assert status == 200 and body["choices"][0]["text"] == "ABCD"
             assert len(bad.names("Prefill")) >= 1 and len(good.names("Prefill")) == 2
             assert all(r.HasField("kv_handle") for r in decode.decode_requests)
-            assert _metric(svc, "pdmesh_router_retries_total", {"role": "prefill"}) >= 1
+            assert metric(svc.metrics, "pdmesh_router_retries_total", {"role": "prefill"}) >= 1
 
     asyncio.run(run())
 
@@ -308,9 +304,12 @@ def test_when_every_prefill_worker_fails_the_decode_worker_prefills() -> None:
             status, body = await _complete(svc, {"prompt": "x"})
             assert status == 200 and body["choices"][0]["text"] == "ABCD"
             assert not decode.decode_requests[0].HasField("kv_handle")
-            assert await _settle(lambda: bad.names("Abort") != [])
+            assert await until(lambda: bad.names("Abort") != [])
             assert (
-                _metric(svc, "pdmesh_router_decisions_total", {"role": "pd", "reason": "prefill_failed"}) == 1
+                metric(
+                    svc.metrics, "pdmesh_router_decisions_total", {"role": "pd", "reason": "prefill_failed"}
+                )
+                == 1
             )
 
     asyncio.run(run())
@@ -330,7 +329,7 @@ def test_decode_refusal_before_any_token_is_retried_with_the_same_kv_handle() ->
             assert len(bad.names("Decode")) == 2 and len(good.names("Decode")) == 2
             handles = {r.kv_handle.request_id for r in good.decode_requests}
             assert handles == set(prefill.names("Prefill"))
-            assert await _settle(lambda: len(bad.names("Abort")) == len(bad.names("Decode")))
+            assert await until(lambda: len(bad.names("Abort")) == len(bad.names("Decode")))
             assert prefill.names("ReleaseKV") == []
 
     asyncio.run(run())
@@ -350,7 +349,7 @@ def test_decode_failure_that_may_have_spent_the_kv_is_retried_with_a_local_prefi
             assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "ABCD"
             (retry,) = good.decode_requests
             assert not retry.HasField("kv_handle") and not retry.HasField("first_token_id")
-            assert await _settle(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
+            assert await until(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
             # Another first token on the retry (unseeded sampling would do that): a clean error.
             good.first = ord("Z")
             svc.pool.workers[-1].health = Health.DOWN
@@ -369,7 +368,7 @@ def test_decode_failure_with_no_other_worker_releases_the_prefill_kv() -> None:
             status, body = await _complete(svc, {"prompt": "x"})
             assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
             assert "RESOURCE_EXHAUSTED" in body["error"]["message"]
-            assert await _settle(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
+            assert await until(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
 
     asyncio.run(run())
 
@@ -404,7 +403,7 @@ def test_decode_failure_mid_stream_is_a_clean_error_and_not_retried() -> None:
             assert status == 502 and "after streaming had begun" in body["error"]["message"]
             assert len(decode.names("Decode")) == 2 and spare.names("Decode") == []
             labels = {"endpoint": "completions", "status": "upstream_error"}
-            assert _metric(svc, "pdmesh_router_requests_total", labels) == 2
+            assert metric(svc.metrics, "pdmesh_router_requests_total", labels) == 2
 
     asyncio.run(run())
 
@@ -436,12 +435,14 @@ def test_http_client_disconnect_aborts_the_request_on_both_workers() -> None:
             async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
                 await resp.content.readline()  # the first event
                 resp.close()
-            assert await _settle(lambda: decode.names("Abort") != [] and prefill.names("Abort") != [])
+            assert await until(lambda: decode.names("Abort") != [] and prefill.names("Abort") != [])
             assert decode.names("DecodeCancelled") == decode.names("Decode")
-            assert await _settle(lambda: svc.metrics.in_flight._value.get() == 0)
+            assert await until(lambda: svc.metrics.in_flight._value.get() == 0)
             assert (
-                _metric(
-                    svc, "pdmesh_router_requests_total", {"endpoint": "completions", "status": "cancelled"}
+                metric(
+                    svc.metrics,
+                    "pdmesh_router_requests_total",
+                    {"endpoint": "completions", "status": "cancelled"},
                 )
                 == 1
             )
@@ -449,7 +450,7 @@ def test_http_client_disconnect_aborts_the_request_on_both_workers() -> None:
             with pytest.raises(asyncio.TimeoutError):
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
                     await session.post(url, json={"prompt": "y", "max_tokens": 200})
-            assert await _settle(lambda: len(decode.names("Abort")) == 2 and len(prefill.names("Abort")) == 2)
+            assert await until(lambda: len(decode.names("Abort")) == 2 and len(prefill.names("Abort")) == 2)
 
     asyncio.run(run())
 
@@ -472,7 +473,7 @@ def test_cancelled_grpc_generate_aborts_the_request_on_both_workers() -> None:
                 assert list(first.token_ids) == [ord("A")] and first.prefill_worker
                 assert list(second.token_ids) == [ord("B")] and second.decode_worker
                 call.cancel()
-            assert await _settle(lambda: decode.names("Abort") == ["g1"] and prefill.names("Abort") == ["g1"])
+            assert await until(lambda: decode.names("Abort") == ["g1"] and prefill.names("Abort") == ["g1"])
             assert decode.names("DecodeCancelled") == ["g1"]
 
     asyncio.run(run())
@@ -494,7 +495,7 @@ def test_disconnect_between_prefill_and_decode_releases_the_kv() -> None:
                     await session.post(
                         f"http://127.0.0.1:{svc.http_port}/v1/completions", json={"prompt": "x"}
                     )
-            assert await _settle(lambda: prefill.names("ReleaseKV") != [] and prefill.names("Abort") != [])
+            assert await until(lambda: prefill.names("ReleaseKV") != [] and prefill.names("Abort") != [])
             assert decode.names("Decode") == []
 
     asyncio.run(run())

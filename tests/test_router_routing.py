@@ -33,15 +33,10 @@ from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, merge
 from router.scored_chooser import ScoredChooser
 from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
-from tests.mesh_fixtures import REDIS_URL, async_test, redis_up
+from tests.mesh_fixtures import REDIS_URL, async_test, metric, redis_up, until
 
 FP = "tiny-dense-v1:float32"
 BS = 16
-
-
-def metric(metrics: RouterMetrics, name: str, labels: dict[str, str] | None = None) -> float:
-    value = metrics.registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else value
 
 
 def stats(
@@ -603,14 +598,6 @@ class EventWorker(worker_pb2_grpc.WorkerServicer):
         for q in self.queues:
             q.put_nowait(None)
         self.queues.clear()
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
 
 
 @async_test
