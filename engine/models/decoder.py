@@ -238,7 +238,9 @@ class DecoderModel(nn.Module):
         )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         # Barrier counter of the fused one-token MoE layer (one per model: its steps run on one stream).
-        self.register_buffer("decode_sync", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer(
+            "decode_sync", torch.zeros(1, dtype=torch.int32, device=device), persistent=False
+        )
         for layer in self.layers:
             layer.decode_sync = self.decode_sync
         self.lm_head = (
