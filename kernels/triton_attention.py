@@ -155,22 +155,26 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Fast path: in a decode batch token t is sequence t's only query; otherwise search for it.
+    # Fast path: in a decode batch token t is sequence t's only query; otherwise search for it. The batch
+    # metadata is a step input that no kernel of the step writes, so it is read before the PDL wait,
+    # while the previous kernel (the QKV prologue) still runs: one dependent round trip less after it.
     seq = token
-    q_start = tl.load(qsl_ptr + token)
-    q_end = tl.load(qsl_ptr + token + 1)
+    q_start = tl.load(qsl_ptr + token)  # pre-wait: step input
+    q_end = tl.load(qsl_ptr + token + 1)  # pre-wait: step input
+    seq_total = tl.load(seq_lens_ptr + token)  # pre-wait: step input (token < T <= num_seqs here)
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
         q_start = tl.load(qsl_ptr + seq)
         q_end = tl.load(qsl_ptr + seq + 1)
+        seq_total = tl.load(seq_lens_ptr + seq)
     q_len = q_end - q_start
-    kv_len = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start) + 1
+    kv_len = seq_total - q_len + (token - q_start) + 1
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)

@@ -406,18 +406,22 @@ def _moe_small_down_kernel(
 
     The token's expert ids and weights are read once, up front, and each step loads one
     [top-k, BLOCK_N, BLOCK_K] tile of all its experts' rows: no load waits on an id loaded in the loop
-    (16.6 -> 9.3 us per Qwen3-30B-A3B layer at batch 1 on the H200 against a loop over the experts)."""
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    (16.6 -> 9.3 us per Qwen3-30B-A3B layer at batch 1 on the H200 against a loop over the experts).
+
+    The ids and weights are also inputs of the gate-up kernel launched just before this one, so they were
+    complete before that kernel passed its own PDL wait, which it did before this kernel could start:
+    they are read before this kernel's wait, and only ``act`` after it."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     js = tl.arange(0, BLOCK_J)
     j_mask = js < TOP_K
     pairs = token * TOP_K + js
-    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)
-    weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
+    weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
         w2_ptr

@@ -189,16 +189,21 @@ def _qkv_prologue_kernel(
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     row = qkv_ptr + token * stride_qkv_t
     dims = tl.arange(0, BLOCK_HALF)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos = tl.load(cache_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
+    # Positions and the cos/sin table are step inputs no kernel of the step writes: read them before the
+    # PDL wait, while the QKV projection still runs, so only qkv is read after it.
+    pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
+    half_mask = dims < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + dims, mask=half_mask, other=0.0)  # pre-wait: table
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + dims, mask=half_mask, other=0.0)  # pre-wait: table
+    cos = cos[None, :]
+    sin = sin[None, :]
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if group < tl.num_programs(1) - 1:
         _q_heads(
             row,
