@@ -10,7 +10,8 @@ over slots, one per tier (gpu, cpu, disk): bit ``s`` of the gpu bitset says work
 in gpu memory. A lookup walks the chain once, AND-ing the set of workers still matching with each block's
 holders, and skips a block whose bitsets equal the previous block's, so its cost per block does not grow
 with the number of workers; per-worker work happens only where a worker's match or best tier changes.
-Per-worker sets of held hashes serve ``remove_worker`` and ``AllBlocksCleared``.
+Per-worker sets of held hashes serve ``remove_worker`` and ``AllBlocksCleared``; the slot table names every
+worker the index holds anything for (``worker_ids``, O(workers)).
 
 Costs, measured by ``python benchmarks/router_decision_bench.py`` on CPU, 2 cores, Redis 7.0 on loopback,
 2026-11-29 (13:36 UTC, quiet machine); the full table is in docs/routing.md, "KV index costs":
@@ -84,6 +85,10 @@ class KVIndex(Protocol):
 
     async def remove_worker(self, worker_id: str) -> None:
         """Forget everything a worker holds (it left the mesh, or its registration expired)."""
+        ...
+
+    async def worker_ids(self) -> set[str]:
+        """The workers the index holds anything for (each holds a slot until ``remove_worker``)."""
         ...
 
     async def clear(self) -> None:
@@ -237,6 +242,9 @@ class InProcessKVIndex:
         if slot is not None:
             del self._worker_of[slot]
             heapq.heappush(self._free_slots, slot)
+
+    async def worker_ids(self) -> set[str]:
+        return set(self._slot_of)
 
     async def clear(self) -> None:
         self._blocks.clear()
@@ -566,6 +574,13 @@ class RedisKVIndex:
                 pending.append((_CLEAR_SLOT_LUA, keys, [slot, ALL_TIERS_MASK, *hexes]))
             await self._run(pending)
         await self._eval(_FREE_LUA, [retiring, self._slot_keys[3]], [slot])
+
+    async def worker_ids(self) -> set[str]:
+        """``HKEYS kvslot``: one round trip, O(workers), whatever the number of blocks. The slot table is
+        the complete list: a worker gets its slot with its first stored block (before its ``wblk:`` set
+        exists) and loses it only in ``remove_worker`` (after which its set is gone), so it also names a
+        worker whose set emptied, which a SCAN over ``wblk:*`` (O(keyspace)) would miss."""
+        return {_text(w) for w in await self._redis.hkeys(self._slot_keys[0])}
 
     async def clear(self) -> None:
         """Delete every key of this model's index (SCAN over the keyspace: an administrative operation)."""

@@ -11,7 +11,9 @@ the index cannot be asked: the caller then routes by load alone and counts it. T
 - no Redis: an ``InProcessKVIndex`` fed by ``router.kv_event_feed``; always up.
 
 ``forget_worker`` removes a departed worker's entries (``router.discovery`` calls it when the registry has
-dropped a worker that is gone), in O(that worker's entries): the index keeps a set of blocks per worker.
+dropped a worker that is gone, and for the ids its periodic sweep finds in the index with no worker behind
+them), in O(that worker's entries): the index keeps a set of blocks per worker. ``worker_ids`` lists the ids
+the index holds entries for, in O(workers) (one ``HKEYS`` in Redis), for that sweep.
 
 This module owns availability and timing of lookups; block hashing and scoring happen in the chooser.
 """
@@ -78,11 +80,33 @@ class PrefixIndex:
         self.metrics.index_lookup_latency.observe(time.perf_counter() - started)
         return matches
 
-    async def forget_worker(self, model_fingerprint: str, worker_id: str) -> bool:
+    async def worker_ids(self, model_fingerprint: str) -> set[str] | None:
+        """The ids of the workers the index holds entries for. None when Redis could not be read (within
+        ``4 * timeout_s``): one warning and ``pdmesh_router_index_forget_errors_total``, since the sweep
+        that asks cannot forget anyone this time; it asks again at its next round."""
+        if self.in_process is not None:
+            return await self.in_process.worker_ids()
+        try:
+            return await asyncio.wait_for(
+                self._redis_index(model_fingerprint).worker_ids(), self.timeout_s * 4
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.metrics.index_forget_errors.inc()
+            log.warning(
+                "could not list the workers in the KV index (%s: %s); unregistered workers' entries are "
+                "swept at the next round",
+                type(exc).__name__,
+                str(exc) or f"no answer in {self.timeout_s * 4:g}s",
+            )
+            return None
+
+    async def forget_worker(self, model_fingerprint: str, worker_id: str, reason: str | None = None) -> bool:
         """Remove everything the index holds for a worker that is gone, so that no request is scored on
-        its cache again (nor a later worker that reuses its id). False when Redis could not be reached:
-        one warning and ``pdmesh_router_index_forget_errors_total``; its entries then stay until a worker
-        with that id starts again (no router scores a worker that is not in its pool meanwhile)."""
+        its cache again (nor a later worker that reuses its id). One info line, saying ``reason`` when
+        given. False when Redis could not be reached: one warning and
+        ``pdmesh_router_index_forget_errors_total``; its entries then stay until a worker with that id
+        starts again or discovery's next sweep (no router scores a worker that is not in its pool
+        meanwhile)."""
         if self.in_process is not None:
             await self.in_process.remove_worker(worker_id)
         else:
@@ -92,13 +116,16 @@ class PrefixIndex:
                 self.metrics.index_forget_errors.inc()
                 log.warning(
                     "could not remove the KV index entries of departed worker %s (%s: %s); they stay until "
-                    "a worker with this id starts again",
+                    "a worker with this id starts again or discovery sweeps them",
                     worker_id,
                     type(exc).__name__,
                     exc,
                 )
                 return False
-        log.info("KV index: forgot departed worker %s", worker_id)
+        if reason is None:
+            log.info("KV index: forgot departed worker %s", worker_id)
+        else:
+            log.info("KV index: forgot worker %s (%s)", worker_id, reason)
         return True
 
     def _redis_index(self, model_fingerprint: str) -> RedisKVIndex:
