@@ -14,8 +14,15 @@ Every ``interval_s`` it reads ``Registry.list_workers`` and reconciles the pool:
   not answering, or another process answers at its address now) is removed from the KV index
   (``PrefixIndex.forget_worker``), so that its cached blocks score no request again. A worker that left the
   pool only because it stayed unregistered past ``grace_s`` while it still answers keeps its entries: it
-  is alive and its own KV events keep them true. Workers that died while this router was not running are
-  not known to it and are not removed.
+  is alive and its own KV events keep them true;
+- every ``sweep_interval_s`` (30 s), once the registry has answered without a failed read for ``grace_s``
+  (a restarted Redis is empty until heartbeats register the workers again), the index of the pool's model
+  is swept: each worker id it holds entries for (``PrefixIndex.worker_ids``, one ``HKEYS``) that is
+  neither registered nor in the pool, nor kept above as still answering, is forgotten, with one info
+  line: workers that died while this router was not running, whose registrations expired unseen. An id
+  is swept at most once until it is registered or in the pool again. The index is listed before the
+  registry is read, so that a worker which registered before storing its first block (it registers as it
+  starts, before routers find it) is in the list that spares it.
 
 While the registry cannot be read, the last known list stays in use: one warning line when it goes,
 ``pdmesh_router_registry_up`` 0 and ``pdmesh_router_registry_errors_total`` counting; one info line when
@@ -59,6 +66,7 @@ class RegistryDiscovery:
         timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         index: PrefixIndex | None = None,
+        sweep_interval_s: float = 30.0,
     ) -> None:
         self.registry = registry
         self.pool = pool
@@ -72,6 +80,11 @@ class RegistryDiscovery:
         # Worker id -> (model, endpoint): the ids of the last read, plus ids that left the registry whose
         # worker is still in the pool (it may register again within the grace).
         self._ids: dict[str, tuple[str, WorkerEndpoint]] = {}
+        self.sweep_interval_s = sweep_interval_s
+        self._answering_since: float | None = None  # the first read of the current run of good reads
+        self._next_sweep = 0.0
+        self._swept: set[str] = set()  # ids swept, until registered or in the pool again
+        self._kept_alive: set[str] = set()  # ids that left the pool while still answering (see _departed)
         self.up = True
         self._warned_no_model = False
         self._task: asyncio.Task[None] | None = None
@@ -95,7 +108,14 @@ class RegistryDiscovery:
             await self.poll_once()
 
     async def poll_once(self) -> bool:
-        """One read and reconciliation; False when the registry could not be read."""
+        """One read and reconciliation, and a sweep of the index when one is due; False when the registry
+        could not be read."""
+        fingerprint = self.pool.model_fingerprint
+        indexed: set[str] | None = None
+        if self._sweep_due():
+            self._next_sweep = self.clock() + self.sweep_interval_s
+            assert self.index is not None and fingerprint is not None
+            indexed = await self.index.worker_ids(fingerprint)  # before the read: see the module docstring
         try:
             workers = await asyncio.wait_for(
                 self.registry.list_workers(model_fingerprint=self.pool.model_fingerprint), self.timeout_s
@@ -111,7 +131,10 @@ class RegistryDiscovery:
                     exc,
                     len(self.pool.workers),
                 )
+            self._answering_since = None
             return False
+        if self._answering_since is None:
+            self._answering_since = self.clock()
         if not self.up:
             self.up = True
             self.metrics.registry_up.set(1)
@@ -119,7 +142,40 @@ class RegistryDiscovery:
         gone = self.reconcile(workers)
         if self.index is not None and gone:
             await asyncio.gather(*(self.index.forget_worker(fp, worker_id) for fp, worker_id in gone))
+        if indexed is not None and fingerprint == self.pool.model_fingerprint:
+            assert fingerprint is not None
+            await self._sweep(fingerprint, indexed, workers, {worker_id for _, worker_id in gone})
         return True
+
+    def _sweep_due(self) -> bool:
+        return (
+            self.index is not None
+            and self.index.up
+            and self.pool.model_fingerprint is not None
+            and self._answering_since is not None
+            and self.clock() - self._answering_since >= self.grace_s
+            and self.clock() >= self._next_sweep
+        )
+
+    async def _sweep(
+        self, fingerprint: str, indexed: set[str], workers: list[WorkerInfo], forgotten: set[str]
+    ) -> None:
+        """Forget the ids in ``indexed`` (the index's, read before ``workers``) that are neither
+        registered nor in the pool, nor kept as still answering, nor just ``forgotten``. O(ids)."""
+        assert self.index is not None
+        known = {info.worker_id for info in workers}
+        for w in self.pool.workers:
+            known.add(w.name)  # its announced id once it answered, else its registration or address
+            if w.registered_id:
+                known.add(w.registered_id)
+        self._swept -= known
+        self._kept_alive -= known
+        dead = sorted(indexed - known - self._kept_alive - self._swept - forgotten)
+        if not dead:
+            return
+        reason = "swept: not registered and not in the pool"
+        done = await asyncio.gather(*(self.index.forget_worker(fingerprint, i, reason) for i in dead))
+        self._swept.update(i for i, ok in zip(dead, done, strict=True) if ok)
 
     def reconcile(self, workers: list[WorkerInfo]) -> list[tuple[str, str]]:
         """Bring the pool in line with the registry's list. Returns the (model fingerprint, worker id) of
@@ -167,12 +223,14 @@ class RegistryDiscovery:
             if same_process and w in in_pool and w.health is not Health.DOWN:
                 ids[worker_id] = (fp, w)  # it may register again within the grace: decide later
             elif same_process and w.health is Health.UP and not w.draining:
+                self._kept_alive.add(worker_id)
                 log.info(
                     "worker %s left the pool but still answers: its KV index entries stay (its own "
                     "events keep them true)",
                     worker_id,
                 )
             else:
+                self._kept_alive.discard(worker_id)
                 gone.append((fp, worker_id))
         self._ids = ids
         return gone

@@ -1,0 +1,228 @@
+"""Discovery's sweep of the KV index: ids of workers that died while no router watched them.
+
+Real Redis, a real ``RedisKVIndex`` written by the "workers" as theirs is, a real ``RedisRegistry``; each
+test works under a model fingerprint and a registry prefix of its own, and deletes its keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from mesh.block_hash import block_hashes, root_hash
+from mesh.kv_events import BlocksRemoved, BlocksStored, Tier
+from mesh.kv_index import RedisKVIndex
+from mesh.registry import RedisRegistry, WorkerInfo
+from protos.pdmesh.v1 import common_pb2
+from router.discovery import RegistryDiscovery
+from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex
+from router.worker_pool import PREFILL, WorkerPool
+from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis
+
+pytestmark = needs_redis
+
+BS = 16
+SWEPT = "swept: not registered and not in the pool"
+
+
+@dataclass
+class Mesh:
+    fp: str
+    client: aioredis.Redis
+    registry: RedisRegistry
+    worker_side: RedisKVIndex  # what a worker writes its events through
+    index: PrefixIndex  # the router's
+    pool: WorkerPool
+    metrics: RouterMetrics
+    hashes: list[int]
+
+    def info(self, worker_id: str, role: str, port: int) -> WorkerInfo:
+        return WorkerInfo(worker_id, role, f"127.0.0.1:{port}", self.fp, BS, 256)
+
+    async def store(self, worker_id: str) -> None:
+        await self.worker_side.apply(worker_id, [BlocksStored(tuple(self.hashes), Tier.GPU)])
+
+    async def holders(self) -> set[str]:
+        return set(await self.worker_side.lookup(self.hashes))
+
+
+@contextlib.asynccontextmanager
+async def mesh(static_decode: tuple[str, ...] = ()) -> AsyncIterator[Mesh]:
+    fp = f"tiny-dense-sweep-{uuid.uuid4().hex[:12]}"
+    client = aioredis.from_url(REDIS_URL)
+    registry = RedisRegistry(client, prefix=f"pdmesh-sweep-{uuid.uuid4().hex[:12]}")
+    worker_side = RedisKVIndex(REDIS_URL, fp)
+    metrics = RouterMetrics()
+    index = PrefixIndex(metrics, redis_client=client)
+    pool = WorkerPool([], static_decode, BS)
+    pool.model_fingerprint = fp  # as the first stats poll of a worker sets it
+    hashes = block_hashes([(i * 31) % 500 for i in range(128)], BS, root_hash(fp))
+    try:
+        yield Mesh(fp, client, registry, worker_side, index, pool, metrics, hashes)
+    finally:
+        await pool.close()
+        await index.close()
+        await worker_side.aclose()
+        for prefix in (worker_side.namespace, registry.prefix + ":"):
+            keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
+            if keys:
+                await client.delete(*keys)
+        await client.aclose()
+
+
+async def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
+    """Poll an async predicate on the running loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(await predicate())
+
+
+def swept_lines(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records if SWEPT in r.getMessage()]
+
+
+@async_test
+async def test_worker_ids_lists_every_worker_holding_a_slot() -> None:
+    async with mesh() as m:
+        assert await m.worker_side.worker_ids() == set()
+        await m.store("p-a")
+        await m.store("p-b")
+        # p-b's blocks all go: its set of held blocks is empty, yet it holds a slot, so it is listed.
+        await m.worker_side.apply("p-b", [BlocksRemoved(tuple(m.hashes), Tier.GPU)])
+        assert not await m.client.exists(m.worker_side.worker_key("p-b"))
+        assert await m.worker_side.worker_ids() == {"p-a", "p-b"}
+        assert await m.index.worker_ids(m.fp) == {"p-a", "p-b"}
+        await m.worker_side.remove_worker("p-b")
+        assert await m.worker_side.worker_ids() == {"p-a"}
+
+
+@async_test
+async def test_discovery_sweeps_a_worker_that_died_unseen_and_keeps_the_live_ones(caplog: Any) -> None:
+    """p-dead registered, stored blocks and died before the router started: its registration expired. The
+    router's discovery forgets it once the registry has answered for the grace; p-live (registered) and
+    d-static (named on the command line, not registered) keep their entries. One line, one removal."""
+    async with mesh(static_decode=("127.0.0.1:30403",)) as m:
+        await m.registry.register(m.info("p-dead", PREFILL, 30401), 0.2)
+        await m.registry.register(m.info("p-live", PREFILL, 30402), 60)
+        for worker_id in ("p-dead", "p-live", "d-static"):
+            await m.store(worker_id)
+        (static,) = m.pool.workers  # named on the command line; its id comes from its stats
+        static.stats = common_pb2.WorkerStats(worker_id="d-static", model_fingerprint=m.fp, block_size=BS)
+        await asyncio.sleep(0.3)  # p-dead's registration expires
+        assert [w.worker_id for w in await m.registry.list_workers()] == ["p-live"]
+        assert await m.holders() == {"p-dead", "p-live", "d-static"}
+
+        discovery = RegistryDiscovery(
+            m.registry,
+            m.pool,
+            m.metrics,
+            "tiny-dense",
+            interval_s=0.02,
+            grace_s=0.3,
+            index=m.index,
+            sweep_interval_s=0.1,
+        )
+        with caplog.at_level(logging.INFO, logger="router.prefix_index"):
+            started = time.monotonic()
+            await discovery.start()
+            try:
+                assert await wait_for(lambda: _lacks(m, "p-dead"))
+                assert time.monotonic() - started >= 0.3  # not before the grace
+                await asyncio.sleep(0.35)  # more sweeps: p-dead is not swept again
+            finally:
+                await discovery.close()
+        assert await m.holders() == {"p-live", "d-static"}
+        assert await m.worker_side.worker_ids() == {"p-live", "d-static"}
+        assert not await m.client.exists(m.worker_side.worker_key("p-dead"))
+        assert swept_lines(caplog) == [f"KV index: forgot worker p-dead ({SWEPT})"]
+        assert metric(m.metrics, "pdmesh_router_index_forget_errors_total") == 0
+
+
+async def _lacks(m: Mesh, worker_id: str) -> bool:
+    return worker_id not in await m.worker_side.worker_ids()
+
+
+@async_test
+async def test_nothing_is_swept_within_the_grace(caplog: Any) -> None:
+    """A restarted Redis holds the index (persisted) but no registration yet: until the registry has
+    answered for the grace, the workers' heartbeats may still register them, so nothing is swept."""
+    async with mesh() as m:
+        for worker_id in ("p-a", "d-b"):
+            await m.store(worker_id)  # no registration: the workers have not re-registered yet
+        discovery = RegistryDiscovery(
+            m.registry,
+            m.pool,
+            m.metrics,
+            "tiny-dense",
+            interval_s=0.02,
+            grace_s=30.0,
+            index=m.index,
+            sweep_interval_s=0.05,
+        )
+        with caplog.at_level(logging.INFO, logger="router.prefix_index"):
+            await discovery.start()
+            try:
+                await asyncio.sleep(0.5)  # ~25 reads, ~10 sweep intervals
+                await m.registry.register(m.info("p-a", PREFILL, 30411), 60)  # p-a's heartbeat is back
+                await asyncio.sleep(0.1)
+            finally:
+                await discovery.close()
+        assert await m.holders() == {"p-a", "d-b"}
+        assert swept_lines(caplog) == []
+
+
+class FlakyRegistry(RedisRegistry):
+    """The real registry, with reads that fail while ``down`` (Redis restarting, for the router)."""
+
+    down = False
+
+    async def list_workers(
+        self, role: str | None = None, model_fingerprint: str | None = None
+    ) -> list[WorkerInfo]:
+        if self.down:
+            raise redis.ConnectionError("Connection refused")
+        return await super().list_workers(role, model_fingerprint)
+
+
+@async_test
+async def test_a_failed_registry_read_starts_the_grace_again() -> None:
+    async with mesh() as m:
+        registry = FlakyRegistry(m.client, prefix=m.registry.prefix)
+        now = [0.0]
+        discovery = RegistryDiscovery(
+            registry,
+            m.pool,
+            m.metrics,
+            "tiny-dense",
+            grace_s=5.0,
+            clock=lambda: now[0],
+            index=m.index,
+            sweep_interval_s=30.0,
+        )
+        await m.store("p-dead")
+        assert await discovery.poll_once()
+        now[0] = 4.0
+        registry.down = True
+        assert not await discovery.poll_once()
+        now[0] = 6.0
+        registry.down = False
+        assert await discovery.poll_once()  # answering again since 6.0
+        now[0] = 10.9
+        assert await discovery.poll_once()
+        assert await m.holders() == {"p-dead"}
+        now[0] = 11.0
+        assert await discovery.poll_once()
+        assert await m.holders() == set()
