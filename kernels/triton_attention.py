@@ -99,38 +99,9 @@ def _attend_tile(
     """One online-softmax step over keys [start, start + BLOCK_N) (those < limit) for a query tile."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < limit
-    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
-    return _attend_pages(
-        q, acc, l_i, m_i, k_base, v_base, pos, valid, page, q_pos, scale_log2, stride_pool_block,
-        stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION,
-    )  # fmt: skip
-
-
-@triton.jit
-def _attend_pages(
-    q,
-    acc,
-    l_i,
-    m_i,
-    k_base,
-    v_base,
-    pos,
-    valid,
-    page,
-    q_pos,
-    scale_log2,
-    stride_pool_block,
-    stride_pool_slot,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``_attend_tile`` for keys at positions ``pos`` (``valid`` of them) whose pool blocks ``page`` the
-    caller has already read from the block table."""
     dims = tl.arange(0, BLOCK_D)
-    offs = page.to(tl.int64) * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
+    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = page * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
     kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
     k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
@@ -194,25 +165,19 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + token)  # pre-wait: step input
     q_end = tl.load(qsl_ptr + token + 1)  # pre-wait: step input
     seq_total = tl.load(seq_lens_ptr + token)  # pre-wait: step input (token < T <= num_seqs here)
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
-        q_start = tl.load(qsl_ptr + seq)  # pre-wait: step input
-        q_end = tl.load(qsl_ptr + seq + 1)  # pre-wait: step input
-        seq_total = tl.load(seq_lens_ptr + seq)  # pre-wait: step input
+        q_start = tl.load(qsl_ptr + seq)
+        q_end = tl.load(qsl_ptr + seq + 1)
+        seq_total = tl.load(seq_lens_ptr + seq)
     q_len = q_end - q_start
     kv_len = seq_total - q_len + (token - q_start) + 1
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
-    # The first tile's pool blocks, from the block table (a step input too); the loop reads each next
-    # tile's blocks one step ahead, so no key load waits on a block-table load.
-    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < end
-    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)  # pre-wait: step input
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
     head_mask = tl.arange(0, BLOCK_H) < GROUP
@@ -224,20 +189,16 @@ def _decode_split_kernel(
         other=0.0,
     )
     k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for _ in range(start, end, BLOCK_N):
-        next_pos = pos + BLOCK_N
-        next_valid = next_pos < end
-        next_page = tl.load(bt_row_ptr + next_pos // BLOCK_SIZE, mask=next_valid, other=0)
-        acc, l_i, m_i = _attend_pages(
-            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, pos, valid, page, m_i, scale_log2,
-            stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, DOT_PRECISION,
+    for n in range(start, end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, bt_row_ptr, n, end, m_i, scale_log2,
+            stride_pool_block, stride_pool_slot,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
         )  # fmt: skip
-        pos = next_pos
-        valid = next_valid
-        page = next_page
     # An empty split (past the end of a short sequence) reports lse = -inf and output 0.
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -51,25 +51,16 @@ def _moe_route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRELOAD_PLACEMENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
     token_mask = tokens < num_tokens
     expert_mask = experts < num_experts
-    if PRELOAD_PLACEMENT:
-        # The placement (replica counts, each expert's first replica) changes only between steps: read it
-        # before the PDL wait, while the router GEMV still runs, so the chosen experts need no second
-        # round trip after the top-k.
-        table_ptrs = l2p_ptr + experts * stride_l2p_e
-        counts_ptrs = replica_counts_ptr + experts
-        replica_table = tl.load(counts_ptrs, mask=expert_mask, other=1)  # pre-wait: placement
-        first_table = tl.load(table_ptrs, mask=expert_mask, other=0)  # pre-wait: placement
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
     logits = tl.load(ptrs, mask=token_mask[:, None] & expert_mask[None, :], other=0.0).to(tl.float32)
@@ -99,18 +90,9 @@ def _moe_route_kernel(
     tl.store(weights_ptr + out_offs, top_w.to(weights_ptr.dtype.element_ty), mask=pair_mask)
 
     # Replica token % replicas(e) of each chosen expert, so the replicas share the load.
-    if PRELOAD_PLACEMENT:
-        chosen = top_e[:, :, None] == experts[None, None, :]
-        replicas = tl.sum(tl.where(chosen, replica_table[None, None, :], 0), axis=2)
-        first = tl.sum(tl.where(chosen, first_table[None, None, :], 0), axis=2)
-        replica = tokens[:, None] % tl.maximum(replicas, 1)
-        other = tl.load(l2p_ptr + top_e * stride_l2p_e + replica * stride_l2p_r, mask=pair_mask & (replica != 0),
-                        other=0)  # fmt: skip
-        physical = tl.where(replica == 0, first, other)
-    else:
-        replicas = tl.load(replica_counts_ptr + top_e, mask=pair_mask, other=1)
-        replica = tokens[:, None] % replicas
-        physical = tl.load(l2p_ptr + top_e * stride_l2p_e + replica * stride_l2p_r, mask=pair_mask, other=0)
+    replicas = tl.load(replica_counts_ptr + top_e, mask=pair_mask, other=1)
+    replica = tokens[:, None] % replicas
+    physical = tl.load(l2p_ptr + top_e * stride_l2p_e + replica * stride_l2p_r, mask=pair_mask, other=0)
     physical = physical.to(tl.int64)
     tl.store(ids_ptr + out_offs, physical, mask=pair_mask)
     ones = tl.full([BLOCK_T, BLOCK_K], 1, dtype=counts_ptr.dtype.element_ty)
@@ -151,8 +133,6 @@ def moe_route_triton(
         logical_to_physical.stride(0), logical_to_physical.stride(1), expert_counts.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        # One token per program (decode batches up to 128): the placement tables are read up front.
-        PRELOAD_PLACEMENT=block_t == 1,
         **pdl_kwargs(router_logits.device), num_warps=num_warps,
     )  # fmt: skip
     return weights, ids
