@@ -610,7 +610,7 @@ def phase_breakdown(
         stamps.clear()
         for layer in model.layers:
             timing = torch.zeros(14 * 1024, dtype=torch.int64, device=x0.device)
-            w = _fused_weights(layer)
+            w = layer.fused_decode_weights()
             x, residual = fused.moe_decode_layer_triton(
                 w, x, residual, positions, model.cos_sin, pool, layer.layer, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, model.decode_sync, timing=timing,
@@ -632,19 +632,6 @@ def phase_breakdown(
     names = ["QKV", "attention", "merge", "o-proj", "norm+router", "gate-up", "down"]
     print("   phases (us): " + ", ".join(f"{n} {v:.1f}" for n, v in zip(names, med, strict=True)))
     print("   barriers (us): " + ", ".join(f"{v:.1f}" for v in bar) + f"; programs {programs}", flush=True)
-
-
-def _fused_weights(layer: Any) -> Any:
-    from kernels import triton_decode_layer as fused
-
-    attn, mlp = layer.self_attn, layer.mlp
-    return fused.MoEDecodeLayerWeights(
-        input_norm=layer.input_layernorm, qkv=attn.qkv_proj, q_norm=attn.q_norm, k_norm=attn.k_norm,
-        o_proj=attn.o_proj, post_norm=layer.post_attention_layernorm, gate=mlp.gate, w13=mlp.w13, w2=mlp.w2,
-        logical_to_physical=mlp.placement.logical_to_physical, replica_counts=mlp.placement.replica_counts,
-        expert_counts=mlp.expert_counts, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim, top_k=mlp.top_k, renormalize=mlp.norm_topk_prob, eps=layer.eps,
-    )  # fmt: skip
 
 
 def fused_layer_compare(contexts: tuple[int, ...] = (512, 4096), layers: int = 8) -> None:

@@ -213,6 +213,17 @@ def _gemv_rows(
 
 
 @triton.jit
+def _down_tile(base, rows, wmask, hidden, stride_n):
+    """Rows ``rows`` of every chosen expert's down weights, [top-k, rows, I] (``base`` points at each
+    expert's first row and I columns); masked past ``hidden`` and past the top-k and I (``wmask``)."""
+    return tl.load(
+        base + rows.to(tl.int64)[None, :, None] * stride_n,
+        mask=wmask & (rows < hidden)[None, :, None],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _gate_up_tile(w13_ptr, item, n_items, physical, inter, hidden, stride_e, stride_n, TOP_K: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HID: tl.constexpr):  # fmt: skip
     """Gate rows and the matching up rows of item (tile = item // TOP_K, pair = item % TOP_K), each
@@ -550,11 +561,9 @@ def _moe_decode_layer_kernel(
         base7 = w2_ptr + physical6[:, None, None] * stride_w2_e + icols[None, None, :]
         wmask7 = slot_mask6[:, None, None] & (icols < inter)[None, None, :]
         rows7 = pid * ROWS_DOWN + offs_r7
-        wd0 = tl.load(base7 + rows7.to(tl.int64)[None, :, None] * stride_w2_n,
-                      mask=wmask7 & (rows7 < hidden)[None, :, None], other=0.0)  # fmt: skip
+        wd0 = _down_tile(base7, rows7, wmask7, hidden, stride_w2_n)
         rows7 = rows7 + nprog * ROWS_DOWN
-        wd1 = tl.load(base7 + rows7.to(tl.int64)[None, :, None] * stride_w2_n,
-                      mask=wmask7 & (rows7 < hidden)[None, :, None], other=0.0)  # fmt: skip
+        wd1 = _down_tile(base7, rows7, wmask7, hidden, stride_w2_n)
     if PHASE == 0:
         _stamp(timing_ptr, 11, pid, nprog, TIMING)
         _grid_sync(sync_ptr, 6 * nprog)
@@ -573,19 +582,16 @@ def _moe_decode_layer_kernel(
         wmask7 = slot_mask7[:, None, None] & i_mask[None, None, :]
         if PHASE == 7:
             rows7 = pid * ROWS_DOWN + offs_r7
-            wd0 = tl.load(base7 + rows7.to(tl.int64)[None, :, None] * stride_w2_n,
-                          mask=wmask7 & (rows7 < hidden)[None, :, None], other=0.0)  # fmt: skip
+            wd0 = _down_tile(base7, rows7, wmask7, hidden, stride_w2_n)
             rows7 = rows7 + nprog * ROWS_DOWN
-            wd1 = tl.load(base7 + rows7.to(tl.int64)[None, :, None] * stride_w2_n,
-                          mask=wmask7 & (rows7 < hidden)[None, :, None], other=0.0)  # fmt: skip
+            wd1 = _down_tile(base7, rows7, wmask7, hidden, stride_w2_n)
         a7 = tl.load(act_ptr + slots7[:, None] * inter + icols[None, :], mask=slot_mask7[:, None] & i_mask[None, :],
                      other=0.0, cache_modifier=".cg")  # fmt: skip
         aw7 = a7[:, None, :]  # [K, 1, I], kept in its 16-bit dtype: fewer registers
         wk7 = weights7.to(tl.float32)[:, None]
         for tile in range(pid, tl.cdiv(hidden, ROWS_DOWN), nprog):
             rows7 = (tile + 2 * nprog) * ROWS_DOWN + offs_r7
-            wd2 = tl.load(base7 + rows7.to(tl.int64)[None, :, None] * stride_w2_n,
-                          mask=wmask7 & (rows7 < hidden)[None, :, None], other=0.0)  # fmt: skip
+            wd2 = _down_tile(base7, rows7, wmask7, hidden, stride_w2_n)
             rows7 = tile * ROWS_DOWN + offs_r7
             acc7 = tl.sum(tl.sum(wd0.to(tl.float32) * aw7.to(tl.float32), axis=2) * wk7, axis=0)
             tl.store(out_ptr + rows7, acc7.to(out_ptr.dtype.element_ty), mask=rows7 < hidden)

@@ -113,16 +113,7 @@ class Setup:
     def fused(
         self, layer: int, residual: bool, pool: torch.Tensor, **kw: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        blk = self.model.layers[layer]
-        attn, mlp = blk.self_attn, blk.mlp
-        w = fused.MoEDecodeLayerWeights(
-            input_norm=blk.input_layernorm, qkv=attn.qkv_proj, q_norm=attn.q_norm, k_norm=attn.k_norm,
-            o_proj=attn.o_proj, post_norm=blk.post_attention_layernorm, gate=mlp.gate, w13=mlp.w13,
-            w2=mlp.w2, logical_to_physical=mlp.placement.logical_to_physical,
-            replica_counts=mlp.placement.replica_counts, expert_counts=mlp.expert_counts,
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            top_k=mlp.top_k, renormalize=mlp.norm_topk_prob, eps=blk.eps,
-        )  # fmt: skip
+        w = self.model.layers[layer].fused_decode_weights()
         return fused.moe_decode_layer_triton(
             w, self.x, self.residual if residual else None, self.positions, self.model.cos_sin, pool, layer,
             self.meta.slot_mapping, self.block_tables, self.meta.seq_lens, self.model.decode_sync, **kw,
@@ -176,21 +167,14 @@ def test_phased_padding_row_writes_nothing() -> None:
 
 def test_unsupported_shapes_are_refused() -> None:
     s = Setup(hf_config("qwen3_moe"), context=5)
-    blk = s.model.layers[1]
     two = torch.cat([s.x, s.x])
     with pytest.raises(ValueError, match="one token"):
         fused.moe_decode_layer_triton(
-            fused.MoEDecodeLayerWeights(
-                input_norm=blk.input_layernorm, qkv=blk.self_attn.qkv_proj, q_norm=blk.self_attn.q_norm,
-                k_norm=blk.self_attn.k_norm, o_proj=blk.self_attn.o_proj,
-                post_norm=blk.post_attention_layernorm, gate=blk.mlp.gate, w13=blk.mlp.w13, w2=blk.mlp.w2,
-                logical_to_physical=blk.mlp.placement.logical_to_physical,
-                replica_counts=blk.mlp.placement.replica_counts, expert_counts=blk.mlp.expert_counts,
-                num_heads=4, num_kv_heads=2, head_dim=16, top_k=2, renormalize=True, eps=1e-6,
-            ),
-            two, None, s.positions, s.model.cos_sin, s.pool, 1, s.meta.slot_mapping, s.block_tables,
-            s.meta.seq_lens, s.model.decode_sync, phased=True,
+            s.model.layers[1].fused_decode_weights(), two, None, s.positions, s.model.cos_sin, s.pool, 1,
+            s.meta.slot_mapping, s.block_tables, s.meta.seq_lens, s.model.decode_sync, phased=True,
         )  # fmt: skip
+    with pytest.raises(TypeError, match="dense"):
+        Setup(hf_config("qwen3_moe", mlp_only_layers=[0]), context=5).model.layers[0].fused_decode_weights()
 
 
 def test_engine_layer_uses_fused_path_only_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

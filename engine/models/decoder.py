@@ -137,28 +137,14 @@ class DecoderLayer(nn.Module):
             and self.self_attn.qkv_bias is None
         )
 
-    def _fused_decode(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
-        kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole layer as one persistent kernel for a one-token step on a GPU; None where it does not
-        apply (the caller runs the layer op by op)."""
-        if not (self._fused_ok and x.shape[0] == 1 and x.is_cuda and meta.seq_lens.shape[0] == 1):
-            return None
-        if self.decode_sync is None:
-            return None
+    def fused_decode_weights(self):  # -> kernels.triton_decode_layer.MoEDecodeLayerWeights
+        """What the fused one-token kernel reads of this (MoE) layer: its tensors, by reference."""
         from kernels import triton_decode_layer as fused
 
-        if not fused.FUSED_DECODE_LAYER_ENABLED:
-            return None
         attn, mlp = self.self_attn, self.mlp
-        assert isinstance(mlp, MoEBlock)
-        w = fused.MoEDecodeLayerWeights(
+        if not isinstance(mlp, MoEBlock):
+            raise TypeError(f"layer {self.layer} is dense: the fused decode layer is for MoE layers")
+        return fused.MoEDecodeLayerWeights(
             input_norm=self.input_layernorm,
             qkv=attn.qkv_proj,
             q_norm=attn.q_norm,
@@ -178,6 +164,27 @@ class DecoderLayer(nn.Module):
             renormalize=mlp.norm_topk_prob,
             eps=self.eps,
         )
+
+    def _fused_decode(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole layer as one persistent kernel for a one-token step on a GPU; None where it does not
+        apply (the caller runs the layer op by op)."""
+        if not (self._fused_ok and x.shape[0] == 1 and x.is_cuda and meta.seq_lens.shape[0] == 1):
+            return None
+        if self.decode_sync is None:
+            return None
+        from kernels import triton_decode_layer as fused
+
+        if not fused.FUSED_DECODE_LAYER_ENABLED:
+            return None
+        w = self.fused_decode_weights()
         if fused.unsupported_reason(w, x, kv_pool) is not None:
             self._fused_ok = False  # shapes and dtypes do not change: decide once
             return None
