@@ -1,8 +1,10 @@
-"""The one-pass Triton temperature sampler (``kernels/triton_sampling.py``) against the torch race.
+"""The one-pass Triton temperature sampler (``kernels/triton_sampling.py``) against the engine's sampler.
 
 Without a GPU the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set before triton is
 imported) on small vocabularies spread over several chunks; the ``gpu`` tests use a 128k vocabulary.
-Both sides use the same keys and the same hash, so on fresh random logits they pick the same tokens.
+The reference is ``Sampler`` with the torch backend (the production path on the CPU) given seeded
+parameters: its per-row keys are ``_position_seed(seed, position)``, which the kernel is handed too, so on
+fresh random logits both pick the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine.sampler import Sampler, _position_seed, exponential_noise  # noqa: E402
+from engine.sampler import Sampler, _position_seed  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -26,11 +28,19 @@ from kernels.triton_sampling import gumbel_sample_triton  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def torch_race(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, min_p: torch.Tensor | None):
-    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-    if min_p is not None:
-        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return (probs / exponential_noise(keys, logits.shape[1])).argmax(dim=-1)
+def sampler_reference(
+    logits: torch.Tensor, temps: torch.Tensor, seed: int, min_p: torch.Tensor | None
+) -> torch.Tensor:
+    """What the engine's torch sampler draws for these rows: row i seeded with ``seed`` at position i."""
+    params = [
+        SamplingParams(temperature=float(t), seed=seed, min_p=float(min_p[i]) if min_p is not None else 0.0)
+        for i, t in enumerate(temps.tolist())
+    ]
+    return Sampler(0, "torch").sample(logits, params, list(range(len(params))))
+
+
+def row_keys(seed: int, rows: int) -> torch.Tensor:
+    return torch.tensor([_position_seed(seed, i) for i in range(rows)], dtype=torch.int64, device=DEVICE)
 
 
 @pytest.mark.parametrize("vocab", [7, 64, 300])
@@ -40,11 +50,11 @@ def test_kernel_picks_the_torch_race_token(vocab: int, with_min_p: bool) -> None
     rows = 24
     logits = torch.randn(rows, vocab, device=DEVICE) * 2
     temps = torch.rand(rows, device=DEVICE) * 1.5 + 0.2
-    keys = torch.tensor([_position_seed(5, i) for i in range(rows)], dtype=torch.int64, device=DEVICE)
     min_p = torch.rand(rows, device=DEVICE) * 0.3 if with_min_p else None
-    got = gumbel_sample_triton(logits, temps, keys, min_p)
+    got = gumbel_sample_triton(logits, temps, row_keys(5, rows), min_p)
     assert got.dtype == torch.int64 and got.shape == (rows,)
-    assert torch.equal(got, torch_race(logits, temps, keys, min_p))
+    assert torch.equal(got, sampler_reference(logits, temps, 5, min_p))
+    assert not torch.equal(got, logits.argmax(-1)), "temperatures up to 1.7 should sample away from argmax"
 
 
 def test_kernel_respects_min_p_and_low_temperature() -> None:
@@ -61,9 +71,10 @@ def test_strided_rows_and_empty_batch() -> None:
     torch.manual_seed(2)
     wide = torch.randn(5, 130, device=DEVICE)
     logits = wide[:, :100]
-    temps, keys = torch.ones(5, device=DEVICE), torch.arange(5, dtype=torch.int64, device=DEVICE) + 99
-    assert torch.equal(gumbel_sample_triton(logits, temps, keys, None), torch_race(logits, temps, keys, None))
-    empty = gumbel_sample_triton(torch.empty(0, 10, device=DEVICE), temps[:0], keys[:0], None)
+    temps = torch.ones(5, device=DEVICE)
+    got = gumbel_sample_triton(logits, temps, row_keys(99, 5), None)
+    assert torch.equal(got, sampler_reference(logits, temps, 99, None))
+    empty = gumbel_sample_triton(torch.empty(0, 10, device=DEVICE), temps[:0], row_keys(99, 0), None)
     assert empty.shape == (0,)
 
 
