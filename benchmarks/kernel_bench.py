@@ -638,18 +638,14 @@ def fused_layer_compare(contexts: tuple[int, ...] = (512, 4096), layers: int = 8
     """Qwen3-30B-A3B decoder layers at batch 1: op by op against the one-kernel fused layer
     (``kernels/triton_decode_layer.py``), ``layers`` layers back-to-back in one CUDA graph, so each layer's
     weights come from HBM (113 MB a layer against a 60 MB L2)."""
+    from benchmarks.gpu_bench import QWEN3_30B_A3B
     from engine.loader import _init_dummy
     from engine.models.decoder import AttentionMetadata, DecoderModel
     from engine.models.model_config import ModelConfig
     from kernels import triton_decode_layer
 
-    hf = dict(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=1024, hidden_size=2048, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=40960,
-        rope_theta=1e6, tie_word_embeddings=False,
-    )  # fmt: skip
+    # The benchmark model's layers; a small vocabulary, as no LM head runs here.
+    hf = dict(QWEN3_30B_A3B, num_hidden_layers=layers, vocab_size=1024)
     cfg = ModelConfig.from_hf_dict(hf)
     dev = torch.device("cuda")
     model = DecoderModel(cfg, TRITON_OPS, torch.bfloat16, dev, max_positions=8192)
