@@ -20,8 +20,9 @@ steps ride inside the large ones:
    counts them for EPLB), then its share of the experts' gate-up rows, with SiLU-and-mul;
 7. the experts' down rows, weighted by the routing weights and summed over the top-k.
 
-GEMV phases hand out tiles of whole rows round-robin and load the next tile before reducing the current
-one. The barrier is one int32 counter per model (``sync``): a program arrives with a release atomic and
+GEMV phases hand out tiles of whole rows round-robin and keep the next two tiles in flight while one
+reduces; a phase's first tiles are loaded before the barrier that opens it where they do not depend on it
+(o-projection, router, experts' down rows). The barrier is one int32 counter per model (``sync``): a program arrives with a release atomic and
 spins on volatile loads until all programs of the barrier have arrived; the last program out resets the
 counter, so the next launch starts from zero. Data written during the launch is read with ``.cg`` loads
 (L2, never a stale L1 line). Co-residency, which the barrier needs, is guaranteed by sizing the grid from
@@ -121,7 +122,6 @@ def unsupported_reason(w: MoEDecodeLayerWeights, x: torch.Tensor, kv_pool: torch
         triton.next_power_of_2(hidden),
         triton.next_power_of_2(w.num_heads * w.head_dim),
         triton.next_power_of_2(w.top_k) * triton.next_power_of_2(inter),
-        triton.next_power_of_2(w.gate.shape[0]) * 8,
     )
     if max(widths) > _MAX_TILE_ELEMENTS:
         return f"operands too wide for one program's registers ({widths})"
