@@ -811,21 +811,12 @@ def summary(res: Results, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _fused_layer_enabled() -> bool | None:
-    try:
-        from kernels import triton_decode_layer
-    except ImportError:  # no triton: the CPU smoke run
-        return None
-    return triton_decode_layer.FUSED_DECODE_LAYER_ENABLED
-
-
 def environment(plan: Plan) -> dict[str, Any]:
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "pdl": triton_device.PDL_ENABLED,
-        "fused_moe_layer": _fused_layer_enabled(),
         "async_scheduling": plan.async_scheduling,
     }
     try:
@@ -862,11 +853,6 @@ def main(argv: list[str] | None = None) -> None:
         help="launch the Triton kernels without programmatic dependent launch",
     )
     parser.add_argument(
-        "--fused-layer",
-        action="store_true",
-        help="run MoE layers at batch 1 as one persistent kernel per layer (off by default: slower)",
-    )
-    parser.add_argument(
         "--async-scheduling",
         action="store_true",
         help="engines overlap each step's host work with the next decode step (EngineConfig.async_scheduling)",
@@ -900,10 +886,6 @@ def main(argv: list[str] | None = None) -> None:
     plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling)
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl
-    if args.fused_layer:
-        from kernels import triton_decode_layer
-
-        triton_decode_layer.FUSED_DECODE_LAYER_ENABLED = True
     res = Results(env=environment(plan))
     log.info("environment %s", json.dumps(res.env))
     if "ceilings" in sections and plan.device == "cuda":

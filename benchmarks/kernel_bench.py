@@ -596,111 +596,6 @@ def pdl_compare() -> None:
         print(f"{name}: {got[True]:.2f} / {got[False]:.2f}", flush=True)
 
 
-def phase_breakdown(
-    model: Any, x0: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor, meta: Any
-) -> None:
-    """Per-phase and per-barrier time of the fused layer from its programs' global-timer stamps (median
-    over the model's layers, one eager pass after warm-up): phase k runs from the last departure from
-    barrier k-1 to the last arrival at barrier k; barrier k from that arrival to the last departure."""
-    from kernels import triton_decode_layer as fused
-
-    stamps = []
-    for _ in range(2):
-        x, residual = x0, None
-        stamps.clear()
-        for layer in model.layers:
-            timing = torch.zeros(14 * 1024, dtype=torch.int64, device=x0.device)
-            w = layer.fused_decode_weights()
-            x, residual = fused.moe_decode_layer_triton(
-                w, x, residual, positions, model.cos_sin, pool, layer.layer, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens, model.decode_sync, timing=timing,
-            )  # fmt: skip
-            stamps.append(timing)
-        torch.cuda.synchronize()
-    programs = max(fused._GRIDS.values())
-    rows = [t[: 14 * programs].view(14, programs).double() for t in stamps]
-    phases, barriers = [], []
-    for r in rows:
-        last = r.max(dim=1).values
-        first = r.min(dim=1).values
-        depart = [first[0]] + [last[2 * k] for k in range(1, 7)]
-        arrive = [last[2 * k - 1] for k in range(1, 7)] + [last[13]]
-        phases.append([float(arrive[k] - depart[k]) / 1e3 for k in range(7)])
-        barriers.append([float(last[2 * k] - last[2 * k - 1]) / 1e3 for k in range(1, 7)])
-    med = [statistics.median(p[k] for p in phases) for k in range(7)]
-    bar = [statistics.median(b[k] for b in barriers) for k in range(6)]
-    names = ["QKV", "attention", "merge", "o-proj", "norm+router", "gate-up", "down"]
-    print("   phases (us): " + ", ".join(f"{n} {v:.1f}" for n, v in zip(names, med, strict=True)))
-    print("   barriers (us): " + ", ".join(f"{v:.1f}" for v in bar) + f"; programs {programs}", flush=True)
-
-
-def fused_layer_compare(contexts: tuple[int, ...] = (512, 4096), layers: int = 8) -> None:
-    """Qwen3-30B-A3B decoder layers at batch 1: op by op against the one-kernel fused layer
-    (``kernels/triton_decode_layer.py``), ``layers`` layers back-to-back in one CUDA graph, so each layer's
-    weights come from HBM (113 MB a layer against a 60 MB L2)."""
-    from benchmarks.gpu_bench import QWEN3_30B_A3B
-    from engine.loader import _init_dummy
-    from engine.models.decoder import AttentionMetadata, DecoderModel
-    from engine.models.model_config import ModelConfig
-    from kernels import triton_decode_layer
-
-    # The benchmark model's layers; a small vocabulary, as no LM head runs here.
-    hf = dict(QWEN3_30B_A3B, num_hidden_layers=layers, vocab_size=1024)
-    cfg = ModelConfig.from_hf_dict(hf)
-    dev = torch.device("cuda")
-    model = DecoderModel(cfg, TRITON_OPS, torch.bfloat16, dev, max_positions=8192)
-    _init_dummy(model, 0)
-    block, max_blocks = 16, 8192 // 16
-    pool = torch.randn(max_blocks, layers, 2, block, cfg.num_kv_heads, cfg.head_dim, device=dev).to(
-        torch.bfloat16
-    )
-    x0 = torch.randn(1, cfg.hidden_size, device=dev).to(torch.bfloat16)
-    h, d, e_bytes = cfg.hidden_size, cfg.head_dim, 2
-    weights = (
-        (cfg.num_heads + 2 * cfg.num_kv_heads) * d * h + h * cfg.num_heads * d + cfg.num_experts * h
-        + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * h
-    ) * e_bytes  # fmt: skip
-    copy_bw = copy_gbps() * 1e9
-    print(f"\n## Qwen3-30B-A3B layer at batch 1, {layers} layers per graph: us per layer")
-    tiles = ((8192, None), (16384, None))  # (GEMV tile elements, register cap); caps 168 and 128 spill
-    print(f"| context | op by op | fused, (GEMV tile, registers) {' / '.join(map(str, tiles))} | bytes per layer | "
-          "at the copy rate | best fused % of it |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for context in contexts:
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([context - 1], dtype=torch.int64, device=dev),
-            block_tables=torch.arange(max_blocks, dtype=torch.int32, device=dev)[None, :],
-            seq_lens=torch.tensor([context], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-        )
-        positions = torch.tensor([context - 1], dtype=torch.int64, device=dev)
-
-        def stack(positions: torch.Tensor = positions, meta: AttentionMetadata = meta) -> None:
-            x, residual = x0, None
-            for layer in model.layers:
-                x, residual = layer(x, residual, positions, model.cos_sin, pool, meta)
-
-        got = {}
-        triton_decode_layer.FUSED_DECODE_LAYER_ENABLED = False
-        got["op by op"] = time_graph([stack], replays=30)[0] / layers
-        triton_decode_layer.FUSED_DECODE_LAYER_ENABLED = True
-        for tile in tiles:
-            triton_decode_layer._GRIDS.clear()
-            triton_decode_layer._TILE_ELEMENTS, triton_decode_layer._MAXNREG = tile
-            got[tile] = time_graph([stack], replays=30)[0] / layers
-        best = min(tiles, key=lambda t: got[t])
-        triton_decode_layer._TILE_ELEMENTS, triton_decode_layer._MAXNREG = best
-        triton_decode_layer._GRIDS.clear()  # the breakdown reads the grid of the best variant
-        moved = weights + 2 * context * cfg.num_kv_heads * d * e_bytes
-        floor = moved / copy_bw * 1e6
-        fused_cols = " / ".join(f"{got[t]:.1f}" for t in tiles)
-        print(f"| {context} | {got['op by op']:.1f} | {fused_cols} | {moved / 1e6:.1f} MB | {floor:.1f} | "
-              f"{100 * floor / got[best]:.0f}% |", flush=True)  # fmt: skip
-        phase_breakdown(model, x0, positions, pool, meta)
-    triton_decode_layer.FUSED_DECODE_LAYER_ENABLED = False
-    print(f"fused grids (programs per launch): {sorted(set(triton_decode_layer._GRIDS.values()))}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -709,9 +604,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep-linear", action="store_true", help="only: GEMV tile configs per shape")
     parser.add_argument("--pdl", action="store_true", help="only: decode kernels with PDL on and off")
-    parser.add_argument(
-        "--fused-layer", action="store_true", help="only: the Qwen3-30B-A3B layer op by op and fused"
-    )
     parser.add_argument(
         "--sweep-moe-small", action="store_true", help="only: small MoE path tiles at batch 1"
     )
@@ -726,9 +618,7 @@ def main() -> None:
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
-    if args.sweep_linear or args.pdl or args.sweep_moe_small or args.fused_layer:
-        if args.fused_layer:
-            fused_layer_compare()
+    if args.sweep_linear or args.pdl or args.sweep_moe_small:
         if args.sweep_moe_small:
             sweep_moe_small()
         if args.pdl:

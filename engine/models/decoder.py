@@ -126,72 +126,6 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, device)
-        self.layer = layer
-        # The fused one-token layer (kernels/triton_decode_layer.py): Triton ops, an MoE layer on one EP
-        # rank, no q/k/v bias. ``decode_sync`` is the model's barrier counter; None turns the path off.
-        self.decode_sync: torch.Tensor | None = None
-        self._fused_ok = (
-            ops.name == "triton"
-            and isinstance(self.mlp, MoEBlock)
-            and self.mlp.dispatcher.ep_size == 1
-            and self.self_attn.qkv_bias is None
-        )
-
-    def fused_decode_weights(self):  # -> kernels.triton_decode_layer.MoEDecodeLayerWeights
-        """What the fused one-token kernel reads of this (MoE) layer: its tensors, by reference."""
-        from kernels import triton_decode_layer as fused
-
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, MoEBlock):
-            raise TypeError(f"layer {self.layer} is dense: the fused decode layer is for MoE layers")
-        return fused.MoEDecodeLayerWeights(
-            input_norm=self.input_layernorm,
-            qkv=attn.qkv_proj,
-            q_norm=attn.q_norm,
-            k_norm=attn.k_norm,
-            o_proj=attn.o_proj,
-            post_norm=self.post_attention_layernorm,
-            gate=mlp.gate,
-            w13=mlp.w13,
-            w2=mlp.w2,
-            logical_to_physical=mlp.placement.logical_to_physical,
-            replica_counts=mlp.placement.replica_counts,
-            expert_counts=mlp.expert_counts,
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            top_k=mlp.top_k,
-            renormalize=mlp.norm_topk_prob,
-            eps=self.eps,
-        )
-
-    def _fused_decode(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
-        kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole layer as one persistent kernel for a one-token step on a GPU; None where it does not
-        apply (the caller runs the layer op by op)."""
-        if not (self._fused_ok and x.shape[0] == 1 and x.is_cuda and meta.seq_lens.shape[0] == 1):
-            return None
-        if self.decode_sync is None:
-            return None
-        from kernels import triton_decode_layer as fused
-
-        if not fused.FUSED_DECODE_LAYER_ENABLED:
-            return None
-        w = self.fused_decode_weights()
-        if fused.unsupported_reason(w, x, kv_pool) is not None:
-            self._fused_ok = False  # shapes and dtypes do not change: decide once
-            return None
-        return fused.moe_decode_layer_triton(
-            w, x, residual, positions, cos_sin, kv_pool, self.layer,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, self.decode_sync,
-        )  # fmt: skip
 
     def forward(
         self,
@@ -202,9 +136,6 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self._fused_decode(x, residual, positions, cos_sin, kv_pool, meta)
-        if fused is not None:
-            return fused
         if residual is None:
             residual = x
             h = self.ops.rms_norm(x, self.input_layernorm, self.eps)
@@ -244,12 +175,6 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        # Barrier counter of the fused one-token MoE layer (one per model: its steps run on one stream).
-        self.register_buffer(
-            "decode_sync", torch.zeros(1, dtype=torch.int32, device=device), persistent=False
-        )
-        for layer in self.layers:
-            layer.decode_sync = self.decode_sync
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
