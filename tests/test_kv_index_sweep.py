@@ -52,6 +52,12 @@ class Mesh:
     async def store(self, worker_id: str) -> None:
         await self.worker_side.apply(worker_id, [BlocksStored(tuple(self.hashes), Tier.GPU)])
 
+    def discovery(self, registry: RedisRegistry | None = None, **kw: Any) -> RegistryDiscovery:
+        """The router's registry discovery over this mesh's pool and index (``kw``: timings, clock)."""
+        return RegistryDiscovery(
+            registry or self.registry, self.pool, self.metrics, "tiny-dense", index=self.index, **kw
+        )
+
     async def holders(self) -> set[str]:
         return set(await self.worker_side.lookup(self.hashes))
 
@@ -125,16 +131,7 @@ async def test_discovery_sweeps_a_worker_that_died_unseen_and_keeps_the_live_one
         assert [w.worker_id for w in await m.registry.list_workers()] == ["p-live"]
         assert await m.holders() == {"p-dead", "p-live", "d-static"}
 
-        discovery = RegistryDiscovery(
-            m.registry,
-            m.pool,
-            m.metrics,
-            "tiny-dense",
-            interval_s=0.02,
-            grace_s=0.3,
-            index=m.index,
-            sweep_interval_s=0.1,
-        )
+        discovery = m.discovery(interval_s=0.02, grace_s=0.3, sweep_interval_s=0.1)
         with caplog.at_level(logging.INFO, logger="router.prefix_index"):
             started = time.monotonic()
             await discovery.start()
@@ -162,16 +159,7 @@ async def test_nothing_is_swept_within_the_grace(caplog: Any) -> None:
     async with mesh() as m:
         for worker_id in ("p-a", "d-b"):
             await m.store(worker_id)  # no registration: the workers have not re-registered yet
-        discovery = RegistryDiscovery(
-            m.registry,
-            m.pool,
-            m.metrics,
-            "tiny-dense",
-            interval_s=0.02,
-            grace_s=30.0,
-            index=m.index,
-            sweep_interval_s=0.05,
-        )
+        discovery = m.discovery(interval_s=0.02, grace_s=30.0, sweep_interval_s=0.05)
         with caplog.at_level(logging.INFO, logger="router.prefix_index"):
             await discovery.start()
             try:
@@ -202,16 +190,7 @@ async def test_a_failed_registry_read_starts_the_grace_again() -> None:
     async with mesh() as m:
         registry = FlakyRegistry(m.client, prefix=m.registry.prefix)
         now = [0.0]
-        discovery = RegistryDiscovery(
-            registry,
-            m.pool,
-            m.metrics,
-            "tiny-dense",
-            grace_s=5.0,
-            clock=lambda: now[0],
-            index=m.index,
-            sweep_interval_s=30.0,
-        )
+        discovery = m.discovery(registry, grace_s=5.0, clock=lambda: now[0], sweep_interval_s=30.0)
         await m.store("p-dead")
         assert await discovery.poll_once()
         now[0] = 4.0
