@@ -319,20 +319,25 @@ _CLEAR_SLOT_LUA = "local s = tonumber(ARGV[1])\n" + _CLEAR_BODY.replace("@FIRST@
     "@SHIFT@", "1"
 ).replace("@SET@", "1")
 
-# Takes a slot from its worker so that no later event can write to it while its bits are cleared.
-# KEYS: kvslot, kvslotworker, the worker's hash set, the slot's retiring set. ARGV: worker, slot.
+# Takes a slot from its worker so that no later event can write to it while its bits are cleared, and
+# records it among the retiring slots (so that a removal cut short can be finished by anyone later).
+# KEYS: kvslot, kvslotworker, the worker's hash set, the slot's retiring set, the retiring slots.
+# ARGV: worker, slot.
 _RETIRE_LUA = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[2])
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('RENAME', KEYS[3], KEYS[4]) end
+redis.call('SADD', KEYS[5], ARGV[2])
 return 1
 """
 
-# KEYS: the slot's retiring set, kvslotfree. ARGV: slot. Frees the slot once its bits are all cleared.
+# KEYS: the slot's retiring set, kvslotfree, the retiring slots. ARGV: slot. Frees the slot once its bits
+# are all cleared.
 _FREE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
 return 1
 """
 
@@ -413,6 +418,7 @@ class RedisKVIndex:
         self.namespace = ns
         self._blk = ns + "blk:"
         self._slot_keys = [ns + "kvslot", ns + "kvslotworker", ns + "kvslotnext", ns + "kvslotfree"]
+        self._retiring_slots = ns + "kvretiring:slots"  # matched by clear()'s kvretiring:* too
         self._packer = _KeyPacker(self._blk.encode())
         self._hgetall_slots = b"*2\r\n" + _resp_bulk(b"HGETALL") + _resp_bulk(self._slot_keys[1].encode())
         self._sha: dict[str, str] = {}
@@ -561,9 +567,23 @@ class RedisKVIndex:
             return
         slot = int(slot_raw)
         retiring = self._retiring_key(slot)
-        keys = [self._slot_keys[0], self._slot_keys[1], wkey, retiring]
+        keys = [self._slot_keys[0], self._slot_keys[1], wkey, retiring, self._retiring_slots]
         if not await self._eval(_RETIRE_LUA, keys, [worker_id, slot]):
             return  # removed concurrently
+        await self._clear_retiring(slot)
+
+    async def finish_retiring(self) -> int:
+        """Finish the removals that were cut short (a process that died or was cancelled between retiring a
+        worker's slot and freeing it): clear each retiring slot's bits and free it. Returns how many slots
+        were retiring. Safe beside a removal still running: clearing is idempotent, and freeing happens
+        once the slot's set is empty."""
+        slots = [int(_text(s)) for s in await self._redis.smembers(self._retiring_slots)]
+        for slot in slots:
+            await self._clear_retiring(slot)
+        return len(slots)
+
+    async def _clear_retiring(self, slot: int) -> None:
+        retiring = self._retiring_key(slot)
         while True:
             members = await self._redis.srandmember(retiring, _APPLY_CHUNK * 8)
             if not members:
@@ -573,7 +593,7 @@ class RedisKVIndex:
                 keys = [retiring, *(self._blk + x for x in hexes)]
                 pending.append((_CLEAR_SLOT_LUA, keys, [slot, ALL_TIERS_MASK, *hexes]))
             await self._run(pending)
-        await self._eval(_FREE_LUA, [retiring, self._slot_keys[3]], [slot])
+        await self._eval(_FREE_LUA, [retiring, self._slot_keys[3], self._retiring_slots], [slot])
 
     async def worker_ids(self) -> set[str]:
         """``HKEYS kvslot``: one round trip, O(workers), whatever the number of blocks. The slot table is

@@ -22,7 +22,8 @@ Every ``interval_s`` it reads ``Registry.list_workers`` and reconciles the pool:
   line: workers that died while this router was not running, whose registrations expired unseen. An id
   is swept at most once until it is registered or in the pool again. The index is listed before the
   registry is read, so that a worker which registered before storing its first block (it registers as it
-  starts, before routers find it) is in the list that spares it.
+  starts, before routers find it) is in the list that spares it. Each sweep also finishes any removal
+  that was cut short (a router stopped or cancelled mid-way: ``RedisKVIndex.finish_retiring``).
 
 While the registry cannot be read, the last known list stays in use: one warning line when it goes,
 ``pdmesh_router_registry_up`` 0 and ``pdmesh_router_registry_errors_total`` counting; one info line when
@@ -168,8 +169,11 @@ class RegistryDiscovery:
             known.add(w.name)  # its announced id once it answered, else its registration or address
             if w.registered_id:
                 known.add(w.registered_id)
-        self._swept -= known
-        self._kept_alive -= known
+        # Ids no longer in the index need no memory (worker ids are unique per process: without this
+        # pruning each dead worker would stay in these sets for the router's life).
+        self._swept &= indexed - known
+        self._kept_alive &= indexed - known
+        await self.index.finish_retiring(fingerprint)  # removals cut short, by any router
         dead = sorted(indexed - known - self._kept_alive - self._swept - forgotten)
         if not dead:
             return

@@ -100,13 +100,31 @@ class PrefixIndex:
             )
             return None
 
+    async def finish_retiring(self, model_fingerprint: str) -> None:
+        """Finish removals cut short (``RedisKVIndex.finish_retiring``); discovery's sweep calls it. A
+        failure is one warning and ``pdmesh_router_index_forget_errors_total``; the next sweep tries again."""
+        if self.in_process is not None:
+            return
+        try:
+            slots = await self._redis_index(model_fingerprint).finish_retiring()
+        except (RedisError, OSError) as exc:
+            self.metrics.index_forget_errors.inc()
+            log.warning(
+                "could not finish retiring KV index slots (%s: %s); the next sweep tries again",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        if slots:
+            log.info("KV index: finished %d interrupted worker removal(s)", slots)
+
     async def forget_worker(self, model_fingerprint: str, worker_id: str, reason: str | None = None) -> bool:
         """Remove everything the index holds for a worker that is gone, so that no request is scored on
         its cache again (nor a later worker that reuses its id). One info line, saying ``reason`` when
         given. False when Redis could not be reached: one warning and
         ``pdmesh_router_index_forget_errors_total``; its entries then stay until a worker with that id
-        starts again or discovery's next sweep (no router scores a worker that is not in its pool
-        meanwhile)."""
+        starts again or discovery's next sweep, which lists it again if its slot was not yet retired and
+        finishes the removal if it was (no router scores a worker that is not in its pool meanwhile)."""
         if self.in_process is not None:
             await self.in_process.remove_worker(worker_id)
         else:

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from mesh.block_hash import block_hashes, root_hash
@@ -294,6 +295,36 @@ async def test_redis_key_layout_and_cleanup() -> None:
             assert [k async for k in client.scan_iter(match=index.namespace + "*")] == []
         finally:
             await client.aclose()
+
+
+@needs_redis
+@async_test
+async def test_redis_removal_cut_short_is_finished_later() -> None:
+    """A removal that fails after taking the worker's slot (Redis lost mid-way, or the remover cancelled)
+    leaves the slot retiring: the worker is no longer listed, so no one would remove it again. Its blocks
+    still carry its bit until ``finish_retiring`` clears them and frees the slot for the next worker."""
+    c = chain(5)
+    async with open_index("redis") as index:
+        assert isinstance(index, RedisKVIndex)
+        await index.apply("w1", [stored(c)])
+        await index.apply("w2", [stored(c[:2])])
+        run = index._run
+
+        async def lost(*_a: Any, **_k: Any) -> None:
+            raise redis.ConnectionError("Connection lost")
+
+        index._run = lost  # type: ignore[method-assign]
+        with pytest.raises(redis.ConnectionError):
+            await index.remove_worker("w1")
+        index._run = run  # type: ignore[method-assign]
+        assert await index.worker_ids() == {"w2"}
+        assert await index._redis.exists(index.block_key(c[4])) == 1  # w1's bit is still set
+        assert await index.finish_retiring() == 1
+        assert await index._redis.exists(index.block_key(c[4])) == 0
+        assert await index.lookup(c) == {"w2": match(gpu=2)}
+        assert await index.finish_retiring() == 0  # nothing left retiring
+        await index.apply("w3", [stored(c)])  # the freed slot is taken again, with no stale bits
+        assert await index.lookup(c) == {"w2": match(gpu=2), "w3": match(gpu=5)}
 
 
 @needs_redis
