@@ -113,11 +113,9 @@ class ServedModel:
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
     ) -> list[int]:
-        """``render_chat`` then ``encode``, off the event loop (the template is compiled once, but rendering a
-        long conversation is still Python work, and the encode of its text may be long)."""
-        return await self._off_loop(
-            lambda: self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens)
-        )
+        """``render_chat`` on the loop (the template is compiled once: ~11 us a render, less than the ~0.2 ms
+        hop to a thread), then ``tokenize``, which moves only a long text's encode off the loop."""
+        return await self.tokenize(self.render_chat(messages, add_generation_prompt), add_special_tokens)
 
     async def _off_loop(self, work: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work)

@@ -260,18 +260,23 @@ def test_long_prompts_and_chats_are_tokenized_off_the_event_loop() -> None:
         text = "y" * INLINE_ENCODE_MAX_CHARS
         ids, _ = await asyncio.gather(model.tokenize(text), gated.open_gate_once_encoding())
         assert ids == plain.encode(text)
-        messages = [{"role": "user", "content": "hi"}]
+        long_chat = [{"role": "user", "content": "x" * INLINE_ENCODE_MAX_CHARS}]
         ids, _ = await asyncio.gather(
-            model.tokenize_chat(messages, True, False), gated.open_gate_once_encoding()
+            model.tokenize_chat(long_chat, True, False), gated.open_gate_once_encoding()
         )
-        assert ids == plain.encode(render_chat(plain, messages, True), add_special_tokens=False)
+        assert ids == plain.encode(render_chat(plain, long_chat, True), add_special_tokens=False)
         assert gated.loop_ran_meanwhile == [True, True]
-        # A short text costs less than the hop to a thread: encoded on the loop's thread, same ids.
+        # A short text, or a short chat (rendered on the loop: ~11 us), costs less than the hop to a
+        # thread: encoded on the loop's thread, same ids.
         gated.gate.set()
         assert await model.tokenize("hi") == plain.encode("hi")
+        messages = [{"role": "user", "content": "hi"}]
+        gated.gate.set()
+        ids = await model.tokenize_chat(messages, True, False)
+        assert ids == plain.encode(render_chat(plain, messages, True), add_special_tokens=False)
         on_loop = threading.current_thread().name
-        assert [t.startswith("router-tokenize") for t in gated.threads] == [True, True, False]
-        assert gated.threads[-1] == on_loop
+        assert [t.startswith("router-tokenize") for t in gated.threads] == [True, True, False, False]
+        assert gated.threads[-2:] == [on_loop, on_loop]
         # A template error is still a 400 naming the messages, raised from the thread.
         with pytest.raises(InvalidRequestError, match="chat template rejected") as err:
             model.tokenizer = plain
@@ -293,9 +298,14 @@ def test_the_front_ends_tokenize_off_the_event_loop() -> None:
             svc.model.tokenizer = gated
             base = f"http://127.0.0.1:{svc.http_port}"
             long_text = "z" * INLINE_ENCODE_MAX_CHARS
-            cases = [  # past tokenization: a prompt over max_model_len (400), or no worker (503)
+            cases = [  # past tokenization: a prompt or chat over max_model_len (400)
                 ("/v1/completions", {"prompt": long_text, "max_tokens": 1}, 400, "prompt has 513 tokens"),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 503, "no decode"),
+                (
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": long_text}]},
+                    400,
+                    "prompt has",
+                ),
             ]
             for path, body, status, fragment in cases:
                 (got_status, got), _ = await asyncio.gather(
