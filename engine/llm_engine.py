@@ -22,12 +22,13 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, make_layout, num_blocks_for
 from engine.loader import DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
-from engine.sampler import Sampler, host_to_device
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -378,9 +379,11 @@ class LLMEngine:
 
     def _ends_at_next_token(self, seq: Sequence) -> bool:
         """Whether the token in flight is ``seq``'s last whatever its value (lengths known in advance)."""
-        return (
-            len(seq.output_token_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
-        )
+        return self._at_length_limit(seq, len(seq.output_token_ids) + 1, seq.num_tokens + 1)
+
+    def _at_length_limit(self, seq: Sequence, num_output: int, num_tokens: int) -> bool:
+        """The length stops (max_tokens, max_model_len), one rule for ``_check_stop`` and the lookahead."""
+        return num_output >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _step_lookahead(self, outputs: list[RequestOutput]) -> bool:
         """Launch the next decode step of the sequences in flight on their sampled tokens, still on the
@@ -487,9 +490,7 @@ class LLMEngine:
             if found is not None:
                 seq.output_text = detok.text[: found[0]]
                 return "stop", found[1]
-        if len(seq.output_token_ids) >= p.max_tokens:
-            return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if self._at_length_limit(seq, len(seq.output_token_ids), seq.num_tokens):
             return "length", None
         return None, None
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -211,13 +212,15 @@ class ModelRunner:
         bs = self.block_size
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
+        # Pinned, non-blocking copies: a pageable one would wait for the step still in flight, which is
+        # what running ahead avoids.
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+            slot_mapping=host_to_device(torch.from_numpy(slots), dev),
+            block_tables=host_to_device(torch.from_numpy(tables), dev),
+            seq_lens=host_to_device(torch.from_numpy((positions + 1).astype(np.int32)), dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
         )
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_pool, meta)
+        hidden = self.model(input_ids, host_to_device(torch.from_numpy(positions), dev), self.kv_pool, meta)
         return self.model.compute_logits(hidden)
 
     def _execute_decode_graph(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
@@ -230,7 +233,7 @@ class ModelRunner:
         if len(sampling) == n:
             return seqs, logits
         # A one-token prefill chunk that is not the prompt's end takes part without sampling.
-        index = torch.from_numpy(sampling).to(self.device)
+        index = host_to_device(torch.from_numpy(sampling), self.device)
         return [seqs[i] for i in sampling], logits[index]
 
     def _replay_decode(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from engine.device_copy import host_to_device
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 
@@ -118,14 +119,6 @@ class Sampler:
                 top = list(zip(top_i_rows[row][:n], top_v_rows[row][:n], strict=True))
                 logprobs[i] = TokenLogprobs(token_list[i], chosen[row], top)
         return token_list, logprobs
-
-
-def host_to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = True) -> torch.Tensor:
-    """Copy a small host tensor to ``device``; ``non_blocking`` on a GPU goes through pinned memory so the
-    host does not wait for the device work queued before the copy."""
-    if non_blocking and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it alive
-    return t.to(device)
 
 
 def _row_values(params: list[SamplingParams], vocab: int) -> torch.Tensor:
