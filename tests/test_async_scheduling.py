@@ -184,6 +184,7 @@ def test_tight_pool_preempts_and_evicts_the_same(model: str) -> None:
     assert_same(sync, lookahead)
     assert sync.engine.scheduler.num_preemptions > 0
     assert lookahead.engine.scheduler.num_preemptions == sync.engine.scheduler.num_preemptions
+    assert lookahead.engine.lookahead_steps > 0  # the engines compared really differ in how they step
     assert any(type(e).__name__ == "BlocksRemoved" for e in sync.events)  # evictions happened
 
 
@@ -250,13 +251,15 @@ def test_steady_decode_overlaps_and_wastes_no_step(max_model_len: int | None) ->
 def test_finish_on_content_discards_the_token_in_flight() -> None:
     """A request that stops on EOS has its next step in flight already: that token is never emitted
     nor counted, its blocks come back, and its last block is not hashed with a token it never had."""
-    prompt = list(range(40, 71))  # 31 tokens: the 32nd (first generated) fills block 2 of 16
+    prompt = list(range(10, 41))  # 31 tokens: the 32nd (first generated) fills block 2 of 16
     base = run_script([Add(0, "a", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])
     tokens = [t for o in base.outputs["a"] for t in o[0]]
+    ran = []
     for k in (1, 2, 5):  # stop on the k-th generated token
         eos = tokens[k - 1]
         if eos in tokens[: k - 1]:
             continue
+        ran.append(k)
         script = [
             Add(0, "a", prompt, SamplingParams(max_tokens=20, temperature=0.0)),
             Add(0, "b", prompt[:20], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
@@ -266,6 +269,8 @@ def test_finish_on_content_discards_the_token_in_flight() -> None:
         assert_same(sync, lookahead)
         assert [t for o in lookahead.outputs["a"] for t in o[0]] == tokens[:k]
         assert lookahead.totals[2] == k + 20
+        assert lookahead.engine.lookahead_steps > 0
+    assert ran == [1, 2, 5], "the prompt's first tokens must be distinct for every stop position to run"
 
 
 def test_abort_of_a_request_in_flight_emits_its_token_first() -> None:
@@ -314,11 +319,17 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
         outs: list[tuple] = []
         for _ in range(4):
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        drains = engine.lookahead_drains
+        assert (engine._inflight is not None) == async_scheduling  # each call below meets a step in flight
         assert engine.release_held("held")
         outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert (engine._inflight is not None) == async_scheduling
         blocks = engine.reserve_import("b", prompt, params)
         assert len(blocks) == 3
+        outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert (engine._inflight is not None) == async_scheduling
         engine.commit_import("b", 7)  # no KV was written: only the bookkeeping is compared
+        assert engine.lookahead_drains - drains == (3 if async_scheduling else 0)
         while engine.has_unfinished():
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         assert engine.block_pool.num_free_blocks == 64

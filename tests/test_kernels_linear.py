@@ -129,18 +129,19 @@ REAL_SHAPES = [(2048, 4096), (128, 2048), (151936, 2048), (128256, 4096), (5120,
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), REAL_SHAPES, ids=lambda v: str(v))
-def test_gpu_linear_real_shapes(n: int, k: int) -> None:
+def test_gpu_linear_real_shapes(n: int, k: int, gemv_launches: list) -> None:
     torch.manual_seed(400)
     dtype = torch.bfloat16
     w = make_weight(n, k, dtype)
     for m in (1, 4):
         x = randn(m, k, dtype=dtype)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(*up(x, w)), dtype, f"linear {n}x{k}, M={m}")
+    assert gemv_launches == [(n, k)]  # the GEMV for one row, cuBLAS for four
 
 
 @gpu
 @needs_cuda
-def test_gpu_linear_weight_over_2_31_elements() -> None:
+def test_gpu_linear_weight_over_2_31_elements(gemv_launches: list) -> None:
     """A weight of 2**31 + 4096 * 64 elements (4.3 GB of bf16): rows past 2**31 / K need 64-bit offsets."""
     torch.manual_seed(420)
     k = 4096
@@ -149,6 +150,7 @@ def test_gpu_linear_weight_over_2_31_elements() -> None:
     x = randn(1, k, dtype=torch.bfloat16)
     assert triton_linear.use_gemv(1, n, k)
     out = TRITON_OPS.linear(x, w)
+    assert gemv_launches == [(n, k)]  # the GEMV's 64-bit row offsets ran, not cuBLAS
     for rows in (slice(0, 64), slice(n - 128, n)):
         ref = x.float() @ w[rows].float().t()
         assert_close(out[:, rows], ref, torch.bfloat16, f"rows {rows}")
