@@ -816,7 +816,7 @@ def environment(plan: Plan) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "pdl": triton_device.PDL_ENABLED,
+        "pdl": triton_device.pdl_kwargs(torch.device(plan.device))["USE_PDL"],  # in effect, not requested
         "async_scheduling": plan.async_scheduling,
     }
     try:
