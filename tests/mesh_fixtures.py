@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import os
 import re
 import signal
@@ -127,14 +128,20 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
 
 
 async def until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """``wait_until`` on the running event loop: poll without blocking it."""
+    """``wait_until`` on the running event loop: poll without blocking it. ``predicate`` may also return
+    an awaitable (an async check), which is awaited."""
+
+    async def check() -> bool:
+        value = predicate()
+        return bool(await value) if inspect.isawaitable(value) else bool(value)
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        if predicate():
+        if await check():
             return True
         await asyncio.sleep(interval)
-    return bool(predicate())
+    return await check()
 
 
 def metric(metrics: RouterMetrics, name: str, labels: dict[str, str] | None = None) -> float:

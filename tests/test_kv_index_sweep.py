@@ -27,7 +27,7 @@ from router.discovery import RegistryDiscovery
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.worker_pool import PREFILL, WorkerPool
-from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis
+from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis, until
 
 pytestmark = needs_redis
 
@@ -86,16 +86,6 @@ async def mesh(static_decode: tuple[str, ...] = ()) -> AsyncIterator[Mesh]:
         await client.aclose()
 
 
-async def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
-    """Poll an async predicate on the running loop."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(await predicate())
-
-
 def swept_lines(caplog: Any) -> list[str]:
     return [r.getMessage() for r in caplog.records if SWEPT in r.getMessage()]
 
@@ -136,7 +126,7 @@ async def test_discovery_sweeps_a_worker_that_died_unseen_and_keeps_the_live_one
             started = time.monotonic()
             await discovery.start()
             try:
-                assert await wait_for(lambda: _lacks(m, "p-dead"))
+                assert await until(lambda: _lacks(m, "p-dead"))
                 assert time.monotonic() - started >= 0.3  # not before the grace
                 await asyncio.sleep(0.35)  # more sweeps: p-dead is not swept again
             finally:

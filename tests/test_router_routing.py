@@ -33,7 +33,7 @@ from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, merge
 from router.scored_chooser import ScoredChooser
 from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
-from tests.mesh_fixtures import REDIS_URL, async_test, metric, redis_up, until
+from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis, until
 
 FP = "tiny-dense-v1:float32"
 BS = 16
@@ -425,7 +425,7 @@ async def index_home(
 
 @pytest.mark.parametrize(
     "kind",
-    ["inprocess", pytest.param("redis", marks=pytest.mark.skipif(not redis_up(), reason="no Redis"))],
+    ["inprocess", pytest.param("redis", marks=needs_redis)],
 )
 @async_test
 async def test_a_worker_gone_from_the_registry_gets_no_prefix_score(kind: str) -> None:
