@@ -19,10 +19,10 @@ import logging
 
 import grpc
 
+from mesh.background import BackgroundTasks
 from mesh.kv_event_proto import events_from_proto
 from mesh.kv_index import InProcessKVIndex
 from protos.pdmesh.v1 import common_pb2, worker_pb2
-from router.background import BackgroundTasks
 from router.metrics import RouterMetrics
 from router.worker_pool import WorkerEndpoint, WorkerPool
 

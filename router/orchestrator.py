@@ -33,10 +33,10 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from mesh.background import BackgroundTasks
 from mesh.telemetry import get_tracer, inject_metadata
 from mesh.worker_service import REFUSED_DRAINING, REFUSED_ENGINE_DOWN
 from protos.pdmesh.v1 import common_pb2, worker_pb2
-from router.background import BackgroundTasks
 from router.chooser import PREFILL_FAILED, RouteRequest, WorkerChooser
 from router.errors import (
     NoWorkerAvailableError,

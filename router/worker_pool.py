@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from mesh.background import BackgroundTasks
 from mesh.grpc_server import CHANNEL_OPTIONS, insecure_channel
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.background import BackgroundTasks
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Background tasks end with their owner: ``router.background.BackgroundTasks`` alone, and the KV event
+"""Background tasks end with their owner: ``mesh.background.BackgroundTasks`` alone, and the KV event
 feed, whose ``close`` must leave none of its subscriptions or forgetting tasks running."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mesh.background import BackgroundTasks
 from mesh.grpc_server import start_server
 from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksStored, Tier
 from mesh.kv_index import InProcessKVIndex, PrefixMatch
 from protos.pdmesh.v1 import common_pb2, worker_pb2_grpc
-from router.background import BackgroundTasks
 from router.kv_event_feed import KVEventFeed
 from router.metrics import RouterMetrics
 from router.worker_pool import WorkerPool
@@ -66,7 +66,7 @@ async def test_a_failing_task_is_logged_with_its_name(caplog: Any) -> None:
     async def fails() -> None:
         raise RuntimeError("boom")
 
-    with caplog.at_level(logging.ERROR, logger="router.background"):
+    with caplog.at_level(logging.ERROR, logger="mesh.background"):
         task = tasks.spawn(fails(), "fails-on-purpose")
         await asyncio.wait([task])
         await asyncio.sleep(0)  # the done callback runs on the next turn of the loop

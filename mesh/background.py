@@ -1,4 +1,5 @@
-"""The router's background tasks: started by name, kept alive while they run, cancelled and awaited on close.
+"""Background tasks of a service (router or worker): started by name, kept alive while they run, cancelled
+and awaited on close.
 
 asyncio holds only a weak reference to a task, so a task nobody keeps may be collected before it ends;
 a task whose exception nobody reads is reported only when it is collected, if ever. ``BackgroundTasks``
