@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from mesh.background import BackgroundTasks
 from mesh.config import setting
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_event_proto import events_to_proto
@@ -266,6 +267,9 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         self.in_flight: set[str] = set()
         self.server: grpc.aio.Server | None = None
         self.stop_requested = asyncio.Event()  # set by the Drain RPC: drain, deregister, exit
+        # Tasks nobody awaits (the role's background work, the health flip on drain): kept referenced
+        # until they end, their failures logged, cancelled and awaited by ``close``.
+        self.tasks = BackgroundTasks(type(self).__name__)
 
     # ---- shared RPCs ---------------------------------------------------------------------------
     async def Abort(
@@ -353,7 +357,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
             log.info("worker %s draining: no new requests", self.worker_id)
             self.draining = True
             if self.server is not None:
-                asyncio.get_running_loop().create_task(set_serving(self.server, False))
+                self.tasks.spawn(set_serving(self.server, False), "health-not-serving")
 
     async def wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -389,6 +393,10 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     async def background(self) -> None:
         """Role-specific background work (lease expiry, notifications); runs until cancelled."""
         await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        """Cancel and await the servicer's tasks (``background`` and any health flip still pending)."""
+        await self.tasks.close()
 
 
 def default_worker_id(role: str, host: str, port: int) -> str:
@@ -450,7 +458,7 @@ async def serve_worker(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    bg = loop.create_task(servicer.background())
+    servicer.tasks.spawn(servicer.background(), f"{role}-background")
     if ready_line:
         print(
             f"pdmesh {role} ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
@@ -465,7 +473,7 @@ async def serve_worker(
     await servicer.wait_idle(settings.drain_timeout_s)
     if registration is not None:
         await registration.stop()
-    bg.cancel()
+    await servicer.close()
     await server.stop(grace=2.0)
     aengine.stop()
     transfer.close()
