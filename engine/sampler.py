@@ -6,9 +6,12 @@ a seeded request's row key is a hash of (seed, output position) alone, so its to
 what else is in the batch, nor on which worker or device samples which position (the prefill worker
 samples position 0, the decode worker the rest): the integer hash is exact everywhere. Unseeded rows take
 their keys from the sampler's own generator. With the Triton backend on a GPU, rows without top-k or
-top-p take the one-pass Gumbel-max kernel of ``kernels/triton_sampling.py`` (same race, same hash). (Drawing the noise from a CPU generator per row, as an
-earlier version did, cost a host-side draw of batch x vocab values and a copy to the GPU every step:
-32 MB at batch 64 with a 128k vocabulary.)
+top-p take the one-pass Gumbel-max kernel of ``kernels/triton_sampling.py`` (same race, same hash); rows
+with top-k or top-p take the torch race with a sort, on just those rows. The path is chosen per row, from
+that row's own parameters: the two paths agree only up to float rounding (at near-ties, at the min-p
+boundary), so a batch-wide choice would let a row's batch-mates change its token. (Drawing the noise
+from a CPU generator per row, as an earlier version did, cost a host-side draw of batch x vocab values
+and a copy to the GPU every step: 32 MB at batch 64 with a 128k vocabulary.)
 """
 
 from __future__ import annotations
@@ -53,13 +56,27 @@ def exponential_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, kernel_backend: str = "torch") -> None:
+    def __init__(self, seed: int = 0, kernel_backend: str = "torch", *, kernel_on_cpu: bool = False) -> None:
+        """``kernel_on_cpu``: with the Triton backend, rows on the CPU take the kernel too, which works
+        only under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported): for tests
+        of the per-row path choice."""
         self._unseeded = torch.Generator().manual_seed(seed)
         self._gumbel_sample = None
+        self._kernel_devices = ("cuda",)
         if kernel_backend == "triton":  # one-pass temperature sampling on GPUs (kernels/triton_sampling.py)
-            from kernels.triton_sampling import gumbel_sample_triton
+            from kernels.triton_sampling import gumbel_sample_triton, interpreted
 
             self._gumbel_sample = gumbel_sample_triton
+            if kernel_on_cpu:
+                if not interpreted():
+                    raise ValueError("kernel_on_cpu needs TRITON_INTERPRET=1 set before triton is imported")
+                self._kernel_devices = ("cuda", "cpu")
+        elif kernel_on_cpu:
+            raise ValueError("kernel_on_cpu needs kernel_backend='triton'")
+
+    def uses_kernel(self, device: torch.device) -> bool:
+        """Whether rows without top-k or top-p whose logits are on ``device`` take the one-pass kernel."""
+        return self._gumbel_sample is not None and device.type in self._kernel_devices
 
     def sample(
         self,
@@ -70,28 +87,43 @@ class Sampler:
     ) -> torch.Tensor:
         """The sampled token ids [B] (int64), left on the logits' device. With ``non_blocking`` the
         per-row values go to a GPU through pinned memory, so the host does not wait for the device work
-        queued before (asynchronous scheduling launches the next step meanwhile)."""
+        queued before (asynchronous scheduling launches the next step meanwhile).
+
+        Each row's path follows from its own parameters, decided on the host: greedy rows take the
+        argmax; rows with top-k or top-p the torch race with a sort (on those rows only); the other rows
+        the one-pass kernel where ``uses_kernel``, else the torch race without a sort."""
         batch, vocab = logits.shape
         device = logits.device
         tokens = logits.argmax(dim=-1)
-        if not all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
-            unseeded = torch.randint(0, 1 << 62, (batch,), generator=self._unseeded).tolist()
-            keys = [
-                _position_seed(p.seed, pos) if p.seed is not None else key
-                for p, pos, key in zip(params, positions, unseeded, strict=True)
-            ]
-            # Per-row values in two host-to-device copies (a pageable copy waits for the queued device work).
-            rows = host_to_device(_row_values(params, vocab), device, non_blocking)
-            temps, greedy, min_p_rows = rows[:, 0], rows[:, 1] > 0, rows[:, 2]
-            row_keys = host_to_device(torch.tensor(keys, dtype=torch.int64), device, non_blocking)
-            needs_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-            if self._gumbel_sample is not None and logits.is_cuda and not needs_sort:
-                has_min_p = any(p.min_p > 0 for p in params)
-                sampled = self._gumbel_sample(logits, temps, row_keys, min_p_rows if has_min_p else None)
-            else:
-                probs = _filtered_probs(logits / temps.unsqueeze(1), params, rows)
-                sampled = (probs / exponential_noise(row_keys, vocab)).argmax(dim=-1)
-            tokens = torch.where(greedy, tokens, sampled)
+        if all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
+            return tokens
+        racing = [i for i, p in enumerate(params) if not p.greedy]
+        sorting = [i for i in racing if params[i].top_k > 0 or params[i].top_p < 1.0]
+        plain = [i for i in racing if params[i].top_k <= 0 and params[i].top_p >= 1.0]
+        unseeded = torch.randint(0, 1 << 62, (batch,), generator=self._unseeded).tolist()
+        keys = [
+            _position_seed(p.seed, pos) if p.seed is not None else key
+            for p, pos, key in zip(params, positions, unseeded, strict=True)
+        ]
+        # Two host-to-device copies (a pageable copy waits for the queued device work): the per-row
+        # values, and the row keys followed by the row indices of each path.
+        rows = host_to_device(_row_values(params, vocab), device, non_blocking)
+        ints = host_to_device(torch.tensor(keys + plain + sorting, dtype=torch.int64), device, non_blocking)
+        row_keys = ints[:batch]
+        plain_index = None if len(plain) == batch else ints[batch : batch + len(plain)]
+        sorting_index = None if len(sorting) == batch else ints[batch + len(plain) :]
+        if plain and self.uses_kernel(device):
+            # The kernel reads each row once, so it runs on the whole batch rather than on a gathered copy
+            # of the plain rows; only their tokens are kept.
+            min_p = rows[:, 1] if any(params[i].min_p > 0 for i in plain) else None
+            drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p)
+            tokens = _put(tokens, plain_index, drawn if plain_index is None else drawn[plain_index])
+        elif plain:
+            drawn = _torch_race(logits, [params[i] for i in plain], rows, row_keys, plain_index)
+            tokens = _put(tokens, plain_index, drawn)
+        if sorting:
+            drawn = _torch_race(logits, [params[i] for i in sorting], rows, row_keys, sorting_index)
+            tokens = _put(tokens, sorting_index, drawn)
         return tokens
 
     def __call__(
@@ -122,13 +154,12 @@ class Sampler:
 
 
 def _row_values(params: list[SamplingParams], vocab: int) -> torch.Tensor:
-    """Per-row sampling values, one host tensor [B, 5] float32 (one copy to the device): temperature (1
-    for greedy rows), greedy flag, min-p, top-p, top-k (the vocabulary size when off; exact in float32)."""
+    """Per-row sampling values, one host tensor [B, 4] float32 (one copy to the device): temperature (1
+    for greedy rows), min-p, top-p, top-k (the vocabulary size when off; exact in float32)."""
     return torch.tensor(
         [
             (
                 p.temperature if p.temperature > 0 else 1.0,
-                float(p.greedy),
                 p.min_p,
                 p.top_p,
                 min(p.top_k, vocab) if p.top_k > 0 else vocab,
@@ -137,6 +168,26 @@ def _row_values(params: list[SamplingParams], vocab: int) -> torch.Tensor:
         ],
         dtype=torch.float32,
     )
+
+
+def _put(tokens: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with rows ``index`` (a device tensor; None: every row) set to ``values``."""
+    return values if index is None else tokens.index_copy_(0, index, values)
+
+
+def _torch_race(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    rows: torch.Tensor,
+    row_keys: torch.Tensor,
+    index: torch.Tensor | None,
+) -> torch.Tensor:
+    """The race, ``argmax(filtered probs / E)``, of the rows ``index`` (None: every row), whose
+    parameters are ``params``; ``rows`` and ``row_keys`` are the whole batch's, on the logits' device."""
+    if index is not None:
+        logits, rows, row_keys = logits[index], rows[index], row_keys[index]
+    probs = _filtered_probs(logits / rows[:, :1], params, rows)
+    return (probs / exponential_noise(row_keys, logits.shape[1])).argmax(dim=-1)
 
 
 def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor) -> torch.Tensor:
@@ -151,15 +202,15 @@ def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams], rows: to
     if need_k or need_p:
         sorted_vals, order = scaled.sort(dim=-1, descending=True)
     if need_k:
-        kth = sorted_vals.gather(1, rows[:, 4:5].long() - 1)
+        kth = sorted_vals.gather(1, rows[:, 3:4].long() - 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if need_p:
         assert order is not None
         sorted_probs = probs.gather(1, order)
         # Keep the smallest set whose mass reaches top-p.
-        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= rows[:, 3:4]
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= rows[:, 2:3]
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
     if any(p.min_p > 0 for p in params):
-        probs = probs.masked_fill(probs < rows[:, 2:3] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs.masked_fill(probs < rows[:, 1:2] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

@@ -67,6 +67,14 @@ def _gumbel_sample_kernel(
     tl.store(out_ptr + row, best_index)
 
 
+def interpreted() -> bool:
+    """Whether the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1`` when this module was
+    imported), which takes CPU tensors; compiled, it takes GPU tensors only."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_gumbel_sample_kernel, InterpretedFunction)
+
+
 def gumbel_sample_triton(
     logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None
 ) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""The sampler chooses each row's path from that row's parameters, never from its batch-mates'.
+
+Rows with top-k or top-p take the torch race with a sort; the other non-greedy rows take the one-pass
+Triton kernel (``kernels/triton_sampling.py``) when the sampler has one. The two paths agree only up to
+float rounding, so the tests build near-ties on which they disagree, and check that a seeded row draws the
+kernel's token whatever else is in its batch. Without a GPU the kernel runs in the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported) on CPU tensors, through the sampler's
+``kernel_on_cpu`` option.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import engine.sampler as sampler_module  # noqa: E402
+from engine.sampler import Sampler, _position_seed, exponential_noise  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+VOCAB = 96  # two of the interpreter's 64-wide chunks
+SEED = 42
+TEMPERATURE = 0.7
+
+
+def kernel_sampler() -> Sampler:
+    return Sampler(3, "triton", kernel_on_cpu=DEVICE.type == "cpu")
+
+
+def near_ties(positions: int) -> torch.Tensor:
+    """[positions, VOCAB] logits whose race scores ``l / T - log E`` are all equal, for the row of SEED at
+    each position: every token ties, so rounding alone picks the winner, and the paths often differ."""
+    keys = torch.tensor([_position_seed(SEED, p) for p in range(positions)], dtype=torch.int64)
+    return (TEMPERATURE * exponential_noise(keys, VOCAB).log()).to(DEVICE)
+
+
+def disagreeing_row() -> tuple[torch.Tensor, int, int]:
+    """A near-tie row (its logits [VOCAB] and position) on which the kernel's token differs from the torch
+    race's, and the kernel's token."""
+    n = 32
+    logits = near_ties(n)
+    params = [SamplingParams(temperature=TEMPERATURE, seed=SEED)] * n
+    by_kernel = kernel_sampler().sample(logits, params, list(range(n))).tolist()
+    by_torch = Sampler(3, "torch").sample(logits, params, list(range(n))).tolist()
+    pos = next(p for p in range(n) if by_kernel[p] != by_torch[p])
+    return logits[pos], pos, by_kernel[pos]
+
+
+def test_kernel_option_needs_the_triton_backend() -> None:
+    with pytest.raises(ValueError, match="kernel_backend='triton'"):
+        Sampler(0, "torch", kernel_on_cpu=True)
+    assert kernel_sampler().uses_kernel(DEVICE)
+    assert not Sampler(0, "torch").uses_kernel(DEVICE)
+    assert not Sampler(0, "triton").uses_kernel(torch.device("cpu"))  # compiled kernels take GPU tensors
+
+
+def test_seeded_row_draws_the_kernels_token_beside_top_k_and_top_p_rows() -> None:
+    """A batch-wide path choice sent this row through the torch race as soon as one row used top-k or
+    top-p, which picks another token on this near-tie."""
+    row, pos, kernel_token = disagreeing_row()
+    seeded = SamplingParams(temperature=TEMPERATURE, seed=SEED)
+    sampler = kernel_sampler()
+    alone = sampler.sample(row.unsqueeze(0), [seeded], [pos]).tolist()
+    torch.manual_seed(0)
+    others = torch.randn(4, VOCAB, device=DEVICE) * 3
+    logits = torch.stack([others[0], row, others[1], others[2], others[3]])
+    params = [
+        SamplingParams(temperature=1.0, top_k=3, seed=1),
+        seeded,
+        SamplingParams(temperature=0.9, top_p=0.5, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, min_p=0.1),  # unseeded, and min-p: the kernel's other variant
+    ]
+    mixed = sampler.sample(logits, params, [0, pos, 7, 9, 11]).tolist()
+    assert alone == [kernel_token]
+    assert mixed[1] == kernel_token
+    assert mixed[0] in others[0].topk(3).indices.tolist()
+    assert mixed[3] == int(others[2].argmax())
+
+
+def test_each_path_runs_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel runs once for the plain rows; the torch race runs on the top-k/top-p rows only (its
+    noise has their rows, not the batch's); greedy rows take neither."""
+    sampler = kernel_sampler()
+    kernel = sampler._gumbel_sample
+    kernel_rows: list[int] = []
+    noise_rows: list[int] = []
+
+    def counted_kernel(logits: torch.Tensor, *args: torch.Tensor | None) -> torch.Tensor:
+        kernel_rows.append(logits.shape[0])
+        return kernel(logits, *args)
+
+    def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+        noise_rows.append(keys.shape[0])
+        return exponential_noise(keys, vocab)
+
+    sampler._gumbel_sample = counted_kernel
+    monkeypatch.setattr(sampler_module, "exponential_noise", counted_noise)
+    torch.manual_seed(1)
+    logits = torch.randn(6, VOCAB, device=DEVICE)
+    plain = SamplingParams(temperature=0.8, seed=5)
+    top_p = SamplingParams(temperature=0.8, top_p=0.8, seed=6)
+    greedy = SamplingParams(temperature=0.0)
+    sampler.sample(logits, [plain, top_p, greedy, plain, top_p, top_p], list(range(6)))
+    assert (kernel_rows, noise_rows) == ([6], [3])
+    for batch, want in (([top_p, greedy], ([], [1])), ([greedy, greedy], ([], []))):
+        kernel_rows.clear(), noise_rows.clear()
+        sampler.sample(logits[: len(batch)], batch, list(range(len(batch))))
+        assert (kernel_rows, noise_rows) == want
+    # Without a kernel the plain rows take the torch race apart from the sorting rows.
+    noise_rows.clear()
+    Sampler(3, "torch").sample(logits, [plain, top_p, greedy, plain, top_p, top_p], list(range(6)))
+    assert noise_rows == [2, 3]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_seeded_row_draws_what_it_draws_alone(backend: str) -> None:
+    """A mixed batch of seeded rows (plain, min-p, top-k, top-p, both, greedy): each row's token equals
+    the token it draws in a batch of its own."""
+    sampler = kernel_sampler() if backend == "triton" else Sampler(3, "torch")
+    torch.manual_seed(2)
+    logits = torch.randn(7, VOCAB, device=DEVICE) * 2
+    params = [
+        SamplingParams(temperature=0.8, seed=10),
+        SamplingParams(temperature=1.1, min_p=0.05, seed=11),
+        SamplingParams(temperature=0.9, top_k=5, seed=12),
+        SamplingParams(temperature=1.0, top_p=0.7, seed=13),
+        SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.02, seed=14),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, seed=16),
+    ]
+    positions = [3, 1, 4, 1, 5, 9, 2]
+    together = sampler.sample(logits, params, positions).tolist()
+    alone = [
+        sampler.sample(logits[i : i + 1], [p], [pos]).item()
+        for i, (p, pos) in enumerate(zip(params, positions, strict=True))
+    ]
+    assert together == alone
