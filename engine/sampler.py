@@ -208,8 +208,10 @@ def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams], rows: to
     if need_p:
         assert order is not None
         sorted_probs = probs.gather(1, order)
-        # Keep the smallest set whose mass reaches top-p.
-        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= rows[:, 2:3]
+        # Keep the smallest set whose mass reaches top-p. Rows with top-p off drop nothing: in float32 the
+        # running mass of a large vocabulary can reach 1 before its tail (10% of 128k random logits did).
+        top_p = rows[:, 2:3]
+        drop_sorted = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
     if any(p.min_p > 0 for p in params):
         probs = probs.masked_fill(probs < rows[:, 1:2] * probs.max(dim=-1, keepdim=True).values, 0.0)

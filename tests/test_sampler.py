@@ -125,3 +125,19 @@ def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> N
         assert torch.allclose(got[i], want, atol=1e-6), i
     kept = (got > 0).sum(dim=1).tolist()
     assert kept[0] == 5 and kept[4] <= 3 and kept[5] == 512 and 1 <= kept[1] < 512
+
+
+def test_top_k_row_beside_a_top_p_row_keeps_its_whole_top_k() -> None:
+    """The shared sort runs top-p over every row; a row with top-p off must lose nothing to it, though in
+    float32 its running mass reaches 1 long before a 128k vocabulary's tail."""
+    from engine.sampler import _filtered_probs, _row_values
+
+    torch.manual_seed(4)
+    k = 128_000
+    params = [SamplingParams(temperature=1.0, top_k=k), SamplingParams(temperature=1.0, top_p=0.9)]
+    logits = torch.randn(2, 128_256) * 3
+    kept = torch.softmax(logits[0].sort(descending=True).values[:k], dim=0)
+    assert float((kept.cumsum(0) - kept)[-1]) >= 1.0  # the rounding this test is about
+    got = _filtered_probs(logits, params, _row_values(params, logits.shape[1]))
+    assert int((got[0] > 0).sum()) == k
+    assert torch.equal(got[0] > 0, _filtered_row(logits[0], params[0]) > 0)
