@@ -172,12 +172,17 @@ async def wait_for_health(
 
 
 class StatusError(Exception):
-    """An error that knows its gRPC status; service code raises it, the servicer edge aborts with it."""
+    """An error that knows its gRPC status; service code raises it, the servicer edge aborts with it (and
+    with ``trailing_metadata``, for callers that need more than the code: ``mesh.worker_service``'s
+    refusals)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

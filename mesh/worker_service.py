@@ -30,12 +30,36 @@ from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEven
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-# How a worker words an UNAVAILABLE that refused a request before touching it (the router reads these to
-# know that a Decode's KV handle is still intact and can go to another decode worker).
-REFUSED_DRAINING = "is draining"
-REFUSED_ENGINE_DOWN = "engine is not running"
+# The trailing metadata entry of an UNAVAILABLE that refused a request before any of it ran (its value: a
+# pdmesh.v1.Refusal name). The router reads it to know that a Decode's KV handle is still intact and can
+# go to another decode worker.
+REFUSAL_KEY = "pdmesh-refusal"
 
 log = logging.getLogger(__name__)
+
+
+class RefusedError(StatusError):
+    """A request refused before any of it ran: UNAVAILABLE, with the refusal in trailing metadata."""
+
+    def __init__(self, refusal: worker_pb2.Refusal.ValueType, message: str) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, message, ((REFUSAL_KEY, worker_pb2.Refusal.Name(refusal)),)
+        )
+        self.refusal = refusal
+
+
+def refusal_of(exc: grpc.aio.AioRpcError) -> worker_pb2.Refusal.ValueType | None:
+    """The refusal a worker's UNAVAILABLE carries, or None when it carries none (the call may have begun
+    its work). A name this build does not know (a newer worker's) is still a refusal: REFUSAL_UNSPECIFIED."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == REFUSAL_KEY:
+            name = value.decode() if isinstance(value, bytes) else value
+            known = worker_pb2.Refusal.DESCRIPTOR.values_by_name.get(name)
+            return known.number if known is not None else worker_pb2.REFUSAL_UNSPECIFIED
+    return None
+
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -348,9 +372,11 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     # ---- drain and admission -------------------------------------------------------------------
     def check_admission(self) -> None:
         if self.draining:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} {REFUSED_DRAINING}")
+            raise RefusedError(worker_pb2.REFUSAL_DRAINING, f"worker {self.worker_id} is draining")
         if not self.aengine.alive:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id}: {REFUSED_ENGINE_DOWN}")
+            raise RefusedError(
+                worker_pb2.REFUSAL_ENGINE_DOWN, f"worker {self.worker_id}: engine is not running"
+            )
 
     def start_drain(self) -> None:
         if not self.draining:
@@ -388,7 +414,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         self.metrics.requests.labels(outcome="error").inc()
         code, message = status_for(exc)
         span.set_attribute("pdmesh.error", message)
-        await context.abort(code, message)
+        await context.abort(code, message, exc.trailing_metadata if isinstance(exc, StatusError) else ())
 
     async def background(self) -> None:
         """Role-specific background work (lease expiry, notifications); runs until cancelled."""

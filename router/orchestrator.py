@@ -35,7 +35,7 @@ from opentelemetry import trace
 
 from mesh.background import BackgroundTasks
 from mesh.telemetry import get_tracer, inject_metadata
-from mesh.worker_service import REFUSED_DRAINING, REFUSED_ENGINE_DOWN
+from mesh.worker_service import refusal_of
 from protos.pdmesh.v1 import common_pb2, worker_pb2
 from router.chooser import PREFILL_FAILED, RouteRequest, WorkerChooser
 from router.errors import (
@@ -54,12 +54,14 @@ FINISH_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
 
 # Decode failures that happen before the worker could have read a KV handle's blocks: the handle may be
-# given to the next decode worker. UNAVAILABLE qualifies only when the worker was unreachable or refused.
+# given to the next decode worker. UNAVAILABLE qualifies only when the worker refused the request (its
+# status carries a pdmesh.v1.Refusal, ``mesh.worker_service.refusal_of``) or was never reached.
 KV_UNTOUCHED = frozenset(
     {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
 )
-# gRPC's own words for a channel that never reached the worker, and the worker's for a refused request.
-UNREACHED_MARKERS = ("failed to connect", "connection refused", REFUSED_DRAINING, REFUSED_ENGINE_DOWN)
+# gRPC core's words for a call it never sent because no connection to the worker could be made: the client
+# library exposes that case as text only (no worker answered, so no worker could add metadata).
+UNREACHED_MARKERS = ("failed to connect", "connection refused")
 
 # Worker statuses after which another worker of the same role may succeed.
 RETRYABLE = frozenset(
@@ -79,8 +81,12 @@ def _kv_untouched(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed Decode certainly ended before the worker could read the KV handle's blocks."""
     if exc.code() in KV_UNTOUCHED:
         return True
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    if refusal_of(exc) is not None:
+        return True
     details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(m in details for m in UNREACHED_MARKERS)
+    return any(m in details for m in UNREACHED_MARKERS)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import pytest
 
 from mesh.grpc_server import service_name, start_server
 from mesh.telemetry import read_spans_jsonl
+from mesh.worker_service import REFUSAL_KEY
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService
@@ -45,8 +46,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         delay_s: float = 0.0,
         cached: int = 0,
         finish: int = LENGTH,
+        refusal: int | None = None,
     ) -> None:
         self.role = role
+        # Failures carry the pdmesh-refusal trailer, as a worker's refusal before doing anything does.
+        self.trailers = () if refusal is None else ((REFUSAL_KEY, worker_pb2.Refusal.Name(refusal)),)
         self.tokens = list(text.encode())
         self.first = first.encode()[0]
         self.fail_with = fail_with
@@ -79,7 +83,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: Any) -> worker_pb2.PrefillResponse:  # noqa: N802
         self._record("Prefill", request.request_id, context)
         if self.fail_with is not None:
-            await context.abort(self.fail_with, f"scripted {self.fail_with.name}")
+            await context.abort(self.fail_with, f"scripted {self.fail_with.name}", self.trailers)
         handle = common_pb2.KVHandle(
             worker_id="p", worker_address=self.address, request_id=request.request_id
         )
@@ -94,7 +98,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self._record("Decode", request.request_id, context)
         self.decode_requests.append(request)
         if self.fail_with is not None and self.fail_after is None:
-            await context.abort(self.fail_with, f"scripted {self.fail_with.name}")
+            await context.abort(self.fail_with, f"scripted {self.fail_with.name}", self.trailers)
         tokens = self.tokens if request.HasField("kv_handle") else [self.first, *self.tokens]
         try:
             for i, token in enumerate(tokens):
@@ -532,20 +536,43 @@ def test_one_trace_per_request_reaches_the_workers(tmp_path: Path) -> None:
 
 
 def test_a_refused_decode_keeps_its_kv_handle_and_a_broken_one_does_not() -> None:
-    """UNAVAILABLE counts as "KV untouched" only in the words of a worker that refused the request (or of
-    a channel that never connected); any other UNAVAILABLE may have come after the pull started."""
+    """UNAVAILABLE counts as "KV untouched" only with a worker's refusal in its trailing metadata (or in
+    gRPC's words for a channel that never connected); any other UNAVAILABLE may have come after the pull
+    started, whatever its text says."""
     from grpc.aio import AioRpcError
 
-    from mesh.worker_service import REFUSED_DRAINING, REFUSED_ENGINE_DOWN
     from router.orchestrator import _kv_untouched
 
-    def error(code: grpc.StatusCode, details: str) -> AioRpcError:
-        return AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+    def error(code: grpc.StatusCode, details: str, refusal: str | None = None) -> AioRpcError:
+        trailers = grpc.aio.Metadata() if refusal is None else grpc.aio.Metadata((REFUSAL_KEY, refusal))
+        return AioRpcError(code, grpc.aio.Metadata(), trailers, details=details)
 
     unavailable = grpc.StatusCode.UNAVAILABLE
-    assert _kv_untouched(error(unavailable, f"worker d-1 {REFUSED_DRAINING}"))
-    assert _kv_untouched(error(unavailable, f"worker d-1: {REFUSED_ENGINE_DOWN}"))
+    assert _kv_untouched(error(unavailable, "worker d-1 is draining", "REFUSAL_DRAINING"))
+    assert _kv_untouched(error(unavailable, "worker d-1: engine is not running", "REFUSAL_ENGINE_DOWN"))
+    assert _kv_untouched(error(unavailable, "a newer worker's reason", "REFUSAL_FROM_THE_FUTURE"))
     assert _kv_untouched(error(unavailable, "failed to connect to all addresses"))
     assert _kv_untouched(error(grpc.StatusCode.FAILED_PRECONDITION, "fingerprint mismatch"))
     assert not _kv_untouched(error(unavailable, "Socket closed"))
-    assert not _kv_untouched(error(grpc.StatusCode.INTERNAL, "worker d-1 is draining"))
+    assert not _kv_untouched(error(unavailable, "worker d-1 is draining"))  # the words alone say nothing
+    assert not _kv_untouched(error(grpc.StatusCode.INTERNAL, "worker d-1 is draining", "REFUSAL_DRAINING"))
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_an_unavailable_decode_is_retried_with_the_same_kv_handle_only_when_refused(refused: bool) -> None:
+    prefill = ScriptedWorker("prefill")
+    refusal = worker_pb2.REFUSAL_DRAINING if refused else None
+    bad = ScriptedWorker("decode", fail_with=grpc.StatusCode.UNAVAILABLE, refusal=refusal)
+    good = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([prefill], [bad, good], stats_interval_s=60.0) as svc:
+            svc.pool.workers[-1].health = Health.DOWN  # the first attempt goes to `bad`
+            status, body = await _complete(svc, {"prompt": "x"})
+            assert status == 200 and body["choices"][0]["text"] == "ABCD"
+            (retry,) = good.decode_requests
+            assert retry.HasField("kv_handle") == refused
+            if not refused:  # the handle may be spent: the prefill worker's blocks are let go
+                assert await until(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
+
+    asyncio.run(run())

@@ -1,5 +1,6 @@
 """What both worker roles share (``mesh.worker_service``), in process: the tasks a worker servicer starts
-are kept until they end, their failures are logged, and ``close`` leaves none running."""
+are kept until they end, their failures are logged, and ``close`` leaves none running; a request refused
+before any of it ran says so in its status's trailing metadata."""
 
 from __future__ import annotations
 
@@ -8,20 +9,29 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from decode_svc.servicer import DecodeServicer
 from mesh.grpc_server import insecure_channel, start_server
-from mesh.worker_service import EventFanout, WorkerMetrics, WorkerServicerBase, WorkerSettings
-from protos.pdmesh.v1 import worker_pb2_grpc
+from mesh.worker_service import (
+    REFUSAL_KEY,
+    EventFanout,
+    WorkerMetrics,
+    WorkerServicerBase,
+    WorkerSettings,
+    refusal_of,
+)
+from protos.pdmesh.v1 import worker_pb2, worker_pb2_grpc
+from router.orchestrator import _kv_untouched
 from tests.mesh_fixtures import async_test
 
 
-def servicer() -> WorkerServicerBase:
-    """A servicer whose engine is never called: draining and closing do not touch it."""
-    engine = SimpleNamespace(engine=None, alive=True)
-    return WorkerServicerBase(
-        engine, None, WorkerSettings(), "w-test", "", EventFanout("w-test"), WorkerMetrics("prefill")
-    )
+def servicer(cls: type[WorkerServicerBase] = WorkerServicerBase, alive: bool = True) -> WorkerServicerBase:
+    """A servicer whose engine is never called: draining, refusing and closing do not touch it."""
+    engine = SimpleNamespace(engine=None, alive=alive)
+    return cls(engine, None, WorkerSettings(), "w-test", "", EventFanout("w-test"), WorkerMetrics("decode"))
 
 
 async def health(port: int) -> int:
@@ -78,3 +88,35 @@ async def test_close_cancels_the_roles_background_work() -> None:
     assert not work.done()
     await s.close()
     assert work.cancelled()
+
+
+@pytest.mark.parametrize(
+    ("draining", "alive", "refusal"),
+    [(True, True, "REFUSAL_DRAINING"), (False, False, "REFUSAL_ENGINE_DOWN")],
+)
+@async_test
+async def test_a_refused_decode_says_so_in_its_trailing_metadata(
+    draining: bool, alive: bool, refusal: str
+) -> None:
+    """The worker's own refusal, over real gRPC: UNAVAILABLE with the pdmesh-refusal trailer, which is what
+    lets the router give the request's KV handle to another decode worker."""
+    s = servicer(DecodeServicer, alive=alive)
+    s.draining = draining
+    server, port = await start_server(
+        [(worker_pb2_grpc.add_WorkerServicer_to_server, s)], ["pdmesh.v1.Worker"]
+    )
+    try:
+        async with insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Decode(
+                worker_pb2.DecodeRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+        exc = caught.value
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+        assert (REFUSAL_KEY, refusal) in list(exc.trailing_metadata())
+        assert refusal_of(exc) == worker_pb2.Refusal.Value(refusal)
+        assert _kv_untouched(exc)
+    finally:
+        await server.stop(0)

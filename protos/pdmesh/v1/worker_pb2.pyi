@@ -1,11 +1,21 @@
 from protos.pdmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
+    REFUSAL_DRAINING: _ClassVar[Refusal]
+    REFUSAL_ENGINE_DOWN: _ClassVar[Refusal]
+REFUSAL_UNSPECIFIED: Refusal
+REFUSAL_DRAINING: Refusal
+REFUSAL_ENGINE_DOWN: Refusal
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt")
