@@ -16,12 +16,33 @@ and a copy to the GPU every step: 32 MB at batch 64 with a 128k vocabulary.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import xxhash
 
 from engine.device_copy import host_to_device
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from kernels.ops import BACKENDS
+
+# (logits [B, V], temperatures [B], row keys [B], min-p [B] or None) -> token ids [B]
+RaceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def race_kernel(kernel_backend: str) -> RaceKernel | None:
+    """The one-pass kernel that rows without top-k or top-p take under ``kernel_backend`` (one of
+    ``kernels.ops.BACKENDS``, the engine's setting): None for "torch" (the torch race), the Gumbel-max
+    kernel of ``kernels/triton_sampling.py`` for "triton". The sampler's only use of the backend name: the
+    op table (``kernels.ops.Ops``) has no sampling entry, so the name is mapped here, as ``get_ops`` maps
+    it to the model's ops, and a name ``get_ops`` would reject is rejected too."""
+    if kernel_backend not in BACKENDS:
+        raise ValueError(f"unknown kernel_backend {kernel_backend!r}; choose one of {BACKENDS}")
+    if kernel_backend == "torch":
+        return None
+    from kernels.triton_sampling import gumbel_sample_triton
+
+    return gumbel_sample_triton
 
 
 def _position_seed(seed: int, position: int) -> int:
@@ -57,22 +78,21 @@ def exponential_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, seed: int = 0, kernel_backend: str = "torch", *, kernel_on_cpu: bool = False) -> None:
-        """``kernel_on_cpu``: with the Triton backend, rows on the CPU take the kernel too, which works
-        only under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported): for tests
-        of the per-row path choice."""
+        """``kernel_backend`` picks the kernel of plain rows (``race_kernel``), used on GPU logits.
+        ``kernel_on_cpu``: with the Triton backend, rows on the CPU take the kernel too, which works only
+        under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported): for tests of the
+        per-row path choice."""
         self._unseeded = torch.Generator().manual_seed(seed)
-        self._gumbel_sample = None
+        self._gumbel_sample = race_kernel(kernel_backend)
         self._kernel_devices = ("cuda",)
-        if kernel_backend == "triton":  # one-pass temperature sampling on GPUs (kernels/triton_sampling.py)
-            from kernels.triton_sampling import gumbel_sample_triton, interpreted
+        if kernel_on_cpu:
+            if self._gumbel_sample is None:
+                raise ValueError("kernel_on_cpu needs kernel_backend='triton'")
+            from kernels.triton_sampling import interpreted
 
-            self._gumbel_sample = gumbel_sample_triton
-            if kernel_on_cpu:
-                if not interpreted():
-                    raise ValueError("kernel_on_cpu needs TRITON_INTERPRET=1 set before triton is imported")
-                self._kernel_devices = ("cuda", "cpu")
-        elif kernel_on_cpu:
-            raise ValueError("kernel_on_cpu needs kernel_backend='triton'")
+            if not interpreted():
+                raise ValueError("kernel_on_cpu needs TRITON_INTERPRET=1 set before triton is imported")
+            self._kernel_devices = ("cuda", "cpu")
 
     def uses_kernel(self, device: torch.device) -> bool:
         """Whether rows without top-k or top-p whose logits are on ``device`` take the one-pass kernel."""

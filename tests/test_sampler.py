@@ -55,6 +55,20 @@ def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
     assert together[1] == int(logits[1].argmax())  # greedy rows stay greedy
 
 
+def test_backend_names_are_the_op_tables() -> None:
+    """The sampler maps the engine's kernel_backend to its race kernel, and rejects what get_ops rejects."""
+    from engine.sampler import race_kernel
+    from kernels.ops import BACKENDS, get_ops
+
+    assert race_kernel("torch") is None
+    with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'") as from_sampler:
+        Sampler(0, "cuda")
+    with pytest.raises(ValueError) as from_ops:
+        get_ops("cuda")
+    assert str(from_sampler.value) == str(from_ops.value)
+    assert set(BACKENDS) == {"torch", "triton"}  # a new backend needs its entry in race_kernel
+
+
 def test_logprobs_are_of_the_sampled_token_with_each_rows_top_n() -> None:
     torch.manual_seed(1)
     logits = torch.randn(5, 300)
