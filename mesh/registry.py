@@ -311,20 +311,27 @@ class RedisRegistry:
 
 class Heartbeater:
     """Keeps one worker registered: registers on ``start``, renews every ``ttl_s / 3`` (re-registering when
-    the registration had expired), and deregisters on ``stop``. A failed renewal (registry unreachable) is
-    logged and counted in ``failures``; the loop keeps trying.
+    the registration had expired, then calling ``on_reregistered``), and deregisters on ``stop``. A failed
+    renewal (registry unreachable) is logged and counted in ``failures``; the loop keeps trying.
 
     Use as ``async with Heartbeater(registry, info, ttl_s=10):`` or call ``start``/``stop``.
     """
 
     def __init__(
-        self, registry: Registry, info: WorkerInfo, ttl_s: float = 10.0, interval_s: float | None = None
+        self,
+        registry: Registry,
+        info: WorkerInfo,
+        ttl_s: float = 10.0,
+        interval_s: float | None = None,
+        on_reregistered: Callable[[], None] | None = None,
     ):
         _ttl_ms(ttl_s)
         self.registry = registry
         self.info = info
         self.ttl_s = ttl_s
         self.interval_s = interval_s if interval_s is not None else ttl_s / 3
+        # While a worker was unregistered, routers may have swept its KV index entries as a dead worker's.
+        self.on_reregistered = on_reregistered
         self.renewals = 0
         self.reregistrations = 0
         self.failures = 0
@@ -374,6 +381,8 @@ class Heartbeater:
                     log.warning("registration of %s had expired; registering again", self.info.worker_id)
                     await self.registry.register(self.info, self.ttl_s)
                     self.reregistrations += 1
+                    if self.on_reregistered is not None:
+                        self.on_reregistered()
             except (RedisError, OSError) as exc:
                 self.failures += 1
                 log.warning(

@@ -3,6 +3,10 @@ its KV events written into the Redis KV index (one writer per worker, in order).
 
 Used by ``mesh.worker_service`` when a Redis URL is given; without one a worker stands alone and the
 router learns of it from flags and follows its KV events over ``StreamKVEvents``.
+
+The worker keeps its own index entries true: it clears what an earlier process of its id left when it
+starts, removes its entries when it stops, writes a snapshot of its cache after a failed write and after
+registering again (a registration that lapsed lets routers sweep its entries as a dead worker's).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ class WorkerRegistration:
             metrics_address=f"{host}:{metrics_port}" if metrics_port > 0 else None,
             extra={"layout_fingerprint": engine.layout.fingerprint, "max_model_len": engine.max_model_len},
         )
-        self.heartbeater = Heartbeater(self.registry, self.info, ttl_s=settings.registry_ttl_s)
+        self.heartbeater = Heartbeater(
+            self.registry, self.info, ttl_s=settings.registry_ttl_s, on_reregistered=self._resync
+        )
         self.events = servicer.events
         self._queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
@@ -51,6 +57,12 @@ class WorkerRegistration:
         self._writer = asyncio.create_task(self._write_events(), name=f"kv-events-{self.worker_id}")
         await self.heartbeater.start()
         log.info("registered %s as %s at %s", self.worker_id, self.info.role, self.info.address)
+
+    def _resync(self) -> None:
+        """Write the whole cache again: while this worker was unregistered (a Redis restart, a partition)
+        the routers' sweeps may have removed its entries as a dead worker's (``router.discovery``)."""
+        log.info("%s registered again: writing a snapshot of its cache to the KV index", self.worker_id)
+        self._queue.put_nowait(self.events.snapshot())
 
     async def mark_draining(self) -> None:
         try:

@@ -1,0 +1,71 @@
+"""A worker's presence in a shared mesh (``mesh.worker_registration``) keeps its KV index entries true by
+itself, on real Redis: a registration that lapsed while the worker lived (routers may have swept its
+entries meanwhile) is followed by a snapshot of its cache. Each test works under a model fingerprint of
+its own and deletes its keys."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from types import SimpleNamespace
+
+import redis.asyncio as aioredis
+
+from mesh.block_hash import block_hashes, root_hash
+from mesh.kv_events import BlocksStored, Tier
+from mesh.kv_index import RedisKVIndex
+from mesh.worker_registration import WorkerRegistration
+from mesh.worker_service import EventFanout
+from tests.mesh_fixtures import REDIS_URL, async_test, needs_redis, until
+
+pytestmark = needs_redis
+
+BS = 16
+
+
+def fake_servicer(worker_id: str, fp: str) -> SimpleNamespace:
+    """What ``WorkerRegistration`` reads of a servicer and its engine, and the real event fan-out."""
+    engine = SimpleNamespace(
+        model_fingerprint=fp,
+        config=SimpleNamespace(block_size=BS),
+        block_pool=SimpleNamespace(num_blocks=64),
+        layout=SimpleNamespace(fingerprint="layout-test"),
+        max_model_len=256,
+    )
+    events = EventFanout(worker_id, fp)
+    events.loop = asyncio.get_running_loop()
+    return SimpleNamespace(engine=engine, worker_id=worker_id, address="127.0.0.1:30901", events=events)
+
+
+@async_test
+async def test_a_worker_registered_again_writes_its_cache_again() -> None:
+    fp = f"tiny-dense-reg-{uuid.uuid4().hex[:12]}"
+    settings = SimpleNamespace(redis_url=REDIS_URL, advertise_host=None, host="127.0.0.1", registry_ttl_s=0.3)
+    servicer = fake_servicer("p-live", fp)
+    index = RedisKVIndex(REDIS_URL, fp)
+    client = aioredis.from_url(REDIS_URL)
+    hashes = block_hashes(list(range(64)), BS, root_hash(fp))
+    registration = WorkerRegistration("prefill", servicer, settings, -1)
+    try:
+        await registration.start()
+        servicer.events.publish([BlocksStored(tuple(hashes), Tier.GPU)])
+        assert await until(lambda: _holders(index, hashes), timeout=5.0)
+        # Its registration lapses while it lives (a partition), and a router sweeps its entries meanwhile.
+        await registration.registry.deregister("p-live")
+        await index.remove_worker("p-live")
+        assert await index.lookup(hashes) == {}
+        # Its next heartbeat (every ttl / 3) registers it again, and its cache is written again.
+        assert await until(lambda: registration.heartbeater.reregistrations >= 1, timeout=5.0)
+        assert await until(lambda: _holders(index, hashes), timeout=5.0)
+    finally:
+        await registration.stop()
+        keys = [k async for k in client.scan_iter(match=f"pdmesh:{fp}:*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.srem("pdmesh:models", fp)
+        await client.aclose()
+        await index.aclose()
+
+
+async def _holders(index: RedisKVIndex, hashes: list[int]) -> bool:
+    return set(await index.lookup(hashes)) == {"p-live"}
