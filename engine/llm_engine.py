@@ -358,7 +358,7 @@ class LLMEngine:
         positions = [len(s.output_token_ids) for s in sample_seqs]
         params = [s.params for s in sample_seqs]
         if self.config.async_scheduling and self._can_run_ahead(batch.seqs, sample_seqs):
-            tokens = self.sampler.sample(logits, params, positions, non_blocking=True)
+            tokens = self.sampler.sample(logits, params, positions)
             self._inflight = _InFlight.start(sample_seqs, tokens)
             return
         token_list, logprobs = self.sampler(logits, params, positions)
@@ -427,7 +427,7 @@ class LLMEngine:
             seq.num_computed_tokens += 1
             pool.cache_full_blocks(seq)
         positions = [len(s.output_token_ids) for s in seqs]
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], positions, non_blocking=True)
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], positions)
         self._inflight = _InFlight.start(seqs, tokens)
         return True
 

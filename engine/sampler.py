@@ -103,11 +103,10 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         positions: list[int],
-        non_blocking: bool = False,
     ) -> torch.Tensor:
-        """The sampled token ids [B] (int64), left on the logits' device. With ``non_blocking`` the
-        per-row values go to a GPU through pinned memory, so the host does not wait for the device work
-        queued before (asynchronous scheduling launches the next step meanwhile).
+        """The sampled token ids [B] (int64), left on the logits' device. The per-row values go to a GPU
+        through pinned memory (``host_to_device``), so the host does not wait for the device work queued
+        before (asynchronous scheduling launches the next step meanwhile).
 
         Each row's path follows from its own parameters, decided on the host: greedy rows take the
         argmax; rows with top-k or top-p the torch race with a sort (on those rows only); the other rows
@@ -125,10 +124,9 @@ class Sampler:
             _position_seed(p.seed, pos) if p.seed is not None else key
             for p, pos, key in zip(params, positions, unseeded, strict=True)
         ]
-        # Two host-to-device copies (a pageable copy waits for the queued device work): the per-row
-        # values, and the row keys followed by the row indices of each path.
-        rows = host_to_device(_row_values(params, vocab), device, non_blocking)
-        ints = host_to_device(torch.tensor(keys + plain + sorting, dtype=torch.int64), device, non_blocking)
+        # Two host-to-device copies: the per-row values, and the row keys followed by each path's rows.
+        rows = host_to_device(_row_values(params, vocab), device)
+        ints = host_to_device(torch.tensor(keys + plain + sorting, dtype=torch.int64), device)
         row_keys = ints[:batch]
         plain_index = None if len(plain) == batch else ints[batch : batch + len(plain)]
         sorting_index = None if len(sorting) == batch else ints[batch + len(plain) :]
