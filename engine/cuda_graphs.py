@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,19 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MAX_GRAPH_BATCH = BUCKETS[-1]
 LAYERS_PER_GRAPH = 8
+
+
+@contextmanager
+def expert_counts_restored(model: DecoderModel) -> Iterator[None]:
+    """The MoE blocks' expert counters (for the EPLB controller) as they were on entry, once the block
+    exits: for forward passes over no real tokens (graph capture and its calibration replays, warm-ups)."""
+    counts = [blk.expert_counts for blk in model.moe_blocks()]
+    saved = [c.clone() for c in counts]
+    try:
+        yield
+    finally:
+        for count, before in zip(counts, saved, strict=True):
+            count.copy_(before)
 
 
 def decode_step_pieces(
@@ -146,30 +160,28 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool (the smaller ones reuse it)."""
         started = time.perf_counter()
-        saved_counts = [c.clone() for c in self._counts]
         self._stage_padding(0, self.max_batch)
         self._dev64.copy_(self._host64)
         self._dev32[: self.max_batch].copy_(self._host32[: self.max_batch])
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            pieces = self._pieces(size)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                for run in pieces:
-                    run()
-            torch.cuda.current_stream().wait_stream(side)
-            g = _Graph(size, runs=pieces)
-            for run in pieces:  # in order: each piece's outputs, in the pool, are the next one's inputs
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    run()
-                g.pieces.append(graph)
-            self.graphs[size] = g
-        if self._counts:
-            self._measure_padding_counts()
-        for count, saved in zip(self._counts, saved_counts, strict=True):
-            count.copy_(saved)  # warm-ups and calibration replays saw no real tokens
+        with expert_counts_restored(self.model):  # warm-ups and calibration replays see no real tokens
+            for size in reversed(self.sizes):
+                pieces = self._pieces(size)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    for run in pieces:
+                        run()
+                torch.cuda.current_stream().wait_stream(side)
+                g = _Graph(size, runs=pieces)
+                for run in pieces:  # in order: each piece's outputs, in the pool, are the next one's inputs
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        run()
+                    g.pieces.append(graph)
+                self.graphs[size] = g
+            if self._counts:
+                self._measure_padding_counts()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         log.info(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, expert_counts_restored
 from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.scheduler import ScheduledBatch
@@ -120,22 +120,19 @@ class ModelRunner:
         tiles, routing tiles, prefill attention) are compiled now rather than inside a served step.
         Expert counters are restored. Returns the seconds it took."""
         started = time.perf_counter()
-        counts = [b.expert_counts for b in self.model.moe_blocks()]
-        saved = [c.clone() for c in counts]
         dev = self.device
-        for n in token_counts:
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
-                block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            )
-            ids = torch.zeros(n, dtype=torch.int64, device=dev)
-            positions = torch.arange(n, dtype=torch.int64, device=dev)
-            hidden = self.model(ids, positions, self.kv_pool, meta)
-            self.model.compute_logits(hidden[-1:])
-        for count, before in zip(counts, saved, strict=True):
-            count.copy_(before)
+        with expert_counts_restored(self.model):
+            for n in token_counts:
+                meta = AttentionMetadata(
+                    slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
+                    block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
+                    seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                    query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                )
+                ids = torch.zeros(n, dtype=torch.int64, device=dev)
+                positions = torch.arange(n, dtype=torch.int64, device=dev)
+                hidden = self.model(ids, positions, self.kv_pool, meta)
+                self.model.compute_logits(hidden[-1:])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - started
