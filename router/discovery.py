@@ -10,20 +10,21 @@ Every ``interval_s`` it reads ``Registry.list_workers`` and reconciles the pool:
   answer (it deregistered on its way out, or died and its registration expired), and after ``grace_s``
   otherwise: a restarted Redis is empty until the workers' heartbeats register them again;
 - workers named on the command line are never removed;
-- a worker id that left the registry and whose worker is gone (its process left the pool as drained or
-  not answering, or another process answers at its address now) is removed from the KV index
-  (``PrefixIndex.forget_worker``), so that its cached blocks score no request again. A worker that left the
-  pool only because it stayed unregistered past ``grace_s`` while it still answers keeps its entries: it
-  is alive and its own KV events keep them true;
 - every ``sweep_interval_s`` (30 s), once the registry has answered without a failed read for ``grace_s``
-  (a restarted Redis is empty until heartbeats register the workers again), the index of the pool's model
-  is swept: each worker id it holds entries for (``PrefixIndex.worker_ids``, one ``HKEYS``) that is
-  neither registered nor in the pool, nor kept above as still answering, is forgotten, with one info
-  line: workers that died while this router was not running, whose registrations expired unseen. An id
-  is swept at most once until it is registered or in the pool again. The index is listed before the
-  registry is read, so that a worker which registered before storing its first block (it registers as it
-  starts, before routers find it) is in the list that spares it. Each sweep also finishes any removal
-  that was cut short (a router stopped or cancelled mid-way: ``RedisKVIndex.finish_retiring``).
+  (a restarted Redis is empty until heartbeats register the workers again), the KV index of the pool's
+  model is swept: each worker id it holds entries for (``PrefixIndex.worker_ids``, one ``HKEYS``) that is
+  neither registered nor in the pool is forgotten (``PrefixIndex.forget_worker``), with one info line. The
+  index is listed before the registry is read, so that a worker which registered before storing its first
+  block (it registers as it starts, before routers find it) is in the list that spares it. Each sweep also
+  finishes any removal that was cut short (a router stopped or cancelled mid-way:
+  ``RedisKVIndex.finish_retiring``).
+
+The sweep is the only way the router removes index entries, and it may run up to ``sweep_interval_s``
+after a worker died: that delay routes nothing wrongly. Only workers in the pool are scored, and a dead
+worker stops being a candidate as soon as its stats poll or a call fails (``Health.DOWN``), before its
+registration expires and it leaves the pool; a worker that restarts under the same id clears what its
+earlier process left before it stores anything (``mesh.worker_registration``); a worker that stops cleanly
+removes its own entries. What a dead worker's entries cost until the sweep is Redis memory and its slot.
 
 While the registry cannot be read, the last known list stays in use: one warning line when it goes,
 ``pdmesh_router_registry_up`` 0 and ``pdmesh_router_registry_errors_total`` counting; one info line when
@@ -31,8 +32,8 @@ it answers again.
 
 Which model: the pool's model fingerprint once a worker has announced one; before that, among the
 registered models whose fingerprint starts with the served model's name, the one with most workers.
-This module reads the registry and edits the pool (and tells the KV index who is gone); it does not poll
-workers or choose among them.
+This module reads the registry and edits the pool (and sweeps the KV index of workers that are gone); it
+does not poll workers or choose among them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from redis.exceptions import RedisError
 from mesh.registry import Registry, WorkerInfo
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
-from router.worker_pool import DECODE, PREFILL, Health, WorkerEndpoint, WorkerPool
+from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +79,9 @@ class RegistryDiscovery:
         self.timeout_s = timeout_s
         self.clock = clock
         self.index = index
-        # Worker id -> (model, endpoint): the ids of the last read, plus ids that left the registry whose
-        # worker is still in the pool (it may register again within the grace).
-        self._ids: dict[str, tuple[str, WorkerEndpoint]] = {}
         self.sweep_interval_s = sweep_interval_s
         self._answering_since: float | None = None  # the first read of the current run of good reads
         self._next_sweep = 0.0
-        self._swept: set[str] = set()  # ids swept, until registered or in the pool again
-        self._kept_alive: set[str] = set()  # ids that left the pool while still answering (see _departed)
         self.up = True
         self._warned_no_model = False
         self._task: asyncio.Task[None] | None = None
@@ -140,12 +136,10 @@ class RegistryDiscovery:
             self.up = True
             self.metrics.registry_up.set(1)
             log.info("registry answers again (%d workers registered)", len(workers))
-        gone = self.reconcile(workers)
-        if self.index is not None and gone:
-            await asyncio.gather(*(self.index.forget_worker(fp, worker_id) for fp, worker_id in gone))
+        self.reconcile(workers)
         if indexed is not None and fingerprint == self.pool.model_fingerprint:
             assert fingerprint is not None
-            await self._sweep(fingerprint, indexed, workers, {worker_id for _, worker_id in gone})
+            await self._sweep(fingerprint, indexed, workers)
         return True
 
     def _sweep_due(self) -> bool:
@@ -158,35 +152,25 @@ class RegistryDiscovery:
             and self.clock() >= self._next_sweep
         )
 
-    async def _sweep(
-        self, fingerprint: str, indexed: set[str], workers: list[WorkerInfo], forgotten: set[str]
-    ) -> None:
-        """Forget the ids in ``indexed`` (the index's, read before ``workers``) that are neither
-        registered nor in the pool, nor kept as still answering, nor just ``forgotten``. O(ids)."""
+    async def _sweep(self, fingerprint: str, indexed: set[str], workers: list[WorkerInfo]) -> None:
+        """Forget the ids in ``indexed`` (the index's, read before ``workers``) that are neither registered
+        nor in the pool. O(ids)."""
         assert self.index is not None
         known = {info.worker_id for info in workers}
         for w in self.pool.workers:
             known.add(w.name)  # its announced id once it answered, else its registration or address
             if w.registered_id:
                 known.add(w.registered_id)
-        # Ids no longer in the index need no memory (worker ids are unique per process: without this
-        # pruning each dead worker would stay in these sets for the router's life).
-        self._swept &= indexed - known
-        self._kept_alive &= indexed - known
         await self.index.finish_retiring(fingerprint)  # removals cut short, by any router
-        dead = sorted(indexed - known - self._kept_alive - self._swept - forgotten)
-        if not dead:
-            return
-        reason = "swept: not registered and not in the pool"
-        done = await asyncio.gather(*(self.index.forget_worker(fingerprint, i, reason) for i in dead))
-        self._swept.update(i for i, ok in zip(dead, done, strict=True) if ok)
+        dead = sorted(indexed - known)
+        if dead:
+            reason = "swept: not registered and not in the pool"
+            await asyncio.gather(*(self.index.forget_worker(fingerprint, i, reason) for i in dead))
 
-    def reconcile(self, workers: list[WorkerInfo]) -> list[tuple[str, str]]:
-        """Bring the pool in line with the registry's list. Returns the (model fingerprint, worker id) of
-        the registered workers found gone, whose KV index entries must go."""
+    def reconcile(self, workers: list[WorkerInfo]) -> None:
+        """Bring the pool in line with the registry's list."""
         fingerprint = self._model(workers)
         present: set[str] = set()
-        ids: dict[str, tuple[str, WorkerEndpoint]] = {}
         for info in workers:
             if info.model_fingerprint != fingerprint or info.role not in (PREFILL, DECODE):
                 continue
@@ -198,7 +182,6 @@ class RegistryDiscovery:
             w.registry_draining = info.draining
             w.missing_since = None
             present.add(w.address)
-            ids[info.worker_id] = (info.model_fingerprint, w)
         now = self.clock()
         for w in list(self.pool.workers):
             if w.address in present:
@@ -214,30 +197,6 @@ class RegistryDiscovery:
                 self.pool.remove(w, "no longer registered and not answering")
             elif now - w.missing_since >= self.grace_s:
                 self.pool.remove(w, f"missing from the registry for {self.grace_s:g}s")
-        return self._departed(ids)
-
-    def _departed(self, ids: dict[str, tuple[str, WorkerEndpoint]]) -> list[tuple[str, str]]:
-        """The ids of the last read missing from this one (``ids``) whose worker is gone. O(ids)."""
-        in_pool = set(self.pool.workers)
-        gone: list[tuple[str, str]] = []
-        for worker_id, (fp, w) in self._ids.items():
-            if worker_id in ids:
-                continue
-            same_process = w.registered_id == worker_id  # else another process answers at its address
-            if same_process and w in in_pool and w.health is not Health.DOWN:
-                ids[worker_id] = (fp, w)  # it may register again within the grace: decide later
-            elif same_process and w.health is Health.UP and not w.draining:
-                self._kept_alive.add(worker_id)
-                log.info(
-                    "worker %s left the pool but still answers: its KV index entries stay (its own "
-                    "events keep them true)",
-                    worker_id,
-                )
-            else:
-                self._kept_alive.discard(worker_id)
-                gone.append((fp, worker_id))
-        self._ids = ids
-        return gone
 
     def _model(self, workers: list[WorkerInfo]) -> str | None:
         if self.pool.model_fingerprint is not None:

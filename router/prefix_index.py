@@ -10,9 +10,9 @@ the index cannot be asked: the caller then routes by load alone and counts it. T
   an info line, as soon as Redis answers.
 - no Redis: an ``InProcessKVIndex`` fed by ``router.kv_event_feed``; always up.
 
-``forget_worker`` removes a departed worker's entries (``router.discovery`` calls it when the registry has
-dropped a worker that is gone, and for the ids its periodic sweep finds in the index with no worker behind
-them), in O(that worker's entries): the index keeps a set of blocks per worker. ``worker_ids`` lists the ids
+``forget_worker`` removes a departed worker's entries (``router.discovery``'s periodic sweep calls it for the
+ids it finds in the index with no worker behind them), in O(that worker's entries): the index keeps a set
+of blocks per worker. ``worker_ids`` lists the ids
 the index holds entries for, in O(workers) (one ``HKEYS`` in Redis), for that sweep.
 
 This module owns availability and timing of lookups; block hashing and scoring happen in the chooser.

@@ -97,7 +97,7 @@ class RouterService:
                 self.feed = KVEventFeed(in_process, self.pool, self.metrics)
                 self.index = PrefixIndex(self.metrics, in_process=in_process)
         if self.redis is not None:
-            # Discovery also removes the KV index entries of workers that left the registry and are gone.
+            # Discovery also sweeps the KV index of workers that are gone.
             self.discovery = RegistryDiscovery(
                 RedisRegistry(self.redis),
                 self.pool,

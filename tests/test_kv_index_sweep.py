@@ -26,7 +26,7 @@ from protos.pdmesh.v1 import common_pb2
 from router.discovery import RegistryDiscovery
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
-from router.worker_pool import PREFILL, WorkerPool
+from router.worker_pool import PREFILL, Health, WorkerPool
 from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis, until
 
 pytestmark = needs_redis
@@ -195,3 +195,41 @@ async def test_a_failed_registry_read_starts_the_grace_again() -> None:
         now[0] = 11.0
         assert await discovery.poll_once()
         assert await m.holders() == set()
+
+
+@async_test
+async def test_the_sweep_forgets_every_id_with_no_worker_behind_it_however_it_left() -> None:
+    """Leaving the registry does not touch the index; the next sweep forgets every id that is neither
+    registered nor in the pool: one that drained and deregistered (had it not removed its own entries), one
+    whose address another process answers at now under a new id, and one dropped after the grace while it
+    still answered (it writes its cache again when it registers again: mesh.worker_registration)."""
+    async with mesh() as m:
+        now = [0.0]
+        discovery = m.discovery(grace_s=5.0, clock=lambda: now[0], sweep_interval_s=30.0)
+        ids = {"p-drain": 30501, "p-old": 30502, "p-lost": 30503, "p-stay": 30504}
+        for worker_id, port in ids.items():
+            await m.registry.register(m.info(worker_id, PREFILL, port), 600)
+            await m.store(worker_id)
+        assert await discovery.poll_once()
+        for w in m.pool.workers:
+            w.stats = common_pb2.WorkerStats(worker_id=w.registered_id, model_fingerprint=m.fp, block_size=BS)
+            w.health = Health.UP
+        now[0] = 5.0
+        assert await discovery.poll_once()  # the first sweep: everyone is registered
+        await m.registry.set_draining("p-drain", True)
+        assert await discovery.poll_once()
+        await m.registry.deregister("p-drain")  # done draining, exits
+        await m.registry.deregister("p-old")  # restarted: another process, another id, same address
+        await m.registry.register(m.info("p-new", PREFILL, 30502), 600)
+        await m.registry.deregister("p-lost")  # its registration is lost, but it answers
+        assert await discovery.poll_once()
+        restarted = m.pool.find("127.0.0.1:30502")
+        assert restarted is not None  # what its next stats poll says:
+        restarted.stats = common_pb2.WorkerStats(worker_id="p-new", model_fingerprint=m.fp, block_size=BS)
+        now[0] = 11.0
+        assert await discovery.poll_once()
+        assert sorted(w.name for w in m.pool.workers) == ["p-new", "p-stay"]
+        assert await m.holders() == set(ids)  # no sweep yet: leaving touched nothing
+        now[0] = 35.0
+        assert await discovery.poll_once()
+        assert await m.holders() == {"p-stay"}

@@ -428,9 +428,10 @@ async def index_home(
     ["inprocess", pytest.param("redis", marks=needs_redis)],
 )
 @async_test
-async def test_a_worker_gone_from_the_registry_gets_no_prefix_score(kind: str) -> None:
-    """A killed worker's registration expires; discovery drops it and the index forgets its blocks, so a
-    worker with its id (restarted with --worker-id) is scored on what it caches now: nothing."""
+async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_removes_them(kind: str) -> None:
+    """p-a holds the prompt and is killed. From its first failed stats poll it is no candidate, and once its
+    registration expires discovery drops it from the pool: its blocks, still in the index until the sweep,
+    never win a request. The sweep (after the grace, every sweep interval) removes them."""
     fp = f"tiny-dense-test-{uuid.uuid4().hex[:12]}"  # a model of this test's own: its own Redis keys
     clock, metrics = Clock(), RouterMetrics()
     registry = InProcessRegistry(clock=clock)
@@ -446,40 +447,54 @@ async def test_a_worker_gone_from_the_registry_gets_no_prefix_score(kind: str) -
                 w.stats, w.health = stats(w.name, w.role, queued=busy), Health.UP
 
     async with index_home(kind, fp, metrics) as (index, write_events):
-        discovery = RegistryDiscovery(registry, pool, metrics, "tiny-dense", clock=clock, index=index)
+        discovery = RegistryDiscovery(
+            registry,
+            pool,
+            metrics,
+            "tiny-dense",
+            clock=clock,
+            index=index,
+            grace_s=5.0,
+            sweep_interval_s=30.0,
+        )
         chooser = ScoredChooser("prefix", pool, metrics, index, seed=0)
-        for worker_id, role, port in (
+        workers = (
             ("p-a", PREFILL, 30201),
             ("p-b", PREFILL, 30202),
-            ("d-c", DECODE, 30203),
-        ):
+            ("p-c", PREFILL, 30204),
+            ("d-d", DECODE, 30203),
+        )
+        for worker_id, role, port in workers:
             await registry.register(info(worker_id, role, port, fp=fp), 10)
         assert await discovery.poll_once()
         usable_with_stats()
         await write_events("p-a", [BlocksStored(tuple(hashes), Tier.GPU)])
-        choice = await chooser.choose(PREFILL, RouteRequest("before", prompt), pool.usable(PREFILL))
-        assert (choice.worker.name, choice.reason) == ("p-a", "prefix")
 
-        # p-a is killed: the others renew their registrations, its own expires; stats polls fail.
-        clock.now = 6.0
-        assert await registry.heartbeat("p-b", 10) and await registry.heartbeat("d-c", 10)
-        clock.now = 12.0
+        async def choose(rid: str) -> tuple[str, str]:
+            choice = await chooser.choose(PREFILL, RouteRequest(rid, prompt), pool.candidates(PREFILL))
+            return choice.worker.name, choice.reason
+
+        assert await choose("before") == ("p-a", "prefix")
+        clock.now = 5.0  # the first sweep (past the grace) finds nobody to forget; the next is at 35
+        assert await discovery.poll_once()
+        assert set(await index.lookup(fp, hashes)) == {"p-a"}
+        # p-a is killed: its stats poll fails at once; the others renew their registrations, its own expires.
         p_a = pool.find("127.0.0.1:30201")
         assert p_a is not None
         pool.mark_down(p_a, "GetStats: UNAVAILABLE: connection refused")
+        assert (await choose("down"))[0] != "p-a"
+        clock.now = 6.0
+        for worker_id in ("p-b", "p-c", "d-d"):
+            assert await registry.heartbeat(worker_id, 10)
+        clock.now = 12.0
         assert await discovery.poll_once()
-        assert [w.name for w in pool.by_role(PREFILL)] == ["p-b"]
+        assert sorted(w.name for w in pool.by_role(PREFILL)) == ["p-b", "p-c"]
+        assert set(await index.lookup(fp, hashes)) == {"p-a"}  # still indexed: the sweep is not due yet
+        assert (await choose("gone"))[0] != "p-a"
+        clock.now = 35.0  # the next sweep
+        assert await discovery.poll_once()
         assert await index.lookup(fp, hashes) == {}
         assert metric(metrics, "pdmesh_router_index_forget_errors_total") == 0
-
-        # A worker registers under the same id, holding nothing yet: no prefix score, load decides.
-        await registry.register(info("p-a", PREFILL, 30201, fp=fp), 10)
-        assert await discovery.poll_once()
-        usable_with_stats()
-        request = RouteRequest("after", prompt)
-        choice = await chooser.choose(PREFILL, request, pool.usable(PREFILL))
-        assert (choice.worker.name, choice.reason) == ("p-b", "load")
-        assert request.routing.request.prefix_matches == {}  # type: ignore[union-attr]
         await pool.close()
 
 
@@ -495,58 +510,6 @@ async def test_forgetting_a_worker_while_redis_is_unreachable_is_one_warning_and
     ]
     assert metric(metrics, "pdmesh_router_index_forget_errors_total") == 1
     await client.aclose()
-
-
-@async_test
-async def test_discovery_forgets_the_workers_that_are_gone_and_only_those() -> None:
-    """Drained then deregistered: forgotten. Another process now at its address: the old id is forgotten.
-    Unregistered past the grace while it still answers: kept (alive, its own events keep them true)."""
-    clock, metrics, kv = Clock(), RouterMetrics(), InProcessKVIndex()
-    registry = InProcessRegistry(clock=clock)
-    pool = WorkerPool([], [], BS)
-    pool.model_fingerprint = FP
-    discovery = RegistryDiscovery(
-        registry,
-        pool,
-        metrics,
-        "tiny-dense",
-        grace_s=5.0,
-        clock=clock,
-        index=PrefixIndex(metrics, in_process=kv),
-    )
-    ids = {"p-drain": 30301, "p-alive": 30302, "p-old": 30303}
-    for worker_id, port in ids.items():
-        await registry.register(info(worker_id, PREFILL, port), 600)
-    assert await discovery.poll_once()
-    for w in pool.workers:
-        w.stats, w.health = stats(w.name, PREFILL), Health.UP
-    hashes = block_hashes(tokens(64), BS, root_hash(FP))
-    for worker_id in ids:
-        kv.apply_sync(worker_id, [BlocksStored(tuple(hashes), Tier.GPU)])
-
-    def holders() -> set[str]:
-        return set(kv.lookup_sync(hashes))
-
-    await registry.set_draining("p-drain", True)
-    assert await discovery.poll_once()
-    assert holders() == set(ids)  # draining: no new requests, but it still holds its blocks
-    await registry.deregister("p-drain")  # done draining, exits
-    assert await discovery.poll_once()
-    assert holders() == {"p-alive", "p-old"}
-
-    await registry.deregister("p-old")  # p-old was restarted: another process, another id, same address
-    await registry.register(info("p-new", PREFILL, 30303), 600)
-    assert await discovery.poll_once()
-    assert holders() == {"p-alive"}
-    assert [w.registered_id for w in pool.workers] == ["p-alive", "p-new"]
-
-    await registry.deregister("p-alive")  # its registration is lost, but it answers
-    assert await discovery.poll_once()
-    clock.now = 6.0
-    assert await discovery.poll_once()
-    assert [w.registered_id for w in pool.workers] == ["p-new"]  # out of the pool after the grace
-    assert holders() == {"p-alive"}  # yet alive: its entries stay
-    await pool.close()
 
 
 # ---- the KV event feed ------------------------------------------------------------------------------
