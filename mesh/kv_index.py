@@ -10,8 +10,10 @@ over slots, one per tier (gpu, cpu, disk): bit ``s`` of the gpu bitset says work
 in gpu memory. A lookup walks the chain once, AND-ing the set of workers still matching with each block's
 holders, and skips a block whose bitsets equal the previous block's, so its cost per block does not grow
 with the number of workers; per-worker work happens only where a worker's match or best tier changes.
-Per-worker sets of held hashes serve ``remove_worker`` and ``AllBlocksCleared``; the slot table names every
-worker the index holds anything for (``worker_ids``, O(workers)).
+Per-worker sets of held hashes serve ``remove_worker`` and ``AllBlocksCleared``. In Redis, the slot table
+names every worker the index holds anything for (``RedisKVIndex.worker_ids``, O(workers)): a shared index is
+written by the workers themselves, so a router sweeps it of the ids no worker is behind any more; the
+in-process index is written by one router, which forgets each worker as it leaves, and needs no listing.
 
 Costs, measured by ``python benchmarks/router_decision_bench.py`` on CPU, 2 cores, Redis 7.0 on loopback,
 2026-11-29 (13:36 UTC, quiet machine); the full table is in docs/routing.md, "KV index costs":
@@ -85,10 +87,6 @@ class KVIndex(Protocol):
 
     async def remove_worker(self, worker_id: str) -> None:
         """Forget everything a worker holds (it left the mesh, or its registration expired)."""
-        ...
-
-    async def worker_ids(self) -> set[str]:
-        """The workers the index holds anything for (each holds a slot until ``remove_worker``)."""
         ...
 
     async def clear(self) -> None:
@@ -242,9 +240,6 @@ class InProcessKVIndex:
         if slot is not None:
             del self._worker_of[slot]
             heapq.heappush(self._free_slots, slot)
-
-    async def worker_ids(self) -> set[str]:
-        return set(self._slot_of)
 
     async def clear(self) -> None:
         self._blocks.clear()

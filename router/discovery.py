@@ -78,6 +78,11 @@ class RegistryDiscovery:
         self.grace_s = grace_s
         self.timeout_s = timeout_s
         self.clock = clock
+        if index is not None and index.redis is None:
+            raise ValueError(
+                "registry discovery sweeps a Redis KV index; an in-process index forgets workers through "
+                "its own event feed (router.kv_event_feed)"
+            )
         self.index = index
         self.sweep_interval_s = sweep_interval_s
         self._answering_since: float | None = None  # the first read of the current run of good reads

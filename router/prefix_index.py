@@ -12,8 +12,10 @@ the index cannot be asked: the caller then routes by load alone and counts it. T
 
 ``forget_worker`` removes a departed worker's entries (``router.discovery``'s periodic sweep calls it for the
 ids it finds in the index with no worker behind them), in O(that worker's entries): the index keeps a set
-of blocks per worker. ``worker_ids`` lists the ids
-the index holds entries for, in O(workers) (one ``HKEYS`` in Redis), for that sweep.
+of blocks per worker. ``worker_ids`` lists the ids the index holds entries for, in O(workers) (one
+``HKEYS``), for that sweep. These, and ``finish_retiring``, are for the Redis index only: the in-process
+index is written by this router's own feed alone, which forgets a worker as it leaves the pool, so it never
+holds an id with no worker behind it (and discovery, which sweeps, runs only with Redis).
 
 This module owns availability and timing of lookups; block hashing and scoring happen in the chooser.
 """
@@ -84,8 +86,6 @@ class PrefixIndex:
         """The ids of the workers the index holds entries for. None when Redis could not be read (within
         ``4 * timeout_s``): one warning and ``pdmesh_router_index_forget_errors_total``, since the sweep
         that asks cannot forget anyone this time; it asks again at its next round."""
-        if self.in_process is not None:
-            return await self.in_process.worker_ids()
         try:
             return await asyncio.wait_for(
                 self._redis_index(model_fingerprint).worker_ids(), self.timeout_s * 4
@@ -103,8 +103,6 @@ class PrefixIndex:
     async def finish_retiring(self, model_fingerprint: str) -> None:
         """Finish removals cut short (``RedisKVIndex.finish_retiring``); discovery's sweep calls it. A
         failure is one warning and ``pdmesh_router_index_forget_errors_total``; the next sweep tries again."""
-        if self.in_process is not None:
-            return
         try:
             slots = await self._redis_index(model_fingerprint).finish_retiring()
         except (RedisError, OSError) as exc:
@@ -125,21 +123,18 @@ class PrefixIndex:
         ``pdmesh_router_index_forget_errors_total``; its entries then stay until a worker with that id
         starts again or discovery's next sweep, which lists it again if its slot was not yet retired and
         finishes the removal if it was (no router scores a worker that is not in its pool meanwhile)."""
-        if self.in_process is not None:
-            await self.in_process.remove_worker(worker_id)
-        else:
-            try:
-                await self._redis_index(model_fingerprint).remove_worker(worker_id)
-            except (RedisError, OSError) as exc:
-                self.metrics.index_forget_errors.inc()
-                log.warning(
-                    "could not remove the KV index entries of departed worker %s (%s: %s); they stay until "
-                    "a worker with this id starts again or discovery sweeps them",
-                    worker_id,
-                    type(exc).__name__,
-                    exc,
-                )
-                return False
+        try:
+            await self._redis_index(model_fingerprint).remove_worker(worker_id)
+        except (RedisError, OSError) as exc:
+            self.metrics.index_forget_errors.inc()
+            log.warning(
+                "could not remove the KV index entries of departed worker %s (%s: %s); they stay until "
+                "a worker with this id starts again or discovery sweeps them",
+                worker_id,
+                type(exc).__name__,
+                exc,
+            )
+            return False
         if reason is None:
             log.info("KV index: forgot departed worker %s", worker_id)
         else:
@@ -149,7 +144,8 @@ class PrefixIndex:
     def _redis_index(self, model_fingerprint: str) -> RedisKVIndex:
         index = self._by_model.get(model_fingerprint)
         if index is None:
-            assert self.redis is not None
+            if self.redis is None:
+                raise TypeError("the in-process KV index is not swept: only a Redis index is")
             index = self._by_model[model_fingerprint] = RedisKVIndex(self.redis, model_fingerprint)
         return index
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from mesh.block_hash import block_hashes, root_hash
 from mesh.grpc_server import start_server
 from mesh.kv_event_proto import events_from_proto, events_to_proto
-from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier
 from mesh.kv_index import InProcessKVIndex, PrefixMatch, RedisKVIndex
 from mesh.registry import InProcessRegistry, WorkerInfo
 from protos.pdmesh.v1 import common_pb2, worker_pb2_grpc
@@ -400,20 +400,14 @@ async def test_a_removed_worker_keeps_its_channel_until_its_calls_end() -> None:
 
 
 @contextlib.asynccontextmanager
-async def index_home(
-    kind: str, fp: str, metrics: RouterMetrics
-) -> AsyncIterator[tuple[PrefixIndex, Callable[[str, list[KVEvent]], Awaitable[None]]]]:
-    """The router's index in either home, and how a worker's events reach it: through the router's feed
-    (in process), or written by the worker itself (Redis, under the model's real key namespace)."""
-    if kind == "inprocess":
-        in_process = InProcessKVIndex()
-        yield PrefixIndex(metrics, in_process=in_process), in_process.apply
-        return
+async def redis_index(fp: str, metrics: RouterMetrics) -> AsyncIterator[tuple[PrefixIndex, RedisKVIndex]]:
+    """The router's index in Redis (the only home discovery sweeps), and the index as a worker writes its
+    events into it, under the model's real key namespace."""
     client = aioredis.from_url(REDIS_URL)
     worker_side = RedisKVIndex(REDIS_URL, fp)
     index = PrefixIndex(metrics, redis_client=client)
     try:
-        yield index, worker_side.apply
+        yield index, worker_side
     finally:
         await index.close()
         await worker_side.aclose()
@@ -423,12 +417,9 @@ async def index_home(
         await client.aclose()
 
 
-@pytest.mark.parametrize(
-    "kind",
-    ["inprocess", pytest.param("redis", marks=needs_redis)],
-)
+@needs_redis
 @async_test
-async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_removes_them(kind: str) -> None:
+async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_removes_them() -> None:
     """p-a holds the prompt and is killed. From its first failed stats poll it is no candidate, and once its
     registration expires discovery drops it from the pool: its blocks, still in the index until the sweep,
     never win a request. The sweep (after the grace, every sweep interval) removes them."""
@@ -446,7 +437,7 @@ async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_remove
                 busy = 4000 if w.name == "p-a" else 0  # p-a is busier: only its cache makes it win
                 w.stats, w.health = stats(w.name, w.role, queued=busy), Health.UP
 
-    async with index_home(kind, fp, metrics) as (index, write_events):
+    async with redis_index(fp, metrics) as (index, worker_side):
         discovery = RegistryDiscovery(
             registry,
             pool,
@@ -468,7 +459,7 @@ async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_remove
             await registry.register(info(worker_id, role, port, fp=fp), 10)
         assert await discovery.poll_once()
         usable_with_stats()
-        await write_events("p-a", [BlocksStored(tuple(hashes), Tier.GPU)])
+        await worker_side.apply("p-a", [BlocksStored(tuple(hashes), Tier.GPU)])
 
         async def choose(rid: str) -> tuple[str, str]:
             choice = await chooser.choose(PREFILL, RouteRequest(rid, prompt), pool.candidates(PREFILL))
@@ -496,6 +487,25 @@ async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_remove
         assert await index.lookup(fp, hashes) == {}
         assert metric(metrics, "pdmesh_router_index_forget_errors_total") == 0
         await pool.close()
+
+
+@async_test
+async def test_only_a_redis_index_is_swept() -> None:
+    """The in-process index is written by this router's feed alone, which forgets workers as they leave the
+    pool: it never holds an id with no worker behind it, so neither discovery nor the index sweeps it."""
+    metrics = RouterMetrics()
+    in_process = PrefixIndex(metrics, in_process=InProcessKVIndex())
+    with pytest.raises(ValueError, match="sweeps a Redis KV index"):
+        RegistryDiscovery(
+            InProcessRegistry(), WorkerPool([], [], BS), metrics, "tiny-dense", index=in_process
+        )
+    for sweep_step in (
+        in_process.worker_ids(FP),
+        in_process.forget_worker(FP, "p-x"),
+        in_process.finish_retiring(FP),
+    ):
+        with pytest.raises(TypeError, match="only a Redis index is"):
+            await sweep_step
 
 
 @async_test
