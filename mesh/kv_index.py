@@ -40,6 +40,7 @@ One worker's events must be applied in order by one writer (the worker's event s
 from __future__ import annotations
 
 import heapq
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -85,8 +86,9 @@ class KVIndex(Protocol):
         """Every worker holding block 0 of the chain, with its longest gap-free cached prefix."""
         ...
 
-    async def remove_worker(self, worker_id: str) -> None:
-        """Forget everything a worker holds (it left the mesh, or its registration expired)."""
+    async def remove_worker(self, worker_id: str) -> bool:
+        """Forget everything a worker holds (it left the mesh). True when this call removed it; False when
+        it held nothing, or another caller removed it first."""
         ...
 
     async def clear(self) -> None:
@@ -231,15 +233,17 @@ class InProcessKVIndex:
         counts = _walk(rows)
         return {self._worker_of[s]: PrefixMatch.from_counts(*c) for s, c in counts.items()}
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str) -> bool:
         held = self._worker_blocks.get(worker_id)
         if held is not None:
             self._drop(worker_id, list(held), ALL_TIERS_MASK)
             del self._worker_blocks[worker_id]
         slot = self._slot_of.pop(worker_id, None)
-        if slot is not None:
-            del self._worker_of[slot]
-            heapq.heappush(self._free_slots, slot)
+        if slot is None:
+            return False
+        del self._worker_of[slot]
+        heapq.heappush(self._free_slots, slot)
+        return True
 
     async def clear(self) -> None:
         self._blocks.clear()
@@ -314,25 +318,29 @@ _CLEAR_SLOT_LUA = "local s = tonumber(ARGV[1])\n" + _CLEAR_BODY.replace("@FIRST@
     "@SHIFT@", "1"
 ).replace("@SET@", "1")
 
-# Takes a slot from its worker so that no later event can write to it while its bits are cleared, and
-# records it among the retiring slots (so that a removal cut short can be finished by anyone later).
-# KEYS: kvslot, kvslotworker, the worker's hash set, the slot's retiring set, the retiring slots.
-# ARGV: worker, slot.
+# Takes a slot from its worker so that no later event can write to it while its bits are cleared, records
+# it among the retiring slots (so that a removal cut short can be finished by anyone later) and gives the
+# caller the slot's clearing lease (so that no one else clears it meanwhile). Only one of several callers
+# removing the same worker gets past the first line: the others have nothing to do.
+# KEYS: kvslot, kvslotworker, the worker's hash set, the slot's retiring set, the retiring slots, the
+# slot's lease. ARGV: worker, slot, lease holder, lease ms.
 _RETIRE_LUA = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[2])
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('RENAME', KEYS[3], KEYS[4]) end
 redis.call('SADD', KEYS[5], ARGV[2])
+redis.call('SET', KEYS[6], ARGV[3], 'PX', ARGV[4])
 return 1
 """
 
-# KEYS: the slot's retiring set, kvslotfree, the retiring slots. ARGV: slot. Frees the slot once its bits
-# are all cleared.
+# KEYS: the slot's retiring set, kvslotfree, the retiring slots, the slot's lease. ARGV: slot. Frees the
+# slot once its bits are all cleared.
 _FREE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
 return 1
 """
 
@@ -402,7 +410,13 @@ class RedisKVIndex:
     ``redis.asyncio.Redis``. Keys live under ``<prefix>:<model_fingerprint>:``.
     """
 
-    def __init__(self, url_or_client: str | aioredis.Redis, model_fingerprint: str, prefix: str = "pdmesh"):
+    def __init__(
+        self,
+        url_or_client: str | aioredis.Redis,
+        model_fingerprint: str,
+        prefix: str = "pdmesh",
+        retire_lease_s: float = 10.0,
+    ):
         if isinstance(url_or_client, str):
             self._redis: aioredis.Redis = aioredis.from_url(url_or_client)
             self._owns_client = True
@@ -417,6 +431,10 @@ class RedisKVIndex:
         self._packer = _KeyPacker(self._blk.encode())
         self._hgetall_slots = b"*2\r\n" + _resp_bulk(b"HGETALL") + _resp_bulk(self._slot_keys[1].encode())
         self._sha: dict[str, str] = {}
+        # Clearing a removed worker's slot is leased (renewed at every chunk of blocks): routers sweeping the
+        # same index skip a slot someone is clearing, and take over one whose clearer stopped for this long.
+        self.retire_lease_s = retire_lease_s
+        self._holder = uuid.uuid4().hex  # the lease's value: which index instance clears the slot
 
     def block_key(self, block_hash: int) -> str:
         return f"{self._blk}{block_hash:016x}"
@@ -426,6 +444,9 @@ class RedisKVIndex:
 
     def _retiring_key(self, slot: int) -> str:
         return f"{self.namespace}kvretiring:{slot}"
+
+    def _lease_key(self, slot: int) -> str:
+        return f"{self.namespace}kvretiring:lease:{slot}"
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -554,31 +575,50 @@ class RedisKVIndex:
                 if reload:
                     raise
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str) -> bool:
+        """Take the worker's slot, then clear its bits and free the slot. True when this call took the slot;
+        False when the worker held none (never stored, or already removed), or another caller (another
+        router's sweep, the worker itself) took it first and does the clearing."""
         wkey = self.worker_key(worker_id)
         slot_raw = await self._redis.hget(self._slot_keys[0], worker_id)
         if slot_raw is None:
             await self._redis.delete(wkey)
-            return
+            return False
         slot = int(slot_raw)
         retiring = self._retiring_key(slot)
-        keys = [self._slot_keys[0], self._slot_keys[1], wkey, retiring, self._retiring_slots]
-        if not await self._eval(_RETIRE_LUA, keys, [worker_id, slot]):
-            return  # removed concurrently
+        keys = [
+            self._slot_keys[0],
+            self._slot_keys[1],
+            wkey,
+            retiring,
+            self._retiring_slots,
+            self._lease_key(slot),
+        ]
+        if not await self._eval(_RETIRE_LUA, keys, [worker_id, slot, self._holder, self._lease_ms]):
+            return False  # removed concurrently
         await self._clear_retiring(slot)
+        return True
 
     async def finish_retiring(self) -> int:
         """Finish the removals that were cut short (a process that died or was cancelled between retiring a
         worker's slot and freeing it): clear each retiring slot's bits and free it. Returns how many slots
-        were retiring. Safe beside a removal still running: clearing is idempotent, and freeing happens
-        once the slot's set is empty."""
+        this call finished. A slot whose clearing lease is held (a removal still running, here or in another
+        router) is left to its clearer; its lease expires ``retire_lease_s`` after the clearer stopped."""
         slots = [int(_text(s)) for s in await self._redis.smembers(self._retiring_slots)]
+        finished = 0
         for slot in slots:
-            await self._clear_retiring(slot)
-        return len(slots)
+            if await self._redis.set(self._lease_key(slot), self._holder, nx=True, px=self._lease_ms):
+                await self._clear_retiring(slot)
+                finished += 1
+        return finished
+
+    @property
+    def _lease_ms(self) -> int:
+        return max(1, round(self.retire_lease_s * 1000))
 
     async def _clear_retiring(self, slot: int) -> None:
-        retiring = self._retiring_key(slot)
+        """Clear a retiring slot's bits, chunk by chunk, then free it. The caller holds its lease."""
+        retiring, lease = self._retiring_key(slot), self._lease_key(slot)
         while True:
             members = await self._redis.srandmember(retiring, _APPLY_CHUNK * 8)
             if not members:
@@ -588,7 +628,8 @@ class RedisKVIndex:
                 keys = [retiring, *(self._blk + x for x in hexes)]
                 pending.append((_CLEAR_SLOT_LUA, keys, [slot, ALL_TIERS_MASK, *hexes]))
             await self._run(pending)
-        await self._eval(_FREE_LUA, [retiring, self._slot_keys[3], self._retiring_slots], [slot])
+            await self._redis.pexpire(lease, self._lease_ms)
+        await self._eval(_FREE_LUA, [retiring, self._slot_keys[3], self._retiring_slots, lease], [slot])
 
     async def worker_ids(self) -> set[str]:
         """``HKEYS kvslot``: one round trip, O(workers), whatever the number of blocks. The slot table is

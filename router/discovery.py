@@ -12,12 +12,15 @@ Every ``interval_s`` it reads ``Registry.list_workers`` and reconciles the pool:
 - workers named on the command line are never removed;
 - every ``sweep_interval_s`` (30 s), once the registry has answered without a failed read for ``grace_s``
   (a restarted Redis is empty until heartbeats register the workers again), the KV index of the pool's
-  model is swept: each worker id it holds entries for (``PrefixIndex.worker_ids``, one ``HKEYS``) that is
-  neither registered nor in the pool is forgotten (``PrefixIndex.forget_worker``), with one info line. The
-  index is listed before the registry is read, so that a worker which registered before storing its first
-  block (it registers as it starts, before routers find it) is in the list that spares it. Each sweep also
-  finishes any removal that was cut short (a router stopped or cancelled mid-way:
-  ``RedisKVIndex.finish_retiring``).
+  model is swept, in a background task (a slow Redis delays no read; one sweep at a time): each worker id
+  it holds entries for (``PrefixIndex.worker_ids``, one ``HKEYS``) that is neither registered nor in the
+  pool is forgotten (``PrefixIndex.forget_worker``), with one info line. The index is listed before the
+  sweep's own registry read, so that a worker which registered before storing its first block (it
+  registers as it starts, before routers find it) is in the list that spares it. Each sweep also finishes
+  any removal that was cut short (a router stopped or cancelled mid-way: ``RedisKVIndex.finish_retiring``).
+  Every router sweeps, but a removal's work is done once: one router takes a dead worker's slot (the others
+  find it gone), and clearing it is leased, so another router's sweep skips a slot being cleared and takes
+  over only one whose clearer stopped.
 
 The sweep is the only way the router removes index entries, and it may run up to ``sweep_interval_s``
 after a worker died: that delay routes nothing wrongly. Only workers in the pool are scored, and a dead
@@ -48,6 +51,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
+from mesh.background import BackgroundTasks
 from mesh.registry import Registry, WorkerInfo
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
@@ -87,6 +91,8 @@ class RegistryDiscovery:
         self.sweep_interval_s = sweep_interval_s
         self._answering_since: float | None = None  # the first read of the current run of good reads
         self._next_sweep = 0.0
+        self._background = BackgroundTasks("registry discovery")
+        self.sweeping: asyncio.Task[None] | None = None  # the sweep running or last run, off the read loop
         self.up = True
         self._warned_no_model = False
         self._task: asyncio.Task[None] | None = None
@@ -103,6 +109,10 @@ class RegistryDiscovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        # A sweep cut short here leaves at most a retiring slot, which the next sweep (of any router)
+        # finishes once its lease expires.
+        await self._background.close()
+        self.sweeping = None
 
     async def _run(self) -> None:
         while True:
@@ -110,14 +120,8 @@ class RegistryDiscovery:
             await self.poll_once()
 
     async def poll_once(self) -> bool:
-        """One read and reconciliation, and a sweep of the index when one is due; False when the registry
-        could not be read."""
-        fingerprint = self.pool.model_fingerprint
-        indexed: set[str] | None = None
-        if self._sweep_due():
-            self._next_sweep = self.clock() + self.sweep_interval_s
-            assert self.index is not None and fingerprint is not None
-            indexed = await self.index.worker_ids(fingerprint)  # before the read: see the module docstring
+        """One read and reconciliation; starts a sweep of the index in the background when one is due (and
+        none is running). False when the registry could not be read."""
         try:
             workers = await asyncio.wait_for(
                 self.registry.list_workers(model_fingerprint=self.pool.model_fingerprint), self.timeout_s
@@ -142,9 +146,10 @@ class RegistryDiscovery:
             self.metrics.registry_up.set(1)
             log.info("registry answers again (%d workers registered)", len(workers))
         self.reconcile(workers)
-        if indexed is not None and fingerprint == self.pool.model_fingerprint:
-            assert fingerprint is not None
-            await self._sweep(fingerprint, indexed, workers)
+        if self._sweep_due():
+            assert self.pool.model_fingerprint is not None
+            self._next_sweep = self.clock() + self.sweep_interval_s
+            self.sweeping = self._background.spawn(self._sweep(self.pool.model_fingerprint), "kv-index-sweep")
         return True
 
     def _sweep_due(self) -> bool:
@@ -155,12 +160,26 @@ class RegistryDiscovery:
             and self._answering_since is not None
             and self.clock() - self._answering_since >= self.grace_s
             and self.clock() >= self._next_sweep
+            and (self.sweeping is None or self.sweeping.done())
         )
 
-    async def _sweep(self, fingerprint: str, indexed: set[str], workers: list[WorkerInfo]) -> None:
-        """Forget the ids in ``indexed`` (the index's, read before ``workers``) that are neither registered
-        nor in the pool. O(ids)."""
+    async def _sweep(self, fingerprint: str) -> None:
+        """Forget the ids the index holds entries for that are neither registered nor in the pool. The index
+        is listed before the registry is read (see the module docstring). O(ids) plus the removals."""
         assert self.index is not None
+        indexed = await self.index.worker_ids(fingerprint)
+        if indexed is None:
+            return  # logged and counted by the index; the next sweep asks again
+        try:
+            workers = await asyncio.wait_for(
+                self.registry.list_workers(model_fingerprint=fingerprint), self.timeout_s
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.metrics.registry_errors.inc()
+            log.warning("KV index sweep skipped: registry unreachable (%s: %s)", type(exc).__name__, exc)
+            return
+        if self._answering_since is None:
+            return  # a read failed meanwhile: the grace starts again
         known = {info.worker_id for info in workers}
         for w in self.pool.workers:
             known.add(w.name)  # its announced id once it answered, else its registration or address

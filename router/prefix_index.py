@@ -119,12 +119,12 @@ class PrefixIndex:
     async def forget_worker(self, model_fingerprint: str, worker_id: str, reason: str | None = None) -> bool:
         """Remove everything the index holds for a worker that is gone, so that no request is scored on
         its cache again (nor a later worker that reuses its id). One info line, saying ``reason`` when
-        given. False when Redis could not be reached: one warning and
+        given, from the one caller (of all routers) that removed it. False when Redis could not be reached: one warning and
         ``pdmesh_router_index_forget_errors_total``; its entries then stay until a worker with that id
         starts again or discovery's next sweep, which lists it again if its slot was not yet retired and
         finishes the removal if it was (no router scores a worker that is not in its pool meanwhile)."""
         try:
-            await self._redis_index(model_fingerprint).remove_worker(worker_id)
+            removed = await self._redis_index(model_fingerprint).remove_worker(worker_id)
         except (RedisError, OSError) as exc:
             self.metrics.index_forget_errors.inc()
             log.warning(
@@ -135,7 +135,9 @@ class PrefixIndex:
                 exc,
             )
             return False
-        if reason is None:
+        if not removed:  # another router (or the worker itself) got there first and does the clearing
+            log.debug("KV index: worker %s already removed", worker_id)
+        elif reason is None:
             log.info("KV index: forgot departed worker %s", worker_id)
         else:
             log.info("KV index: forgot worker %s (%s)", worker_id, reason)

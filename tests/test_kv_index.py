@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
-from mesh.kv_index import InProcessKVIndex, KVIndex, PrefixMatch, RedisKVIndex
+from mesh.kv_index import _CLEAR_SLOT_LUA, InProcessKVIndex, KVIndex, PrefixMatch, RedisKVIndex
 from tests.mesh_fixtures import REDIS_URL, async_test, needs_redis
 
 FP = "test-model-fp"
@@ -302,10 +302,12 @@ async def test_redis_key_layout_and_cleanup() -> None:
 async def test_redis_removal_cut_short_is_finished_later() -> None:
     """A removal that fails after taking the worker's slot (Redis lost mid-way, or the remover cancelled)
     leaves the slot retiring: the worker is no longer listed, so no one would remove it again. Its blocks
-    still carry its bit until ``finish_retiring`` clears them and frees the slot for the next worker."""
+    still carry its bit until ``finish_retiring`` clears them and frees the slot for the next worker, once
+    the failed remover's clearing lease has expired."""
     c = chain(5)
     async with open_index("redis") as index:
         assert isinstance(index, RedisKVIndex)
+        index.retire_lease_s = 0.2
         await index.apply("w1", [stored(c)])
         await index.apply("w2", [stored(c[:2])])
         run = index._run
@@ -319,6 +321,8 @@ async def test_redis_removal_cut_short_is_finished_later() -> None:
         index._run = run  # type: ignore[method-assign]
         assert await index.worker_ids() == {"w2"}
         assert await index._redis.exists(index.block_key(c[4])) == 1  # w1's bit is still set
+        assert await index.finish_retiring() == 0  # its clearer may be at work still: its lease holds
+        await asyncio.sleep(0.25)
         assert await index.finish_retiring() == 1
         assert await index._redis.exists(index.block_key(c[4])) == 0
         assert await index.lookup(c) == {"w2": match(gpu=2)}
@@ -401,3 +405,45 @@ async def test_redis_lookup_with_any_client_protocol(client_options: dict[str, A
                 assert await index.lookup(c[:3]) == {"a": match(gpu=3), "b": match(cpu=3)}
         finally:
             await client.aclose()
+
+
+@needs_redis
+@async_test
+async def test_redis_a_removal_is_done_once_however_many_remove_at_once() -> None:
+    """Routers sweeping the same index may all find the same dead worker. One takes its slot and clears it
+    under a lease; the others, removing it or finishing cut-short removals meanwhile, do none of that work."""
+    c = chain(5000)  # two rounds of clearing (4096 blocks each)
+    async with open_index("redis") as a:
+        assert isinstance(a, RedisKVIndex)
+        b = RedisKVIndex(a._redis, FP, prefix=a.namespace.split(":")[0])
+        await a.apply("w1", [stored(c)])
+        cleared: dict[str, int] = {"a": 0, "b": 0}
+        paused, resume = asyncio.Event(), asyncio.Event()
+
+        def counting(index: RedisKVIndex, name: str, pause: bool) -> None:
+            run = index._run
+
+            async def wrapped(pending: list[tuple[str, list[str], list[Any]]]) -> None:
+                await run(pending)
+                clears = sum(len(keys) - 1 for src, keys, _ in pending if src is _CLEAR_SLOT_LUA)
+                cleared[name] += clears
+                if clears and pause and not resume.is_set():
+                    paused.set()
+                    await resume.wait()
+
+            index._run = wrapped  # type: ignore[method-assign]
+
+        counting(a, "a", pause=True)
+        counting(b, "b", pause=False)
+        removal = asyncio.create_task(a.remove_worker("w1"))
+        await asyncio.wait_for(paused.wait(), 5.0)  # a has cleared its first round and holds the lease
+        assert not await b.remove_worker("w1")  # the slot is taken: nothing to do
+        assert await b.finish_retiring() == 0  # the slot is being cleared: left to its clearer
+        assert cleared["b"] == 0
+        resume.set()
+        assert await removal
+        assert cleared == {"a": 5000, "b": 0}
+        assert await a.lookup(c) == {}
+        assert await a._redis.smembers(a._retiring_slots) == set()
+        assert await a._redis.exists(a._lease_key(0)) == 0
+        assert await b.finish_retiring() == 0

@@ -86,6 +86,14 @@ async def mesh(static_decode: tuple[str, ...] = ()) -> AsyncIterator[Mesh]:
         await client.aclose()
 
 
+async def poll(discovery: RegistryDiscovery) -> bool:
+    """One registry read, and the sweep it started in the background (if one was due), to its end."""
+    answered = await discovery.poll_once()
+    if discovery.sweeping is not None:
+        await discovery.sweeping
+    return answered
+
+
 def swept_lines(caplog: Any) -> list[str]:
     return [r.getMessage() for r in caplog.records if SWEPT in r.getMessage()]
 
@@ -182,18 +190,18 @@ async def test_a_failed_registry_read_starts_the_grace_again() -> None:
         now = [0.0]
         discovery = m.discovery(registry, grace_s=5.0, clock=lambda: now[0], sweep_interval_s=30.0)
         await m.store("p-dead")
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         now[0] = 4.0
         registry.down = True
-        assert not await discovery.poll_once()
+        assert not await poll(discovery)
         now[0] = 6.0
         registry.down = False
-        assert await discovery.poll_once()  # answering again since 6.0
+        assert await poll(discovery)  # answering again since 6.0
         now[0] = 10.9
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         assert await m.holders() == {"p-dead"}
         now[0] = 11.0
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         assert await m.holders() == set()
 
 
@@ -210,26 +218,94 @@ async def test_the_sweep_forgets_every_id_with_no_worker_behind_it_however_it_le
         for worker_id, port in ids.items():
             await m.registry.register(m.info(worker_id, PREFILL, port), 600)
             await m.store(worker_id)
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         for w in m.pool.workers:
             w.stats = common_pb2.WorkerStats(worker_id=w.registered_id, model_fingerprint=m.fp, block_size=BS)
             w.health = Health.UP
         now[0] = 5.0
-        assert await discovery.poll_once()  # the first sweep: everyone is registered
+        assert await poll(discovery)  # the first sweep: everyone is registered
         await m.registry.set_draining("p-drain", True)
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         await m.registry.deregister("p-drain")  # done draining, exits
         await m.registry.deregister("p-old")  # restarted: another process, another id, same address
         await m.registry.register(m.info("p-new", PREFILL, 30502), 600)
         await m.registry.deregister("p-lost")  # its registration is lost, but it answers
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         restarted = m.pool.find("127.0.0.1:30502")
         assert restarted is not None  # what its next stats poll says:
         restarted.stats = common_pb2.WorkerStats(worker_id="p-new", model_fingerprint=m.fp, block_size=BS)
         now[0] = 11.0
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         assert sorted(w.name for w in m.pool.workers) == ["p-new", "p-stay"]
         assert await m.holders() == set(ids)  # no sweep yet: leaving touched nothing
         now[0] = 35.0
-        assert await discovery.poll_once()
+        assert await poll(discovery)
         assert await m.holders() == {"p-stay"}
+
+
+@async_test
+async def test_a_slow_sweep_holds_up_no_registry_read() -> None:
+    """The sweep runs beside the read loop: while it waits on a slow Redis, reads go on (a worker that
+    registers joins the pool), no second sweep starts, and close cancels the one running."""
+    async with mesh() as m:
+        await m.store("p-dead")
+        now = [0.0]
+        discovery = m.discovery(grace_s=0.0, clock=lambda: now[0], sweep_interval_s=30.0)
+        listed, slow = asyncio.Event(), asyncio.Event()
+        worker_ids = m.index.worker_ids
+
+        async def slow_worker_ids(fingerprint: str) -> set[str] | None:
+            listed.set()
+            await slow.wait()
+            return await worker_ids(fingerprint)
+
+        m.index.worker_ids = slow_worker_ids  # type: ignore[method-assign]
+        assert await asyncio.wait_for(discovery.poll_once(), 1.0)
+        sweep = discovery.sweeping
+        assert sweep is not None
+        await asyncio.wait_for(listed.wait(), 1.0)
+        await m.registry.register(m.info("p-new", PREFILL, 30601), 60)
+        now[0] = 31.0  # another sweep would be due, but one is running
+        assert await asyncio.wait_for(discovery.poll_once(), 1.0)
+        assert [w.registered_id for w in m.pool.workers] == ["p-new"]
+        assert discovery.sweeping is sweep and not sweep.done()
+        slow.set()
+        await sweep
+        assert await m.holders() == set()
+
+        slow.clear()
+        now[0] = 62.0
+        assert await discovery.poll_once()
+        assert discovery.sweeping is not sweep and not discovery.sweeping.done()
+        await discovery.close()
+        assert discovery.sweeping is None and sweep.done()
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "kv-index-sweep"]
+
+
+@async_test
+async def test_routers_sweeping_together_forget_a_dead_worker_once(caplog: Any) -> None:
+    """Every router sweeps the same index. Two at once find the same dead worker: one removes it, with one
+    line; the other finds its slot taken and leaves the work to the first."""
+    async with mesh() as m:
+        await m.store("p-dead")
+        await m.store("p-live")
+        await m.registry.register(m.info("p-live", PREFILL, 30701), 60)
+        other_client = aioredis.from_url(REDIS_URL)
+        other_index = PrefixIndex(RouterMetrics(), redis_client=other_client)
+        other_pool = WorkerPool([], [], BS)
+        other_pool.model_fingerprint = m.fp
+        first = m.discovery(grace_s=0.0)
+        second = RegistryDiscovery(
+            m.registry, other_pool, RouterMetrics(), "tiny-dense", index=other_index, grace_s=0.0
+        )
+        try:
+            with caplog.at_level(logging.INFO, logger="router.prefix_index"):
+                assert all(await asyncio.gather(poll(first), poll(second)))
+            assert await m.holders() == {"p-live"}
+            assert swept_lines(caplog) == [f"KV index: forgot worker p-dead ({SWEPT})"]
+        finally:
+            await first.close()
+            await second.close()
+            await other_pool.close()
+            await other_index.close()
+            await other_client.aclose()

@@ -468,6 +468,8 @@ async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_remove
         assert await choose("before") == ("p-a", "prefix")
         clock.now = 5.0  # the first sweep (past the grace) finds nobody to forget; the next is at 35
         assert await discovery.poll_once()
+        assert discovery.sweeping is not None
+        await discovery.sweeping
         assert set(await index.lookup(fp, hashes)) == {"p-a"}
         # p-a is killed: its stats poll fails at once; the others renew their registrations, its own expires.
         p_a = pool.find("127.0.0.1:30201")
@@ -484,6 +486,8 @@ async def test_a_dead_workers_entries_attract_no_request_before_the_sweep_remove
         assert (await choose("gone"))[0] != "p-a"
         clock.now = 35.0  # the next sweep
         assert await discovery.poll_once()
+        assert discovery.sweeping is not None and not discovery.sweeping.done()  # in the background
+        await discovery.sweeping
         assert await index.lookup(fp, hashes) == {}
         assert metric(metrics, "pdmesh_router_index_forget_errors_total") == 0
         await pool.close()
