@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import setting
-from router.scoring import ROUTING_MODES
+from router.scoring import ROUTING_MODES, RoutingWeights
 from router.scoring.weighted_picker import (
     DEFAULT_HOTSPOT_MARGIN_TOKENS,
     DEFAULT_KV_HEADROOM_WEIGHT,
@@ -110,13 +110,17 @@ class RouterConfig:
             raise ValueError(
                 "discovery_interval_s and index_timeout_s must be positive, registry_grace_s >= 0"
             )
-        if min(self.prefix_weight, self.load_weight, self.kv_headroom_weight) < 0:
-            raise ValueError("routing weights must be >= 0")
         if self.pd_threshold_tokens < 0:
             raise ValueError(f"pd_threshold_tokens must be >= 0, got {self.pd_threshold_tokens}")
         if self.hotspot_margin_tokens < -1:
             raise ValueError(
                 f"hotspot_margin_tokens must be >= 0, or -1 (off), got {self.hotspot_margin_tokens}"
             )
+        self.routing_weights()  # checks the weights
         if self.default_max_tokens_cap < 1:
             raise ValueError(f"default_max_tokens_cap must be >= 1, got {self.default_max_tokens_cap}")
+
+    def routing_weights(self) -> RoutingWeights:
+        """The scorer weights and hot-spot margin as the pickers take them (-1, no guard, is None there)."""
+        margin = None if self.hotspot_margin_tokens < 0 else self.hotspot_margin_tokens
+        return RoutingWeights(self.prefix_weight, self.load_weight, self.kv_headroom_weight, margin)

@@ -38,14 +38,8 @@ from router.chooser import DISAGGREGATED, Choice, LocalPrefillDecision, RouteReq
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, Route, merge
-from router.scoring import PDDecider, RoutingRequest, WorkerState, WorkerStats, make_picker
+from router.scoring import PDDecider, RoutingRequest, RoutingWeights, WorkerState, WorkerStats, make_picker
 from router.scoring.pd_decider import NO_PREFILL_WORKER
-from router.scoring.weighted_picker import (
-    DEFAULT_HOTSPOT_MARGIN_TOKENS,
-    DEFAULT_KV_HEADROOM_WEIGHT,
-    DEFAULT_LOAD_WEIGHT,
-    DEFAULT_PREFIX_WEIGHT,
-)
 from router.worker_pool import DECODE, PREFILL, WorkerEndpoint, WorkerPool
 
 PREFIX = "prefix"
@@ -76,10 +70,7 @@ class ScoredChooser:
         metrics: RouterMetrics,
         index: PrefixIndex | None = None,
         *,
-        prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-        load_weight: float = DEFAULT_LOAD_WEIGHT,
-        kv_headroom_weight: float = DEFAULT_KV_HEADROOM_WEIGHT,
-        hotspot_margin_tokens: int | None = DEFAULT_HOTSPOT_MARGIN_TOKENS,
+        weights: RoutingWeights = RoutingWeights(),
         pd_threshold_tokens: int = 256,
         seed: int | None = None,
     ) -> None:
@@ -89,16 +80,10 @@ class ScoredChooser:
         self.pool = pool
         self.metrics = metrics
         self.index = index
-        weights = {
-            "prefix_weight": prefix_weight,
-            "load_weight": load_weight,
-            "kv_headroom_weight": kv_headroom_weight,
-            "hotspot_margin_tokens": hotspot_margin_tokens,
-        }
         # Different seeds per role, so that seeded prefill and decode tie-breaks are not the same draws.
         self.pickers = {
-            PREFILL: make_picker(routing, PREFILL, seed=seed, **weights),
-            DECODE: make_picker(routing, DECODE, seed=None if seed is None else seed + 1, **weights),
+            PREFILL: make_picker(routing, PREFILL, seed=seed, weights=weights),
+            DECODE: make_picker(routing, DECODE, seed=None if seed is None else seed + 1, weights=weights),
         }
         self.pd = PDDecider(pd_threshold_tokens) if routing == PREFIX else None
         self.recent = RecentRoutes()

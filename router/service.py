@@ -47,10 +47,7 @@ def make_chooser(
         pool,
         metrics,
         index,
-        prefix_weight=config.prefix_weight,
-        load_weight=config.load_weight,
-        kv_headroom_weight=config.kv_headroom_weight,
-        hotspot_margin_tokens=None if config.hotspot_margin_tokens < 0 else config.hotspot_margin_tokens,
+        weights=config.routing_weights(),
         pd_threshold_tokens=config.pd_threshold_tokens,
         seed=config.routing_seed,
     )

@@ -26,12 +26,15 @@ from mesh.kv_index import InProcessKVIndex, PrefixMatch, RedisKVIndex
 from mesh.registry import InProcessRegistry, WorkerInfo
 from protos.pdmesh.v1 import common_pb2, worker_pb2_grpc
 from router.chooser import RouteRequest
+from router.config import RouterConfig
 from router.discovery import RegistryDiscovery
 from router.kv_event_feed import KVEventFeed
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.recent_routes import RecentRoutes, merge
 from router.scored_chooser import ScoredChooser
+from router.scoring import RoutingWeights, WeightedPicker
+from router.service import make_chooser
 from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
 from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis, until
 
@@ -276,6 +279,24 @@ async def test_unreachable_index_routes_by_load_with_one_warning_and_recovers(
         await chooser.choose(PREFILL, RouteRequest("back", tokens(320, seed=4)), [p0, p1])
     ).reason == "prefix"
     await index.close()
+
+
+def test_the_routers_weights_reach_both_pickers_as_one_routing_weights() -> None:
+    config = RouterConfig(prefix_weight=5, load_weight=1, kv_headroom_weight=4, hotspot_margin_tokens=-1)
+    assert config.routing_weights() == RoutingWeights(5.0, 1.0, 4.0, None)
+    pool, metrics = make_pool(2, 1), RouterMetrics()
+    chooser = make_chooser(config, pool, metrics, PrefixIndex(metrics, in_process=InProcessKVIndex()))
+    prefill, decode = chooser.pickers[PREFILL], chooser.pickers[DECODE]
+    assert isinstance(prefill, WeightedPicker) and isinstance(decode, WeightedPicker)
+    assert [(s.name, w) for s, w in prefill.scorers] == [("prefix", 5.0), ("load", 1.0)]
+    assert [(s.name, w) for s, w in decode.scorers] == [("kv_headroom", 4.0), ("load", 1.0)]
+    assert prefill.hotspot_margin_tokens is None and decode.hotspot_margin_tokens is None
+    guarded = RouterConfig(hotspot_margin_tokens=100).routing_weights()
+    assert guarded.hotspot_margin_tokens == 100
+    with pytest.raises(ValueError, match="routing weights must be >= 0"):
+        RouterConfig(kv_headroom_weight=-1)
+    with pytest.raises(ValueError, match="hotspot_margin_tokens must be >= 0 or None"):
+        RoutingWeights(hotspot_margin_tokens=-1)
 
 
 # ---- discovery ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from router.scoring.kv_headroom_scorer import KVHeadroomScorer
 from router.scoring.load_scorer import LoadScorer
 from router.scoring.pd_decider import PDDecider, PDDecision
 from router.scoring.picker import Decision, NoEligibleWorkerError, Picker, eligible, exclusion_reason
-from router.scoring.picker_factory import ROUTING_MODES, make_picker
+from router.scoring.picker_factory import ROUTING_MODES, RoutingWeights, make_picker
 from router.scoring.prefix_scorer import PrefixScorer
 from router.scoring.scorer import RoutingRequest, Scorer, WorkerState, WorkerStats
 from router.scoring.session_affinity import SessionAffinity
@@ -30,6 +30,7 @@ __all__ = [
     "RandomPicker",
     "RoundRobinPicker",
     "RoutingRequest",
+    "RoutingWeights",
     "Scorer",
     "SessionAffinity",
     "WeightedPicker",
