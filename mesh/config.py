@@ -101,10 +101,25 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None 
             group.add_argument(flag_name(f.name), type=lambda s, tp=tp: _convert(tp, s), **kwargs)
 
 
+def check_choices(obj: Any) -> None:
+    """Raise ``ValueError`` for a setting of ``obj`` whose value is not one of its ``choices``, naming the
+    setting, its flag and its variable. Argparse checks flags and ``from_sources`` checks variables and
+    overrides; a settings class calls this from ``__post_init__`` so that its constructor checks too."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices and value not in choices:
+            raise ValueError(
+                f"{f.name} ({flag_name(f.name)}, {env_name(f.name)}): {value!r} is not one of "
+                f"{', '.join(map(str, choices))}"
+            )
+
+
 def from_sources(
     cls: type[T], args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any
 ) -> T:
-    """Build ``cls``: explicit overrides, then flags, then ``PDMESH_*`` variables, then defaults."""
+    """Build ``cls``: explicit overrides, then flags, then ``PDMESH_*`` variables, then defaults. A value
+    outside its setting's choices is a ``ValueError``, wherever it came from."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     for f, tp in _fields(cls):
@@ -123,7 +138,9 @@ def from_sources(
                     f"{env_name(f.name)}: {values[f.name]!r} is not one of {', '.join(map(str, choices))}"
                 )
     values.update(overrides)
-    return cls(**values)
+    obj = cls(**values)
+    check_choices(obj)  # overrides, and classes whose constructor does not check
+    return obj
 
 
 def to_argv(obj: Any, only: Iterable[str] | None = None) -> list[str]:

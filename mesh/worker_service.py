@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from mesh.background import BackgroundTasks
-from mesh.config import setting
+from mesh.config import check_choices, setting
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
@@ -109,6 +109,9 @@ class WorkerSettings:
         None, "Append finished spans as JSON lines to this file (tests, debugging)."
     )
     log_level: str = setting("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
 
 def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.config import setting
+from mesh.config import check_choices, setting
 from router.scoring import ROUTING_MODES, RoutingWeights
 from router.scoring.weighted_picker import (
     DEFAULT_HOTSPOT_MARGIN_TOKENS,
@@ -100,8 +100,7 @@ class RouterConfig:
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
-        if self.routing not in ROUTING_MODES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        check_choices(self)  # routing, log_level: whether they came from flags, variables or a caller
         if self.request_timeout_s <= 0 or self.control_timeout_s <= 0:
             raise ValueError("request_timeout_s and control_timeout_s must be positive")
         if self.max_decode_attempts < 1:
