@@ -119,10 +119,13 @@ class Sampler:
         racing = [i for i, p in enumerate(params) if not p.greedy]
         sorting = [i for i in racing if params[i].top_k > 0 or params[i].top_p < 1.0]
         plain = [i for i in racing if params[i].top_k <= 0 and params[i].top_p >= 1.0]
-        unseeded = torch.randint(0, 1 << 62, (batch,), generator=self._unseeded).tolist()
+        # Only unseeded sampling rows draw from the generator: seeded rows (the engine's warm-up samples
+        # with a seed) leave the unseeded requests' keys as they were.
+        n_unseeded = sum(p.seed is None for p in params if not p.greedy)
+        unseeded = iter(torch.randint(0, 1 << 62, (n_unseeded,), generator=self._unseeded).tolist())
         keys = [
-            _position_seed(p.seed, pos) if p.seed is not None else key
-            for p, pos, key in zip(params, positions, unseeded, strict=True)
+            0 if p.greedy else (_position_seed(p.seed, pos) if p.seed is not None else next(unseeded))
+            for p, pos in zip(params, positions, strict=True)
         ]
         # Two host-to-device copies: the per-row values, and the row keys followed by each path's rows.
         rows = host_to_device(_row_values(params, vocab), device)

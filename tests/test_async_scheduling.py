@@ -152,7 +152,12 @@ def model(request) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# Scripts whose sampled tokens reach every finish reason on both models (seed 1's tiny-moe script ends on
+# length and aborts only).
+SCRIPT_SEEDS = (0, 2, 3)
+
+
+@pytest.mark.parametrize("seed", SCRIPT_SEEDS)
 def test_mixed_traffic_matches_the_synchronous_engine(model: str, seed: int) -> None:
     script = random_script(model, seed)
     config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
@@ -168,7 +173,7 @@ def test_traffic_mix_reaches_every_finish_kind(model: str) -> None:
     """The scripts above stop on EOS, on stop tokens and on stop strings, not only on length."""
     config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
     kinds: set[str] = set()
-    for seed in (0, 1, 2):
+    for seed in SCRIPT_SEEDS:
         for reason, stop in run_script(random_script(model, seed), EOS[model], **config).finish_reasons():
             kinds.add(f"{reason}:{type(stop).__name__}")
     assert {"stop:NoneType", "stop:int", "stop:str", "length:NoneType", "abort:NoneType"} <= kinds, kinds

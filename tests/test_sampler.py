@@ -69,6 +69,24 @@ def test_backend_names_are_the_op_tables() -> None:
     assert set(BACKENDS) == {"torch", "triton"}  # a new backend needs its entry in race_kernel
 
 
+def test_only_unseeded_rows_draw_from_the_generator() -> None:
+    """Seeded and greedy rows leave the sampler's generator alone, so sampling with a seed (as the
+    engine's warm-up does) does not change what later unseeded requests draw."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 200)
+    unseeded = [SamplingParams(temperature=1.0)] * 3
+    fresh = Sampler(seed=9)
+    used = Sampler(seed=9)
+    state = used._unseeded.get_state()
+    used.sample(logits, [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.0)], [0, 0])
+    used.sample(logits[:1], [SamplingParams(temperature=0.9, top_k=4, seed=2)], [3])
+    assert torch.equal(used._unseeded.get_state(), state)
+    assert torch.equal(used.sample(logits, unseeded, [0, 1, 2]), fresh.sample(logits, unseeded, [0, 1, 2]))
+    # Unseeded rows among seeded ones take the generator's next keys in row order.
+    mixed = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=1.0)]
+    assert used.sample(logits[:2], mixed, [0, 0])[1] == fresh.sample(logits[1:2], mixed[1:], [0])[0]
+
+
 def test_logprobs_are_of_the_sampled_token_with_each_rows_top_n() -> None:
     torch.manual_seed(1)
     logits = torch.randn(5, 300)
