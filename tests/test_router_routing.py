@@ -281,7 +281,8 @@ async def test_unreachable_index_routes_by_load_with_one_warning_and_recovers(
     await index.close()
 
 
-def test_the_routers_weights_reach_both_pickers_as_one_routing_weights() -> None:
+@async_test
+async def test_the_routers_weights_reach_both_pickers_as_one_routing_weights() -> None:
     config = RouterConfig(prefix_weight=5, load_weight=1, kv_headroom_weight=4, hotspot_margin_tokens=-1)
     assert config.routing_weights() == RoutingWeights(5.0, 1.0, 4.0, None)
     pool, metrics = make_pool(2, 1), RouterMetrics()
@@ -297,6 +298,7 @@ def test_the_routers_weights_reach_both_pickers_as_one_routing_weights() -> None
         RouterConfig(kv_headroom_weight=-1)
     with pytest.raises(ValueError, match="hotspot_margin_tokens must be >= 0 or None"):
         RoutingWeights(hotspot_margin_tokens=-1)
+    await pool.close()
 
 
 # ---- discovery ------------------------------------------------------------------------------------------
