@@ -543,8 +543,9 @@ def sweep_linear() -> None:
         print(f"{n} x {k} ({n * k * 2 / 1e6:.0f} MB): cuBLAS {ref:.1f} us; GEMV {best}", flush=True)
 
 
-def sweep_moe_small() -> None:
-    """The small MoE path at batch 1: gate-up tiles with the down kernel fixed, then down tiles."""
+def sweep_moe_small(narrow: bool = False) -> None:
+    """The small MoE path at batch 1: gate-up tiles with the down kernel fixed, then down tiles. Both
+    grids add one- and two-warp programs and (gate-up) whole-row K tiles; ``narrow`` times only those."""
     print("\n## sweep: MoE small path at 1 token (gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)")
     base = triton_moe.moe_small_config
     current = base(torch.device("cuda"), 1)
@@ -564,7 +565,11 @@ def sweep_moe_small() -> None:
         (timed(dataclasses.replace(current, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_warps=w,
                                    gate_up_num_stages=st)), (bn, bk, w, st))
         for bn in (1, 2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for st in (2, 4)
-        if bn * bk <= 8192
+        if bn * bk <= 8192 and not narrow
+    ] + [
+        (timed(dataclasses.replace(current, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_warps=w,
+                                   gate_up_num_stages=2)), (bn, bk, w, 2))
+        for bn in (1, 2) for bk in (512, 1024, 2048) for w in (1, 2, 4)
     ]  # fmt: skip
     gate_up.sort()
     print("gate-up best:", ", ".join(f"{us:.1f} us {c}" for us, c in gate_up[:5]), flush=True)
@@ -572,6 +577,11 @@ def sweep_moe_small() -> None:
         (timed(dataclasses.replace(current, down_block_n=bn, down_block_k=bk, down_num_warps=w,
                                    down_num_stages=st)), (bn, bk, w, st))
         for bn in (1, 2, 4, 8) for bk in (128, 256, 512) for w in (2, 4, 8) for st in (2, 4)
+        if not narrow
+    ] + [
+        (timed(dataclasses.replace(current, down_block_n=1, down_block_k=bk, down_num_warps=w,
+                                   down_num_stages=st)), (1, bk, w, st))
+        for bk in (128, 256, 512) for w in (1, 2) for st in (2, 4)
     ]  # fmt: skip
     down.sort()
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
@@ -610,6 +620,9 @@ def main() -> None:
     parser.add_argument(
         "--sweep-moe-small", action="store_true", help="only: small MoE path tiles at batch 1"
     )
+    parser.add_argument(
+        "--narrow", action="store_true", help="with --sweep-moe-small: only the one- and two-warp additions"
+    )
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -623,7 +636,7 @@ def main() -> None:
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
     if args.sweep_linear or args.pdl or args.sweep_moe_small:
         if args.sweep_moe_small:
-            sweep_moe_small()
+            sweep_moe_small(narrow=args.narrow)
         if args.pdl:
             pdl_compare()
         if args.sweep_linear:

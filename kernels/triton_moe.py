@@ -319,7 +319,10 @@ def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfi
       program, as for the batch-1 GEMV (``kernels/triton_linear.py``). Gate-up BLOCK_N 1 x BLOCK_K 256,
       2 stages: 8 x 768 = 6,144 programs, many resident per SM; the pair took 24.0 us against 28.8 with
       the tiles below. Down BLOCK_N 1 x BLOCK_K 128, 4 stages: 2,048 programs of [top-8, 1, 128] tiles,
-      25.2 against 28.8 us (each with the other kernel unchanged).
+      25.2 against 28.8 us (each with the other kernel unchanged). A later sweep added one- and two-warp
+      programs (``--sweep-moe-small --narrow``, 2026-11-29 18:23 UTC): gate-up 1 x 1024 in one warp took
+      the pair to 22.3 us against 23.6 for 1 x 256 in four (1 x 2048 in two warps: 22.4); it is used now.
+      Down kernels of one or two warps were no faster (24.4-25.1 us against the 23.6 us pair).
     - More tokens (up to 8, 64 pairs; 2026-11-29 13:50 UTC): gate-up BLOCK_N 16 x BLOCK_K 256, 4 warps
       (8 pairs x 768/16 = 384 programs at one token; 2.9 TB/s for every BLOCK_N 8-32 x BLOCK_K 256-512 x
       4-8 warps x 2-4 stages tried); down BLOCK_N 8 x BLOCK_K 256 loads one [top-k, 8, 256] tile of all
@@ -328,7 +331,7 @@ def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfi
     if device.type != "cuda":
         return MoeSmallConfig(16, 32, 4, 16, 32, 4)  # the interpreter: tiny shapes, few masked lanes
     if num_tokens == 1:
-        return MoeSmallConfig(1, 256, 4, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
+        return MoeSmallConfig(1, 1024, 1, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
     return MoeSmallConfig(16, 256, 4, 8, 256, 4)
 
 
