@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import copy_gbps, setup_output  # noqa: E402
+from benchmarks.common import copy_gbps, percentile, setup_output  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
@@ -136,6 +136,8 @@ class Plan:
     e2e_batches: tuple[int, ...] = (1, 16, 64)
     e2e_prompt: int = 512
     e2e_new: int = 128
+    serve_rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # requests per second, Poisson arrivals
+    serve_requests: int = 64  # each with e2e_prompt tokens in and e2e_new out
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
     async_scheduling: bool = False
     smoke: bool = False
@@ -149,6 +151,7 @@ class Results:
     prefill: list[dict[str, Any]] = field(default_factory=list)
     e2e: list[dict[str, Any]] = field(default_factory=list)
     hf: list[dict[str, Any]] = field(default_factory=list)
+    serve: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -572,6 +575,67 @@ def e2e_point(engine: LLMEngine, name: str, batch: int, plan: Plan, res: Results
     log.info("e2e %s", json.dumps(row))
 
 
+def serve_point(engine: LLMEngine, name: str, rate: float, async_on: bool, plan: Plan, res: Results) -> None:
+    """Requests arriving one by one (Poisson, ``rate`` per second), each a ``plan.e2e_prompt``-token prompt
+    and ``plan.e2e_new`` new tokens, stepped as a worker's loop steps: TTFT (arrival to the step that
+    returns the first token), TPOT and throughput, with asynchronous scheduling on or off.
+
+    Arrivals and prompts depend on the rate alone, so both settings serve the same work. The setting is
+    switched on the same engine between runs, with nothing in flight (the engine reads it every step).
+    """
+    engine.config.async_scheduling = async_on
+    rng = np.random.default_rng(int(rate * 1000))
+    n = plan.serve_requests
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    prompts = [rng.integers(0, engine.vocab_size, plan.e2e_prompt).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=plan.e2e_new, temperature=0.0, ignore_eos=True)
+    tag = f"{name}-serve{rate:g}-{'async' if async_on else 'sync'}"
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    counts = [0] * n
+    lookahead_before = engine.lookahead_steps
+    steps = 0
+    t0 = time.perf_counter()
+    added = 0
+    while added < n or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while added < n and arrivals[added] <= now:
+            engine.add_request(f"{tag}-{added}", prompts[added], params)
+            added += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[added] - (time.perf_counter() - t0)))
+            continue
+        outs = engine.step()
+        steps += 1
+        t = time.perf_counter() - t0
+        for o in outs:
+            if o.new_token_ids:
+                i = int(o.request_id.rsplit("-", 1)[1])
+                first.setdefault(i, t)
+                last[i] = t
+                counts[i] += len(o.new_token_ids)
+    makespan = time.perf_counter() - t0
+    if sorted(counts) != [plan.e2e_new] * n:
+        raise RuntimeError(f"serve {tag}: token counts {sorted(set(counts))}, expected {plan.e2e_new} each")
+    ttft = [1e3 * (first[i] - arrivals[i]) for i in range(n)]
+    tpot = [1e3 * (last[i] - first[i]) / (counts[i] - 1) for i in range(n)]
+    row = dict(
+        model=name,
+        rate=rate,
+        async_scheduling=async_on,
+        requests=n,
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p99_ms=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot, 50),
+        tpot_p99_ms=percentile(tpot, 99),
+        tok_s=sum(counts) / makespan,
+        steps=steps,
+        lookahead_steps=engine.lookahead_steps - lookahead_before,
+    )
+    res.serve.append(row)
+    log.info("serve %s", json.dumps(row))
+
+
 def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str], profile: bool) -> None:
     label, raw = SHAPES[shape]
     model_dir = write_config(raw, plan.smoke)
@@ -640,6 +704,14 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
         if "e2e" in sections:
             for batch in plan.e2e_batches:
                 e2e_point(engine, shape, batch, plan, res)
+        if "serve" in sections:
+            setting = engine.config.async_scheduling
+            try:
+                for rate in plan.serve_rates:
+                    for async_on in (False, True):
+                        serve_point(engine, shape, rate, async_on, plan, res)
+            finally:
+                engine.config.async_scheduling = setting
     finally:
         del engine
         gc.collect()
@@ -772,6 +844,21 @@ def summary(res: Results, plan: Plan) -> str:
                     continue
                 ratio = ours / hf if ours and hf else None
                 lines.append(f"| {shape} | {b} | {_f(ours, '.0f')} | {_f(hf, '.1f')} | {_f(ratio, '.1f')}x |")
+    if res.serve:
+        lines += [
+            "",
+            f"serve: {plan.serve_requests} requests arriving (Poisson), {plan.e2e_prompt}-token prompts, "
+            f"{plan.e2e_new} new tokens; asynchronous scheduling off / on",
+            "| model | req/s | async | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | steps "
+            "| lookahead steps |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in res.serve:
+            lines.append(
+                f"| {r['model']} | {r['rate']:g} | {'on' if r['async_scheduling'] else 'off'} "
+                f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} "
+                f"| {r['tpot_p99_ms']:.2f} | {r['tok_s']:.0f} | {r['steps']} | {r['lookahead_steps']} |"
+            )
     lines += ["", "targets:"]
     for shape in SHAPES:
         r = next(
@@ -839,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sections",
         default="ceilings,decode,prefill,e2e,hf",
-        help="comma-separated: ceilings, decode, prefill, e2e, hf",
+        help="comma-separated: ceilings, decode, prefill, e2e, serve, hf",
     )
     parser.add_argument("--shapes", default="dense,moe")
     parser.add_argument("--batches", default="1,16,64,256")
@@ -879,6 +966,8 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=256,
             max_model_len=512,
             e2e_batches=(1, 2),
+            serve_rates=(50.0,),
+            serve_requests=4,
             e2e_prompt=16,
             e2e_new=4,
             smoke=True,
@@ -891,7 +980,7 @@ def main(argv: list[str] | None = None) -> None:
     if "ceilings" in sections and plan.device == "cuda":
         measure_ceilings(res)
     for shape in args.shapes.split(","):
-        if sections & {"decode", "prefill", "e2e"}:
+        if sections & {"decode", "prefill", "e2e", "serve"}:
             try:
                 run_engine_sections(shape, plan, res, sections, args.profile)
             except Exception as exc:
