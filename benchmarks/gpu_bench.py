@@ -139,7 +139,7 @@ class Plan:
     serve_rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # requests per second, Poisson arrivals
     serve_requests: int = 64  # each with e2e_prompt tokens in and e2e_new out
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     smoke: bool = False
 
 
@@ -904,7 +904,9 @@ def environment(plan: Plan) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "pdl": triton_device.pdl_kwargs(torch.device(plan.device))["USE_PDL"],  # in effect, not requested
-        "async_scheduling": plan.async_scheduling,
+        "async_scheduling": EngineConfig(
+            device=plan.device, async_scheduling=plan.async_scheduling
+        ).async_scheduling,
     }
     try:
         import transformers
@@ -941,8 +943,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="engines overlap each step's host work with the next decode step (EngineConfig.async_scheduling)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engines overlap each step's host work with the next decode step (EngineConfig.async_scheduling; "
+        "unset: the engine's default, on for CUDA)",
     )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")

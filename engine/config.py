@@ -39,10 +39,10 @@ class EngineConfig:
     )
     seed: int = setting(0, "Seed for dummy weights and for unseeded sampling.")
     cuda_graphs: bool = setting(True, "Capture decode steps as CUDA graphs on GPUs.")
-    async_scheduling: bool = setting(
-        False,
+    async_scheduling: bool | None = setting(
+        None,
         "Overlap the host's scheduling and output processing with the next decode step (one step of "
-        "lookahead).",
+        "lookahead). Unset: on for CUDA devices, off on the CPU (where host and device work do not overlap).",
     )
     cache_salt: str | None = setting(
         None,
@@ -51,6 +51,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "Asynchronous scheduling"
+            self.async_scheduling = self.device == "cuda"
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -49,3 +49,17 @@ def test_configuration_reference_is_current() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.TARGET.read_text() == module.render(), "run `python docs/gen_configuration.py` and commit"
+
+
+def test_async_scheduling_defaults_by_device_and_honours_an_explicit_choice() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    assert EngineConfig().async_scheduling is False  # the CPU: host and device work do not overlap
+    assert EngineConfig(device="cuda").async_scheduling is True
+    assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(async_scheduling=True).async_scheduling is True
+    off = from_sources(EngineConfig, parser.parse_args(["--device", "cuda", "--no-async-scheduling"]), env={})
+    assert off.async_scheduling is False
+    on = from_sources(EngineConfig, None, env={"PDMESH_DEVICE": "cuda"})
+    assert on.async_scheduling is True
+    assert from_sources(EngineConfig, parser.parse_args(to_argv(off)), env={}) == off  # a launcher's child
