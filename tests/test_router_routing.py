@@ -136,6 +136,27 @@ async def test_the_pd_decision_and_the_prefill_choice_share_one_build_of_the_pre
 
 
 @async_test
+async def test_the_prefill_choice_rebuilds_the_states_when_load_changed_since_the_pd_decision() -> None:
+    """Nothing needs to keep local_prefill and choose(PREFILL) together: a prefill another request sent to
+    p0 in between (here by hand, as one would while this request's router awaited something) is seen."""
+    pool, metrics = make_pool(2, 1), RouterMetrics()
+    chooser = StateCountingChooser(
+        "prefix", pool, metrics, PrefixIndex(metrics, in_process=InProcessKVIndex())
+    )
+    p0, p1 = pool.by_role(PREFILL)
+    p1.stats = stats("p1", PREFILL, queued=500)  # p0 is the less loaded one
+    rr = RouteRequest("r1", tokens(640))
+    decode = await chooser.choose(DECODE, rr, pool.by_role(DECODE))
+    assert not (await chooser.local_prefill(rr, pool.by_role(PREFILL), decode.worker)).prefill_on_decode
+    p0.begin_call(6000)
+    choice = await chooser.choose(PREFILL, rr, pool.by_role(PREFILL))
+    assert (choice.worker.name, choice.reason) == ("p1", "load")
+    assert chooser.prefill_builds == 2
+    p0.end_call(6000)
+    await pool.close()
+
+
+@async_test
 async def test_pd_decision_looks_at_the_chosen_decode_workers_cache() -> None:
     pool, metrics, index = make_pool(2, 2), RouterMetrics(), InProcessKVIndex()
     chooser = ScoredChooser(
