@@ -161,12 +161,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        if self.runner.graphs is not None:  # a GPU with the Triton ops: compile prefill variants now
+        self.sampler = Sampler(config.seed, config.kernel_backend)
+        if self.runner.compiles_kernels:  # compile the prefill and sampling variants now, graphs or not
             cap = min(config.max_num_batched_tokens, self.max_model_len - 1)
             sizes = sorted({min(n, cap) for n in (*WARM_UP_TOKENS, cap)} - {0})
-            seconds = self.runner.warm_up(sizes)
-            log.info("warmed up the prefill kernels for %s tokens in %.1f s", sizes, seconds)
-        self.sampler = Sampler(config.seed, config.kernel_backend)
+            seconds = self.runner.warm_up(sizes, self.sampler)
+            log.info("warmed up the prefill and sampling kernels for %s tokens in %.1f s", sizes, seconds)
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks
         self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled

@@ -20,10 +20,23 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, expert_counts_restored
 from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+# What warm_up samples, batch by batch: a plain row (the sampler's one-pass kernel, or its torch race
+# without a sort), then a min-p row (the kernel's min-p variant) beside a top-k + top-p row (the torch race
+# with a sort). Seeded, so the sampler's generator does not move.
+_WARM_UP_SAMPLES = (
+    [SamplingParams(temperature=1.0, seed=0)],
+    [
+        SamplingParams(temperature=1.0, min_p=0.1, seed=0),
+        SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=0),
+    ],
+)
 
 
 @dataclass
@@ -114,11 +127,20 @@ class ModelRunner:
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
         return True
 
-    def warm_up(self, token_counts: Seq[int]) -> float:
+    @property
+    def compiles_kernels(self) -> bool:
+        """Whether the model's ops compile Triton kernels on the first use of each size class: the Triton
+        ops on a GPU, CUDA graphs or not. What ``warm_up`` is for. (On the CPU the Triton interpreter
+        compiles nothing, and a warm-up there would only add interpreted forwards to the tests.)"""
+        return self.device.type == "cuda" and self.model.ops.name == "triton"
+
+    def warm_up(self, token_counts: Seq[int], sampler: Sampler | None = None) -> float:
         """One prefill forward (and its logits) per size in ``token_counts``, with nothing written to the
         KV pool and the outputs dropped, so that the Triton kernels' variants for those size classes (MoE
         tiles, routing tiles, prefill attention) are compiled now rather than inside a served step.
-        Expert counters are restored. Returns the seconds it took."""
+        Expert counters are restored. With ``sampler``, then samples through each of its paths
+        (``_WARM_UP_SAMPLES``), so the sampling kernel compiles now too, not in the first sampled request.
+        Returns the seconds it took."""
         started = time.perf_counter()
         dev = self.device
         with expert_counts_restored(self.model):
@@ -133,6 +155,12 @@ class ModelRunner:
                 positions = torch.arange(n, dtype=torch.int64, device=dev)
                 hidden = self.model(ids, positions, self.kv_pool, meta)
                 self.model.compute_logits(hidden[-1:])
+        if sampler is not None:
+            for params in _WARM_UP_SAMPLES:
+                logits = torch.zeros(
+                    (len(params), self.model.cfg.vocab_size), dtype=torch.float32, device=dev
+                )
+                sampler.sample(logits, params, [0] * len(params))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - started

@@ -1,0 +1,110 @@
+"""The engine's start-up warm-up samples through each of the sampler's paths, and changes nothing.
+
+``ModelRunner.warm_up`` runs one prefill forward per size class, then samples a plain row (the one-pass
+kernel, or the torch race without a sort), a min-p row (the kernel's other variant) and a top-k/top-p row
+(the torch race with a sort), all seeded, so that no Triton compile waits for the first sampled request
+and the sampler's generator does not move. The engine warms up where kernels compile: the Triton ops on a
+GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported) through the sampler's ``kernel_on_cpu`` option.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import engine.sampler as sampler_module  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.sampler import Sampler, exponential_noise  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM("tiny-moe", num_kv_blocks=64)
+    engine = llm.engine
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0))
+    pool = engine.kv_pool.clone()
+    counts = [b.expert_counts.clone() for b in engine.model.moe_blocks()]
+    sampler = Sampler(7, "triton", kernel_on_cpu=True)
+    state = sampler._unseeded.get_state()
+    kernel = sampler._gumbel_sample
+    kernel_calls: list[bool] = []  # with min-p or not: the kernel's two compiled variants
+    noise_rows: list[int] = []  # rows of each torch race
+
+    def counted_kernel(*args: torch.Tensor | None) -> torch.Tensor:
+        kernel_calls.append(args[3] is not None)
+        return kernel(*args)
+
+    def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+        noise_rows.append(keys.shape[0])
+        return exponential_noise(keys, vocab)
+
+    sampler._gumbel_sample = counted_kernel
+    monkeypatch.setattr(sampler_module, "exponential_noise", counted_noise)
+    engine.runner.warm_up([1, 9], sampler)
+    assert kernel_calls == [False, True]
+    assert noise_rows == [1]  # the top-k/top-p row, on the torch race alone
+    assert torch.equal(sampler._unseeded.get_state(), state)
+    assert torch.equal(engine.kv_pool, pool)
+    assert all(
+        torch.equal(b.expert_counts, c) for b, c in zip(engine.model.moe_blocks(), counts, strict=True)
+    )
+    # Without a kernel every row takes the torch race: the plain rows without a sort, apart.
+    noise_rows.clear()
+    engine.runner.warm_up([], Sampler(7, "torch"))
+    assert noise_rows == [1, 1, 1]
+
+
+def test_engine_warms_up_where_kernels_compile_with_or_without_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU nothing compiles (the interpreter runs the Triton ops), so there is no warm-up, which
+    would cost the tests interpreted forwards; where kernels compile the engine warms up its own sampler,
+    graphs or not (here on the CPU, by saying the kernels compile)."""
+    calls: list[tuple[list[int], Sampler | None]] = []
+    warm_up = ModelRunner.warm_up
+
+    def recorded(self: ModelRunner, token_counts: list[int], sampler: Sampler | None = None) -> float:
+        calls.append((list(token_counts), sampler))
+        return warm_up(self, token_counts, sampler)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", recorded)
+    for backend in ("torch", "triton"):
+        llm = LLM("tiny-dense", num_kv_blocks=32, kernel_backend=backend, max_num_batched_tokens=48)
+        assert not llm.engine.runner.compiles_kernels
+    assert calls == []
+    monkeypatch.setattr(ModelRunner, "compiles_kernels", property(lambda self: True))
+    llm = LLM("tiny-dense", num_kv_blocks=32, max_num_batched_tokens=48, cuda_graphs=False)
+    assert llm.engine.runner.graphs is None
+    assert calls == [([48], llm.engine.sampler)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
+    """After start-up, requests with temperature, min-p and top-k find every variant of the sampling
+    kernel compiled (the JIT's per-device cache gains no entry), with CUDA graphs and without."""
+    from kernels.triton_sampling import _gumbel_sample_kernel
+
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    requests = [
+        SamplingParams(max_tokens=4, temperature=0.8),
+        SamplingParams(max_tokens=4, temperature=0.8, min_p=0.05),
+        SamplingParams(max_tokens=4, temperature=0.8, top_k=20),
+    ]
+    for graphs in (True, False):
+        _gumbel_sample_kernel.device_caches.clear()  # compiled again from Triton's disk cache
+        llm = LLM("tiny-moe", device="cuda", kernel_backend="triton", num_kv_blocks=64, cuda_graphs=graphs)
+        compiled = dict(_gumbel_sample_kernel.device_caches[torch.cuda.current_device()][0])
+        assert len(compiled) == 2, compiled.keys()  # with and without min-p
+        for params in requests:
+            llm.generate(prompts, params)
+        assert _gumbel_sample_kernel.device_caches[torch.cuda.current_device()][0].keys() == compiled.keys()
