@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 
 
 @triton.jit
@@ -23,9 +23,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs, sm_count
+from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
 
 
@@ -165,9 +165,7 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + token)  # pre-wait: step input
     q_end = tl.load(qsl_ptr + token + 1)  # pre-wait: step input
     seq_total = tl.load(seq_lens_ptr + token)  # pre-wait: step input (token < T <= num_seqs here)
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
         q_start = tl.load(qsl_ptr + seq)
@@ -227,9 +225,7 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)

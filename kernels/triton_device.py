@@ -1,7 +1,8 @@
-"""What the Triton launch heuristics read about the GPU (its SM count, cached per device) and whether
-kernels launch with programmatic dependent launch.
+"""What the Triton launch heuristics read about the GPU (its SM count, cached per device), whether
+kernels launch with programmatic dependent launch, and the one device-side preamble that goes with it
+(``pdl_wait``).
 
-Host-side only (no kernel here); it must not read device values, so it is safe while a graph is captured.
+The host-side part must not read device values, so it is safe while a graph is captured.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -34,7 +37,7 @@ def _supports_pdl(device_index: int) -> bool:
 
 
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:
-    """Launch arguments for a kernel with a ``USE_PDL`` constexpr (which must then call ``gdc_wait``
+    """Launch arguments for a kernel with a ``USE_PDL`` constexpr (which must then call ``pdl_wait``
     before reading its inputs or writing anything): PDL on where the device supports it."""
     if not PDL_ENABLED or device.type != "cuda":
         return {"USE_PDL": False}
@@ -42,3 +45,13 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     if not _supports_pdl(index):
         return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible
+    (``griddepcontrol.wait``), then let the next kernel launch (``griddepcontrol.launch_dependents``): the
+    next kernel's programs are then scheduled while this one runs, and wait in turn. A no-op without PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

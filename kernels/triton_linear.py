@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 
 
 def use_gemv(m: int, n: int, k: int) -> bool:
@@ -64,9 +64,7 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     """out[n] = x . w[n] for BLOCK_N rows n, fp32 accumulation."""
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_device import pdl_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,7 @@ def _moe_align_kernel(
     USE_PDL: tl.constexpr,
 ):
     """One program: count pairs per expert, lay out padded runs, then place each pair (stable)."""
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
@@ -210,9 +208,7 @@ def _moe_gemm_kernel(
     USE_PDL: tl.constexpr,
 ):
     """c[pair, :] = a[pair // A_ROW_DIV, :] @ w[expert].T (times topk_weight[pair]) for one tile."""
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_rows, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -354,9 +350,7 @@ def _moe_small_gate_up_kernel(
     USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n."""
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
@@ -422,9 +416,7 @@ def _moe_small_down_kernel(
     pairs = token * TOP_K + js
     experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
     weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
         w2_ptr

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 
 # Tokens per program are capped so that a program's logits tile stays about this many elements (16 tokens
 # at E = 128), and small batches spread one token per program over as many SMs as possible.
@@ -53,9 +53,7 @@ def _moe_route_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 from kernels.triton_kv_cache import pool_strides
 
 
@@ -201,9 +201,7 @@ def _qkv_prologue_kernel(
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + dims, mask=half_mask, other=0.0)  # pre-wait: table
     cos = cos[None, :]
     sin = sin[None, :]
-    if USE_PDL:  # programmatic dependent launch: the previous kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if group < tl.num_programs(1) - 1:
         _q_heads(
             row,

@@ -519,7 +519,7 @@ def test_pdl_only_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_every_pdl_kernel_waits_before_its_first_load() -> None:
     """A kernel launched with PDL may start while the previous one still writes its inputs: each kernel
-    with a USE_PDL switch must call gdc_wait before any tl.store, and before any tl.load except those
+    with a USE_PDL switch must call pdl_wait before any tl.store, and before any tl.load except those
     marked ``# pre-wait`` (step inputs no kernel of the step writes, each with its reason)."""
     import re
 
@@ -540,12 +540,12 @@ def test_every_pdl_kernel_waits_before_its_first_load() -> None:
                                  source, re.S):  # fmt: skip
             # Unmarked lines only: a marked load states why nothing the previous kernel writes is read.
             body = "\n".join(line for line in match.group(2).split("\n") if "# pre-wait" not in line)
-            wait = body.find("gdc_wait()")
+            wait = body.find("pdl_wait(USE_PDL)")
             first_access = min(
                 (i for i in (body.find("tl.load("), body.find("tl.store(")) if i >= 0), default=-1
             )
             assert 0 <= wait < first_access, (
-                f"{module.__name__}.{match.group(1)} reads or writes before gdc_wait"
+                f"{module.__name__}.{match.group(1)} reads or writes before pdl_wait"
             )
             checked += 1
     # Every kernel that declares the switch was found: norm, SiLU, attention x2, GEMV, prologue, routing,
