@@ -144,3 +144,34 @@ def test_every_seeded_row_draws_what_it_draws_alone(backend: str) -> None:
         for i, (p, pos) in enumerate(zip(params, positions, strict=True))
     ]
     assert together == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mixed_batch_samples_without_a_host_sync() -> None:
+    """At a 128k vocabulary, a batch mixing every path (kernel rows with min-p, sorting rows, greedy and
+    unseeded rows) launches its work without the host waiting for the device."""
+    sampler = Sampler(3, "triton")
+    assert sampler.uses_kernel(torch.device("cuda"))
+    torch.manual_seed(4)
+    logits = torch.randn(8, 128_256, device="cuda") * 3
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.1, min_p=0.05, seed=2),
+        SamplingParams(temperature=0.9, top_k=50, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.01),
+        SamplingParams(temperature=1.0, seed=8),
+    ]
+    positions = list(range(8))
+    first = sampler.sample(logits, params, positions)  # compiles the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = sampler.sample(logits, params, positions)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    seeded = [0, 1, 2, 3, 4, 7]
+    assert again.is_cuda and again[seeded].tolist() == first[seeded].tolist()

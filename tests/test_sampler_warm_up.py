@@ -26,14 +26,16 @@ from engine.sampler import Sampler, exponential_noise  # noqa: E402
 
 pytest.importorskip("triton")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM("tiny-moe", num_kv_blocks=64)
+    llm = LLM("tiny-moe", device=DEVICE, num_kv_blocks=64)
     engine = llm.engine
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0))
     pool = engine.kv_pool.clone()
     counts = [b.expert_counts.clone() for b in engine.model.moe_blocks()]
-    sampler = Sampler(7, "triton", kernel_on_cpu=True)
+    sampler = Sampler(7, "triton", kernel_on_cpu=DEVICE == "cpu")
     state = sampler._unseeded.get_state()
     kernel = sampler._gumbel_sample
     kernel_calls: list[bool] = []  # with min-p or not: the kernel's two compiled variants
