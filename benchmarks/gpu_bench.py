@@ -817,6 +817,11 @@ def summary(res: Results, plan: Plan) -> str:
                 f"| {_f(r.get('pct_roofline_graph'), '.0f')} | {_f(r['runner_ms'], '.2f')} "
                 f"| {_f(r['launch_ms'], '.2f')} | {_f(r['sampler_ms'], '.2f')} |"
             )
+        lines.append(
+            "(runner ms: host time in the runner per step, launches included; sampler ms: with synchronous "
+            "steps it includes waiting for the step's device work, about the graph time; with asynchronous "
+            "scheduling it is host time only)"
+        )
     if res.prefill:
         lines += [
             "",
