@@ -22,7 +22,6 @@ Needs a CUDA GPU of compute capability 9.0 (the bulk prefetch instruction).
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from benchmarks.kernel_bench import time_graph as graph_us  # noqa: E402
 from kernels import triton_moe  # noqa: E402
 from kernels.triton_linear import _gemv_kernel, linear_config  # noqa: E402
 
@@ -87,27 +87,9 @@ def _spin_prefetch_kernel(sink_ptr, pf_ptr, pf_bytes, ns, CHUNK: tl.constexpr, L
         tl.store(sink_ptr + 1 + tl.arange(0, LANES), done, mask=done != 0)  # never: keeps the asm
 
 
-def time_graph(fn: Callable[[], object], per: int, replays: int = 30) -> float:
-    """Median microseconds per ``per`` of a CUDA graph of ``fn``."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(torch.cuda.Stream()):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per)
-    return statistics.median(times)
+def time_graph(fn: Callable[[], object], per: int) -> float:
+    """Median microseconds per ``per`` of a CUDA graph of ``fn`` (30 replays)."""
+    return graph_us([fn], replays=30)[0] / per
 
 
 class Chain:
