@@ -587,6 +587,40 @@ def sweep_moe_small(narrow: bool = False) -> None:
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
+def sweep_moe_prefill() -> None:
+    """The grouped MoE path at prefill sizes (512 and 2048 tokens: 32 and 128 pairs per expert) against a
+    grid of tile configs (BLOCK_M, BLOCK_N, BLOCK_K, group, warps, stages), current config first."""
+    print("\n## sweep: grouped MoE at prefill sizes (us, TFLOP/s)")
+    base = triton_moe.moe_tile_config
+    grid = [
+        triton_moe.MoeTileConfig(*c)
+        for c in (
+            (32, 64, 128, 8, 4, 4), (64, 64, 128, 8, 4, 3), (64, 128, 64, 8, 4, 3), (64, 128, 64, 8, 8, 4),
+            (32, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
+            (16, 128, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4),
+        )
+    ]  # fmt: skip
+    for tokens in (512, 2048):
+        current = base(tokens * 8, 128, torch.device("cuda"))
+        print(f"{tokens} tokens, current {current}", flush=True)
+        timed = []
+        for cfg in [current, *[c for c in grid if c != current]]:
+            triton_moe.moe_tile_config = lambda *_a, cfg=cfg: cfg
+            try:
+                row = moe_case(tokens, reference=False, path="grouped")
+                timed.append((row.triton_us, cfg))
+                print(
+                    f"  {row.triton_us:8.1f} us {row.flops / row.triton_us / 1e6:6.1f} TFLOP/s  {cfg}",
+                    flush=True,
+                )
+            except Exception as exc:  # a config that does not compile or does not fit
+                print(f"  {cfg}: {type(exc).__name__}", flush=True)
+            finally:
+                triton_moe.moe_tile_config = base
+        timed.sort(key=lambda t: t[0])
+        print(f"{tokens} tokens best: " + ", ".join(f"{us:.1f} us {c}" for us, c in timed[:3]), flush=True)
+
+
 def pdl_compare() -> None:
     """The decode-path kernels with programmatic dependent launch on and off (back-to-back in a graph)."""
     print("\n## programmatic dependent launch: on / off (us per call, back-to-back calls in one graph)")
@@ -621,6 +655,9 @@ def main() -> None:
         "--sweep-moe-small", action="store_true", help="only: small MoE path tiles at batch 1"
     )
     parser.add_argument(
+        "--sweep-moe-prefill", action="store_true", help="only: grouped MoE tiles at 512 and 2048 tokens"
+    )
+    parser.add_argument(
         "--narrow", action="store_true", help="with --sweep-moe-small: only the one- and two-warp additions"
     )
     args = parser.parse_args()
@@ -634,7 +671,9 @@ def main() -> None:
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
-    if args.sweep_linear or args.pdl or args.sweep_moe_small:
+    if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
+        if args.sweep_moe_prefill:
+            sweep_moe_prefill()
         if args.sweep_moe_small:
             sweep_moe_small(narrow=args.narrow)
         if args.pdl:
