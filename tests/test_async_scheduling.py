@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from mesh.kv_events import KVEvent, ListEventSink
+from tests.kernel_testing import needs_gpu
 
 # Tokens the tiny models produce often, declared EOS, stop tokens or stop strings so requests stop early.
 EOS = {"tiny-dense": 70, "tiny-moe": 35}
 STOP_TOKENS = {"tiny-dense": [125, 95], "tiny-moe": [96, 87]}
 STOP_STRINGS = {"tiny-dense": ["B", "hG", "w"], "tiny-moe": ["T", "W", "'s"]}
-
-
-def needs_gpu(fn: Callable[..., None]) -> Callable[..., None]:
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
 
 
 @dataclass

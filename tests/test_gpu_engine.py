@@ -11,7 +11,6 @@ a decode step is captured in compute exactly the model's forward.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm import CompletionOutput
-
-
-def needs_gpu(fn: Callable[..., None]) -> Callable[..., None]:
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
+from tests.kernel_testing import needs_gpu
 
 NEW_TOKENS = 16
 TOP = 5

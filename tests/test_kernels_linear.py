@@ -12,23 +12,15 @@ inputs, under per-dtype bounds. Tests that must take the GEMV check that it laun
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels.linear import linear_torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from kernels import triton_linear  # noqa: E402
-from kernels.triton_ops import TRITON_OPS  # noqa: E402
-from tests.test_kernels import (  # noqa: E402
+from kernels import triton_linear
+from kernels.linear import linear_torch
+from kernels.triton_ops import TRITON_OPS
+from tests.kernel_testing import (
     DEVICE,
     DTYPES,
     assert_close,

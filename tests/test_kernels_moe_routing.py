@@ -11,22 +11,13 @@ must match the reference exactly; the weights match the float32 reference under 
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels.moe_routing import moe_route_torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from kernels.triton_moe_routing import moe_route_triton  # noqa: E402
-from kernels.triton_ops import TRITON_OPS  # noqa: E402
-from tests.test_kernels import DEVICE, DTYPES, assert_close, gpu, needs_cuda  # noqa: E402
+from kernels.moe_routing import moe_route_torch
+from kernels.triton_moe_routing import moe_route_triton
+from kernels.triton_ops import TRITON_OPS
+from tests.kernel_testing import DEVICE, DTYPES, assert_close, gpu, needs_cuda
 
 INT_POISON = -7_777_777
 

@@ -12,22 +12,13 @@ switch of path cannot pass for coverage.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels.moe import fused_moe_torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from kernels import triton_moe  # noqa: E402
-from kernels.triton_ops import TRITON_OPS  # noqa: E402
-from tests.test_kernels import (  # noqa: E402
+from kernels import triton_moe
+from kernels.moe import fused_moe_torch
+from kernels.triton_ops import TRITON_OPS
+from tests.kernel_testing import (
     DEVICE,
     DTYPES,
     assert_close,

@@ -1,7 +1,7 @@
 """The fused Triton attention prologue (q/k RMSNorm + RoPE + KV write) against ``kernels/qkv_prologue.py``.
 
-Without a GPU, the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, set here before triton
-is imported, and only when CUDA is absent) at tiny shapes. With a GPU the same small tests run compiled,
+Without a GPU, the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py when CUDA is absent) at tiny shapes. With a GPU the same small tests run compiled,
 and the ``gpu``-marked tests add the Llama-3.1-8B and Qwen3-30B-A3B shapes, a single-launch and no-host-sync
 check and CUDA-graph capture.
 
@@ -13,23 +13,14 @@ allocates starts as NaN, so an unwritten element fails.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from engine.models.rope_cache import cos_sin_cache  # noqa: E402
-from kernels.qkv_prologue import qkv_prologue_torch  # noqa: E402
-
-pytest.importorskip("triton")
-
-from kernels.triton_ops import TRITON_OPS  # noqa: E402
-from kernels.triton_prologue import qkv_prologue_triton  # noqa: E402
-from tests.test_kernels import (  # noqa: E402
+from engine.models.rope_cache import cos_sin_cache
+from kernels.qkv_prologue import qkv_prologue_torch
+from kernels.triton_ops import TRITON_OPS
+from kernels.triton_prologue import qkv_prologue_triton
+from tests.kernel_testing import (
     DEVICE,
     DTYPES,
     gpu,

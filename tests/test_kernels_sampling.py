@@ -1,7 +1,7 @@
 """The one-pass Triton temperature sampler (``kernels/triton_sampling.py``) against the engine's sampler.
 
-Without a GPU the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set before triton is
-imported) on small vocabularies spread over several chunks; the ``gpu`` tests use a 128k vocabulary.
+Without a GPU the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py) on small vocabularies spread over several chunks; the ``gpu`` tests use a 128k vocabulary.
 The reference is ``Sampler`` with the torch backend (the production path on the CPU) given seeded
 parameters: its per-row keys are ``_position_seed(seed, position)``, which the kernel is handed too, so on
 fresh random logits both pick the same tokens.
@@ -9,23 +9,13 @@ fresh random logits both pick the same tokens.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from engine.sampler import Sampler, _position_seed  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from kernels.triton_sampling import gumbel_sample_triton  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from engine.sampler import Sampler, _position_seed
+from engine.sampling_params import SamplingParams
+from kernels.triton_sampling import gumbel_sample_triton
+from tests.kernel_testing import DEVICE
 
 
 def sampler_reference(

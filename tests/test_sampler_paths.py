@@ -10,22 +10,14 @@ kernel's token whatever else is in its batch. Without a GPU the kernel runs in t
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import engine.sampler as sampler_module
+from engine.sampler import Sampler, _position_seed, exponential_noise
+from engine.sampling_params import SamplingParams
+from tests.kernel_testing import DEVICE
 
-import pytest  # noqa: E402
-
-import engine.sampler as sampler_module  # noqa: E402
-from engine.sampler import Sampler, _position_seed, exponential_noise  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-
-pytest.importorskip("triton")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = 96  # two of the interpreter's 64-wide chunks
 SEED = 42
 TEMPERATURE = 0.7

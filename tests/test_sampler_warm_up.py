@@ -10,21 +10,13 @@ GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton in
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-import engine.sampler as sampler_module  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.sampler import Sampler, exponential_noise  # noqa: E402
-
-pytest.importorskip("triton")
+import engine.sampler as sampler_module
+from engine import LLM, SamplingParams
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler, exponential_noise
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

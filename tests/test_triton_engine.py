@@ -1,7 +1,7 @@
 """The whole engine on the Triton op table gives the same greedy tokens as on the PyTorch reference ops.
 
-Without a GPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set here before
-anything imports triton, and only when CUDA is absent), in float32: the interpreter mishandles bf16 dots.
+Without a GPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py when CUDA is absent), in float32: the interpreter mishandles bf16 dots.
 With a GPU the same test runs compiled (float32; pure decode steps as CUDA graphs, the default). A small token budget makes the steps mix
 chunked prefill (extend attention over a cached prefix) with decode rows, so both attention kernels, the
 MoE path and every row op take part.
@@ -9,20 +9,12 @@ MoE path and every row op take part.
 
 from __future__ import annotations
 
-import os
+import random
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on the CPU
