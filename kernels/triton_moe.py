@@ -56,7 +56,7 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
 
     Past 16 pairs per expert, 64 x 128 tiles: at a 512-token Qwen3-30B-A3B prefill (32 per expert) they
     took 428 us per layer against 466 us for the 32 x 64 tiles used before, and at 2048 tokens they are
-    within 2% of the best tried (``kernel_bench.py --sweep-moe-prefill``, H200, 2026-11-29 19:03 UTC).
+    within 2% of the best tried (``kernel_bench.py --sweep-moe-prefill``, H200, 2026-11-29 19:02 UTC).
     Decode batches up to 256 tokens (16 per expert at top-8 of 128) keep the tiles they were measured with.
     """
     if device.type != "cuda":
