@@ -5,8 +5,9 @@ from a counter-based hash of (row key, token id), computed in one vectorised pas
 a seeded request's row key is a hash of (seed, output position) alone, so its tokens do not depend on
 what else is in the batch, nor on which worker or device samples which position (the prefill worker
 samples position 0, the decode worker the rest): the integer hash is exact everywhere. Unseeded rows take
-their keys from the sampler's own generator. With the Triton backend on a GPU, rows without top-k or
-top-p take the one-pass Gumbel-max kernel of ``kernels/triton_sampling.py`` (same race, same hash); rows
+their keys from the sampler's own generator. Rows without top-k or top-p race through the op table's
+``gumbel_sample`` (``kernels/sampling.py``; with the Triton backend on a GPU, the one-pass Gumbel-max kernel
+of ``kernels/triton_sampling.py``: same race, same hash); rows
 with top-k or top-p take the torch race with a sort, on just those rows. The path is chosen per row, from
 that row's own parameters: the two paths agree only up to float rounding (at near-ties, at the min-p
 boundary), so a batch-wide choice would let a row's batch-mates change its token. (Drawing the noise
@@ -16,77 +17,35 @@ and a copy to the GPU every step: 32 MB at batch 64 with a 128k vocabulary.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import xxhash
 
 from engine.device_copy import host_to_device
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
-from kernels.ops import BACKENDS
-
-# (logits [B, V], temperatures [B], row keys [B], min-p [B] or None) -> token ids [B]
-RaceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-def race_kernel(kernel_backend: str) -> RaceKernel | None:
-    """The one-pass kernel that rows without top-k or top-p take under ``kernel_backend`` (one of
-    ``kernels.ops.BACKENDS``, the engine's setting): None for "torch" (the torch race), the Gumbel-max
-    kernel of ``kernels/triton_sampling.py`` for "triton". The sampler's only use of the backend name: the
-    op table (``kernels.ops.Ops``) has no sampling entry, so the name is mapped here, as ``get_ops`` maps
-    it to the model's ops, and a name ``get_ops`` would reject is rejected too."""
-    if kernel_backend not in BACKENDS:
-        raise ValueError(f"unknown kernel_backend {kernel_backend!r}; choose one of {BACKENDS}")
-    if kernel_backend == "torch":
-        return None
-    from kernels.triton_sampling import gumbel_sample_triton
-
-    return gumbel_sample_triton
+from kernels import sampling
+from kernels.ops import TORCH_OPS, get_ops
 
 
 def _position_seed(seed: int, position: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{seed}:{position}".encode()) & ((1 << 63) - 1)
 
 
-def _signed64(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _signed64(0x9E3779B97F4A7C15)
-_MIX1 = _signed64(0xBF58476D1CE4E5B9)
-_MIX2 = _signed64(0x94D049BB133111EB)
-
-
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def exponential_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] float32 Exponential(1) noise: splitmix64 of (key * golden + token id), int64 arithmetic
-    wrapping mod 2**64 (the same on every device), 24 bits to a uniform in (0, 1), then -log."""
-    ids = torch.arange(vocab, device=row_keys.device, dtype=torch.int64)
-    z = row_keys.unsqueeze(1) * _GOLDEN + ids.unsqueeze(0)
-    z = z + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    u = _shr(z, 40).to(torch.float32).add_(0.5).mul_(2.0**-24)
-    return u.log_().neg_()
-
-
 class Sampler:
     def __init__(self, seed: int = 0, kernel_backend: str = "torch", *, kernel_on_cpu: bool = False) -> None:
-        """``kernel_backend`` picks the kernel of plain rows (``race_kernel``), used on GPU logits.
+        """Plain rows (no top-k, no top-p) race through the op table's ``gumbel_sample`` of
+        ``kernel_backend`` (``kernels.ops.get_ops``, which rejects unknown names): the Triton table's is the
+        one-pass kernel, which needs GPU logits, so on CPU logits those rows take the torch table's race.
         ``kernel_on_cpu``: with the Triton backend, rows on the CPU take the kernel too, which works only
         under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported): for tests of the
         per-row path choice."""
         self._unseeded = torch.Generator().manual_seed(seed)
-        self._gumbel_sample = race_kernel(kernel_backend)
+        ops = get_ops(kernel_backend)
+        self._gumbel_sample = ops.gumbel_sample
+        self._compiled = ops is not TORCH_OPS
         self._kernel_devices = ("cuda",)
         if kernel_on_cpu:
-            if self._gumbel_sample is None:
+            if not self._compiled:
                 raise ValueError("kernel_on_cpu needs kernel_backend='triton'")
             from kernels.triton_sampling import interpreted
 
@@ -96,7 +55,7 @@ class Sampler:
 
     def uses_kernel(self, device: torch.device) -> bool:
         """Whether rows without top-k or top-p whose logits are on ``device`` take the one-pass kernel."""
-        return self._gumbel_sample is not None and device.type in self._kernel_devices
+        return self._compiled and device.type in self._kernel_devices
 
     def sample(
         self,
@@ -133,14 +92,20 @@ class Sampler:
         row_keys = ints[:batch]
         plain_index = None if len(plain) == batch else ints[batch : batch + len(plain)]
         sorting_index = None if len(sorting) == batch else ints[batch + len(plain) :]
-        if plain and self.uses_kernel(device):
-            # The kernel reads each row once, so it runs on the whole batch rather than on a gathered copy
-            # of the plain rows; only their tokens are kept.
+        if plain:
             min_p = rows[:, 1] if any(params[i].min_p > 0 for i in plain) else None
-            drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p)
-            tokens = _put(tokens, plain_index, drawn if plain_index is None else drawn[plain_index])
-        elif plain:
-            drawn = _torch_race(logits, [params[i] for i in plain], rows, row_keys, plain_index)
+            if self.uses_kernel(device):
+                # The kernel reads each row once, so it runs on the whole batch rather than on a gathered
+                # copy of the plain rows; only their tokens are kept.
+                drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p)
+                drawn = drawn if plain_index is None else drawn[plain_index]
+            else:
+                if plain_index is not None:
+                    logits_p, rows_p, keys_p = logits[plain_index], rows[plain_index], row_keys[plain_index]
+                else:
+                    logits_p, rows_p, keys_p = logits, rows, row_keys
+                min_p_p = rows_p[:, 1] if min_p is not None else None
+                drawn = TORCH_OPS.gumbel_sample(logits_p, rows_p[:, 0], keys_p, min_p_p)
             tokens = _put(tokens, plain_index, drawn)
         if sorting:
             drawn = _torch_race(logits, [params[i] for i in sorting], rows, row_keys, sorting_index)
@@ -208,7 +173,7 @@ def _torch_race(
     if index is not None:
         logits, rows, row_keys = logits[index], rows[index], row_keys[index]
     probs = _filtered_probs(logits / rows[:, :1], params, rows)
-    return (probs / exponential_noise(row_keys, logits.shape[1])).argmax(dim=-1)
+    return (probs / sampling.exponential_noise(row_keys, logits.shape[1])).argmax(dim=-1)
 
 
 def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor) -> torch.Tensor:

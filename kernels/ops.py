@@ -14,6 +14,7 @@ from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.qkv_prologue import qkv_prologue_torch
 from kernels.rope import apply_rope_torch
+from kernels.sampling import gumbel_sample_torch
 
 BACKENDS = ("torch", "triton")
 
@@ -31,6 +32,7 @@ class Ops:
     moe_route: Callable
     qkv_prologue: Callable
     linear: Callable
+    gumbel_sample: Callable  # the sampling race of plain rows (engine/sampler.py picks the rows)
 
 
 TORCH_OPS = Ops(
@@ -45,6 +47,7 @@ TORCH_OPS = Ops(
     moe_route=moe_route_torch,
     qkv_prologue=qkv_prologue_torch,
     linear=linear_torch,
+    gumbel_sample=gumbel_sample_torch,
 )
 
 

@@ -15,6 +15,7 @@ from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 from kernels.triton_prologue import qkv_prologue_triton
 from kernels.triton_rope import apply_rope_triton
+from kernels.triton_sampling import gumbel_sample_triton
 
 TRITON_OPS = Ops(
     name="triton",
@@ -28,4 +29,5 @@ TRITON_OPS = Ops(
     moe_route=moe_route_triton,
     qkv_prologue=qkv_prologue_triton,
     linear=linear_triton,
+    gumbel_sample=gumbel_sample_triton,
 )

@@ -1,9 +1,9 @@
-"""Temperature sampling in one pass over the logits: the Gumbel-max form of ``engine/sampler.py``'s race.
+"""Temperature sampling in one pass over the logits: the Gumbel-max form of ``kernels/sampling.py``'s race.
 
 The sampler draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` from a counter-based hash of (row key,
 token id). Since ``probs = softmax(logits / T)``, that is ``argmax(logits / T - log E)``: no softmax, no
 [B, V] intermediates, one read of the logits. One program per row streams its logits in ``BLOCK_V``
-chunks, computes the same splitmix64 hash as ``engine.sampler.exponential_noise`` (uint64 arithmetic),
+chunks, computes the same splitmix64 hash as ``kernels.sampling.exponential_noise`` (uint64 arithmetic),
 applies min-p (a token survives when ``(l - l_max) / T >= log(min_p)``, i.e. ``p >= min_p * p_max``;
 that takes a first pass for the row's max), and keeps the running argmax (the first index wins a tie).
 Top-k and top-p need a sort and stay on the torch path. On an H200 at a 128k vocabulary the torch path

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, _position_seed, exponential_noise
+from engine.sampler import Sampler, _position_seed
 from engine.sampling_params import SamplingParams
+from kernels.sampling import exponential_noise
 
 
 def test_noise_is_exponential_and_keyed() -> None:
@@ -56,17 +57,40 @@ def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
 
 
 def test_backend_names_are_the_op_tables() -> None:
-    """The sampler maps the engine's kernel_backend to its race kernel, and rejects what get_ops rejects."""
-    from engine.sampler import race_kernel
-    from kernels.ops import BACKENDS, get_ops
+    """The sampler's plain-row race is the op table's ``gumbel_sample``, and it rejects what get_ops
+    rejects, with the same message."""
+    from kernels.ops import TORCH_OPS, get_ops
 
-    assert race_kernel("torch") is None
+    assert Sampler(0, "torch")._gumbel_sample is TORCH_OPS.gumbel_sample
+    assert Sampler(0, "triton")._gumbel_sample is get_ops("triton").gumbel_sample
     with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'") as from_sampler:
         Sampler(0, "cuda")
     with pytest.raises(ValueError) as from_ops:
         get_ops("cuda")
     assert str(from_sampler.value) == str(from_ops.value)
-    assert set(BACKENDS) == {"torch", "triton"}  # a new backend needs its entry in race_kernel
+
+
+def test_torch_race_of_plain_rows_is_the_filtered_race() -> None:
+    """The torch table's race (kernels/sampling.py) draws what the sampler's filtered race draws for
+    rows without top-k or top-p, min-p included: a plain row's token does not depend on which of the two
+    the batch sent it through."""
+    from kernels.sampling import gumbel_sample_torch
+
+    torch.manual_seed(5)
+    logits = torch.randn(7, 300) * 3
+    params = [SamplingParams(temperature=0.7, seed=s, min_p=0.05 * (s % 2)) for s in range(6)]
+    positions = list(range(6))
+    alone = Sampler(0).sample(logits[:6], params, positions)
+    keys = torch.tensor(
+        [_position_seed(p.seed, pos) for p, pos in zip(params, positions, strict=True)], dtype=torch.int64
+    )
+    temps = torch.full((6,), 0.7)
+    min_p = torch.tensor([p.min_p for p in params])
+    assert torch.equal(gumbel_sample_torch(logits[:6], temps, keys, min_p), alone)
+    with_top_k = Sampler(0).sample(
+        logits, [*params, SamplingParams(temperature=0.7, top_k=5, seed=9)], [*positions, 0]
+    )
+    assert torch.equal(with_top_k[:6], alone)
 
 
 def test_only_unseeded_rows_draw_from_the_generator() -> None:

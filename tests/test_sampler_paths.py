@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.sampler as sampler_module
-from engine.sampler import Sampler, _position_seed, exponential_noise
+import kernels.sampling as race_module
+from engine.sampler import Sampler, _position_seed
 from engine.sampling_params import SamplingParams
+from kernels.sampling import exponential_noise
 from tests.kernel_testing import DEVICE
 
 VOCAB = 96  # two of the interpreter's 64-wide chunks
@@ -95,7 +96,7 @@ def test_each_path_runs_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None
         return exponential_noise(keys, vocab)
 
     sampler._gumbel_sample = counted_kernel
-    monkeypatch.setattr(sampler_module, "exponential_noise", counted_noise)
+    monkeypatch.setattr(race_module, "exponential_noise", counted_noise)
     torch.manual_seed(1)
     logits = torch.randn(6, VOCAB, device=DEVICE)
     plain = SamplingParams(temperature=0.8, seed=5)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.sampler as sampler_module
+import kernels.sampling as race_module
 from engine import LLM, SamplingParams
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, exponential_noise
+from engine.sampler import Sampler
+from kernels.sampling import exponential_noise
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,7 +43,7 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
         return exponential_noise(keys, vocab)
 
     sampler._gumbel_sample = counted_kernel
-    monkeypatch.setattr(sampler_module, "exponential_noise", counted_noise)
+    monkeypatch.setattr(race_module, "exponential_noise", counted_noise)
     engine.runner.warm_up([1, 9], sampler)
     assert kernel_calls == [False, True]
     assert noise_rows == [1]  # the top-k/top-p row, on the torch race alone

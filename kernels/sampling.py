@@ -1,0 +1,49 @@
+"""The sampling race of plain rows (temperature, optional min-p): the PyTorch reference of
+``kernels/triton_sampling.py``, and the noise both use.
+
+Sampling is an exponential race, ``argmax(probs / E)`` with ``E ~ Exponential(1)`` per token. The noise is
+a counter-based hash of (row key, token id), exact integer arithmetic on any device, so a row's draw
+depends on its key alone (``engine/sampler.py`` makes the keys and picks the rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def exponential_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 Exponential(1) noise: splitmix64 of (key * golden + token id), int64 arithmetic
+    wrapping mod 2**64 (the same on every device), 24 bits to a uniform in (0, 1), then -log."""
+    ids = torch.arange(vocab, device=row_keys.device, dtype=torch.int64)
+    z = row_keys.unsqueeze(1) * _GOLDEN + ids.unsqueeze(0)
+    z = z + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    u = _shr(z, 40).to(torch.float32).add_(0.5).mul_(2.0**-24)
+    return u.log_().neg_()
+
+
+def gumbel_sample_torch(
+    logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None
+) -> torch.Tensor:
+    """logits [B, V] fp32; temperatures [B] > 0; row_keys [B] int64; min_p [B] in [0, 1] or None (a token
+    survives when ``p >= min_p * p_max``). Returns the sampled token ids, [B] int64."""
+    probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return (probs / exponential_noise(row_keys, logits.shape[1])).argmax(dim=-1)
