@@ -123,21 +123,17 @@ class LLMEngine:
             log.warning("float16 on the CPU is slow; float32 or bfloat16 is recommended")
         self.device = torch.device(config.device)
         self.ops = get_ops(config.kernel_backend)
-        from engine.loader import resolve_model_config
-
-        resolved = resolve_model_config(config.model)
-        self.max_model_len = config.max_model_len or resolved[0].max_position_embeddings
         loaded = load_model(
             config.model,
             config.dtype,
             self.device,
             self.ops,
-            self.max_model_len,
+            config.max_model_len,
             load_format=config.load_format,
             seed=config.seed,
             dispatcher=dispatcher,
-            resolved=resolved,
         )
+        self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

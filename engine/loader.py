@@ -93,15 +93,16 @@ def load_model(
     dtype: str,
     device: torch.device,
     ops: Ops,
-    max_positions: int,
+    max_positions: int | None = None,
     load_format: str = "auto",
     seed: int = 0,
     dispatcher: TokenDispatcher | None = None,
     physical_to_logical: list[list[int]] | None = None,
-    resolved: tuple[ModelConfig, Path | None] | None = None,
 ) -> LoadedModel:
-    """``resolved``: ``resolve_model_config(model)``'s result when the caller already has it."""
-    cfg, path = resolved or resolve_model_config(model)
+    """``max_positions``: the longest sequence the RoPE cache covers (None: the checkpoint's
+    ``max_position_embeddings``)."""
+    cfg, path = resolve_model_config(model)
+    max_positions = max_positions or cfg.max_position_embeddings
     torch_dtype = DTYPES[dtype]
     net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical)
     if path is None:
