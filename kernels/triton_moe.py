@@ -69,11 +69,16 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
     return MoeTileConfig(64, 128, 64, 8, 4, 3)
 
 
-# Up to this many token-expert pairs (decode batches up to 256 tokens at top-8), one Triton program aligns
-# them in a single launch; beyond it, the vectorised torch version (about 30 small launches, negligible
-# next to a prefill's GEMMs). At 2048 pairs the single program still takes 61-64 us against 84 us for the
-# torch launches (H200, benchmarks/kernel_bench.py "MoE align").
-ALIGN_KERNEL_MAX_PAIRS = 2048
+# Up to this many token-expert pairs (a 512-token prompt at top-8), one Triton program aligns them in a
+# single launch; beyond it, the vectorised torch version (about 30 small launches). At 2048 pairs the single
+# program takes 61-64 us of device time against 84 us for the torch launches (H200, kernel_bench.py "MoE
+# align"), and the torch launches also cost the host ~0.4 ms per MoE layer, which a moderate prefill does
+# not hide: a 512-token Qwen3-30B-A3B prefill took 47-65 ms with the torch path and 26.5 ms with the kernel
+# (110 us per layer), because the step was bound by the host's launches (device time 16-21 ms). At 1024
+# tokens (8192 pairs) the kernel's ~260 us per layer outweighs that (58 against ~52 ms), so the limit is
+# 4096 (H200, 2026-11-29 19:5x UTC; docs/performance.md, "Seventh run"). A multi-program alignment would
+# serve both.
+ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -271,7 +271,7 @@ def test_fused_moe(tokens: int, top_k: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(
     ("tokens", "top_k", "experts", "block_m"),
-    [(4, 2, 6, 4), (37, 4, 16, 16), (300, 5, 64, 16), (256, 8, 128, 32)],
+    [(4, 2, 6, 4), (37, 4, 16, 16), (300, 5, 64, 16), (256, 8, 128, 32), (512, 8, 128, 64)],
 )
 def test_moe_align_block_size(tokens: int, top_k: int, experts: int, block_m: int) -> None:
     """Both alignment paths (single-program Triton, vectorised torch) give the same valid layout."""
