@@ -76,7 +76,7 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
 # not hide: a 512-token Qwen3-30B-A3B prefill took 47-65 ms with the torch path and 26.5 ms with the kernel
 # (110 us per layer), because the step was bound by the host's launches (device time 16-21 ms). At 1024
 # tokens (8192 pairs) the kernel's ~260 us per layer outweighs that (58 against ~52 ms), so the limit is
-# 4096 (H200, 2026-11-29 19:5x UTC; docs/performance.md, "Seventh run"). A multi-program alignment would
+# 4096 (H200, 2026-11-29 19:26 UTC; docs/performance.md, "Seventh run"). A multi-program alignment would
 # serve both.
 ALIGN_KERNEL_MAX_PAIRS = 4096
 
