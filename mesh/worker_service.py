@@ -247,9 +247,22 @@ class WorkerMetrics:
         self.kv_bytes = m.counter("kv_transfer", "bytes", "KV bytes pulled from prefill workers.")
         self.kv_transfer_time = m.histogram("kv_transfer_time", "seconds", "Duration of one KV pull.")
         self.kv_leases_expired = m.counter("kv_leases_expired", "total", "Held KV released by lease expiry.")
+        self.lookahead_steps = m.counter(
+            "lookahead_steps",
+            "total",
+            "Decode steps launched before the previous step's tokens were read (asynchronous scheduling).",
+        )
+        self.lookahead_drains = m.counter(
+            "lookahead_drains",
+            "total",
+            "Steps in flight read out first because the next step could not overlap them (an arrival, an "
+            "import, logprobs, held KV).",
+        )
         self._last_prompt = 0
         self._last_cached = 0
         self._last_generated = 0
+        self._last_lookahead = 0
+        self._last_drains = 0
 
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
@@ -264,6 +277,10 @@ class WorkerMetrics:
         self._last_prompt = stats.prompt_tokens_total
         self._last_cached = stats.cached_prompt_tokens_total
         self._last_generated = stats.generated_tokens_total
+        self.lookahead_steps.inc(stats.lookahead_steps - self._last_lookahead)
+        self.lookahead_drains.inc(stats.lookahead_drains - self._last_drains)
+        self._last_lookahead = stats.lookahead_steps
+        self._last_drains = stats.lookahead_drains
 
 
 class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.request
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -73,9 +75,45 @@ async def _free_blocks(stub) -> int:
     return (await stub.GetStats(worker_pb2.StatsRequest())).num_kv_blocks_free
 
 
+@pytest.fixture(scope="module")
+def pd_workers_lookahead() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """The same two workers with asynchronous scheduling on (the default on GPUs; off on the CPU)."""
+    prefill = ServiceProcess.start("prefill_svc", *worker_args("tiny-dense", 256, "--async-scheduling"))
+    try:
+        decode = ServiceProcess.start("decode_svc", *worker_args("tiny-dense", 256, "--async-scheduling"))
+    except BaseException:
+        prefill.kill()
+        raise
+    yield prefill, decode
+    for svc in (decode, prefill):
+        svc.stop()
+
+
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_disaggregated_equals_offline_for_32_concurrent_requests(pd_workers, seeded) -> None:  # noqa: F811
-    prefill_proc, decode_proc = pd_workers
+    _check_32_concurrent(*pd_workers, seeded)
+
+
+def test_disaggregated_with_lookahead_equals_offline(pd_workers_lookahead) -> None:
+    """Both workers one decode step ahead (imports, held KV and arrivals drain it): the same tokens as the
+    offline synchronous engine, every block given back, and the decode worker really ran ahead."""
+    _, decode_proc = pd_workers_lookahead
+    before = _sample(decode_proc, "pdmesh_decode_lookahead_steps_total")
+    _check_32_concurrent(*pd_workers_lookahead, seeded=True)
+    assert _sample(decode_proc, "pdmesh_decode_lookahead_steps_total") > before
+    assert _sample(decode_proc, "pdmesh_decode_lookahead_drains_total") > 0
+
+
+def _sample(proc: ServiceProcess, name: str) -> float:
+    """One unlabelled sample of a worker's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"http://{proc.metrics_address}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def _check_32_concurrent(prefill_proc: ServiceProcess, decode_proc: ServiceProcess, seeded: bool) -> None:
     prompts = _prompts(32, seed=7 if seeded else 8)
     params = [
         SamplingParams(
