@@ -100,12 +100,7 @@ class Sampler:
                 drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p)
                 drawn = drawn if plain_index is None else drawn[plain_index]
             else:
-                if plain_index is not None:
-                    logits_p, rows_p, keys_p = logits[plain_index], rows[plain_index], row_keys[plain_index]
-                else:
-                    logits_p, rows_p, keys_p = logits, rows, row_keys
-                min_p_p = rows_p[:, 1] if min_p is not None else None
-                drawn = TORCH_OPS.gumbel_sample(logits_p, rows_p[:, 0], keys_p, min_p_p)
+                drawn = _torch_race(logits, [params[i] for i in plain], rows, row_keys, plain_index)
             tokens = _put(tokens, plain_index, drawn)
         if sorting:
             drawn = _torch_race(logits, [params[i] for i in sorting], rows, row_keys, sorting_index)
@@ -168,37 +163,37 @@ def _torch_race(
     row_keys: torch.Tensor,
     index: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The race, ``argmax(filtered probs / E)``, of the rows ``index`` (None: every row), whose
-    parameters are ``params``; ``rows`` and ``row_keys`` are the whole batch's, on the logits' device."""
+    """The torch race of the rows ``index`` (None: every row), whose parameters are ``params``; ``rows``
+    and ``row_keys`` are the whole batch's, on the logits' device. Rows without top-k or top-p are the op
+    table's reference race (``TORCH_OPS.gumbel_sample``); otherwise top-k and top-p filter first."""
     if index is not None:
         logits, rows, row_keys = logits[index], rows[index], row_keys[index]
-    probs = _filtered_probs(logits / rows[:, :1], params, rows)
-    return (probs / sampling.exponential_noise(row_keys, logits.shape[1])).argmax(dim=-1)
+    min_p = rows[:, 1] if any(p.min_p > 0 for p in params) else None
+    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        return TORCH_OPS.gumbel_sample(logits, rows[:, 0], row_keys, min_p)
+    return sampling.race(_top_k_top_p_probs(logits / rows[:, :1], params, rows), row_keys, min_p)
 
 
-def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor) -> torch.Tensor:
-    """Softmax of the temperature-scaled logits with each row's top-k, top-p and min-p applied (dropped
-    tokens get probability 0); ``rows`` is ``_row_values`` on the logits' device. The vocabulary is sorted
-    at most once per batch: top-k reads its k-th value and top-p its cumulative mass from the same
-    descending order (softmax keeps the logits' order). Which filters run is decided from ``params`` on
-    the host; their per-row values come from ``rows``, so nothing here copies from host memory."""
+def _top_k_top_p_probs(
+    scaled: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor
+) -> torch.Tensor:
+    """Softmax of the temperature-scaled logits with each row's top-k and top-p applied (dropped tokens get
+    probability 0); ``rows`` is ``_row_values`` on the logits' device. The vocabulary is sorted once per
+    batch: top-k reads its k-th value and top-p its cumulative mass from the same descending order
+    (softmax keeps the logits' order). Which filters run is decided from ``params`` on the host; their
+    per-row values come from ``rows``, so nothing here copies from host memory."""
     need_k = any(p.top_k > 0 for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
-    order = None
-    if need_k or need_p:
-        sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)
     if need_k:
         kth = sorted_vals.gather(1, rows[:, 3:4].long() - 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if need_p:
-        assert order is not None
         sorted_probs = probs.gather(1, order)
         # Keep the smallest set whose mass reaches top-p. Rows with top-p off drop nothing: in float32 the
         # running mass of a large vocabulary can reach 1 before its tail (10% of 128k random logits did).
         top_p = rows[:, 2:3]
         drop_sorted = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
-    if any(p.min_p > 0 for p in params):
-        probs = probs.masked_fill(probs < rows[:, 1:2] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

@@ -38,12 +38,25 @@ def exponential_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return u.log_().neg_()
 
 
+def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Probabilities [B, V] with the tokens below ``min_p * p_max`` of their row set to 0 (``min_p`` [B];
+    None: unchanged)."""
+    if min_p is None:
+        return probs
+    return probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+
+
+def race(probs: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """The race over probabilities [B, V] (any positive scale per row; dropped tokens 0): ``min_p_filter``,
+    then ``argmax(probs / E)``. Every torch sampling path ends here (``engine/sampler.py`` filters top-k
+    and top-p before)."""
+    probs = min_p_filter(probs, min_p)
+    return (probs / exponential_noise(row_keys, probs.shape[1])).argmax(dim=-1)
+
+
 def gumbel_sample_torch(
     logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """logits [B, V] fp32; temperatures [B] > 0; row_keys [B] int64; min_p [B] in [0, 1] or None (a token
-    survives when ``p >= min_p * p_max``). Returns the sampled token ids, [B] int64."""
-    probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
-    if min_p is not None:
-        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return (probs / exponential_noise(row_keys, logits.shape[1])).argmax(dim=-1)
+    """logits [B, V] fp32; temperatures [B] > 0; row_keys [B] int64; min_p [B] in [0, 1] or None. Returns
+    the sampled token ids, [B] int64: ``race`` over ``softmax(logits / T)``."""
+    return race(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), row_keys, min_p)

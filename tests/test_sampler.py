@@ -71,22 +71,17 @@ def test_backend_names_are_the_op_tables() -> None:
 
 
 def test_torch_race_of_plain_rows_is_the_filtered_race() -> None:
-    """The torch table's race (kernels/sampling.py) draws what the sampler's filtered race draws for
-    rows without top-k or top-p, min-p included: a plain row's token does not depend on which of the two
-    the batch sent it through."""
-    from kernels.sampling import gumbel_sample_torch
-
+    """Rows without top-k or top-p take the op table's race (``gumbel_sample_torch``); the same rows with
+    a top-k that drops nothing take the sorting race. Both draw the same tokens, min-p included, and a
+    plain row draws the same beside a filtering row as alone: a row's path cannot change its token."""
     torch.manual_seed(5)
-    logits = torch.randn(7, 300) * 3
+    vocab = 300
+    logits = torch.randn(7, vocab) * 3
     params = [SamplingParams(temperature=0.7, seed=s, min_p=0.05 * (s % 2)) for s in range(6)]
     positions = list(range(6))
     alone = Sampler(0).sample(logits[:6], params, positions)
-    keys = torch.tensor(
-        [_position_seed(p.seed, pos) for p, pos in zip(params, positions, strict=True)], dtype=torch.int64
-    )
-    temps = torch.full((6,), 0.7)
-    min_p = torch.tensor([p.min_p for p in params])
-    assert torch.equal(gumbel_sample_torch(logits[:6], temps, keys, min_p), alone)
+    unfiltered = [SamplingParams(temperature=0.7, seed=p.seed, min_p=p.min_p, top_k=vocab) for p in params]
+    assert torch.equal(Sampler(0).sample(logits[:6], unfiltered, positions), alone)
     with_top_k = Sampler(0).sample(
         logits, [*params, SamplingParams(temperature=0.7, top_k=5, seed=9)], [*positions, 0]
     )
@@ -162,7 +157,8 @@ def _filtered_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> None:
     """Rows with top-k, top-p, both, min-p and none in one batch (one shared sort) keep exactly the
     tokens each row's own filter keeps, with the same probabilities."""
-    from engine.sampler import _filtered_probs, _row_values
+    from engine.sampler import _row_values, _top_k_top_p_probs
+    from kernels.sampling import min_p_filter
 
     torch.manual_seed(3)
     params = [
@@ -174,7 +170,8 @@ def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> N
         SamplingParams(temperature=1.0),
     ]
     logits = torch.randn(len(params), 512) * 3
-    got = _filtered_probs(logits, params, _row_values(params, logits.shape[1]))
+    rows = _row_values(params, logits.shape[1])
+    got = min_p_filter(_top_k_top_p_probs(logits, params, rows), rows[:, 1])  # as the torch race filters
     for i, p in enumerate(params):
         want = _filtered_row(logits[i], p)
         assert torch.equal(got[i] > 0, want > 0), i
@@ -186,7 +183,7 @@ def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> N
 def test_top_k_row_beside_a_top_p_row_keeps_its_whole_top_k() -> None:
     """The shared sort runs top-p over every row; a row with top-p off must lose nothing to it, though in
     float32 its running mass reaches 1 long before a 128k vocabulary's tail."""
-    from engine.sampler import _filtered_probs, _row_values
+    from engine.sampler import _row_values, _top_k_top_p_probs
 
     torch.manual_seed(4)
     k = 128_000
@@ -194,6 +191,6 @@ def test_top_k_row_beside_a_top_p_row_keeps_its_whole_top_k() -> None:
     logits = torch.randn(2, 128_256) * 3
     kept = torch.softmax(logits[0].sort(descending=True).values[:k], dim=0)
     assert float((kept.cumsum(0) - kept)[-1]) >= 1.0  # the rounding this test is about
-    got = _filtered_probs(logits, params, _row_values(params, logits.shape[1]))
+    got = _top_k_top_p_probs(logits, params, _row_values(params, logits.shape[1]))
     assert int((got[0] > 0).sum()) == k
     assert torch.equal(got[0] > 0, _filtered_row(logits[0], params[0]) > 0)
