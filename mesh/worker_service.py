@@ -258,11 +258,15 @@ class WorkerMetrics:
             "Steps in flight read out first because the next step could not overlap them (an arrival, an "
             "import, logprobs, held KV).",
         )
-        self._last_prompt = 0
-        self._last_cached = 0
-        self._last_generated = 0
-        self._last_lookahead = 0
-        self._last_drains = 0
+        # Counters that follow a running total of the engine's stats: (counter, stats field).
+        self._totals = [
+            (self.prompt_tokens, "prompt_tokens_total"),
+            (self.cached_tokens.labels(tier="gpu"), "cached_prompt_tokens_total"),
+            (self.generated_tokens, "generated_tokens_total"),
+            (self.lookahead_steps, "lookahead_steps"),
+            (self.lookahead_drains, "lookahead_drains"),
+        ]
+        self._last = dict.fromkeys((name for _, name in self._totals), 0)
 
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
@@ -271,16 +275,10 @@ class WorkerMetrics:
         self.kv_free.set(stats.num_kv_blocks_free)
         self.kv_used.set(stats.num_kv_blocks_total - stats.num_kv_blocks_free)
         self.kv_held.set(stats.num_held)
-        self.prompt_tokens.inc(stats.prompt_tokens_total - self._last_prompt)
-        self.cached_tokens.labels(tier="gpu").inc(stats.cached_prompt_tokens_total - self._last_cached)
-        self.generated_tokens.inc(stats.generated_tokens_total - self._last_generated)
-        self._last_prompt = stats.prompt_tokens_total
-        self._last_cached = stats.cached_prompt_tokens_total
-        self._last_generated = stats.generated_tokens_total
-        self.lookahead_steps.inc(stats.lookahead_steps - self._last_lookahead)
-        self.lookahead_drains.inc(stats.lookahead_drains - self._last_drains)
-        self._last_lookahead = stats.lookahead_steps
-        self._last_drains = stats.lookahead_drains
+        for counter, name in self._totals:
+            total = getattr(stats, name)
+            counter.inc(total - self._last[name])
+            self._last[name] = total
 
 
 class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):

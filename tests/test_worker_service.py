@@ -120,3 +120,24 @@ async def test_a_refused_decode_says_so_in_its_trailing_metadata(
         assert _kv_untouched(exc)
     finally:
         await server.stop(0)
+
+
+def test_worker_counters_follow_the_engines_running_totals() -> None:
+    """Each counter that mirrors an engine total (tokens, cached tokens, lookahead steps and drains) ends
+    equal to the last total it saw, however many steps reported it."""
+    from engine.llm_engine import EngineStats
+
+    metrics = WorkerMetrics("decode")
+    base = dict(num_waiting=0, num_running=1, num_held=0, running_tokens=0, queued_tokens=0,
+                num_kv_blocks_total=8, num_kv_blocks_free=5, num_preemptions=0)  # fmt: skip
+    for step, (prompt, cached, generated, ahead, drains) in enumerate([(10, 4, 1, 0, 0), (10, 4, 7, 5, 1)]):
+        metrics.update_from(EngineStats(**base, prompt_tokens_total=prompt, cached_prompt_tokens_total=cached,
+                                        generated_tokens_total=generated, lookahead_steps=ahead,
+                                        lookahead_drains=drains))  # fmt: skip
+        sample = metrics.registry.get_sample_value
+        assert sample("pdmesh_decode_prompt_tokens_tokens_total") == prompt, step
+        assert sample("pdmesh_decode_prompt_tokens_cached_tokens_total", {"tier": "gpu"}) == cached, step
+        assert sample("pdmesh_decode_generation_tokens_tokens_total") == generated, step
+        assert sample("pdmesh_decode_lookahead_steps_total") == ahead, step
+        assert sample("pdmesh_decode_lookahead_drains_total") == drains, step
+    assert metrics.registry.get_sample_value("pdmesh_decode_kv_blocks_used_blocks") == 3
