@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -104,18 +105,28 @@ def worker_args(model: str = "tiny-dense", num_kv_blocks: int = 256, *extra: str
     return ["--model", model, "--num-kv-blocks", str(num_kv_blocks), "--metrics-port", "0", *extra]
 
 
-@pytest.fixture(scope="module")
-def pd_workers() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    """One prefill and one decode worker on the tiny dense model, with real NIXL on host memory."""
-    prefill = ServiceProcess.start("prefill_svc", *worker_args())
+@contextlib.contextmanager
+def worker_pair(*extra: str) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """One prefill and one decode worker process on the tiny dense model, real NIXL on host memory;
+    ``extra`` flags go to both."""
+    prefill = ServiceProcess.start("prefill_svc", *worker_args("tiny-dense", 256, *extra))
     try:
-        decode = ServiceProcess.start("decode_svc", *worker_args())
+        decode = ServiceProcess.start("decode_svc", *worker_args("tiny-dense", 256, *extra))
     except BaseException:
         prefill.kill()
         raise
-    yield prefill, decode
-    for svc in (decode, prefill):
-        svc.stop()
+    try:
+        yield prefill, decode
+    finally:
+        for svc in (decode, prefill):
+            svc.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_workers() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """``worker_pair()`` for a test module."""
+    with worker_pair() as pair:
+        yield pair
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
@@ -165,6 +176,19 @@ def redis_up() -> bool:
 
 
 needs_redis = pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
+
+
+class ReadsFailWhileDown:
+    """Mixin before a registry class: ``list_workers`` fails as an unreachable Redis does while ``down``."""
+
+    down = False
+
+    async def list_workers(self, role: str | None = None, model_fingerprint: str | None = None) -> Any:
+        if self.down:
+            import redis
+
+            raise redis.ConnectionError("Connection refused")
+        return await super().list_workers(role, model_fingerprint)  # type: ignore[misc]
 
 
 def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

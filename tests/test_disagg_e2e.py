@@ -16,7 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.mesh_fixtures import ServiceProcess, pd_workers, worker_args  # noqa: F401
+from tests.mesh_fixtures import ServiceProcess, pd_workers, worker_args, worker_pair  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -78,15 +78,8 @@ async def _free_blocks(stub) -> int:
 @pytest.fixture(scope="module")
 def pd_workers_lookahead() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """The same two workers with asynchronous scheduling on (the default on GPUs; off on the CPU)."""
-    prefill = ServiceProcess.start("prefill_svc", *worker_args("tiny-dense", 256, "--async-scheduling"))
-    try:
-        decode = ServiceProcess.start("decode_svc", *worker_args("tiny-dense", 256, "--async-scheduling"))
-    except BaseException:
-        prefill.kill()
-        raise
-    yield prefill, decode
-    for svc in (decode, prefill):
-        svc.stop()
+    with worker_pair("--async-scheduling") as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 import redis.asyncio as aioredis
 
 from mesh.block_hash import block_hashes, root_hash
@@ -27,7 +26,7 @@ from router.discovery import RegistryDiscovery
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.worker_pool import PREFILL, Health, WorkerPool
-from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis, until
+from tests.mesh_fixtures import REDIS_URL, ReadsFailWhileDown, async_test, metric, needs_redis, until
 
 pytestmark = needs_redis
 
@@ -170,17 +169,8 @@ async def test_nothing_is_swept_within_the_grace(caplog: Any) -> None:
         assert swept_lines(caplog) == []
 
 
-class FlakyRegistry(RedisRegistry):
+class FlakyRegistry(ReadsFailWhileDown, RedisRegistry):
     """The real registry, with reads that fail while ``down`` (Redis restarting, for the router)."""
-
-    down = False
-
-    async def list_workers(
-        self, role: str | None = None, model_fingerprint: str | None = None
-    ) -> list[WorkerInfo]:
-        if self.down:
-            raise redis.ConnectionError("Connection refused")
-        return await super().list_workers(role, model_fingerprint)
 
 
 @async_test

@@ -36,7 +36,7 @@ from router.scored_chooser import ScoredChooser
 from router.scoring import RoutingWeights, WeightedPicker
 from router.service import make_chooser
 from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
-from tests.mesh_fixtures import REDIS_URL, async_test, metric, needs_redis, until
+from tests.mesh_fixtures import REDIS_URL, ReadsFailWhileDown, async_test, metric, needs_redis, until
 
 FP = "tiny-dense-v1:float32"
 BS = 16
@@ -393,17 +393,8 @@ async def test_discovery_follows_joins_drains_and_leaves() -> None:
     await pool.close()
 
 
-class BrokenRegistry(InProcessRegistry):
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    async def list_workers(
-        self, role: str | None = None, model_fingerprint: str | None = None
-    ) -> list[WorkerInfo]:
-        if self.down:
-            raise redis.ConnectionError("Connection refused")
-        return await super().list_workers(role, model_fingerprint)
+class BrokenRegistry(ReadsFailWhileDown, InProcessRegistry):
+    pass
 
 
 @async_test
