@@ -297,6 +297,21 @@ def test_moe_align_block_size(tokens: int, top_k: int, experts: int, block_m: in
     assert sorted(seen) == list(range(pairs))
 
 
+@pytest.mark.parametrize(("tokens", "kernel"), [(512, True), (513, False)])
+def test_moe_align_takes_one_launch_up_to_a_512_token_prompt(
+    monkeypatch: pytest.MonkeyPatch, tokens: int, kernel: bool
+) -> None:
+    """A 512-token prompt at top-8 (4096 pairs) is aligned by the single-program kernel, a longer one by the
+    torch path: the launches of the torch path made such a prefill host-bound (docs/kernels.md)."""
+    taken: list[str] = []
+    for name in ("_moe_align_triton", "_moe_align_torch"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, real=real, name=name: taken.append(name) or real(*a))
+    ids = torch.randint(0, 128, (tokens, 8), device=DEVICE)
+    triton_moe.moe_align_block_size(ids, 64, 128)
+    assert taken == ["_moe_align_triton" if kernel else "_moe_align_torch"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real shapes, no host sync, CUDA graphs
 
