@@ -201,17 +201,46 @@ def moe_case(tokens: int, reference: bool = True, path: str = "auto") -> Row:
     )
 
 
-def moe_align_case(tokens: int) -> Row:
-    """The alignment step alone: the single-program Triton kernel ("triton") against the torch path."""
-    experts, top_k = 128, 8
+# Where the single-program alignment gives way to the multi-program one (ALIGN_KERNEL_MAX_PAIRS): decode
+# batches up to long prompts, at top-8 (128 to 32768 pairs).
+ALIGN_TOKENS = (16, 32, 64, 128, 512, 1024, 2048, 4096)
+
+
+def moe_align_case(tokens: int) -> list[Row]:
+    """The alignment step alone at top-8 of 128 experts, 64-row tiles: the single-program kernel and the
+    multi-program kernels, each against the torch reference (all three replayed from CUDA graphs)."""
+    experts, top_k, block_m = 128, 8, 64
     ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
-    cfg = triton_moe.moe_tile_config(tokens * top_k, experts, ids.device)
     pairs = tokens * top_k
-    max_rows = triton_moe.align_max_rows(pairs, experts, cfg.block_m)
-    t, spread = time_graph([lambda: triton_moe._moe_align_triton(ids, cfg.block_m, experts, max_rows)])
-    ref, _ = time_graph([lambda: triton_moe._moe_align_torch(ids, cfg.block_m, experts, max_rows)])
-    used = "triton" if pairs <= triton_moe.ALIGN_KERNEL_MAX_PAIRS else "torch"
-    return Row("MoE align", f"{tokens} tokens", t, ref, pairs * 12, spread=spread, note=f"{used} path in use")
+    max_rows = triton_moe.align_max_rows(pairs, experts, block_m)
+    ref, _ = time_graph([lambda: triton_moe._moe_align_torch(ids, block_m, experts, max_rows)])
+    in_use = "single" if pairs <= triton_moe.ALIGN_KERNEL_MAX_PAIRS else "multi"
+    rows = []
+    for name, align in (("single", triton_moe._moe_align_triton), ("multi", triton_moe._moe_align_chunked)):
+        t, spread = time_graph([lambda align=align: align(ids, block_m, experts, max_rows)])
+        note = f"{name}-program" + (" (in use)" if name == in_use else "")
+        rows.append(
+            Row("MoE align", f"{tokens} tokens, {name}", t, ref, pairs * 12, spread=spread, note=note)
+        )
+    return rows
+
+
+def moe_align_compare() -> None:
+    """The three alignments side by side per size, to place ALIGN_KERNEL_MAX_PAIRS."""
+    print(
+        f"## MoE align, us (top-8 of 128 experts, block_m 64; single program up to "
+        f"{triton_moe.ALIGN_KERNEL_MAX_PAIRS} pairs)"
+    )
+    print("| tokens | pairs | single | multi | torch | faster Triton path |")
+    print("|---|---|---|---|---|---|")
+    for tokens in ALIGN_TOKENS:
+        single, multi = moe_align_case(tokens)
+        best = "single" if single.triton_us <= multi.triton_us else "multi"
+        print(
+            f"| {tokens} | {tokens * 8} | {single.triton_us:.1f} | {multi.triton_us:.1f} | "
+            f"{single.torch_us:.1f} | {best} |",
+            flush=True,
+        )
 
 
 def rotated_case(
@@ -660,6 +689,9 @@ def main() -> None:
     parser.add_argument(
         "--narrow", action="store_true", help="with --sweep-moe-small: only the one- and two-warp additions"
     )
+    parser.add_argument(
+        "--moe-align", action="store_true", help="only: the three MoE alignments side by side per size"
+    )
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -671,6 +703,9 @@ def main() -> None:
         f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
     )
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
+    if args.moe_align:
+        moe_align_compare()
+        return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:
             sweep_moe_prefill()
@@ -693,7 +728,7 @@ def main() -> None:
             for t in ((1, 2, 4, 8) if not args.quick else (1, 8))
             for p in ("small", "grouped")
         ),
-        *(lambda t=t: moe_align_case(t) for t in (1, 16, 64, 128, 256)),
+        *(lambda t=t: moe_align_case(t) for t in ALIGN_TOKENS),
         lambda: rms_norm_cases(256),
         lambda: rms_norm_cases(8192),
         lambda: write_kv_case(256),

@@ -19,8 +19,10 @@ Grouped path (prefill and larger batches):
 
 1. ``moe_align_block_size``: sort the ``T * top_k`` token-expert pairs by expert and pad each expert's
    run to a multiple of the tile height ``BLOCK_M``; every tile then belongs to one expert. Buffers are
-   sized by an upper bound read from shapes; tiles past the padded total exit. Decode-sized batches use
-   one single-program Triton kernel (two launches in all); larger ones vectorised torch ops.
+   sized by an upper bound read from shapes; tiles past the padded total exit. Small batches (up to
+   ``ALIGN_KERNEL_MAX_PAIRS``) use one single-program Triton kernel (a fill and one launch); larger ones
+   two multi-program kernels over chunks of the pairs (count per chunk, then place per chunk). Both equal
+   the vectorised torch reference ``_moe_align_torch`` exactly.
 2. ``_moe_gemm_kernel`` (one grouped GEMM, used twice): each program computes a ``BLOCK_M x BLOCK_N``
    tile, gathering activation rows by the sorted pair ids and reading that tile's expert weights.
    Gate-up: ``x[pair // top_k] @ w13[e].T`` -> ``[T*k, 2I]``. Down: ``act[pair] @ w2[e].T`` times the
@@ -69,16 +71,21 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
     return MoeTileConfig(64, 128, 64, 8, 4, 3)
 
 
-# Up to this many token-expert pairs (a 512-token prompt at top-8), one Triton program aligns them in a
-# single launch; beyond it, the vectorised torch version (about 30 small launches). At 2048 pairs the single
-# program takes 61-64 us of device time against 84 us for the torch launches (H200, kernel_bench.py "MoE
-# align"), and the torch launches also cost the host ~0.4 ms per MoE layer, which a moderate prefill does
-# not hide: a 512-token Qwen3-30B-A3B prefill took 47-65 ms with the torch path and 26.5 ms with the kernel
-# (110 us per layer), because the step was bound by the host's launches (device time 16-21 ms). At 1024
-# tokens (8192 pairs) the kernel's ~260 us per layer outweighs that (58 against ~52 ms), so the limit is
-# 4096 (H200, 2026-11-29 19:26 UTC; docs/performance.md, "Seventh run"). A multi-program alignment would
-# serve both.
-ALIGN_KERNEL_MAX_PAIRS = 4096
+# Up to this many token-expert pairs one Triton program aligns them (``_moe_align_triton``: a fill and one
+# launch); past it the multi-program alignment does (``_moe_align_chunked``: two launches over up to
+# ALIGN_MAX_CHUNKS programs), at any size. The single program's time grows with the pairs (H200,
+# kernel_bench.py "MoE align": 11.9 us at 128 pairs, 23.6 at 512, 63.6 at 2048; ~260 us per layer at 8192
+# in a 1024-token prefill). Up to ALIGN_CHUNK_PAIRS pairs the multi-program path is one program doing the
+# same work (in as many launches), so the limit is at least that; 256 is a guess, TO BE CONFIRMED ON THE GPU:
+# ``kernel_bench.py --moe-align`` times both paths (and the torch reference) side by side; set the limit
+# where the multi-program column first wins.
+ALIGN_KERNEL_MAX_PAIRS = 256
+# The multi-program alignment's tiles: each program counts, then places, its chunk of the pairs
+# ALIGN_CHUNK_PAIRS at a time; past ALIGN_MAX_CHUNKS * ALIGN_CHUNK_PAIRS pairs the chunks grow instead of
+# their number, which bounds the per-chunk counts table every placing program reads (ALIGN_MAX_CHUNKS x E;
+# 128 programs are about one per SM of an H200). Fixed, so a new batch size never compiles a new variant.
+ALIGN_CHUNK_PAIRS = 128
+ALIGN_MAX_CHUNKS = 128
 
 
 def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -101,12 +108,14 @@ def moe_align_block_size(
     max_rows = align_max_rows(num_pairs, num_experts, block_m)
     if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
         return _moe_align_triton(topk_ids, block_m, num_experts, max_rows)
-    return _moe_align_torch(topk_ids, block_m, num_experts, max_rows)
+    return _moe_align_chunked(topk_ids, block_m, num_experts, max_rows)
 
 
 def _moe_align_torch(
     topk_ids: torch.Tensor, block_m: int, num_experts: int, max_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference layout (~30 vectorised torch launches, too many for a prefill's host): both Triton
+    alignments must equal it exactly. Not used by ``moe_align_block_size``."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
@@ -187,6 +196,125 @@ def _moe_align_triton(
         BLOCK_P=128,
         BLOCK_T=256,
         **pdl_kwargs(flat.device), num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_rows_padded
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk_pairs", "max_rows"])
+def _moe_align_count_kernel(
+    topk_ids_ptr,
+    counts_ptr,
+    sorted_ids_ptr,
+    num_pairs,
+    num_experts,
+    chunk_pairs,
+    max_rows,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per chunk of pairs: its pairs per expert into ``counts[chunk, :]``; and its grid-stride
+    share of ``sorted_ids`` filled with the padding value (the placing kernel, which runs after this one,
+    overwrites the rows that hold pairs), which saves a fill launch."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    start = chunk * chunk_pairs
+    for p0 in range(start, tl.minimum(start + chunk_pairs, num_pairs), BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + chunk * num_experts + experts, counts, mask=experts < num_experts)
+    padding = tl.full([BLOCK_R], num_pairs, dtype=tl.int32)
+    for r0 in range(chunk * BLOCK_R, max_rows, tl.num_programs(0) * BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        tl.store(sorted_ids_ptr + rows, padding, mask=rows < max_rows)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk_pairs", "num_tiles"])
+def _moe_align_place_kernel(
+    topk_ids_ptr,
+    counts_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_rows_padded_ptr,
+    num_pairs,
+    num_experts,
+    chunk_pairs,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per chunk: from the whole counts table, every expert's padded run and this chunk's place
+    in it (the pairs of that expert in earlier chunks); then its pairs at run start + that offset + a
+    running one-hot cumsum, as the single program does (stable). Tiles' experts: grid-stride shares."""
+    pdl_wait(USE_PDL)  # the counting kernel's counts and padding are visible after this
+    chunk = tl.program_id(0)
+    num_chunks = tl.num_programs(0)
+    experts = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        mask = (chunks[:, None] < num_chunks) & (experts[None, :] < num_experts)
+        table = tl.load(counts_ptr + chunks[:, None] * num_experts + experts[None, :], mask=mask, other=0)
+        totals += tl.sum(table, axis=0)
+        before += tl.sum(tl.where(chunks[:, None] < chunk, table, 0), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_rows_padded_ptr, tl.sum(padded, axis=0), mask=chunk == 0)
+    # A tile's expert is the number of experts whose run ends at or before the tile's first row.
+    for t0 in range(chunk * BLOCK_T, num_tiles, num_chunks * BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        owner = tl.sum((tiles[:, None] * BLOCK_M >= ends[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + tiles, tl.minimum(owner, num_experts - 1), mask=tiles < num_tiles)
+    next_row = ends - padded + before
+    start = chunk * chunk_pairs
+    for p0 in range(start, tl.minimum(start + chunk_pairs, num_pairs), BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        valid = pairs < num_pairs
+        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rows = next_row[None, :] + tl.cumsum(onehot, axis=0) - 1
+        tl.store(sorted_ids_ptr + tl.sum(onehot * rows, axis=1), pairs, mask=valid)
+        next_row += tl.sum(onehot, axis=0)
+
+
+def _moe_align_chunked(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, max_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The multi-program alignment: count per chunk, then place per chunk; two launches, no fill."""
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    steps = max(1, triton.cdiv(triton.cdiv(num_pairs, ALIGN_CHUNK_PAIRS), ALIGN_MAX_CHUNKS))
+    chunk_pairs = steps * ALIGN_CHUNK_PAIRS
+    num_chunks = max(1, triton.cdiv(num_pairs, chunk_pairs))
+    counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    sorted_ids = torch.empty((max_rows,), dtype=torch.int32, device=device)  # the counting kernel fills it
+    num_tiles = max_rows // block_m
+    expert_ids = torch.empty((num_tiles,), dtype=torch.int32, device=device)
+    num_rows_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    _moe_align_count_kernel[(num_chunks,)](
+        flat, counts, sorted_ids, num_pairs, num_experts, chunk_pairs, max_rows,
+        BLOCK_E=block_e, BLOCK_P=ALIGN_CHUNK_PAIRS, BLOCK_R=1024,
+        **pdl_kwargs(device), num_warps=4,
+    )  # fmt: skip
+    _moe_align_place_kernel[(num_chunks,)](
+        flat, counts, sorted_ids, expert_ids, num_rows_padded, num_pairs, num_experts, chunk_pairs, num_tiles,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        BLOCK_P=ALIGN_CHUNK_PAIRS,
+        BLOCK_C=max(1, 4096 // block_e),  # counts-table rows per load: ~4096 ints, 32 per thread
+        BLOCK_T=256,
+        **pdl_kwargs(device), num_warps=4,
     )  # fmt: skip
     return sorted_ids, expert_ids, num_rows_padded
 

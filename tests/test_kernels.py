@@ -269,47 +269,112 @@ def test_fused_moe(tokens: int, top_k: int, dtype: torch.dtype) -> None:
     assert out.dtype == dtype
 
 
+def align_case(tokens: int, top_k: int, experts: int, used: int) -> torch.Tensor:
+    """Routing of ``tokens`` to ``top_k`` distinct experts each, all among ``used`` of them (the rest get
+    no pairs)."""
+    allowed = torch.randperm(experts, device=DEVICE)[:used]
+    return torch.stack([allowed[torch.randperm(used, device=DEVICE)[:top_k]] for _ in range(tokens)])
+
+
+def check_align_layout(got: tuple[torch.Tensor, ...], ids: torch.Tensor, experts: int, block_m: int) -> None:
+    """Equal to the torch reference, and a valid layout: each tile's pairs belong to its expert, and every
+    pair appears once."""
+    pairs = ids.numel()
+    want = triton_moe._moe_align_torch(
+        ids, block_m, experts, triton_moe.align_max_rows(pairs, experts, block_m)
+    )
+    for name, a, b in zip(("sorted_ids", "expert_ids", "num_rows_padded"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    sorted_ids, expert_ids, num_rows = got
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert int(num_rows) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    flat = ids.reshape(-1)
+    real = sorted_ids[: int(num_rows)].view(-1, block_m)
+    owners = expert_ids[: int(num_rows) // block_m, None].expand_as(real)
+    used = real < pairs
+    assert (flat[real[used].long()] == owners[used]).all()
+    assert torch.equal(real[used].sort().values, torch.arange(pairs, dtype=torch.int32, device=DEVICE))
+
+
 @pytest.mark.parametrize(
     ("tokens", "top_k", "experts", "block_m"),
     [(4, 2, 6, 4), (37, 4, 16, 16), (300, 5, 64, 16), (256, 8, 128, 32), (512, 8, 128, 64)],
 )
 def test_moe_align_block_size(tokens: int, top_k: int, experts: int, block_m: int) -> None:
-    """Both alignment paths (single-program Triton, vectorised torch) give the same valid layout."""
+    """Both Triton alignments (single program, multi-program) equal the torch reference."""
     torch.manual_seed(11)
-    used = torch.randperm(experts, device=DEVICE)[: max(top_k, experts // 2)]  # some experts get nothing
-    ids = torch.stack([used[torch.randperm(used.numel(), device=DEVICE)[:top_k]] for _ in range(tokens)])
-    pairs = ids.numel()
-    max_rows = triton_moe.align_max_rows(pairs, experts, block_m)
-    got = triton_moe._moe_align_triton(ids, block_m, experts, max_rows)
-    want = triton_moe._moe_align_torch(ids, block_m, experts, max_rows)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    sorted_ids, expert_ids, num_rows = got
-    counts = torch.bincount(ids.reshape(-1), minlength=experts)
-    assert int(num_rows) == int(((counts + block_m - 1) // block_m * block_m).sum())
-    flat = ids.reshape(-1)
-    seen: list[int] = []
-    for tile in range(int(num_rows) // block_m):
-        rows = sorted_ids[tile * block_m : (tile + 1) * block_m]
-        real = rows[rows < pairs]
-        assert (flat[real.long()] == expert_ids[tile]).all()
-        seen += real.tolist()
-    assert sorted(seen) == list(range(pairs))
+    ids = align_case(tokens, top_k, experts, used=max(top_k, experts // 2))
+    max_rows = triton_moe.align_max_rows(ids.numel(), experts, block_m)
+    check_align_layout(triton_moe._moe_align_triton(ids, block_m, experts, max_rows), ids, experts, block_m)
+    check_align_layout(triton_moe._moe_align_chunked(ids, block_m, experts, max_rows), ids, experts, block_m)
 
 
-@pytest.mark.parametrize(("tokens", "kernel"), [(512, True), (513, False)])
-def test_moe_align_takes_one_launch_up_to_a_512_token_prompt(
-    monkeypatch: pytest.MonkeyPatch, tokens: int, kernel: bool
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "used", "block_m", "max_chunks"),
+    [
+        (1100, 8, 128, 64, 64, None),  # 8800 pairs: 69 chunks, the last one partial
+        (333, 1, 16, 1, 16, None),  # every pair to one expert: its run crosses every chunk
+        (1, 8, 128, 128, 64, None),  # one program, 8 pairs
+        (129, 2, 64, 40, 32, None),
+        (171, 3, 32, 16, 16, None),
+        (250, 5, 128, 30, 32, None),
+        (120, 6, 60, 45, 64, None),  # experts not a power of two
+        (97, 7, 256, 100, 16, None),  # 256 experts: fewer counts-table rows per load
+        (700, 4, 32, 20, 16, 3),  # 3 chunks of 8 steps each (1024 pairs), the last one 752 pairs
+        (64, 8, 128, 64, 32, None),  # 512 pairs: whole chunks only
+    ],
+)
+def test_moe_align_multi_program_matches_torch(
+    monkeypatch: pytest.MonkeyPatch,
+    tokens: int,
+    top_k: int,
+    experts: int,
+    used: int,
+    block_m: int,
+    max_chunks: int | None,
 ) -> None:
-    """A 512-token prompt at top-8 (4096 pairs) is aligned by the single-program kernel, a longer one by the
-    torch path: the launches of the torch path made such a prefill host-bound (docs/kernels.md)."""
+    """The multi-program alignment equals the torch reference: pairs past 4096 and not a multiple of a
+    chunk, experts with no pairs, top-k 1 to 8, several tile heights, chunks of several steps. Integer
+    buffers start as garbage, so a row the kernels leave unwritten fails."""
+    torch.manual_seed(12)
+    if max_chunks is not None:
+        monkeypatch.setattr(triton_moe, "ALIGN_MAX_CHUNKS", max_chunks)
+    empty = torch.empty  # already the NaN-poisoning one for floats
+
+    def garbage(*args: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*args, **kwargs)
+        return t.fill_(-7) if t.dtype == torch.int32 else t
+
+    monkeypatch.setattr(torch, "empty", garbage)
+    ids = align_case(tokens, top_k, experts, used)
+    max_rows = triton_moe.align_max_rows(ids.numel(), experts, block_m)
+    got = triton_moe._moe_align_chunked(ids, block_m, experts, max_rows)
+    check_align_layout(got, ids, experts, block_m)
+
+
+LIMIT_TOKENS = triton_moe.ALIGN_KERNEL_MAX_PAIRS // 8  # the most top-8 tokens the single program takes
+
+
+@pytest.mark.parametrize(
+    ("tokens", "path"),
+    [
+        (1, "_moe_align_triton"),
+        (LIMIT_TOKENS, "_moe_align_triton"),
+        (LIMIT_TOKENS + 1, "_moe_align_chunked"),
+        (1024, "_moe_align_chunked"),  # past the 4096 pairs where the torch path used to take over
+        (8192, "_moe_align_chunked"),
+    ],
+)
+def test_moe_align_dispatch(monkeypatch: pytest.MonkeyPatch, tokens: int, path: str) -> None:
+    """Up to ALIGN_KERNEL_MAX_PAIRS pairs the single program (one launch after the fill), past it the
+    multi-program kernels at any size; never the torch path, whose ~30 launches per MoE layer made a
+    prefill host-bound (docs/kernels.md)."""
     taken: list[str] = []
-    for name in ("_moe_align_triton", "_moe_align_torch"):
-        real = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, real=real, name=name: taken.append(name) or real(*a))
+    for name in ("_moe_align_triton", "_moe_align_chunked", "_moe_align_torch"):
+        monkeypatch.setattr(triton_moe, name, lambda *a, name=name: taken.append(name))
     ids = torch.randint(0, 128, (tokens, 8), device=DEVICE)
     triton_moe.moe_align_block_size(ids, 64, 128)
-    assert taken == ["_moe_align_triton" if kernel else "_moe_align_torch"]
+    assert taken == [path]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -343,6 +408,27 @@ def test_gpu_fused_moe_qwen3_30b_a3b(tokens: int) -> None:
     x, w13, w2, weights, ids = make_moe_case(tokens, 2048, 768, 128, 8, torch.bfloat16, used_experts=128)
     out = TRITON_OPS.fused_moe(x, w13, w2, weights, ids)
     assert_close(out, fused_moe_torch(*up(x, w13, w2), weights, ids), torch.bfloat16, "fused_moe")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [16, 64, 1024, 8192])
+def test_gpu_moe_align_in_cuda_graph(tokens: int) -> None:
+    """Either alignment path, captured once at a real size (Qwen3-30B-A3B: 128 experts, top-8) and replayed
+    with new routing, equals the torch reference; the 8192-token prompt's chunks take several steps."""
+    torch.manual_seed(26)
+    experts, block_m = 128, 64
+    ids = torch.rand(tokens, experts, device=DEVICE).topk(8, dim=-1).indices
+    triton_moe.moe_align_block_size(ids, block_m, experts)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = triton_moe.moe_align_block_size(ids, block_m, experts)
+    for _ in range(2):
+        ids.copy_(torch.rand(tokens, experts, device=DEVICE).topk(8, dim=-1).indices)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_align_layout(got, ids, experts, block_m)
 
 
 @gpu
@@ -472,6 +558,6 @@ def test_every_pdl_kernel_waits_before_its_first_load() -> None:
             )
             checked += 1
     # Every kernel that declares the switch was found: norm, SiLU, attention x2, GEMV, prologue, routing,
-    # MoE x4 (a kernel whose signature the pattern misses would otherwise go unchecked).
+    # MoE x6 (a kernel whose signature the pattern misses would otherwise go unchecked).
     declared = sum(inspect.getsource(m).count("USE_PDL: tl.constexpr") for m in modules)
-    assert checked == declared == 11
+    assert checked == declared == 13
