@@ -1,4 +1,4 @@
-"""Sampler time per decode step: greedy, temperature, temperature + top-p, seeded, at several batch sizes.
+"""Sampler time per decode step: greedy, temperature, top-k, top-p, min-p, seeded, at several batch sizes.
 
     python benchmarks/sampler_bench.py [--device cuda] [--vocab 128256] [--batches 1,64,256]
 
@@ -6,8 +6,9 @@ Times ``engine.sampler.Sampler.__call__`` on random fp32 logits (what the runner
 host side (building the per-row tensors, the token list it returns), median of 20 after 3 warm-ups, with
 a device synchronisation around each call. Peers: greedy argmax (the floor for any sampling), and the
 previous sampler's temperature path (noise drawn by a CPU generator per row, then copied to the device),
-rebuilt here as ``previous_temperature_sample``. On a GPU also the Triton backend's one-pass kernel
-(``kernels/triton_sampling.py``), which takes rows without top-k and top-p.
+rebuilt here as ``previous_temperature_sample``. On a GPU also the Triton backend's kernel
+(``kernels/triton_sampling.py``), and a second table of top-k/top-p settings: the torch sampler (which
+sorts the vocabulary) against the Triton sampler (which does not), with the kernel's device time alone.
 """
 
 from __future__ import annotations
@@ -60,11 +61,45 @@ def time_call(
     return statistics.median(times) * 1e3
 
 
+FILTERED = {
+    "temperature 0.8, top-k 50": SamplingParams(temperature=0.8, top_k=50),
+    "temperature 0.8, top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "temperature 1.0, top-k 1000, top-p 0.95": SamplingParams(temperature=1.0, top_k=1000, top_p=0.95),
+    "temperature 1.0, top-p 0.95, min-p 0.05": SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05),
+}
+
+
+def kernel_device_ms(logits: torch.Tensor, params: SamplingParams) -> float:
+    """Device time of ``gumbel_sample_triton`` alone (CUDA events, median of 20 after 3 warm-ups), with the
+    per-row tensors built once: what the kernel costs without the sampler's host work."""
+    from kernels.triton_sampling import gumbel_sample_triton
+
+    batch, vocab = logits.shape
+    device = logits.device
+    temps = torch.full((batch,), params.temperature, device=device)
+    keys = torch.arange(batch, dtype=torch.int64, device=device) * 7919
+    min_p = torch.full((batch,), params.min_p, device=device) if params.min_p > 0 else None
+    filtered = params.top_k > 0 or params.top_p < 1.0
+    top_k = torch.full((batch,), params.top_k or vocab, device=device) if filtered else None
+    top_p = torch.full((batch,), params.top_p, device=device) if filtered else None
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gumbel_sample_triton(logits, temps, keys, min_p, top_k, top_p)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--vocab", type=int, default=128_256)
     parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--skip-previous", action="store_true", help="leave out the previous sampler (slow)")
     args = parser.parse_args()
     device = torch.device(args.device)
     sampler = Sampler()
@@ -75,20 +110,34 @@ def main() -> None:
         return previous_temperature_sample(logits, params[0].temperature, gen)
 
     fused = Sampler(kernel_backend="triton") if device.type == "cuda" else None
-    header = [*MODES, "previous sampler, temperature 0.8"]
+    header = [*MODES] + ([] if args.skip_previous else ["previous sampler, temperature 0.8"])
     if fused is not None:
-        header += ["Triton one-pass, temperature 0.8", "Triton one-pass, temperature 0.8 + min-p 0.05"]
+        header += ["Triton kernel, temperature 0.8", "Triton kernel, temperature 0.8 + min-p 0.05"]
     print("| batch | " + " | ".join(f"{m} ms" for m in header) + " |")
     print("|---:|" + "---:|" * len(header))
-    for batch in (int(b) for b in args.batches.split(",")):
+    batches = [int(b) for b in args.batches.split(",")]
+    for batch in batches:
         logits = torch.randn(batch, args.vocab, device=device) * 3
         cells = [f"{time_call(sampler, logits, [p] * batch, device):.3f}" for p in MODES.values()]
-        cells.append(f"{time_call(previous, logits, [MODES['temperature 0.8']] * batch, device):.3f}")
+        if not args.skip_previous:
+            cells.append(f"{time_call(previous, logits, [MODES['temperature 0.8']] * batch, device):.3f}")
         if fused is not None:
             min_p = SamplingParams(temperature=0.8, min_p=0.05)
             cells.append(f"{time_call(fused, logits, [MODES['temperature 0.8']] * batch, device):.3f}")
             cells.append(f"{time_call(fused, logits, [min_p] * batch, device):.3f}")
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+    # Top-k and top-p: the torch race sorts the vocabulary; the Triton kernel does not (radix select and
+    # rejection). Sampler calls (host work included) and the kernel's device time alone.
+    print()
+    print("| batch | filters | torch sampler ms | Triton sampler ms | Triton kernel device ms |")
+    print("|---:|---|---:|---:|---:|")
+    for batch in batches:
+        logits = torch.randn(batch, args.vocab, device=device) * 3
+        for name, params in FILTERED.items():
+            torch_ms = time_call(sampler, logits, [params] * batch, device)
+            fused_ms = f"{time_call(fused, logits, [params] * batch, device):.3f}" if fused else "-"
+            kernel_ms = f"{kernel_device_ms(logits, params):.3f}" if fused else "-"
+            print(f"| {batch} | {name} | {torch_ms:.3f} | {fused_ms} | {kernel_ms} |", flush=True)
 
 
 if __name__ == "__main__":

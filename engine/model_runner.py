@@ -27,16 +27,14 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-# What warm_up samples, batch by batch: a plain row (the sampler's one-pass kernel, or its torch race
-# without a sort), then a min-p row (the kernel's min-p variant) beside a top-k + top-p row (the torch race
-# with a sort). Seeded, so the sampler's generator does not move.
-_WARM_UP_SAMPLES = (
-    [SamplingParams(temperature=1.0, seed=0)],
-    [
-        SamplingParams(temperature=1.0, min_p=0.1, seed=0),
-        SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=0),
-    ],
-)
+# What warm_up samples, batch by batch: a plain row, a min-p row, a top-k + top-p row, then a min-p row
+# beside a top-k + top-p row: the four compiled variants of the sampler's Triton kernel (min-p or not, the
+# filters or not); without it, the torch race with and without a sort. Seeded, so the sampler's generator
+# does not move.
+_PLAIN = SamplingParams(temperature=1.0, seed=0)
+_MIN_P = SamplingParams(temperature=1.0, min_p=0.1, seed=0)
+_FILTERS = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=0)
+_WARM_UP_SAMPLES = ([_PLAIN], [_MIN_P], [_FILTERS], [_MIN_P, _FILTERS])
 
 
 @dataclass

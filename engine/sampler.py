@@ -5,12 +5,13 @@ from a counter-based hash of (row key, token id), computed in one vectorised pas
 a seeded request's row key is a hash of (seed, output position) alone, so its tokens do not depend on
 what else is in the batch, nor on which worker or device samples which position (the prefill worker
 samples position 0, the decode worker the rest): the integer hash is exact everywhere. Unseeded rows take
-their keys from the sampler's own generator. Rows without top-k or top-p race through the op table's
-``gumbel_sample`` (``kernels/sampling.py``; with the Triton backend on a GPU, the one-pass Gumbel-max kernel
-of ``kernels/triton_sampling.py``: same race, same hash); rows
-with top-k or top-p take the torch race with a sort, on just those rows. The path is chosen per row, from
-that row's own parameters: the two paths agree only up to float rounding (at near-ties, at the min-p
-boundary), so a batch-wide choice would let a row's batch-mates change its token. (Drawing the noise
+their keys from the sampler's own generator. Rows race through the op table's ``gumbel_sample``: with
+the Triton backend on a GPU, the kernel of ``kernels/triton_sampling.py`` (same race, same hash; top-k and
+top-p without a sort) takes every sampling row; elsewhere ``kernels/sampling.py``'s torch race, which sorts
+the vocabulary for top-k and top-p, so only the rows that need it take that sort. The path is chosen per
+row, from that row's own parameters and device: the kernel and the torch race agree only up to float
+rounding (at near-ties, at the min-p and top-p boundaries), so a batch-wide choice would let a row's
+batch-mates change its token. (Drawing the noise
 from a CPU generator per row, as an earlier version did, cost a host-side draw of batch x vocab values
 and a copy to the GPU every step: 32 MB at batch 64 with a 128k vocabulary.)
 """
@@ -23,7 +24,6 @@ import xxhash
 from engine.device_copy import host_to_device
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
-from kernels import sampling
 from kernels.ops import TORCH_OPS, get_ops
 
 
@@ -33,9 +33,9 @@ def _position_seed(seed: int, position: int) -> int:
 
 class Sampler:
     def __init__(self, seed: int = 0, kernel_backend: str = "torch", *, kernel_on_cpu: bool = False) -> None:
-        """Plain rows (no top-k, no top-p) race through the op table's ``gumbel_sample`` of
-        ``kernel_backend`` (``kernels.ops.get_ops``, which rejects unknown names): the Triton table's is the
-        one-pass kernel, which needs GPU logits, so on CPU logits those rows take the torch table's race.
+        """Sampling rows race through the op table's ``gumbel_sample`` of ``kernel_backend``
+        (``kernels.ops.get_ops``, which rejects unknown names): the Triton table's is a kernel, which needs
+        GPU logits, so on CPU logits the rows take the torch table's race.
         ``kernel_on_cpu``: with the Triton backend, rows on the CPU take the kernel too, which works only
         under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported): for tests of the
         per-row path choice."""
@@ -54,7 +54,7 @@ class Sampler:
             self._kernel_devices = ("cuda", "cpu")
 
     def uses_kernel(self, device: torch.device) -> bool:
-        """Whether rows without top-k or top-p whose logits are on ``device`` take the one-pass kernel."""
+        """Whether sampling rows whose logits are on ``device`` take the Triton kernel."""
         return self._compiled and device.type in self._kernel_devices
 
     def sample(
@@ -67,9 +67,10 @@ class Sampler:
         through pinned memory (``host_to_device``), so the host does not wait for the device work queued
         before (asynchronous scheduling launches the next step meanwhile).
 
-        Each row's path follows from its own parameters, decided on the host: greedy rows take the
-        argmax; rows with top-k or top-p the torch race with a sort (on those rows only); the other rows
-        the one-pass kernel where ``uses_kernel``, else the torch race without a sort."""
+        Each row's path follows from its own parameters and the device, decided on the host: greedy rows
+        take the argmax; where ``uses_kernel``, every other row the op table's kernel (top-k and top-p
+        without a sort); elsewhere rows with top-k or top-p take the torch race with a sort (on those rows
+        only) and the others the torch race without one."""
         batch, vocab = logits.shape
         device = logits.device
         tokens = logits.argmax(dim=-1)
@@ -90,21 +91,25 @@ class Sampler:
         rows = host_to_device(_row_values(params, vocab), device)
         ints = host_to_device(torch.tensor(keys + plain + sorting, dtype=torch.int64), device)
         row_keys = ints[:batch]
-        plain_index = None if len(plain) == batch else ints[batch : batch + len(plain)]
-        sorting_index = None if len(sorting) == batch else ints[batch + len(plain) :]
+        if self.uses_kernel(device):
+            # The kernel reads each row in a few passes, without a sort, so it runs on the whole batch
+            # rather than on a gathered copy of the sampling rows; only their tokens are kept.
+            racing_index = None if len(racing) == batch else ints[batch:]
+            min_p = rows[:, 1] if any(params[i].min_p > 0 for i in racing) else None
+            top_k = rows[:, 3] if any(params[i].top_k > 0 for i in sorting) else None
+            top_p = rows[:, 2] if any(params[i].top_p < 1.0 for i in sorting) else None
+            drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p, top_k, top_p)
+            return _put(tokens, racing_index, drawn if racing_index is None else drawn[racing_index])
         if plain:
-            min_p = rows[:, 1] if any(params[i].min_p > 0 for i in plain) else None
-            if self.uses_kernel(device):
-                # The kernel reads each row once, so it runs on the whole batch rather than on a gathered
-                # copy of the plain rows; only their tokens are kept.
-                drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p)
-                drawn = drawn if plain_index is None else drawn[plain_index]
-            else:
-                drawn = _torch_race(logits, [params[i] for i in plain], rows, row_keys, plain_index)
-            tokens = _put(tokens, plain_index, drawn)
+            index = None if len(plain) == batch else ints[batch : batch + len(plain)]
+            tokens = _put(
+                tokens, index, _torch_race(logits, [params[i] for i in plain], rows, row_keys, index)
+            )
         if sorting:
-            drawn = _torch_race(logits, [params[i] for i in sorting], rows, row_keys, sorting_index)
-            tokens = _put(tokens, sorting_index, drawn)
+            index = None if len(sorting) == batch else ints[batch + len(plain) :]
+            tokens = _put(
+                tokens, index, _torch_race(logits, [params[i] for i in sorting], rows, row_keys, index)
+            )
         return tokens
 
     def __call__(
@@ -163,37 +168,13 @@ def _torch_race(
     row_keys: torch.Tensor,
     index: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The torch race of the rows ``index`` (None: every row), whose parameters are ``params``; ``rows``
-    and ``row_keys`` are the whole batch's, on the logits' device. Rows without top-k or top-p are the op
-    table's reference race (``TORCH_OPS.gumbel_sample``); otherwise top-k and top-p filter first."""
+    """The torch race (``TORCH_OPS.gumbel_sample``) of the rows ``index`` (None: every row), whose
+    parameters are ``params``; ``rows`` and ``row_keys`` are the whole batch's, on the logits' device. Which
+    filters run is decided from ``params`` on the host (top-k and top-p sort the vocabulary); their per-row
+    values come from ``rows``, so nothing here copies from host memory."""
     if index is not None:
         logits, rows, row_keys = logits[index], rows[index], row_keys[index]
     min_p = rows[:, 1] if any(p.min_p > 0 for p in params) else None
-    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        return TORCH_OPS.gumbel_sample(logits, rows[:, 0], row_keys, min_p)
-    return sampling.race(_top_k_top_p_probs(logits / rows[:, :1], params, rows), row_keys, min_p)
-
-
-def _top_k_top_p_probs(
-    scaled: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor
-) -> torch.Tensor:
-    """Softmax of the temperature-scaled logits with each row's top-k and top-p applied (dropped tokens get
-    probability 0); ``rows`` is ``_row_values`` on the logits' device. The vocabulary is sorted once per
-    batch: top-k reads its k-th value and top-p its cumulative mass from the same descending order
-    (softmax keeps the logits' order). Which filters run is decided from ``params`` on the host; their
-    per-row values come from ``rows``, so nothing here copies from host memory."""
-    need_k = any(p.top_k > 0 for p in params)
-    need_p = any(p.top_p < 1.0 for p in params)
-    sorted_vals, order = scaled.sort(dim=-1, descending=True)
-    if need_k:
-        kth = sorted_vals.gather(1, rows[:, 3:4].long() - 1)
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if need_p:
-        sorted_probs = probs.gather(1, order)
-        # Keep the smallest set whose mass reaches top-p. Rows with top-p off drop nothing: in float32 the
-        # running mass of a large vocabulary can reach 1 before its tail (10% of 128k random logits did).
-        top_p = rows[:, 2:3]
-        drop_sorted = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
-    return probs
+    top_k = rows[:, 3] if any(p.top_k > 0 for p in params) else None
+    top_p = rows[:, 2] if any(p.top_p < 1.0 for p in params) else None
+    return TORCH_OPS.gumbel_sample(logits, rows[:, 0], row_keys, min_p, top_k, top_p)

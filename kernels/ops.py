@@ -32,7 +32,9 @@ class Ops:
     moe_route: Callable
     qkv_prologue: Callable
     linear: Callable
-    gumbel_sample: Callable  # the sampling race of plain rows (engine/sampler.py picks the rows)
+    gumbel_sample: (
+        Callable  # the sampling race, with top-k, top-p and min-p (engine/sampler.py picks the rows)
+    )
 
 
 TORCH_OPS = Ops(

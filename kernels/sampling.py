@@ -1,9 +1,10 @@
-"""The sampling race of plain rows (temperature, optional min-p): the PyTorch reference of
+"""The sampling race (temperature, top-k, top-p, min-p): the PyTorch reference of
 ``kernels/triton_sampling.py``, and the noise both use.
 
 Sampling is an exponential race, ``argmax(probs / E)`` with ``E ~ Exponential(1)`` per token. The noise is
 a counter-based hash of (row key, token id), exact integer arithmetic on any device, so a row's draw
-depends on its key alone (``engine/sampler.py`` makes the keys and picks the rows).
+depends on its key alone (``engine/sampler.py`` makes the keys and picks the rows). Top-k and top-p sort
+the vocabulary here; the Triton kernel finds the same kept set without a sort.
 """
 
 from __future__ import annotations
@@ -54,9 +55,42 @@ def race(probs: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None
     return (probs / exponential_noise(row_keys, probs.shape[1])).argmax(dim=-1)
 
 
-def gumbel_sample_torch(
-    logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None
+def top_k_top_p_probs(
+    scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """logits [B, V] fp32; temperatures [B] > 0; row_keys [B] int64; min_p [B] in [0, 1] or None. Returns
-    the sampled token ids, [B] int64: ``race`` over ``softmax(logits / T)``."""
-    return race(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), row_keys, min_p)
+    """Softmax of the temperature-scaled logits [B, V] with each row's top-k, then top-p applied (dropped
+    tokens get probability 0), as vLLM and SGLang apply them. ``top_k`` [B] integer (the vocabulary size
+    where off) and ``top_p`` [B] in (0, 1] (1 where off), or None for no row. The vocabulary is sorted once:
+    top-k reads its k-th value and top-p its cumulative mass from the same descending order (softmax keeps
+    the logits' order). A token tied with the k-th value is kept."""
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_vals.gather(1, top_k.long().unsqueeze(1) - 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p is not None:
+        sorted_probs = probs.gather(1, order)
+        # Keep the smallest set whose mass reaches top-p. Rows with top-p off drop nothing: in float32 the
+        # running mass of a large vocabulary can reach 1 before its tail (10% of 128k random logits did).
+        top_p = top_p.unsqueeze(1)
+        drop_sorted = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
+    return probs
+
+
+def gumbel_sample_torch(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    row_keys: torch.Tensor,
+    min_p: torch.Tensor | None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """logits [B, V] fp32; temperatures [B] > 0; row_keys [B] int64; min_p [B] in [0, 1] or None; top_k
+    [B] (the vocabulary size where off) or None; top_p [B] (1 where off) or None. Returns the sampled token
+    ids, [B] int64: ``race`` over ``softmax(logits / T)``, filtered by ``top_k_top_p_probs`` when either is
+    given (a sort of the vocabulary)."""
+    scaled = logits / temperatures.unsqueeze(1)
+    if top_k is None and top_p is None:
+        return race(torch.softmax(scaled, dim=-1), row_keys, min_p)
+    return race(top_k_top_p_probs(scaled, top_k, top_p), row_keys, min_p)

@@ -1,13 +1,33 @@
-"""Temperature sampling in one pass over the logits: the Gumbel-max form of ``kernels/sampling.py``'s race.
+"""Sampling without a sort: the Gumbel-max form of ``kernels/sampling.py``'s race, with top-k, top-p and
+min-p, one program per row.
 
 The sampler draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` from a counter-based hash of (row key,
 token id). Since ``probs = softmax(logits / T)``, that is ``argmax(logits / T - log E)``: no softmax, no
-[B, V] intermediates, one read of the logits. One program per row streams its logits in ``BLOCK_V``
-chunks, computes the same splitmix64 hash as ``kernels.sampling.exponential_noise`` (uint64 arithmetic),
-applies min-p (a token survives when ``(l - l_max) / T >= log(min_p)``, i.e. ``p >= min_p * p_max``;
-that takes a first pass for the row's max), and keeps the running argmax (the first index wins a tie).
-Top-k and top-p need a sort and stay on the torch path. On an H200 at a 128k vocabulary the torch path
-costs 1.25 ms per step at batch 64 (``benchmarks/sampler_bench.py``).
+[B, V] intermediates. The program streams its row's logits in ``BLOCK_V`` chunks, computes the same
+splitmix64 hash as ``kernels.sampling.exponential_noise`` (uint64 arithmetic) and keeps the running
+argmax (the first index wins a tie). A row with temperature alone takes one pass.
+
+Top-k, top-p and min-p each keep an upper set of the row's logits (every token at or above some value),
+so the tokens kept are ``{l >= tau}`` for one threshold, and the winner of the race over them is found
+without sorting:
+
+- **Top-k** is a radix select of the k-th largest logit on order-preserving 32-bit keys of the floats:
+  an 11-bit digit per pass, a histogram of the digit among the keys that match the digits
+  chosen so far, and the bin where the count from the top reaches k (three passes of 11, 11 and 10 bits;
+  the first shares the race's pass). Tokens tied with the k-th logit are kept, as in the torch path.
+- **Top-p** (applied after top-k, to the top-k set's renormalised probabilities) is a rejection: the race
+  winner ``w`` among the tokens still allowed is kept iff the mass of the tokens strictly above it is
+  below ``top_p`` of the top-k set's mass. If it is kept, it is the winner among the kept tokens, because
+  they are a subset of those it beat. If not, no token at or below it is kept, so the next pass races the
+  tokens above it, and checks the new winner in the same pass that finds the next one. The expected number
+  of passes is small: the first winner is kept with probability about ``top_p``.
+- **Min-p** keeps ``p >= min_p * p_max``, i.e. ``(l - l_max) / T >= log(min_p)``: a mask once the row's
+  maximum is known (a winner of the first pass that fails it is replaced, like a rejected one).
+
+The result equals the torch path's (sort, cumulative sum, race) except at float rounding: the cumulative
+mass here is summed in another order, and the torch path scales the logits before sorting, so two logits
+that round to the same scaled value tie there and not here. At batch 64 on a 128k vocabulary the torch
+path's sort costs about 2.3 ms per step on an H200 (``benchmarks/sampler_bench.py``).
 """
 
 from __future__ import annotations
@@ -16,54 +36,158 @@ import torch
 import triton
 import triton.language as tl
 
+# The top-k select's digits: bits 31-21, 20-10 and 9-0 of the ordered keys, one histogram pass each.
+RADIX_BINS: tl.constexpr = tl.constexpr(2048)
+
 
 @triton.jit
-def _gumbel_sample_kernel(
+def _ordered_key(x):
+    """float32 -> uint32 with the floats' order (negative floats have their bits flipped)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _race_score(logit, ids, seed, inv_t):
+    """``logit / T - log(E)`` with ``E`` from the splitmix64 hash of (row seed, token id)."""
+    z = seed + ids.to(tl.uint64) + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    u = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return logit * inv_t - tl.log(-tl.log(u))
+
+
+@triton.jit
+def _select_bin(hist, k):
+    """The bin holding the k-th largest of the counted keys, and how many counted keys lie above it."""
+    above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # keys in higher bins
+    b = tl.sum((above + hist >= k).to(tl.int32), axis=0) - 1
+    return b, tl.sum(tl.where(tl.arange(0, RADIX_BINS) == b, above, 0), axis=0)
+
+
+@triton.jit
+def _radix_pass(
+    base, vocab, offs, prefix, k_rem, HI: tl.constexpr, SHIFT: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """One digit of the top-k select: the keys whose bits above ``HI`` are ``prefix`` are counted by their
+    bits ``HI-1 .. SHIFT``; returns the prefix extended by the digit holding the ``k_rem``-th largest of
+    them, and its rank within that digit's keys."""
+    bins = tl.arange(0, RADIX_BINS)
+    hist = tl.zeros([RADIX_BINS], tl.int32)
+    skipped = 0
+    for v0 in range(0, vocab, BLOCK_V):
+        ids = v0 + offs
+        valid = ids < vocab
+        key = _ordered_key(tl.load(base + ids, mask=valid, other=0.0))
+        match = valid & ((key >> HI) == prefix)
+        digit = (key >> SHIFT) & ((1 << (HI - SHIFT)) - 1)
+        hist += tl.histogram(tl.where(match, digit, 0).to(tl.int32), RADIX_BINS)
+        skipped += tl.sum((~match).to(tl.int32), axis=0)  # counted in bin 0 above
+    b, above = _select_bin(hist - tl.where(bins == 0, skipped, 0), k_rem)
+    return (prefix << (HI - SHIFT)) | b.to(tl.uint32), k_rem - above
+
+
+@triton.jit
+def _sample_kernel(
     logits_ptr,
     inv_temp_ptr,
     keys_ptr,
     log_min_p_ptr,
+    top_k_ptr,
+    top_p_ptr,
     out_ptr,
     vocab,
     stride_row,
     HAS_MIN_P: tl.constexpr,
+    FILTERED: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     inv_t = tl.load(inv_temp_ptr + row)
-    key = tl.load(keys_ptr + row).to(tl.uint64)
+    seed = tl.load(keys_ptr + row).to(tl.uint64) * 0x9E3779B97F4A7C15
     offs = tl.arange(0, BLOCK_V)
-    row_max = 0.0
-    log_min_p = 0.0
+    log_min_p = float("-inf")
     if HAS_MIN_P:
         log_min_p = tl.load(log_min_p_ptr + row)
-        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        for v0 in range(0, vocab, BLOCK_V):
-            m = tl.maximum(m, tl.load(base + v0 + offs, mask=v0 + offs < vocab, other=float("-inf")))
-        row_max = tl.max(m, axis=0)
+    top_k = vocab
+    top_p = 1.0
+    if FILTERED:  # top-k (the vocabulary size where off) and top-p (1 where off)
+        top_k = tl.load(top_k_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+
+    # Pass 1: the row's maximum, the race over every token, and the top-k select's first digit.
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    hist = tl.zeros([RADIX_BINS], tl.int32)
     best_score = float("-inf")
     best_index = 0
-    seed = key * 0x9E3779B97F4A7C15
     for v0 in range(0, vocab, BLOCK_V):
         ids = v0 + offs
         valid = ids < vocab
         logit = tl.load(base + ids, mask=valid, other=float("-inf"))
-        z = seed + ids.to(tl.uint64) + 0x9E3779B97F4A7C15
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        z = z ^ (z >> 31)
-        u = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = logit * inv_t - tl.log(-tl.log(u))
-        keep = valid
-        if HAS_MIN_P:
-            keep = keep & ((logit - row_max) * inv_t >= log_min_p)
-        score = tl.where(keep, score, float("-inf"))
+        m = tl.maximum(m, logit)
+        score = tl.where(valid, _race_score(logit, ids, seed, inv_t), float("-inf"))
         chunk_best = tl.max(score, axis=0)
         chunk_index = tl.argmax(score, axis=0) + v0
         better = chunk_best > best_score
         best_index = tl.where(better, chunk_index, best_index)
         best_score = tl.where(better, chunk_best, best_score)
+        if FILTERED:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+            if top_k < vocab:  # the padding lanes land in bin 0 and are taken out below
+                hist += tl.histogram(tl.where(valid, _ordered_key(logit) >> 21, 0).to(tl.int32), RADIX_BINS)
+    row_max = tl.max(m, axis=0)
+
+    # Top-k: the rest of the radix select; ``lo`` is the k-th largest key (0: every token).
+    lo = tl.zeros([], tl.uint32)
+    if FILTERED:  # noqa: SIM102
+        if top_k < vocab:
+            pad = tl.cdiv(vocab, BLOCK_V) * BLOCK_V - vocab
+            b, above = _select_bin(hist - tl.where(tl.arange(0, RADIX_BINS) == 0, pad, 0), top_k)
+            k_rem = top_k - above
+            prefix, k_rem = _radix_pass(base, vocab, offs, b.to(tl.uint32), k_rem, 21, 10, BLOCK_V)
+            prefix, k_rem = _radix_pass(base, vocab, offs, prefix, k_rem, 10, 0, BLOCK_V)
+            lo = prefix
+    top_k_key = lo
+
+    # The candidate: the race's winner so far, while it is among the tokens allowed. Then, while the
+    # candidate needs checking (top-p) or was not allowed, one pass: the mass above it, the top-k set's
+    # mass, and the winner among the allowed tokens above it (or among all allowed ones).
+    w_logit = tl.load(base + best_index)
+    w_key = _ordered_key(w_logit)
+    allowed = (w_key >= lo) & ((w_logit - row_max) * inv_t >= log_min_p)
+    check_p = top_p < 1.0
+    done = allowed & (not check_p)
+    while not done:
+        mass_above = 0.0
+        mass_top_k = 0.0
+        next_score = float("-inf")
+        next_index = 0
+        for v0 in range(0, vocab, BLOCK_V):
+            ids = v0 + offs
+            valid = ids < vocab
+            logit = tl.load(base + ids, mask=valid, other=float("-inf"))
+            key = _ordered_key(logit)
+            above_w = valid & (key > w_key)
+            if FILTERED:
+                e = tl.exp((logit - row_max) * inv_t)
+                mass_above += tl.sum(tl.where(above_w, e, 0.0), axis=0)
+                mass_top_k += tl.sum(tl.where(valid & (key >= top_k_key), e, 0.0), axis=0)
+            racing = (
+                valid & (key >= lo) & ((logit - row_max) * inv_t >= log_min_p) & (above_w | (not allowed))
+            )
+            score = tl.where(racing, _race_score(logit, ids, seed, inv_t), float("-inf"))
+            chunk_best = tl.max(score, axis=0)
+            chunk_index = tl.argmax(score, axis=0) + v0
+            better = chunk_best > next_score
+            next_index = tl.where(better, chunk_index, next_index)
+            next_score = tl.where(better, chunk_best, next_score)
+        keep = allowed & ((not check_p) | (mass_above < top_p * mass_top_k) | (next_score == float("-inf")))
+        done = keep | ((not allowed) & (not check_p))
+        lo = tl.where(allowed & (not keep), w_key + 1, lo)
+        best_index = tl.where(keep, best_index, next_index)
+        w_key = _ordered_key(tl.load(base + best_index))
+        allowed = True
     tl.store(out_ptr + row, best_index)
 
 
@@ -72,14 +196,21 @@ def interpreted() -> bool:
     imported), which takes CPU tensors; compiled, it takes GPU tensors only."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_gumbel_sample_kernel, InterpretedFunction)
+    return isinstance(_sample_kernel, InterpretedFunction)
 
 
 def gumbel_sample_triton(
-    logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor, min_p: torch.Tensor | None
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    row_keys: torch.Tensor,
+    min_p: torch.Tensor | None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (last dim contiguous); temperatures [B] > 0; row_keys [B] int64 (the sampler's
-    per-row keys); min_p [B] in [0, 1] or None. Returns the sampled token ids, [B] int64."""
+    per-row keys); min_p [B] in [0, 1] or None; top_k [B] (any dtype holding integers; the vocabulary size
+    where off) or None; top_p [B] in (0, 1] (1 where off) or None. Returns the sampled token ids, [B]
+    int64."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
@@ -88,9 +219,20 @@ def gumbel_sample_triton(
         logits = logits.contiguous()
     inv_temp = (1.0 / temperatures.to(torch.float32)).contiguous()
     log_min_p = torch.log(min_p.to(torch.float32)).contiguous() if min_p is not None else inv_temp
-    _gumbel_sample_kernel[(batch,)](
-        logits, inv_temp, row_keys.contiguous(), log_min_p, out, vocab, logits.stride(0),
-        HAS_MIN_P=min_p is not None, BLOCK_V=4096 if logits.is_cuda else 64,
+    filtered = top_k is not None or top_p is not None
+    if filtered:
+        top_k = torch.full_like(inv_temp, vocab) if top_k is None else top_k
+        top_p = torch.ones_like(inv_temp) if top_p is None else top_p
+        top_k, top_p = (
+            top_k.to(torch.int32).clamp(1, vocab).contiguous(),
+            top_p.to(torch.float32).contiguous(),
+        )
+    _sample_kernel[(batch,)](
+        logits, inv_temp, row_keys.contiguous(), log_min_p, top_k if filtered else inv_temp,
+        top_p if filtered else inv_temp, out, vocab,
+        logits.stride(0),
+        HAS_MIN_P=min_p is not None, FILTERED=filtered,
+        BLOCK_V=4096 if logits.is_cuda else 64,
         num_warps=8 if logits.is_cuda else 1,
     )  # fmt: skip
     return out

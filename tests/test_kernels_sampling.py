@@ -1,9 +1,11 @@
-"""The one-pass Triton temperature sampler (``kernels/triton_sampling.py``) against the engine's sampler.
+"""The Triton sampler (``kernels/triton_sampling.py``: temperature, min-p, and top-k/top-p without a sort)
+against the torch race.
 
 Without a GPU the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set by
 tests/conftest.py) on small vocabularies spread over several chunks; the ``gpu`` tests use a 128k vocabulary.
 The reference is ``Sampler`` with the torch backend (the production path on the CPU) given seeded
-parameters: its per-row keys are ``_position_seed(seed, position)``, which the kernel is handed too, so on
+parameters, or the op table's torch race (``kernels.sampling.gumbel_sample_torch``, which sorts for top-k
+and top-p): the per-row keys are ``_position_seed(seed, position)``, which the kernel is handed too, so on
 fresh random logits both pick the same tokens.
 """
 
@@ -14,6 +16,7 @@ import torch
 
 from engine.sampler import Sampler, _position_seed
 from engine.sampling_params import SamplingParams
+from kernels.sampling import gumbel_sample_torch, top_k_top_p_probs
 from kernels.triton_sampling import gumbel_sample_triton
 from tests.kernel_testing import DEVICE
 
@@ -68,17 +71,93 @@ def test_strided_rows_and_empty_batch() -> None:
     assert empty.shape == (0,)
 
 
+def filter_values(rows: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-k (a third off, i.e. the vocabulary size; the rest 1 .. vocab) and top-p (a third off,
+    i.e. 1; the rest in (0.02, 1))."""
+    top_k = torch.randint(1, vocab + 1, (rows,), generator=gen)
+    top_k[torch.rand(rows, generator=gen) < 1 / 3] = vocab
+    top_k[: rows // 8] = torch.randint(1, 4, (rows // 8,), generator=gen)  # tiny k: one or two radix bins
+    top_p = torch.rand(rows, generator=gen) * 0.98 + 0.02
+    top_p[torch.rand(rows, generator=gen) < 1 / 3] = 1.0
+    return top_k.to(DEVICE), top_p.to(DEVICE)
+
+
+@pytest.mark.parametrize("vocab", [7, 64, 300])
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_top_k_top_p_kernel_picks_the_sorting_races_token(vocab: int, with_min_p: bool) -> None:
+    """Rows with top-k, top-p, both or neither (and min-p): the kernel's radix select and rejection race
+    draw the token the sort-based torch race draws, and that token is one the filters keep."""
+    gen = torch.Generator().manual_seed(vocab + with_min_p)
+    rows = 48
+    logits = (torch.randn(rows, vocab, generator=gen) * 2.5).to(DEVICE)
+    logits[::5] -= 40.0  # rows of negative logits only: the ordered keys' other half
+    temps = (torch.rand(rows, generator=gen) * 1.5 + 0.3).to(DEVICE)
+    min_p = (torch.rand(rows, generator=gen) * 0.3).to(DEVICE) if with_min_p else None
+    top_k, top_p = filter_values(rows, vocab, gen)
+    keys = row_keys(17, rows)
+    got = gumbel_sample_triton(logits, temps, keys, min_p, top_k, top_p)
+    want = gumbel_sample_torch(logits, temps, keys, min_p, top_k, top_p)
+    assert torch.equal(got, want)
+    kept = top_k_top_p_probs(logits / temps.unsqueeze(1), top_k, top_p)
+    assert bool((kept.gather(1, got.unsqueeze(1)) > 0).all())
+    assert not torch.equal(got, logits.argmax(-1)), "these rows should sample away from argmax"
+
+
+def test_small_top_p_on_flat_rows_rejects_the_first_winners() -> None:
+    """Nearly flat rows with top-p 0.05 keep a few percent of the vocabulary, so the race's winner over
+    the whole row is almost never kept: the kernel must reject and race again above it, pass after pass."""
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 32, 300
+    logits = (torch.randn(rows, vocab, generator=gen) * 0.1).to(DEVICE)
+    temps = torch.ones(rows, device=DEVICE)
+    top_k = torch.full((rows,), vocab, device=DEVICE)
+    top_p = torch.full((rows,), 0.05, device=DEVICE)
+    keys = row_keys(3, rows)
+    unfiltered = gumbel_sample_torch(logits, temps, keys, None)
+    got = gumbel_sample_triton(logits, temps, keys, None, top_k, top_p)
+    kept = top_k_top_p_probs(logits, top_k, top_p) > 0
+    assert int(kept.gather(1, unfiltered.unsqueeze(1)).sum()) <= 4  # the first winners, mostly dropped
+    assert torch.equal(got, gumbel_sample_torch(logits, temps, keys, None, top_k, top_p))
+    assert bool(kept.gather(1, got.unsqueeze(1)).all())
+
+
+def test_top_k_keeps_ties_and_top_k_one_is_greedy() -> None:
+    """Integer logits tie often: top-k keeps every token tied with the k-th largest (as the torch race
+    does), and top-k 1 (or a vanishing top-p) leaves only the argmax; -inf logits (masked tokens) never win."""
+    gen = torch.Generator().manual_seed(9)
+    rows, vocab = 24, 200
+    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float().to(DEVICE)
+    logits[:, 150:] = float("-inf")
+    temps = torch.full((rows,), 2.0, device=DEVICE)
+    keys = row_keys(4, rows)
+    top_k = torch.randint(1, 40, (rows,), generator=gen).to(DEVICE)
+    got = gumbel_sample_triton(logits, temps, keys, None, top_k, None)
+    assert torch.equal(got, gumbel_sample_torch(logits, temps, keys, None, top_k, None))
+    kth = logits.sort(dim=1, descending=True).values.gather(1, top_k.long().unsqueeze(1) - 1)
+    assert bool((logits.gather(1, got.unsqueeze(1)) >= kth).all())
+    ones = torch.ones(rows, device=DEVICE)
+    greedy = gumbel_sample_triton(
+        logits + torch.arange(vocab, device=DEVICE) * 1e-4, ones, keys, None, ones, None
+    )
+    assert torch.equal(greedy, (logits + torch.arange(vocab, device=DEVICE) * 1e-4).argmax(-1))
+    tiny_p = gumbel_sample_triton(logits, ones, keys, None, None, ones * 1e-6)
+    assert bool((logits.gather(1, tiny_p.unsqueeze(1)).squeeze(1) == logits.max(dim=1).values).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
-    """A 128k vocabulary at batch 64: the Triton sampler and the torch sampler agree on (nearly) every
+    """A 128k vocabulary at batch 64, rows of every kind (plain, min-p, top-k, top-p, both, greedy): the
+    Triton sampler takes the kernel once, and it and the torch sampler (which sorts) agree on (nearly) every
     row (float rounding may flip a near-tie), and the kernel runs without a host synchronisation."""
     torch.manual_seed(3)
     logits = torch.randn(64, 128_256, device="cuda") * 3
-    params = [SamplingParams(temperature=0.8, seed=i) for i in range(32)]
-    params += [SamplingParams(temperature=1.1, min_p=0.05) for _ in range(31)] + [
-        SamplingParams(temperature=0)
-    ]
+    params = [SamplingParams(temperature=0.8, seed=i) for i in range(16)]
+    params += [SamplingParams(temperature=1.1, min_p=0.05) for _ in range(16)]
+    params += [SamplingParams(temperature=0.9, top_k=50, seed=i) for i in range(8)]
+    params += [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(8)]
+    params += [SamplingParams(temperature=1.2, top_k=1000, top_p=0.95, min_p=0.01) for _ in range(15)]
+    params += [SamplingParams(temperature=0)]
     positions = list(range(64))
     fused, reference = Sampler(7, "triton"), Sampler(7, "torch")
     kernel_calls: list[int] = []
@@ -86,15 +165,20 @@ def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
     assert kernel is gumbel_sample_triton
     fused._gumbel_sample = lambda *args: kernel_calls.append(1) or kernel(*args)
     a, _ = fused(logits, params, positions)
-    assert kernel_calls == [1], "the Triton sampler did not take the one-pass kernel"
+    assert kernel_calls == [1], "the Triton sampler did not take the kernel once"
     b, _ = reference(logits, params, positions)
-    assert sum(x != y for x, y in zip(a, b, strict=True)) <= 1, (a, b)
+    assert sum(x != y for x, y in zip(a, b, strict=True)) <= 2, (a, b)
     assert a[-1] == int(logits[-1].argmax())
+    top_50 = logits[32:40].topk(50, dim=1).indices
+    assert all(a[32 + i] in top_50[i].tolist() for i in range(8))
     temps, keys = torch.full((64,), 0.8, device="cuda"), torch.arange(64, dtype=torch.int64, device="cuda")
+    top_k, top_p = torch.full_like(temps, 50), torch.full_like(temps, 0.9)
     gumbel_sample_triton(logits, temps, keys, None)
+    gumbel_sample_triton(logits, temps, keys, None, top_k, top_p)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         gumbel_sample_triton(logits, temps, keys, None)
+        gumbel_sample_triton(logits, temps, keys, None, top_k, top_p)
     finally:
         torch.cuda.set_sync_debug_mode("default")

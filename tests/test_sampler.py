@@ -157,8 +157,8 @@ def _filtered_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> None:
     """Rows with top-k, top-p, both, min-p and none in one batch (one shared sort) keep exactly the
     tokens each row's own filter keeps, with the same probabilities."""
-    from engine.sampler import _row_values, _top_k_top_p_probs
-    from kernels.sampling import min_p_filter
+    from engine.sampler import _row_values
+    from kernels.sampling import min_p_filter, top_k_top_p_probs
 
     torch.manual_seed(3)
     params = [
@@ -171,7 +171,7 @@ def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> N
     ]
     logits = torch.randn(len(params), 512) * 3
     rows = _row_values(params, logits.shape[1])
-    got = min_p_filter(_top_k_top_p_probs(logits, params, rows), rows[:, 1])  # as the torch race filters
+    got = min_p_filter(top_k_top_p_probs(logits, rows[:, 3], rows[:, 2]), rows[:, 1])  # as the race filters
     for i, p in enumerate(params):
         want = _filtered_row(logits[i], p)
         assert torch.equal(got[i] > 0, want > 0), i
@@ -183,7 +183,8 @@ def test_mixed_top_k_top_p_min_p_batch_filters_each_row_like_the_textbook() -> N
 def test_top_k_row_beside_a_top_p_row_keeps_its_whole_top_k() -> None:
     """The shared sort runs top-p over every row; a row with top-p off must lose nothing to it, though in
     float32 its running mass reaches 1 long before a 128k vocabulary's tail."""
-    from engine.sampler import _row_values, _top_k_top_p_probs
+    from engine.sampler import _row_values
+    from kernels.sampling import top_k_top_p_probs
 
     torch.manual_seed(4)
     k = 128_000
@@ -191,6 +192,7 @@ def test_top_k_row_beside_a_top_p_row_keeps_its_whole_top_k() -> None:
     logits = torch.randn(2, 128_256) * 3
     kept = torch.softmax(logits[0].sort(descending=True).values[:k], dim=0)
     assert float((kept.cumsum(0) - kept)[-1]) >= 1.0  # the rounding this test is about
-    got = _top_k_top_p_probs(logits, params, _row_values(params, logits.shape[1]))
+    rows = _row_values(params, logits.shape[1])
+    got = top_k_top_p_probs(logits, rows[:, 3], rows[:, 2])
     assert int((got[0] > 0).sum()) == k
     assert torch.equal(got[0] > 0, _filtered_row(logits[0], params[0]) > 0)

@@ -1,9 +1,10 @@
 """The sampler chooses each row's path from that row's parameters, never from its batch-mates'.
 
-Rows with top-k or top-p take the torch race with a sort; the other non-greedy rows take the one-pass
-Triton kernel (``kernels/triton_sampling.py``) when the sampler has one. The two paths agree only up to
-float rounding, so the tests build near-ties on which they disagree, and check that a seeded row draws the
-kernel's token whatever else is in its batch. Without a GPU the kernel runs in the Triton interpreter
+With the Triton kernel (``kernels/triton_sampling.py``) every non-greedy row takes it, top-k and top-p
+included; without it, rows with top-k or top-p take the torch race with a sort and the others the torch
+race without one. The kernel and the torch race agree only up to float rounding, so the tests build
+near-ties on which they disagree, and check that a seeded row draws the kernel's token whatever else is
+in its batch. Without a GPU the kernel runs in the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported) on CPU tensors, through the sampler's
 ``kernel_on_cpu`` option.
 """
@@ -80,15 +81,16 @@ def test_seeded_row_draws_the_kernels_token_beside_top_k_and_top_p_rows() -> Non
 
 
 def test_each_path_runs_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel runs once for the plain rows; the torch race runs on the top-k/top-p rows only (its
-    noise has their rows, not the batch's); greedy rows take neither."""
+    """The kernel runs once on the whole batch for every sampling row, top-k/top-p rows included, with the
+    filters only when a row has them; without the kernel the torch race runs on the top-k/top-p rows only
+    (its noise has their rows, not the batch's); greedy rows take neither."""
     sampler = kernel_sampler()
     kernel = sampler._gumbel_sample
-    kernel_rows: list[int] = []
+    kernel_rows: list[tuple[int, bool]] = []  # (rows, filters)
     noise_rows: list[int] = []
 
     def counted_kernel(logits: torch.Tensor, *args: torch.Tensor | None) -> torch.Tensor:
-        kernel_rows.append(logits.shape[0])
+        kernel_rows.append((logits.shape[0], args[-1] is not None))
         return kernel(logits, *args)
 
     def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -103,8 +105,12 @@ def test_each_path_runs_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None
     top_p = SamplingParams(temperature=0.8, top_p=0.8, seed=6)
     greedy = SamplingParams(temperature=0.0)
     sampler.sample(logits, [plain, top_p, greedy, plain, top_p, top_p], list(range(6)))
-    assert (kernel_rows, noise_rows) == ([6], [3])
-    for batch, want in (([top_p, greedy], ([], [1])), ([greedy, greedy], ([], []))):
+    assert (kernel_rows, noise_rows) == ([(6, True)], [])
+    for batch, want in (
+        ([top_p, greedy], ([(2, True)], [])),
+        ([plain, greedy], ([(2, False)], [])),
+        ([greedy, greedy], ([], [])),
+    ):
         kernel_rows.clear(), noise_rows.clear()
         sampler.sample(logits[: len(batch)], batch, list(range(len(batch))))
         assert (kernel_rows, noise_rows) == want

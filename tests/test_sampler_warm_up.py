@@ -1,8 +1,8 @@
 """The engine's start-up warm-up samples through each of the sampler's paths, and changes nothing.
 
-``ModelRunner.warm_up`` runs one prefill forward per size class, then samples a plain row (the one-pass
-kernel, or the torch race without a sort), a min-p row (the kernel's other variant) and a top-k/top-p row
-(the torch race with a sort), all seeded, so that no Triton compile waits for the first sampled request
+``ModelRunner.warm_up`` runs one prefill forward per size class, then samples a plain row, a min-p row, a
+top-k/top-p row and both together (the Triton kernel's four variants; without it, the torch race without
+and with a sort), all seeded, so that no Triton compile waits for the first sampled request
 and the sampler's generator does not move. The engine warms up where kernels compile: the Triton ops on a
 GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported) through the sampler's ``kernel_on_cpu`` option.
@@ -31,11 +31,11 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     sampler = Sampler(7, "triton", kernel_on_cpu=DEVICE == "cpu")
     state = sampler._unseeded.get_state()
     kernel = sampler._gumbel_sample
-    kernel_calls: list[bool] = []  # with min-p or not: the kernel's two compiled variants
+    kernel_calls: list[tuple[bool, bool]] = []  # (min-p, filters): the kernel's compiled variants
     noise_rows: list[int] = []  # rows of each torch race
 
     def counted_kernel(*args: torch.Tensor | None) -> torch.Tensor:
-        kernel_calls.append(args[3] is not None)
+        kernel_calls.append((args[3] is not None, args[4] is not None and args[5] is not None))
         return kernel(*args)
 
     def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -45,17 +45,17 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     sampler._gumbel_sample = counted_kernel
     monkeypatch.setattr(race_module, "exponential_noise", counted_noise)
     engine.runner.warm_up([1, 9], sampler)
-    assert kernel_calls == [False, True]
-    assert noise_rows == [1]  # the top-k/top-p row, on the torch race alone
+    assert kernel_calls == [(False, False), (True, False), (False, True), (True, True)]
+    assert noise_rows == []  # no torch race: the kernel takes top-k and top-p too
     assert torch.equal(sampler._unseeded.get_state(), state)
     assert torch.equal(engine.kv_pool, pool)
     assert all(
         torch.equal(b.expert_counts, c) for b, c in zip(engine.model.moe_blocks(), counts, strict=True)
     )
-    # Without a kernel every row takes the torch race: the plain rows without a sort, apart.
+    # Without a kernel every row takes the torch race: the rows without top-k/top-p apart, unsorted.
     noise_rows.clear()
     engine.runner.warm_up([], Sampler(7, "torch"))
-    assert noise_rows == [1, 1, 1]
+    assert noise_rows == [1, 1, 1, 1, 1]
 
 
 def test_engine_warms_up_where_kernels_compile_with_or_without_graphs(
