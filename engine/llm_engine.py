@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 PREFILL_DONE = "prefill_done"  # finish reason of a hold_kv request whose decode continues elsewhere
 # Prefill sizes run once at start on GPUs (besides the step budget): one per size class of the Triton
-# kernels' launch choices (MoE tiles by pairs per expert, routing tiles, the align kernel's range).
-WARM_UP_TOKENS = (128, 256, 512, 1024)
+# kernels' launch choices (MoE tiles by pairs per expert, routing tiles, the single- and multi-program
+# MoE alignments: 16 tokens take the single program at top-8, 128 and up the multi-program one).
+WARM_UP_TOKENS = (16, 128, 256, 512, 1024)
 
 
 @dataclass

@@ -12,9 +12,10 @@ so the tokens kept are ``{l >= tau}`` for one threshold, and the winner of the r
 without sorting:
 
 - **Top-k** is a radix select of the k-th largest logit on order-preserving 32-bit keys of the floats:
-  an 11-bit digit per pass, a histogram of the digit among the keys that match the digits
-  chosen so far, and the bin where the count from the top reaches k (three passes of 11, 11 and 10 bits;
-  the first shares the race's pass). Tokens tied with the k-th logit are kept, as in the torch path.
+  a 5-bit digit per pass, a histogram of the digit among the keys that match the digits chosen so far,
+  and the bin where the count from the top reaches k. It stops as soon as every key of that bin is among
+  the top k (a bin of one key, say): then the bin's lower edge is the threshold. The first digit shares
+  the race's pass. Tokens tied with the k-th logit are kept, as in the torch path.
 - **Top-p** (applied after top-k, to the top-k set's renormalised probabilities) is a rejection: the race
   winner ``w`` among the tokens still allowed is kept iff the mass of the tokens strictly above it is
   below ``top_p`` of the top-k set's mass. If it is kept, it is the winner among the kept tokens, because
@@ -36,8 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-# The top-k select's digits: bits 31-21, 20-10 and 9-0 of the ordered keys, one histogram pass each.
-RADIX_BINS: tl.constexpr = tl.constexpr(2048)
+# The top-k select's digit: 5 bits of the ordered keys per histogram pass. Triton's histogram costs each
+# thread about (bins / 32) * log2(bins) operations per element, so 32 bins make the cheapest pass; 2048
+# bins (three passes) made top-k cost ~1.6 ms per row on an H200 (docs/performance.md).
+RADIX_BITS: tl.constexpr = tl.constexpr(5)
+RADIX_BINS: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
@@ -60,32 +64,33 @@ def _race_score(logit, ids, seed, inv_t):
 
 @triton.jit
 def _select_bin(hist, k):
-    """The bin holding the k-th largest of the counted keys, and how many counted keys lie above it."""
+    """The bin holding the k-th largest of the counted keys, how many counted keys lie above it, and how
+    many are in it."""
     above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # keys in higher bins
     b = tl.sum((above + hist >= k).to(tl.int32), axis=0) - 1
-    return b, tl.sum(tl.where(tl.arange(0, RADIX_BINS) == b, above, 0), axis=0)
+    chosen = tl.arange(0, RADIX_BINS) == b
+    return b, tl.sum(tl.where(chosen, above, 0), axis=0), tl.sum(tl.where(chosen, hist, 0), axis=0)
 
 
 @triton.jit
-def _radix_pass(
-    base, vocab, offs, prefix, k_rem, HI: tl.constexpr, SHIFT: tl.constexpr, BLOCK_V: tl.constexpr
-):
-    """One digit of the top-k select: the keys whose bits above ``HI`` are ``prefix`` are counted by their
-    bits ``HI-1 .. SHIFT``; returns the prefix extended by the digit holding the ``k_rem``-th largest of
-    them, and its rank within that digit's keys."""
-    bins = tl.arange(0, RADIX_BINS)
+def _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
+    """One digit of the top-k select: the keys whose bits from ``hi`` up are ``prefix`` are counted by their
+    next ``RADIX_BITS`` bits (fewer at the bottom). Returns the prefix extended by the digit holding the
+    ``k_rem``-th largest of them, that key's rank among the keys of the digit, the keys in the digit, and
+    the bit the new prefix starts at."""
+    shift = tl.maximum(hi - RADIX_BITS, 0)
+    digit_mask = ((1 << (hi - shift)) - 1).to(tl.uint32)
     hist = tl.zeros([RADIX_BINS], tl.int32)
     skipped = 0
     for v0 in range(0, vocab, BLOCK_V):
         ids = v0 + offs
         valid = ids < vocab
         key = _ordered_key(tl.load(base + ids, mask=valid, other=0.0))
-        match = valid & ((key >> HI) == prefix)
-        digit = (key >> SHIFT) & ((1 << (HI - SHIFT)) - 1)
-        hist += tl.histogram(tl.where(match, digit, 0).to(tl.int32), RADIX_BINS)
+        match = valid & ((key >> hi) == prefix)
+        hist += tl.histogram(tl.where(match, (key >> shift) & digit_mask, 0).to(tl.int32), RADIX_BINS)
         skipped += tl.sum((~match).to(tl.int32), axis=0)  # counted in bin 0 above
-    b, above = _select_bin(hist - tl.where(bins == 0, skipped, 0), k_rem)
-    return (prefix << (HI - SHIFT)) | b.to(tl.uint32), k_rem - above
+    b, above, count = _select_bin(hist - tl.where(tl.arange(0, RADIX_BINS) == 0, skipped, 0), k_rem)
+    return (prefix << (hi - shift)) | b.to(tl.uint32), k_rem - above, count, shift
 
 
 @triton.jit
@@ -135,19 +140,23 @@ def _sample_kernel(
         best_score = tl.where(better, chunk_best, best_score)
         if FILTERED:  # noqa: SIM102 (a constexpr branch, then a runtime one)
             if top_k < vocab:  # the padding lanes land in bin 0 and are taken out below
-                hist += tl.histogram(tl.where(valid, _ordered_key(logit) >> 21, 0).to(tl.int32), RADIX_BINS)
+                digit = _ordered_key(logit) >> (32 - RADIX_BITS)
+                hist += tl.histogram(tl.where(valid, digit, 0).to(tl.int32), RADIX_BINS)
     row_max = tl.max(m, axis=0)
 
-    # Top-k: the rest of the radix select; ``lo`` is the k-th largest key (0: every token).
+    # Top-k: the rest of the radix select. ``lo`` becomes the lowest key kept (0: every token): the k-th
+    # largest key, or the lower edge of its digit once every key of that digit is among the top k.
     lo = tl.zeros([], tl.uint32)
     if FILTERED:  # noqa: SIM102
         if top_k < vocab:
             pad = tl.cdiv(vocab, BLOCK_V) * BLOCK_V - vocab
-            b, above = _select_bin(hist - tl.where(tl.arange(0, RADIX_BINS) == 0, pad, 0), top_k)
+            b, above, count = _select_bin(hist - tl.where(tl.arange(0, RADIX_BINS) == 0, pad, 0), top_k)
             k_rem = top_k - above
-            prefix, k_rem = _radix_pass(base, vocab, offs, b.to(tl.uint32), k_rem, 21, 10, BLOCK_V)
-            prefix, k_rem = _radix_pass(base, vocab, offs, prefix, k_rem, 10, 0, BLOCK_V)
-            lo = prefix
+            prefix = b.to(tl.uint32)
+            hi = 32 - RADIX_BITS
+            while (hi > 0) & (count > k_rem):
+                prefix, k_rem, count, hi = _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V)
+            lo = prefix << hi
     top_k_key = lo
 
     # The candidate: the race's winner so far, while it is among the tokens allowed. Then, while the
@@ -223,14 +232,13 @@ def gumbel_sample_triton(
     if filtered:
         top_k = torch.full_like(inv_temp, vocab) if top_k is None else top_k
         top_p = torch.ones_like(inv_temp) if top_p is None else top_p
-        top_k, top_p = (
-            top_k.to(torch.int32).clamp(1, vocab).contiguous(),
-            top_p.to(torch.float32).contiguous(),
-        )
+        # New tensors, never views of the sampler's [B, 4] row values: a batch of one would pass its
+        # view as it is, 8 bytes off a 16-byte boundary, and compile another variant for the same call.
+        top_k = top_k.to(torch.int32).clamp(1, vocab)
+        top_p = top_p.to(torch.float32).clamp(max=1.0)
     _sample_kernel[(batch,)](
         logits, inv_temp, row_keys.contiguous(), log_min_p, top_k if filtered else inv_temp,
-        top_p if filtered else inv_temp, out, vocab,
-        logits.stride(0),
+        top_p if filtered else inv_temp, out, vocab, logits.stride(0),
         HAS_MIN_P=min_p is not None, FILTERED=filtered,
         BLOCK_V=4096 if logits.is_cuda else 64,
         num_warps=8 if logits.is_cuda else 1,

@@ -79,27 +79,28 @@ def test_engine_warms_up_where_kernels_compile_with_or_without_graphs(
     monkeypatch.setattr(ModelRunner, "compiles_kernels", property(lambda self: True))
     llm = LLM("tiny-dense", num_kv_blocks=32, max_num_batched_tokens=48, cuda_graphs=False)
     assert llm.engine.runner.graphs is None
-    assert calls == [([48], llm.engine.sampler)]
+    assert calls == [([16, 48], llm.engine.sampler)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
-    """After start-up, requests with temperature, min-p and top-k find every variant of the sampling
-    kernel compiled (the JIT's per-device cache gains no entry), with CUDA graphs and without."""
-    from kernels.triton_sampling import _gumbel_sample_kernel
+    """After start-up, requests with temperature, min-p, top-k and top-p find every variant of the
+    sampling kernel compiled (the JIT's per-device cache gains no entry), with CUDA graphs and without."""
+    from kernels.triton_sampling import _sample_kernel
 
     prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     requests = [
         SamplingParams(max_tokens=4, temperature=0.8),
         SamplingParams(max_tokens=4, temperature=0.8, min_p=0.05),
         SamplingParams(max_tokens=4, temperature=0.8, top_k=20),
+        SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, min_p=0.05),
     ]
     for graphs in (True, False):
-        _gumbel_sample_kernel.device_caches.clear()  # compiled again from Triton's disk cache
+        _sample_kernel.device_caches.clear()  # compiled again from Triton's disk cache
         llm = LLM("tiny-moe", device="cuda", kernel_backend="triton", num_kv_blocks=64, cuda_graphs=graphs)
-        compiled = dict(_gumbel_sample_kernel.device_caches[torch.cuda.current_device()][0])
-        assert len(compiled) == 2, compiled.keys()  # with and without min-p
+        compiled = dict(_sample_kernel.device_caches[torch.cuda.current_device()][0])
+        assert len(compiled) == 4, compiled.keys()  # min-p or not, top-k/top-p or not
         for params in requests:
             llm.generate(prompts, params)
-        assert _gumbel_sample_kernel.device_caches[torch.cuda.current_device()][0].keys() == compiled.keys()
+        assert _sample_kernel.device_caches[torch.cuda.current_device()][0].keys() == compiled.keys()
