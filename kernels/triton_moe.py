@@ -73,12 +73,11 @@ def moe_tile_config(num_pairs: int, num_experts: int, device: torch.device) -> M
 
 # Up to this many token-expert pairs one Triton program aligns them (``_moe_align_triton``: a fill and one
 # launch); past it the multi-program alignment does (``_moe_align_chunked``: two launches over up to
-# ALIGN_MAX_CHUNKS programs), at any size. The single program's time grows with the pairs (H200,
-# kernel_bench.py "MoE align": 11.9 us at 128 pairs, 23.6 at 512, 63.6 at 2048; ~260 us per layer at 8192
-# in a 1024-token prefill). Up to ALIGN_CHUNK_PAIRS pairs the multi-program path is one program doing the
-# same work (in as many launches), so the limit is at least that; 256 is a guess, TO BE CONFIRMED ON THE GPU:
-# ``kernel_bench.py --moe-align`` times both paths (and the torch reference) side by side; set the limit
-# where the multi-program column first wins.
+# ALIGN_MAX_CHUNKS programs), at any size. Measured on an H200 (2026-11-29, ``kernel_bench.py
+# --moe-align``, top-8 of 128 experts, us from CUDA graphs): single / multi / torch 19.4 / 22.4 / 53.7 at
+# 128 pairs, 20.0 / 21.3 / 75.3 at 256, 25.1 / 22.8 / 79.3 at 512, 114.6 / 22.8 / 89.4 at 4096 (a 512-token
+# prompt), 213 / 24.2 / 128 at 8192 and 867 / 38.1 / 126 at 32768. The torch path (about 30 launches, and
+# the host's time for them) is the reference only.
 ALIGN_KERNEL_MAX_PAIRS = 256
 # The multi-program alignment's tiles: each program counts, then places, its chunk of the pairs
 # ALIGN_CHUNK_PAIRS at a time; past ALIGN_MAX_CHUNKS * ALIGN_CHUNK_PAIRS pairs the chunks grow instead of

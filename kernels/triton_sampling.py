@@ -63,6 +63,20 @@ def _race_score(logit, ids, seed, inv_t):
 
 
 @triton.jit
+def _lane_best(lane_score, lane_index, score, ids):
+    """Each lane's running race winner: the higher score, the earlier token on a tie."""
+    better = score > lane_score
+    return tl.where(better, score, lane_score), tl.where(better, ids, lane_index)
+
+
+@triton.jit
+def _first_best(lane_score, lane_index):
+    """The best score across lanes, and the smallest token id holding it (torch.argmax's tie rule)."""
+    best = tl.max(lane_score, axis=0)
+    return best, tl.min(tl.where(lane_score == best, lane_index, 2147483647), axis=0)
+
+
+@triton.jit
 def _select_bin(hist, k):
     """The bin holding the k-th largest of the counted keys, how many counted keys lie above it, and how
     many are in it."""
@@ -123,26 +137,24 @@ def _sample_kernel(
         top_p = tl.load(top_p_ptr + row)
 
     # Pass 1: the row's maximum, the race over every token, and the top-k select's first digit.
+    # Reductions across lanes wait for the end of the pass: one per pass, not one per chunk.
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     hist = tl.zeros([RADIX_BINS], tl.int32)
-    best_score = float("-inf")
-    best_index = 0
+    lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_index = tl.zeros([BLOCK_V], tl.int32)
     for v0 in range(0, vocab, BLOCK_V):
         ids = v0 + offs
         valid = ids < vocab
         logit = tl.load(base + ids, mask=valid, other=float("-inf"))
         m = tl.maximum(m, logit)
         score = tl.where(valid, _race_score(logit, ids, seed, inv_t), float("-inf"))
-        chunk_best = tl.max(score, axis=0)
-        chunk_index = tl.argmax(score, axis=0) + v0
-        better = chunk_best > best_score
-        best_index = tl.where(better, chunk_index, best_index)
-        best_score = tl.where(better, chunk_best, best_score)
+        lane_score, lane_index = _lane_best(lane_score, lane_index, score, ids)
         if FILTERED:  # noqa: SIM102 (a constexpr branch, then a runtime one)
             if top_k < vocab:  # the padding lanes land in bin 0 and are taken out below
                 digit = _ordered_key(logit) >> (32 - RADIX_BITS)
                 hist += tl.histogram(tl.where(valid, digit, 0).to(tl.int32), RADIX_BINS)
     row_max = tl.max(m, axis=0)
+    _, best_index = _first_best(lane_score, lane_index)
 
     # Top-k: the rest of the radix select. ``lo`` becomes the lowest key kept (0: every token): the k-th
     # largest key, or the lower edge of its digit once every key of that digit is among the top k.
@@ -168,10 +180,10 @@ def _sample_kernel(
     check_p = top_p < 1.0
     done = allowed & (not check_p)
     while not done:
-        mass_above = 0.0
-        mass_top_k = 0.0
-        next_score = float("-inf")
-        next_index = 0
+        lane_above = tl.zeros([BLOCK_V], tl.float32)
+        lane_top_k = tl.zeros([BLOCK_V], tl.float32)
+        lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        lane_index = tl.zeros([BLOCK_V], tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
             ids = v0 + offs
             valid = ids < vocab
@@ -180,17 +192,16 @@ def _sample_kernel(
             above_w = valid & (key > w_key)
             if FILTERED:
                 e = tl.exp((logit - row_max) * inv_t)
-                mass_above += tl.sum(tl.where(above_w, e, 0.0), axis=0)
-                mass_top_k += tl.sum(tl.where(valid & (key >= top_k_key), e, 0.0), axis=0)
+                lane_above += tl.where(above_w, e, 0.0)
+                lane_top_k += tl.where(valid & (key >= top_k_key), e, 0.0)
             racing = (
                 valid & (key >= lo) & ((logit - row_max) * inv_t >= log_min_p) & (above_w | (not allowed))
             )
             score = tl.where(racing, _race_score(logit, ids, seed, inv_t), float("-inf"))
-            chunk_best = tl.max(score, axis=0)
-            chunk_index = tl.argmax(score, axis=0) + v0
-            better = chunk_best > next_score
-            next_index = tl.where(better, chunk_index, next_index)
-            next_score = tl.where(better, chunk_best, next_score)
+            lane_score, lane_index = _lane_best(lane_score, lane_index, score, ids)
+        mass_above = tl.sum(lane_above, axis=0)
+        mass_top_k = tl.sum(lane_top_k, axis=0)
+        next_score, next_index = _first_best(lane_score, lane_index)
         keep = allowed & ((not check_p) | (mass_above < top_p * mass_top_k) | (next_score == float("-inf")))
         done = keep | ((not allowed) & (not check_p))
         lo = tl.where(allowed & (not keep), w_key + 1, lo)
@@ -198,6 +209,14 @@ def _sample_kernel(
         w_key = _ordered_key(tl.load(base + best_index))
         allowed = True
     tl.store(out_ptr + row, best_index)
+
+
+# Chunk width and warps per row on a GPU (one program per row; the interpreter takes 64 and 1). A pass
+# over a 128k row costs ~0.1 ms on one H200 SM whatever the shape: it is bound by the hash and the two
+# logarithms per token, not by memory. Six shapes from 1024 x 4 warps to 8192 x 16 were within noise of
+# this one or slower (``sampler_bench.py --sweep-tiles``, docs/performance.md).
+CUDA_BLOCK_V = 4096
+CUDA_NUM_WARPS = 8
 
 
 def interpreted() -> bool:
@@ -240,7 +259,7 @@ def gumbel_sample_triton(
         logits, inv_temp, row_keys.contiguous(), log_min_p, top_k if filtered else inv_temp,
         top_p if filtered else inv_temp, out, vocab, logits.stride(0),
         HAS_MIN_P=min_p is not None, FILTERED=filtered,
-        BLOCK_V=4096 if logits.is_cuda else 64,
-        num_warps=8 if logits.is_cuda else 1,
+        BLOCK_V=CUDA_BLOCK_V if logits.is_cuda else 64,
+        num_warps=CUDA_NUM_WARPS if logits.is_cuda else 1,
     )  # fmt: skip
     return out
