@@ -1,6 +1,7 @@
 """Time to first token of one prompt on the engine, wall time against device kernel time.
 
     PYTHONPATH=. python3 benchmarks/prefill_profile.py [--shape moe] [--prompt 512,1024] [--align-max-pairs N,M]
+        [--prefill-graphs on,off]
 
 Builds the engine ``gpu_bench.py`` builds (random weights of the Llama-3.1-8B or Qwen3-30B-A3B shape, the
 Triton ops, CUDA graphs), then steps single prompts of ``--prompt`` random tokens to their first token: 3
@@ -8,8 +9,9 @@ warm-ups, 5 timed (wall time, synchronised), and 3 under the torch profiler, whi
 their kernels and the busiest kernels. Wall time well above device time means the prefill waits on the
 host's launches. ``--align-max-pairs`` overrides ``kernels.triton_moe.ALIGN_KERNEL_MAX_PAIRS`` (up to that
 many token-expert pairs the MoE alignment is the single-program Triton kernel, above it the multi-program
-one) to compare the two. Each flag takes a comma-separated list; every prompt length runs with every
-value, on one engine. Needs a CUDA GPU.
+one) to compare the two. ``--prefill-graphs on,off`` runs each prompt with the piecewise prefill graphs
+(``engine/prefill_graphs.py``, captured up to 2048 tokens) and eagerly. Each flag takes a comma-separated
+list; every prompt length runs with every combination, on one engine. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def main() -> None:
     parser.add_argument("--shape", default="moe", choices=tuple(gpu_bench.SHAPES))
     parser.add_argument("--prompt", default="512", help="prompt lengths, comma-separated")
     parser.add_argument("--align-max-pairs", default=None, help="alignment limits, comma-separated")
+    parser.add_argument(
+        "--prefill-graphs", default="on", help="on, off or on,off: steps replay the piecewise prefill graphs"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("prefill_profile.py needs a CUDA GPU")
@@ -49,11 +54,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     default_limit = triton_moe.ALIGN_KERNEL_MAX_PAIRS
+    captured = engine.runner.prefill_graphs
     summary = []
     for prompt in prompts:
         for limit in limits:
-            triton_moe.ALIGN_KERNEL_MAX_PAIRS = default_limit if limit is None else limit
-            summary.append(profile_prompt(engine, rng, params, args.shape, prompt))
+            for graphs in args.prefill_graphs.split(","):
+                triton_moe.ALIGN_KERNEL_MAX_PAIRS = default_limit if limit is None else limit
+                engine.runner.prefill_graphs = captured if graphs == "on" else None
+                line = profile_prompt(engine, rng, params, args.shape, prompt)
+                summary.append(f"{line}; prefill graphs {graphs if captured else 'not captured'}")
     for line in summary:
         print(line)
 

@@ -39,6 +39,12 @@ class EngineConfig:
     )
     seed: int = setting(0, "Seed for dummy weights and for unseeded sampling.")
     cuda_graphs: bool = setting(True, "Capture decode steps as CUDA graphs on GPUs.")
+    prefill_graph_tokens: int = setting(
+        2048,
+        "With cuda_graphs: the largest step, in tokens, that runs as piecewise CUDA graphs (prefill and "
+        "mixed steps; attention stays eager between the pieces); 0: those steps run eagerly. Capped by "
+        "max_num_batched_tokens.",
+    )
     async_scheduling: bool | None = setting(
         None,
         "Overlap the host's scheduling and output processing with the next decode step (one step of "
@@ -59,3 +65,5 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")

@@ -155,6 +155,7 @@ class LLMEngine:
             config.block_size,
             self.device,
             cuda_graphs=config.cuda_graphs,
+            prefill_graph_tokens=min(config.prefill_graph_tokens, config.max_num_batched_tokens),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )

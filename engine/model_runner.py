@@ -2,7 +2,9 @@
 
 Batch metadata is built with vectorised numpy on the host and copied once to the device. On a CUDA device
 with the Triton ops and CUDA graphs enabled, a pure decode batch (one new token per sequence) replays a
-captured graph (``engine.cuda_graphs``); prefill and mixed batches, and everything on the CPU, run eagerly.
+captured graph (``engine.cuda_graphs``), and a prefill or mixed batch of up to ``prefill_graph_tokens``
+tokens replays piecewise graphs with attention eager between them (``engine.prefill_graphs``); larger
+batches, and everything on the CPU, run eagerly.
 ``execute_lookahead`` runs a decode step whose input tokens are still on the device (asynchronous
 scheduling), through the same graphs.
 """
@@ -20,6 +22,8 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, expert_counts_restored
 from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
+from engine.moe.dispatch import SingleRankDispatcher
+from engine.prefill_graphs import PrefillGraphs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -93,15 +97,18 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
+        prefill_graph_tokens: int = 0,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._tables: DecodeBlockTables | None = None
         if cuda_graphs:
             self.enable_cuda_graphs(max_num_seqs, max_model_len or model.cfg.max_position_embeddings)
+            self.enable_prefill_graphs(prefill_graph_tokens)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode graphs for batches up to ``min(max_num_seqs, 256)``; returns whether decode
@@ -123,6 +130,24 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
+        return True
+
+    def enable_prefill_graphs(self, max_tokens: int) -> bool:
+        """Capture piecewise graphs for steps of up to ``max_tokens`` tokens that are not decode-graph
+        steps (``engine.prefill_graphs``); returns whether such steps now replay graphs. Only with the
+        decode graphs (the same conditions) and one expert-parallel rank; 0 turns them off. Calling it
+        again is a no-op."""
+        if self.prefill_graphs is not None:
+            return True
+        if max_tokens < 1 or self.graphs is None:
+            return False
+        dispatcher = self.model.dispatcher
+        if dispatcher is not None and not isinstance(dispatcher, SingleRankDispatcher):
+            log.info("prefill CUDA graphs need one expert-parallel rank; prefill runs eagerly")
+            return False
+        graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device)
+        graphs.capture()
+        self.prefill_graphs = graphs
         return True
 
     @property
@@ -217,7 +242,11 @@ class ModelRunner:
         ):
             return self._execute_decode_graph(batch.seqs)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_pool, meta)
+        pg = self.prefill_graphs
+        if pg is not None and pg.bucket_for(input_ids.shape[0]) is not None:
+            hidden = pg.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_pool, meta)
         if not sample_seqs:
             return [], hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return sample_seqs, self.model.compute_logits(hidden[rows])

@@ -36,7 +36,7 @@ def _llm(model: str, backend: str, graphs: bool, dtype: str) -> LLM:
     if graphs:
         assert runner.enable_cuda_graphs(llm.engine.config.max_num_seqs, llm.engine.max_model_len)
     else:
-        runner.graphs = None  # eager, whatever the engine's default
+        runner.graphs = runner.prefill_graphs = None  # eager, whatever the engine's default
     return llm
 
 

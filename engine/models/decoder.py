@@ -59,10 +59,23 @@ class Attention(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q = self.project(x, positions, cos_sin, kv_pool, meta.slot_mapping)
+        return self.output(self.attend(q, kv_pool, meta))
+
+    def project(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """QKV projection, q/k norms and RoPE; writes K and V into the pool at ``slot_mapping`` (-1: write
+        nothing) and returns q [T, heads, head_dim]."""
         qkv = self.ops.linear(x, self.qkv_proj)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q = self.ops.qkv_prologue(
+        return self.ops.qkv_prologue(
             qkv,
             self.num_heads,
             self.num_kv_heads,
@@ -74,11 +87,18 @@ class Attention(nn.Module):
             cos_sin,
             kv_pool,
             self.layer,
-            meta.slot_mapping,
+            slot_mapping,
         )
-        o = self.ops.paged_attention(
+
+    def attend(self, q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [T, heads, head_dim] over each sequence's cached context; the only part of a
+        layer that reads the batch's layout (``meta``)."""
+        return self.ops.paged_attention(
             q, kv_pool, self.layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result [T, heads, head_dim] (or [T, heads * head_dim])."""
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj)
 
 
@@ -136,13 +156,33 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, residual = self.pre_attention(x, residual, positions, cos_sin, kv_pool, meta.slot_mapping)
+        return self.post_attention(self.self_attn.attend(q, kv_pool, meta), residual)
+
+    def pre_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to attention: the input norm (adding the residual), and ``Attention.project``.
+        Returns q and the residual. Reads nothing of the batch's layout but the KV slots."""
         if residual is None:
             residual = x
             h = self.ops.rms_norm(x, self.input_layernorm, self.eps)
         else:
             h, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, cos_sin, kv_pool, meta)
-        h, residual = self.ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.self_attn.project(h, positions, cos_sin, kv_pool, slot_mapping), residual
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention: the output projection, the post-attention norm and the MLP (dense or
+        MoE). Returns the layer's output and the residual."""
+        h, residual = self.ops.fused_add_rms_norm(
+            self.self_attn.output(o), residual, self.post_attention_layernorm, self.eps
+        )
         return self.mlp(h), residual
 
 

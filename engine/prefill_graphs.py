@@ -1,0 +1,211 @@
+"""Prefill (and mixed) steps as piecewise CUDA graphs: each layer's work outside attention is captured,
+attention runs eagerly between the pieces.
+
+An eager prefill launches every kernel from Python: a Qwen3-30B-A3B layer is about ten Triton launches,
+three cuBLAS calls and a few torch ops, and at 512 tokens the host's ~40 ms of launches outlast the
+device's ~13 ms of work (docs/performance.md, "Eighth run"). Attention is the only op that reads the
+batch's layout (sequence starts, context lengths, block tables), so, as vLLM's piecewise graphs do, the
+step is cut at attention: piece 0 is the embedding and layer 0 up to attention (``pre_attention``: norm,
+QKV, q/k norm, RoPE, KV write), piece i the rest of layer i-1 (``post_attention``: o-proj, norm, MLP or
+MoE) and layer i up to attention, the last piece the rest of the last layer and the final norm. One graph
+per piece and bucket of token counts; a step of ``n`` tokens replays the smallest bucket ``>= n``.
+
+Rows ``n..bucket`` are padding: token 0, position 0, KV slot -1 (nothing written). Attention runs on the
+real rows only and its output goes into a static buffer whose padding rows are zero, so every padding row
+computes the same values in every step: as in ``engine/cuda_graphs.py``, a replay with padding only
+measures what one padding row adds to the MoE expert counters, and padded steps subtract it.
+
+Only for the Triton ops on a GPU with one expert-parallel rank (a multi-rank dispatcher exchanges token
+counts that differ per step). ``engine.model_runner`` decides which steps take the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.cuda_graphs import expert_counts_restored
+from engine.models.decoder import AttentionMetadata, DecoderModel
+
+log = logging.getLogger(__name__)
+
+# Token counts that get a graph, up to the configured largest (which is added when it is not one).
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
+
+
+def prefill_bucket_sizes(max_tokens: int) -> list[int]:
+    if max_tokens < 1:
+        return []
+    return [b for b in PREFILL_BUCKETS if b < max_tokens] + [max_tokens]
+
+
+class PrefillGraphs:
+    """Piecewise graphs of one model's forward over one KV pool, per bucket of token counts."""
+
+    def __init__(self, model: DecoderModel, kv_pool: torch.Tensor, max_tokens: int, device: torch.device):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = device
+        self.sizes = prefill_bucket_sizes(max_tokens)
+        self.max_tokens = b = self.sizes[-1]
+        cfg = model.cfg
+        # int64 inputs side by side (one copy per step): ids | positions | slots.
+        self._dev64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.split(b)
+        self.slot_mapping.fill_(-1)
+        # Attention's input, written by a piece, and its output, read by the next piece (padding rows
+        # stay zero). Static: a piece's own q lives in the graphs' pool, where a later piece may reuse it.
+        dtype = model.embed_tokens.dtype
+        self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
+        self._counts = [blk.expert_counts for blk in model.moe_blocks()]
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
+        self._runs: dict[int, list[Callable[[], None]]] = {}
+        self._pad_counts: dict[int, list[torch.Tensor] | None] = {}
+        self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
+        self.capture_seconds = 0.0
+
+    def bucket_for(self, n: int) -> int | None:
+        """Smallest captured token count that holds ``n`` tokens; None when ``n`` is too large."""
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return None
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def _pieces(self, size: int) -> list[Callable[[], None]]:
+        model = self.model
+        layers = list(model.layers)
+        ids, positions, slots = self.input_ids[:size], self.positions[:size], self.slot_mapping[:size]
+        attn_in, attn_out = self.attn_in[:size], self.attn_out[:size]
+        state = self._state.setdefault(size, {})
+
+        def first() -> None:
+            model.begin_forward()
+            q, state["residual"] = layers[0].pre_attention(
+                model.embed_tokens[ids], None, positions, model.cos_sin, self.kv_pool, slots
+            )
+            attn_in.copy_(q)
+
+        def middle(i: int) -> Callable[[], None]:
+            def run() -> None:
+                x, residual = layers[i - 1].post_attention(attn_out, state["residual"])
+                q, state["residual"] = layers[i].pre_attention(
+                    x, residual, positions, model.cos_sin, self.kv_pool, slots
+                )
+                attn_in.copy_(q)
+
+            return run
+
+        def last() -> None:
+            x, residual = layers[-1].post_attention(attn_out, state["residual"])
+            state["hidden"], _ = model.ops.fused_add_rms_norm(x, residual, model.norm, model.cfg.rms_norm_eps)
+
+        return [first, *(middle(i) for i in range(1, len(layers))), last]
+
+    def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
+        """The pieces of bucket ``size`` in order (replayed, or run eagerly), with attention over the first
+        ``n`` rows between them (none when ``n`` is 0)."""
+        layers = self.model.layers
+        with torch.inference_mode():
+            for i in range(len(layers) + 1):
+                if replay:
+                    self._graphs[size][i].replay()
+                else:
+                    self._runs[size][i]()
+                if i < len(layers) and n > 0:
+                    assert meta is not None
+                    o = layers[i].self_attn.attend(self.attn_in[:n], self.kv_pool, meta)
+                    self.attn_out[:n].copy_(o.reshape(n, -1))
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool. Before each capture the pieces run
+        once eagerly (Triton compiles, cuBLAS picks its kernels) on padding only, attention included over
+        one sequence of the bucket's tokens that writes no KV."""
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        with expert_counts_restored(self.model):
+            for size in reversed(self.sizes):
+                self._runs[size] = self._pieces(size)
+                meta = AttentionMetadata(
+                    slot_mapping=self.slot_mapping[:size],
+                    block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+                    seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
+                    query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
+                )
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._forward(size, 1, meta, replay=False)
+                torch.cuda.current_stream().wait_stream(side)
+                self.attn_out.zero_()
+                graphs = []
+                for run in self._runs[size]:  # in order: each piece's outputs are the next one's inputs
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                        run()
+                    graphs.append(graph)
+                self._graphs[size] = graphs
+            for size in self.sizes:
+                self._pad_counts[size] = self._measure_padding_counts(size)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
+        log.info(
+            "captured prefill CUDA graphs for %s tokens (%d pieces each) in %.1f s",
+            ",".join(map(str, self.sizes)),
+            len(self.model.layers) + 1,
+            self.capture_seconds,
+        )
+
+    def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
+        """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
+        if not self._counts:
+            return None
+        before = [c.clone() for c in self._counts]
+        self._forward(size, 0, None, replay=True)
+        deltas = [c - b for c, b in zip(self._counts, before, strict=True)]
+        if all(bool((d % size == 0).all()) for d in deltas):
+            return [d // size for d in deltas]
+        log.warning(
+            "padding rows of the %d-token prefill graph route differently; MoE expert counts of padded "
+            "prefill steps include padding tokens",
+            size,
+        )
+        return None
+
+    # ---- replay ----------------------------------------------------------------------------------
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The forward of ``n = len(input_ids)`` tokens laid out by ``meta`` (device tensors, as
+        ``ModelRunner.prepare`` builds them). Returns the final hidden states [n, hidden]: a view of the
+        graphs' memory, valid until the next replay of this bucket."""
+        n = input_ids.shape[0]
+        size = self.bucket_for(n)
+        if size is None:
+            raise ValueError(
+                f"a prefill of {n} tokens exceeds the largest captured graph ({self.max_tokens})"
+            )
+        b = self.max_tokens
+        self.input_ids[:n].copy_(input_ids)  # device to device: prepare() staged them already
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        if size > n:  # padding rows: token 0, position 0, no KV slot, zero attention output
+            self._dev64[n:size].zero_()
+            self._dev64[b + n : b + size].zero_()
+            self._dev64[2 * b + n : 2 * b + size].fill_(-1)
+            self.attn_out[n:size].zero_()
+        self._forward(size, n, meta, replay=True)
+        pad = self._pad_counts.get(size)
+        if size > n and pad is not None:
+            torch._foreach_add_(self._counts, pad, alpha=-(size - n))
+        self.replays[size] += 1
+        return self._state[size]["hidden"][:n]
