@@ -188,6 +188,19 @@ class PrefillGraphs:
         """The forward of ``n = len(input_ids)`` tokens laid out by ``meta`` (device tensors, as
         ``ModelRunner.prepare`` builds them). Returns the final hidden states [n, hidden]: a view of the
         graphs' memory, valid until the next replay of this bucket."""
+        size, n = self.stage(input_ids, positions, meta.slot_mapping)
+        self._forward(size, n, meta, replay=True)
+        pad = self._pad_counts.get(size)
+        if size > n and pad is not None:
+            torch._foreach_add_(self._counts, pad, alpha=-(size - n))
+        self.replays[size] += 1
+        return self._state[size]["hidden"][:n]
+
+    def stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[int, int]:
+        """Copy a step's inputs into the static buffers and reset the padding rows; returns the bucket
+        and the number of real tokens."""
         n = input_ids.shape[0]
         size = self.bucket_for(n)
         if size is None:
@@ -197,15 +210,10 @@ class PrefillGraphs:
         b = self.max_tokens
         self.input_ids[:n].copy_(input_ids)  # device to device: prepare() staged them already
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[:n].copy_(slot_mapping)
         if size > n:  # padding rows: token 0, position 0, no KV slot, zero attention output
             self._dev64[n:size].zero_()
             self._dev64[b + n : b + size].zero_()
             self._dev64[2 * b + n : 2 * b + size].fill_(-1)
             self.attn_out[n:size].zero_()
-        self._forward(size, n, meta, replay=True)
-        pad = self._pad_counts.get(size)
-        if size > n and pad is not None:
-            torch._foreach_add_(self._counts, pad, alpha=-(size - n))
-        self.replays[size] += 1
-        return self._state[size]["hidden"][:n]
+        return size, n

@@ -75,3 +75,40 @@ def test_prefill_graph_expert_counts_exclude_padding_rows() -> None:
     top_k = llm.engine.model_config.num_experts_per_tok
     assert counts.sum(dim=1).tolist() == [tokens * top_k] * counts.shape[0]
     assert llm.engine.runner.prefill_graphs.replays[128] > 0
+
+
+def test_prefill_pieces_compute_the_model_forward() -> None:
+    """CPU: the pieces (one graph each on a GPU), with attention run between them on the real rows and
+    the padding rows staged as ``run`` stages them, give the hidden states and KV of ``forward``; padding
+    rows write no KV."""
+    import torch
+
+    from engine.models.decoder import AttentionMetadata
+    from engine.prefill_graphs import PrefillGraphs
+
+    torch.manual_seed(0)
+    for name in ("tiny-dense", "tiny-moe"):
+        runner = LLM(name, num_kv_blocks=16).engine.runner
+        model = runner.model
+        n, bucket = 37, 64
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(16, 16 + n),  # blocks 1-3
+            block_tables=torch.tensor([[1, 2, 3]], dtype=torch.int32),
+            seq_lens=torch.tensor([n], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        )
+        ids, positions = torch.randint(3, 200, (n,)), torch.arange(n)
+        pool_eager, pool_pieces = runner.kv_pool.clone(), runner.kv_pool.clone()
+        want = model(ids, positions, pool_eager, meta)
+        pg = PrefillGraphs(model, pool_pieces, 100, torch.device("cpu"))
+        assert pg.sizes[-1] == 100 and pg.bucket_for(n) == bucket and pg.bucket_for(101) is None
+        pg._runs[bucket] = pg._pieces(bucket)
+        pg.attn_out.fill_(7.0)  # stale rows of an earlier, longer step
+        pg.stage(torch.randint(3, 200, (60,)), torch.arange(60), torch.arange(60))
+        assert pg.stage(ids, positions, meta.slot_mapping) == (bucket, n)
+        assert pg.slot_mapping[n:bucket].eq(-1).all() and pg.attn_out[n:bucket].eq(0).all()
+        pg._forward(bucket, n, meta, replay=False)
+        torch.testing.assert_close(pg._state[bucket]["hidden"][:n], want)
+        torch.testing.assert_close(pool_pieces, pool_eager)  # a 64-row matmul may round unlike a 37-row one
+        untouched = [b for b in range(pool_pieces.shape[0]) if b not in (1, 2, 3)]
+        assert torch.equal(pool_pieces[untouched], runner.kv_pool[untouched])
