@@ -68,6 +68,7 @@ class PrefillGraphs:
         self._pad_counts: dict[int, list[torch.Tensor] | None] = {}
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
         self.capture_seconds = 0.0
+        self.pool_bytes = 0  # device memory the capture reserved (the graphs' pool), measured after it
 
     def bucket_for(self, n: int) -> int | None:
         """Smallest captured token count that holds ``n`` tokens; None when ``n`` is too large."""
@@ -128,6 +129,7 @@ class PrefillGraphs:
         once eagerly (Triton compiles, cuBLAS picks its kernels) on padding only, attention included over
         one sequence of the bucket's tokens that writes no KV."""
         started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         with expert_counts_restored(self.model):
             for size in reversed(self.sizes):
@@ -155,11 +157,13 @@ class PrefillGraphs:
                 self._pad_counts[size] = self._measure_padding_counts(size)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         log.info(
-            "captured prefill CUDA graphs for %s tokens (%d pieces each) in %.1f s",
+            "captured prefill CUDA graphs for %s tokens (%d pieces each) in %.1f s; %.0f MiB more reserved",
             ",".join(map(str, self.sizes)),
             len(self.model.layers) + 1,
             self.capture_seconds,
+            self.pool_bytes / 2**20,
         )
 
     def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
