@@ -133,6 +133,54 @@ def _moe_align_torch(
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
+@triton.jit
+def _count_pairs(topk_ids_ptr, start, stop, num_pairs, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs ``start .. stop`` per expert, [BLOCK_E] int32."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(start, stop, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def _write_tile_experts(
+    expert_ids_ptr, ends, share, shares, num_tiles, num_experts, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    """Share ``share`` of ``shares`` (grid-stride) of the tiles' experts: a tile's expert is the number of
+    experts whose run ends at or before the tile's first row (``ends``: the padded runs' cumulative ends)."""
+    for t0 in range(share * BLOCK_T, num_tiles, shares * BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        owner = tl.sum((tiles[:, None] * BLOCK_M >= ends[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + tiles, tl.minimum(owner, num_experts - 1), mask=tiles < num_tiles)
+
+
+@triton.jit
+def _place_pairs(
+    topk_ids_ptr,
+    sorted_ids_ptr,
+    next_row,
+    start,
+    stop,
+    num_pairs,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Pairs ``start .. stop`` to their rows: each expert's ``next_row`` + the pairs of that expert placed
+    before it (a running one-hot cumsum: stable, pair order within an expert)."""
+    experts = tl.arange(0, BLOCK_E)
+    for p0 in range(start, stop, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        valid = pairs < num_pairs
+        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rows = next_row[None, :] + tl.cumsum(onehot, axis=0) - 1
+        tl.store(sorted_ids_ptr + tl.sum(onehot * rows, axis=1), pairs, mask=valid)
+        next_row += tl.sum(onehot, axis=0)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
 def _moe_align_kernel(
     topk_ids_ptr,
@@ -150,30 +198,15 @@ def _moe_align_kernel(
 ):
     """One program: count pairs per expert, lay out padded runs, then place each pair (stable)."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (
+        (_count_pairs(topk_ids_ptr, 0, num_pairs, num_pairs, BLOCK_E, BLOCK_P) + BLOCK_M - 1)
+        // BLOCK_M
+        * BLOCK_M
+    )
     ends = tl.cumsum(padded, axis=0)
     tl.store(num_rows_padded_ptr, tl.sum(padded, axis=0))
-    # A tile's expert is the number of experts whose run ends at or before the tile's first row.
-    for t0 in range(0, num_tiles, BLOCK_T):
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        owner = tl.sum((tiles[:, None] * BLOCK_M >= ends[None, :]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + tiles, tl.minimum(owner, num_experts - 1), mask=tiles < num_tiles)
-    # Each pair goes to its expert's start + the pairs of that expert placed before it.
-    next_row = ends - padded
-    for p0 in range(0, num_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        valid = pairs < num_pairs
-        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rows = next_row[None, :] + tl.cumsum(onehot, axis=0) - 1
-        tl.store(sorted_ids_ptr + tl.sum(onehot * rows, axis=1), pairs, mask=valid)
-        next_row += tl.sum(onehot, axis=0)
+    _write_tile_experts(expert_ids_ptr, ends, 0, 1, num_tiles, num_experts, BLOCK_M, BLOCK_T)
+    _place_pairs(topk_ids_ptr, sorted_ids_ptr, ends - padded, 0, num_pairs, num_pairs, BLOCK_E, BLOCK_P)
 
 
 def _moe_align_triton(
@@ -219,12 +252,10 @@ def _moe_align_count_kernel(
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     start = chunk * chunk_pairs
-    for p0 in range(start, tl.minimum(start + chunk_pairs, num_pairs), BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = _count_pairs(
+        topk_ids_ptr, start, tl.minimum(start + chunk_pairs, num_pairs), num_pairs, BLOCK_E, BLOCK_P
+    )
     tl.store(counts_ptr + chunk * num_experts + experts, counts, mask=experts < num_experts)
     padding = tl.full([BLOCK_R], num_pairs, dtype=tl.int32)
     for r0 in range(chunk * BLOCK_R, max_rows, tl.num_programs(0) * BLOCK_R):
@@ -268,21 +299,12 @@ def _moe_align_place_kernel(
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(num_rows_padded_ptr, tl.sum(padded, axis=0), mask=chunk == 0)
-    # A tile's expert is the number of experts whose run ends at or before the tile's first row.
-    for t0 in range(chunk * BLOCK_T, num_tiles, num_chunks * BLOCK_T):
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        owner = tl.sum((tiles[:, None] * BLOCK_M >= ends[None, :]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + tiles, tl.minimum(owner, num_experts - 1), mask=tiles < num_tiles)
-    next_row = ends - padded + before
+    _write_tile_experts(expert_ids_ptr, ends, chunk, num_chunks, num_tiles, num_experts, BLOCK_M, BLOCK_T)
     start = chunk * chunk_pairs
-    for p0 in range(start, tl.minimum(start + chunk_pairs, num_pairs), BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        valid = pairs < num_pairs
-        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rows = next_row[None, :] + tl.cumsum(onehot, axis=0) - 1
-        tl.store(sorted_ids_ptr + tl.sum(onehot * rows, axis=1), pairs, mask=valid)
-        next_row += tl.sum(onehot, axis=0)
+    _place_pairs(
+        topk_ids_ptr, sorted_ids_ptr, ends - padded + before, start,
+        tl.minimum(start + chunk_pairs, num_pairs), num_pairs, BLOCK_E, BLOCK_P,
+    )  # fmt: skip
 
 
 def _moe_align_chunked(
