@@ -1,11 +1,12 @@
 """Prefill and mixed steps replayed as piecewise CUDA graphs (``engine/prefill_graphs.py``) against the
 same engine stepping them eagerly.
 
-Both sides run the Triton ops with decode graphs; only ``prefill_graph_tokens`` differs, so in float32 the
-greedy tokens must be identical and their logprobs equal up to rounding (a padded bucket is a larger
-matrix, for which cuBLAS and the MoE tiles may sum in another order). The prompts cross several token buckets (padded and
-exact), a chunked prefill whose first chunk is larger than the graphs (eager) and whose last one replays
-them, and a prompt whose prefix is cached (attention over cached blocks between the pieces). Needs CUDA.
+On a GPU both sides run the Triton ops with decode graphs; only ``prefill_graph_tokens`` differs, so in
+float32 the greedy tokens must be identical and their logprobs equal up to rounding (a padded bucket is a
+larger matrix, for which cuBLAS and the MoE tiles may sum in another order). The prompts cross several
+token buckets (padded and exact), a chunked prefill whose first chunk is larger than the graphs (eager)
+and whose last one replays them, and a prompt whose prefix is cached (attention over cached blocks
+between the pieces). On the CPU the same path runs with the pieces called eagerly instead of replayed.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import expert_counts_restored
+from engine.models.decoder import AttentionMetadata
+from engine.prefill_graphs import PrefillGraphs
 from tests.kernel_testing import needs_gpu
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -81,11 +86,6 @@ def test_prefill_pieces_compute_the_model_forward() -> None:
     """CPU: the pieces (one graph each on a GPU), with attention run between them on the real rows and
     the padding rows staged as ``run`` stages them, give the hidden states and KV of ``forward``; padding
     rows write no KV."""
-    import torch
-
-    from engine.models.decoder import AttentionMetadata
-    from engine.prefill_graphs import PrefillGraphs
-
     torch.manual_seed(0)
     for name in ("tiny-dense", "tiny-moe"):
         runner = LLM(name, num_kv_blocks=16).engine.runner
@@ -112,3 +112,43 @@ def test_prefill_pieces_compute_the_model_forward() -> None:
         torch.testing.assert_close(pool_pieces, pool_eager)  # a 64-row matmul may round unlike a 37-row one
         untouched = [b for b in range(pool_pieces.shape[0]) if b not in (1, 2, 3)]
         assert torch.equal(pool_pieces[untouched], runner.kv_pool[untouched])
+
+
+class EagerPieces(PrefillGraphs):
+    """Prefill graphs whose pieces run eagerly instead of replaying (no CUDA on the CPU), so that the
+    engine's whole prefill-graph path (bucket choice, staging, padding, attention between the pieces, the
+    padding correction of the expert counters) runs in CI."""
+
+    def capture(self) -> None:
+        with expert_counts_restored(self.model):
+            for size in self.sizes:
+                self._runs[size] = self._pieces(size)
+            for size in self.sizes:
+                self._pad_counts[size] = self._measure_padding_counts(size)
+
+    def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
+        super()._forward(size, n, meta, replay=False)
+
+
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_engine_through_prefill_pieces_gives_the_eager_tokens_and_counts(model: str) -> None:
+    """CPU: an engine whose prefill and mixed steps go through the pieces (eagerly, as on a GPU they replay)
+    generates the tokens of the plain engine, with the same expert counts, over padded buckets, chunked
+    prefill (a 48-token budget), mixed prefill-and-decode steps and a cached prefix."""
+    kwargs = dict(num_kv_blocks=64, max_num_batched_tokens=48, enable_prefix_caching=True)
+    plain, piecewise = LLM(model, **kwargs), LLM(model, **kwargs)
+    runner = piecewise.engine.runner
+    pieces = runner.prefill_graphs = EagerPieces(runner.model, runner.kv_pool, 48, torch.device("cpu"))
+    pieces.capture()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = _prompts([5, 30, 70], 11) + [_prompts([40], 12)[0] * 2]
+    for engine in (plain.engine, piecewise.engine):
+        engine.take_expert_counts()
+    want = plain.generate(prompts, params)
+    got = piecewise.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(pieces.replays.values()) > 0 and pieces.replays[48] > 0  # full chunks, and padded buckets
+    assert sum(n for size, n in pieces.replays.items() if size < 48) > 0
+    counts_want, counts_got = plain.engine.take_expert_counts(), piecewise.engine.take_expert_counts()
+    if counts_want is not None:
+        assert counts_got is not None and torch.equal(counts_got, counts_want)
