@@ -126,8 +126,8 @@ class PrefillGraphs:
     # ---- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool. Before each capture the pieces run
-        once eagerly (Triton compiles, cuBLAS picks its kernels) on padding only, attention included over
-        one sequence of the bucket's tokens that writes no KV."""
+        once eagerly on padding only (Triton compiles, cuBLAS picks its kernels; no KV is written), with
+        attention over the first row as a one-token sequence between them."""
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
