@@ -217,6 +217,9 @@ class Mesh:
 
 
 def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """The launcher's flags. Defaults come from their ``PDMESH_*`` twins; numeric ones stay strings here so
+    that argparse converts them (a bad value is a usage error naming the flag), and ``_check_defaults``
+    checks the others against their choices, which argparse does not do for defaults."""
     env = os.environ.get
     p.add_argument(
         "--model",
@@ -233,29 +236,29 @@ def _add_mesh_args(p: argparse.ArgumentParser) -> None:
         help="[PDMESH_DTYPE]",
     )
     p.add_argument(
-        "--block-size", type=int, default=int(env("PDMESH_BLOCK_SIZE", "16")), help="[PDMESH_BLOCK_SIZE]"
+        "--block-size", type=int, default=env("PDMESH_BLOCK_SIZE", "16"), help="[PDMESH_BLOCK_SIZE]"
     )
     p.add_argument(
         "--num-kv-blocks",
         type=int,
-        default=int(env("PDMESH_NUM_KV_BLOCKS", "2048")),
+        default=env("PDMESH_NUM_KV_BLOCKS", "2048"),
         help="KV pool size per worker [PDMESH_NUM_KV_BLOCKS]",
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="[PDMESH_MAX_MODEL_LEN]")
     p.add_argument(
-        "--num-prefill", type=int, default=int(env("PDMESH_NUM_PREFILL", "1")), help="[PDMESH_NUM_PREFILL]"
+        "--max-model-len", type=int, default=env("PDMESH_MAX_MODEL_LEN"), help="[PDMESH_MAX_MODEL_LEN]"
     )
     p.add_argument(
-        "--num-decode", type=int, default=int(env("PDMESH_NUM_DECODE", "1")), help="[PDMESH_NUM_DECODE]"
+        "--num-prefill", type=int, default=env("PDMESH_NUM_PREFILL", "1"), help="[PDMESH_NUM_PREFILL]"
+    )
+    p.add_argument(
+        "--num-decode", type=int, default=env("PDMESH_NUM_DECODE", "1"), help="[PDMESH_NUM_DECODE]"
     )
     p.add_argument("--host", default=env("PDMESH_HOST", "127.0.0.1"), help="[PDMESH_HOST]")
-    p.add_argument(
-        "--port", type=int, default=int(env("PDMESH_PORT", "0")), help="router gRPC port [PDMESH_PORT]"
-    )
+    p.add_argument("--port", type=int, default=env("PDMESH_PORT", "0"), help="router gRPC port [PDMESH_PORT]")
     p.add_argument(
         "--http-port",
         type=int,
-        default=int(env("PDMESH_HTTP_PORT", "8000")),
+        default=env("PDMESH_HTTP_PORT", "8000"),
         help="OpenAI-compatible HTTP port [PDMESH_HTTP_PORT]",
     )
     p.add_argument(
@@ -276,6 +279,20 @@ def _add_mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag passed to the router")
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
+
+
+def _check_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage error for a value outside its flag's choices: argparse checks typed flags, not defaults, and
+    here defaults come from ``PDMESH_*`` variables; a bad one would otherwise surface only as a service that
+    fails to start."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and action.option_strings and value not in action.choices:
+            flag = action.option_strings[0]
+            parser.error(
+                f"{flag} (or PDMESH_{flag[2:].replace('-', '_').upper()}): {value!r} is not one of "
+                f"{', '.join(map(str, action.choices))}"
+            )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -364,7 +381,9 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return subprocess.call([sys.executable, str(REPO / "benchmarks" / "serving_bench.py"), *rest])
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line and the ``PDMESH_*`` defaults, checked: a usage error (exit 2) for a bad value from
+    either. Returns the arguments and, for ``serve`` and ``bench``, the flags they pass on."""
     parser = argparse.ArgumentParser(prog="pdmesh", description="LLM serving as a mesh of gRPC services.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a whole mesh on this machine (one process per service)")
@@ -379,12 +398,19 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("service", choices=sorted(SERVICES))
     sub.add_parser("bench", help="drive a running mesh (benchmarks/serving_bench.py)", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("up", "demo"):
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        _check_defaults(up if args.command == "up" else demo, args)
+    return args, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, rest = parse_args(argv)
     if args.command == "serve":
         sys.exit(cmd_serve(args, rest))
     if args.command == "bench":
         sys.exit(cmd_bench(args, rest))
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     sys.exit(cmd_up(args) if args.command == "up" else cmd_demo(args))
 
 

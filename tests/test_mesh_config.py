@@ -55,3 +55,34 @@ def test_the_router_command_line_refuses_a_bad_choice_from_a_flag_or_a_variable(
 def test_check_choices_accepts_every_default() -> None:
     for obj in (RouterConfig(), WorkerSettings(), EngineConfig()):
         check_choices(obj)
+
+
+def test_the_launcher_takes_its_defaults_from_variables_and_checks_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pdmesh up`` / ``demo`` read their defaults from ``PDMESH_*`` variables; a value outside a flag's
+    choices, or a number that is not one, is a usage error at once, not a service that fails to start."""
+    from mesh.cli import parse_args
+
+    monkeypatch.setenv("PDMESH_DEVICE", "cuda")
+    monkeypatch.setenv("PDMESH_BLOCK_SIZE", "32")
+    args, rest = parse_args(["up", "--dtype", "bfloat16"])
+    assert (args.device, args.block_size, args.dtype, args.num_decode, rest) == (
+        "cuda",
+        32,
+        "bfloat16",
+        1,
+        [],
+    )
+    for name, value, words in (
+        ("PDMESH_DEVICE", "gpu", "--device (or PDMESH_DEVICE): 'gpu' is not one of cpu, cuda"),
+        ("PDMESH_ROUTING", "nearest", "--routing (or PDMESH_ROUTING): 'nearest'"),
+        ("PDMESH_BLOCK_SIZE", "sixteen", "--block-size: invalid int value: 'sixteen'"),
+    ):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["demo"])
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PDMESH_DEVICE", "cuda")
+    assert parse_args(["up", "--device", "cpu"])[0].device == "cpu"  # a flag overrides a variable
