@@ -73,10 +73,15 @@ class Sampler:
         only) and the others the torch race without one."""
         batch, vocab = logits.shape
         device = logits.device
-        tokens = logits.argmax(dim=-1)
         if all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
-            return tokens
+            return logits.argmax(dim=-1)
         racing = [i for i, p in enumerate(params) if not p.greedy]
+        # The greedy rows' tokens, where there are any (the sampling rows' are written below).
+        tokens = (
+            logits.argmax(dim=-1)
+            if len(racing) < batch
+            else torch.empty(batch, dtype=torch.int64, device=device)
+        )
         sorting = [i for i in racing if params[i].top_k > 0 or params[i].top_p < 1.0]
         plain = [i for i in racing if params[i].top_k <= 0 and params[i].top_p >= 1.0]
         # Only unseeded sampling rows draw from the generator: seeded rows (the engine's warm-up samples

@@ -143,6 +143,12 @@ def test_every_seeded_row_draws_what_it_draws_alone(backend: str) -> None:
         for i, (p, pos) in enumerate(zip(params, positions, strict=True))
     ]
     assert together == alone
+    # Without a greedy row every token comes from the races (no argmax to start from).
+    sampling_rows = [i for i, p in enumerate(params) if not p.greedy]
+    no_greedy = sampler.sample(
+        logits[sampling_rows], [params[i] for i in sampling_rows], [positions[i] for i in sampling_rows]
+    )
+    assert no_greedy.tolist() == [alone[i] for i in sampling_rows]
 
 
 @pytest.mark.gpu
