@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,8 +32,30 @@ SERVICES = {
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 and outgoing connections (Linux: /proc; else its default)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free now, for a child process to bind later. It is drawn below the kernel's ephemeral range:
+    a port from that range can be taken in between by any process's outgoing connection or port-0 listener
+    (the workers' NIXL agents and gRPC channels open many), which once made the router fail to bind."""
+    lo = _ephemeral_range()[0]
+    first = max(1024, lo - 12288)
+    if lo - first >= 1024:
+        for port in random.sample(range(first, lo), 64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: ask the kernel
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -89,3 +89,20 @@ def test_pdmesh_up_serves_and_stops_cleanly_on_sigterm() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_launcher_ports_come_from_below_the_ephemeral_range() -> None:
+    """Ports the launcher hands to services are bound later, by child processes; one from the ephemeral
+    range could be taken in between by any process's outgoing connection (this made the router fail to
+    bind once in CI), so they are drawn below it, and are free when drawn."""
+    import socket
+
+    from mesh.cli import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    assert 1024 < lo <= hi
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < lo for p in ports) and len(set(ports)) > 1
+    for port in ports[:5]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

@@ -4,24 +4,18 @@ experts, give the same tokens as one rank holding all of them."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from engine import LLM, SamplingParams
+from mesh.cli import free_port
 
 # Rank r serves prompt r (data-parallel attention); both ranks see every token in the MoE layers. The
 # prompts have the same length so both ranks take the same number of steps (collectives line up).
 PROMPTS = [[5, 17, 99, 3, 250, 7, 64, 12, 200], [200, 12, 64, 7, 250, 3, 99, 17, 5]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, prompts: list[list[int]], out: dict) -> None:
@@ -50,5 +44,5 @@ def test_allgather_dispatch_over_two_gloo_ranks_matches_single_rank() -> None:
     single = LLM("tiny-moe", num_kv_blocks=64)
     expected = [single.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
     out = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(2, _free_port(), [[p] for p in PROMPTS], out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), [[p] for p in PROMPTS], out), nprocs=2, join=True)
     assert [out[0][0], out[1][0]] == expected

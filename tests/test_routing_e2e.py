@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ import pytest
 import redis
 
 from engine import LLM, SamplingParams
+from mesh.cli import free_port
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.mesh_fixtures import ServiceProcess, wait_until, worker_args
 
@@ -49,9 +49,7 @@ class PrivateRedis:
     """A redis-server of this test's own, on a free port, that the test may stop and restart."""
 
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()  # below the ephemeral range: the restart can bind it again
         self.url = f"redis://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.start()
