@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.config import EngineConfig  # noqa: E402
+from mesh.cli import LauncherSettings  # noqa: E402
 from mesh.config import reference_markdown  # noqa: E402
 from mesh.worker_service import WorkerSettings  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
@@ -21,6 +22,7 @@ SECTIONS = [
     ("Engine (prefill and decode workers, offline LLM)", EngineConfig),
     ("Worker service (python -m prefill_svc / decode_svc)", WorkerSettings),
     ("Router (python -m router)", RouterConfig),
+    ("Launcher (pdmesh up, pdmesh demo)", LauncherSettings),
 ]
 TARGET = REPO / "docs" / "configuration.md"
 

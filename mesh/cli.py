@@ -19,8 +19,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from mesh.config import add_arguments, from_sources, setting
 
 SERVICES = {
     "router": "router",
@@ -239,83 +241,41 @@ class Mesh:
             child.wait(timeout)
 
 
+@dataclass
+class LauncherSettings:
+    """What ``pdmesh up`` and ``pdmesh demo`` start (flags and ``PDMESH_*`` twins through ``mesh.config``).
+    The choices repeat ``EngineConfig``'s and ``RouterConfig``'s (``mesh`` imports neither the engine nor
+    the router); tests/test_mesh_config.py checks that they agree."""
+
+    model: str = setting(
+        "tiny-dense", "Built-in model (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory."
+    )
+    device: str = setting("cpu", "Device the workers' models run on.", choices=("cpu", "cuda"))
+    dtype: str = setting("float32", "Weight and KV dtype.", choices=("float32", "bfloat16", "float16"))
+    block_size: int = setting(16, "Tokens per KV block.")
+    num_kv_blocks: int = setting(2048, "KV pool size per worker, in blocks.")
+    max_model_len: int | None = setting(
+        None, "Longest prompt plus output, in tokens; default: the model's own limit."
+    )
+    num_prefill: int = setting(1, "Prefill workers to start.")
+    num_decode: int = setting(1, "Decode workers to start.")
+    host: str = setting("127.0.0.1", "Address every service listens on.")
+    port: int = setting(0, "Router gRPC port (0: a free one).")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port (0: a free one).")
+    routing: str = setting(
+        "prefix", "How the router chooses workers.", choices=("prefix", "round_robin", "random")
+    )
+    redis_url: str | None = setting(None, "Redis for the registry and the KV index (default: none).")
+    kv_transfer: str = setting("nixl", "KV transfer backend.", choices=("nixl", "local"))
+
+
 def _add_mesh_args(p: argparse.ArgumentParser) -> None:
-    """The launcher's flags. Defaults come from their ``PDMESH_*`` twins; numeric ones stay strings here so
-    that argparse converts them (a bad value is a usage error naming the flag), and ``_check_defaults``
-    checks the others against their choices, which argparse does not do for defaults."""
-    env = os.environ.get
-    p.add_argument(
-        "--model",
-        default=env("PDMESH_MODEL", "tiny-dense"),
-        help="built-in model (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory [PDMESH_MODEL]",
-    )
-    p.add_argument(
-        "--device", default=env("PDMESH_DEVICE", "cpu"), choices=("cpu", "cuda"), help="[PDMESH_DEVICE]"
-    )
-    p.add_argument(
-        "--dtype",
-        default=env("PDMESH_DTYPE", "float32"),
-        choices=("float32", "bfloat16", "float16"),
-        help="[PDMESH_DTYPE]",
-    )
-    p.add_argument(
-        "--block-size", type=int, default=env("PDMESH_BLOCK_SIZE", "16"), help="[PDMESH_BLOCK_SIZE]"
-    )
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=env("PDMESH_NUM_KV_BLOCKS", "2048"),
-        help="KV pool size per worker [PDMESH_NUM_KV_BLOCKS]",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=env("PDMESH_MAX_MODEL_LEN"), help="[PDMESH_MAX_MODEL_LEN]"
-    )
-    p.add_argument(
-        "--num-prefill", type=int, default=env("PDMESH_NUM_PREFILL", "1"), help="[PDMESH_NUM_PREFILL]"
-    )
-    p.add_argument(
-        "--num-decode", type=int, default=env("PDMESH_NUM_DECODE", "1"), help="[PDMESH_NUM_DECODE]"
-    )
-    p.add_argument("--host", default=env("PDMESH_HOST", "127.0.0.1"), help="[PDMESH_HOST]")
-    p.add_argument("--port", type=int, default=env("PDMESH_PORT", "0"), help="router gRPC port [PDMESH_PORT]")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=env("PDMESH_HTTP_PORT", "8000"),
-        help="OpenAI-compatible HTTP port [PDMESH_HTTP_PORT]",
-    )
-    p.add_argument(
-        "--routing",
-        default=env("PDMESH_ROUTING", "prefix"),
-        choices=("prefix", "round_robin", "random"),
-        help="[PDMESH_ROUTING]",
-    )
-    p.add_argument(
-        "--redis-url", default=env("PDMESH_REDIS_URL"), help="registry and KV index [PDMESH_REDIS_URL]"
-    )
-    p.add_argument(
-        "--kv-transfer",
-        default=env("PDMESH_KV_TRANSFER", "nixl"),
-        choices=("nixl", "local"),
-        help="[PDMESH_KV_TRANSFER]",
-    )
+    """The launcher's flags: ``LauncherSettings`` (each with its ``PDMESH_*`` twin), and the pass-through
+    flags that have none."""
+    add_arguments(p, LauncherSettings, "what to launch")
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag passed to the router")
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
-
-
-def _check_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Usage error for a value outside its flag's choices: argparse checks typed flags, not defaults, and
-    here defaults come from ``PDMESH_*`` variables; a bad one would otherwise surface only as a service that
-    fails to start."""
-    for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if action.choices is not None and action.option_strings and value not in action.choices:
-            flag = action.option_strings[0]
-            parser.error(
-                f"{flag} (or PDMESH_{flag[2:].replace('-', '_').upper()}): {value!r} is not one of "
-                f"{', '.join(map(str, action.choices))}"
-            )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -405,8 +365,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    """The command line and the ``PDMESH_*`` defaults, checked: a usage error (exit 2) for a bad value from
-    either. Returns the arguments and, for ``serve`` and ``bench``, the flags they pass on."""
+    """The command line and the ``PDMESH_*`` variables, checked: a usage error (exit 2) for a bad value
+    from either. Returns the arguments and, for ``serve`` and ``bench``, the flags they pass on."""
     parser = argparse.ArgumentParser(prog="pdmesh", description="LLM serving as a mesh of gRPC services.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a whole mesh on this machine (one process per service)")
@@ -422,9 +382,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     sub.add_parser("bench", help="drive a running mesh (benchmarks/serving_bench.py)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command in ("up", "demo"):
+        command = up if args.command == "up" else demo
         if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        _check_defaults(up if args.command == "up" else demo, args)
+            command.error(f"unrecognized arguments: {' '.join(rest)}")
+        try:  # flags, then PDMESH_* variables (converted and checked against the choices), then defaults
+            settings = from_sources(LauncherSettings, args)
+        except ValueError as exc:
+            command.error(str(exc))
+        vars(args).update(asdict(settings))
     return args, rest
 
 

@@ -3,6 +3,7 @@ to ``from_sources`` and a settings class's own constructor, each with an error n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -75,9 +76,9 @@ def test_the_launcher_takes_its_defaults_from_variables_and_checks_them(
         [],
     )
     for name, value, words in (
-        ("PDMESH_DEVICE", "gpu", "--device (or PDMESH_DEVICE): 'gpu' is not one of cpu, cuda"),
-        ("PDMESH_ROUTING", "nearest", "--routing (or PDMESH_ROUTING): 'nearest'"),
-        ("PDMESH_BLOCK_SIZE", "sixteen", "--block-size: invalid int value: 'sixteen'"),
+        ("PDMESH_DEVICE", "gpu", "PDMESH_DEVICE: 'gpu' is not one of cpu, cuda"),
+        ("PDMESH_ROUTING", "nearest", "PDMESH_ROUTING: 'nearest' is not one of"),
+        ("PDMESH_BLOCK_SIZE", "sixteen", "PDMESH_BLOCK_SIZE: invalid literal for int()"),
     ):
         monkeypatch.setenv(name, value)
         with pytest.raises(SystemExit) as exc:
@@ -86,3 +87,19 @@ def test_the_launcher_takes_its_defaults_from_variables_and_checks_them(
         monkeypatch.delenv(name)
     monkeypatch.setenv("PDMESH_DEVICE", "cuda")
     assert parse_args(["up", "--device", "cpu"])[0].device == "cpu"  # a flag overrides a variable
+    with pytest.raises(SystemExit):
+        parse_args(["up", "--device", "gpu"])  # and argparse checks the flag's choices
+
+
+def test_the_launchers_choices_are_those_of_the_settings_it_passes_them_to() -> None:
+    """``LauncherSettings`` repeats choices it hands to the workers and the router (``mesh`` imports
+    neither the engine nor the router): they must agree with the classes that check them."""
+    from mesh.cli import LauncherSettings
+
+    def choices(cls: type) -> dict[str, tuple]:
+        return {f.name: f.metadata["choices"] for f in dataclasses.fields(cls) if f.metadata.get("choices")}
+
+    launcher = choices(LauncherSettings)
+    owners = choices(EngineConfig) | choices(RouterConfig) | choices(WorkerSettings)
+    assert set(launcher) == {"device", "dtype", "routing", "kv_transfer"}
+    assert all(launcher[name] == owners[name] for name in launcher), (launcher, owners)
