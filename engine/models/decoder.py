@@ -51,17 +51,6 @@ class Attention(nn.Module):
         self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
-        kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        q = self.project(x, positions, cos_sin, kv_pool, meta.slot_mapping)
-        return self.output(self.attend(q, kv_pool, meta))
-
     def project(
         self,
         x: torch.Tensor,
