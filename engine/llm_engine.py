@@ -164,7 +164,12 @@ class LLMEngine:
             cap = min(config.max_num_batched_tokens, self.max_model_len - 1)
             sizes = sorted({min(n, cap) for n in (*WARM_UP_TOKENS, cap)} - {0})
             seconds = self.runner.warm_up(sizes, self.sampler)
-            log.info("warmed up the prefill and sampling kernels for %s tokens in %.1f s", sizes, seconds)
+            log.info(
+                "warmed up the eager prefill kernels for %s tokens (less those the prefill graphs cover) "
+                "and the sampling kernels in %.1f s",
+                sizes,
+                seconds,
+            )
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._held: dict[str, Sequence] = {}  # finished prefill requests still holding their KV blocks
         self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled

@@ -161,13 +161,15 @@ class ModelRunner:
         """One prefill forward (and its logits) per size in ``token_counts``, with nothing written to the
         KV pool and the outputs dropped, so that the Triton kernels' variants for those size classes (MoE
         tiles, routing tiles, prefill attention) are compiled now rather than inside a served step.
-        Expert counters are restored. With ``sampler``, then samples through each of its paths
-        (``_WARM_UP_SAMPLES``), so the sampling kernel compiles now too, not in the first sampled request.
-        Returns the seconds it took."""
+        Expert counters are restored. Sizes the prefill graphs replay are skipped: their capture ran those
+        kernels already, and such steps never run eagerly. With ``sampler``, then samples through each of
+        its paths (``_WARM_UP_SAMPLES``), so the sampling kernel compiles now too, not in the first sampled
+        request. Returns the seconds it took."""
         started = time.perf_counter()
         dev = self.device
+        pg = self.prefill_graphs
         with expert_counts_restored(self.model):
-            for n in token_counts:
+            for n in (n for n in token_counts if pg is None or pg.bucket_for(n) is None):
                 meta = AttentionMetadata(
                     slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
                     block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),

@@ -152,3 +152,19 @@ def test_engine_through_prefill_pieces_gives_the_eager_tokens_and_counts(model: 
     counts_want, counts_got = plain.engine.take_expert_counts(), piecewise.engine.take_expert_counts()
     if counts_want is not None:
         assert counts_got is not None and torch.equal(counts_got, counts_want)
+
+
+def test_warm_up_skips_the_sizes_the_prefill_graphs_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their capture compiled those kernels, and such steps never run eagerly: the start-up warm-up runs
+    eager prefill forwards only for the sizes beyond the largest bucket."""
+    llm = LLM("tiny-moe", num_kv_blocks=64, max_num_batched_tokens=128)
+    runner = llm.engine.runner
+    sizes: list[int] = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, *a: sizes.append(len(ids)) or forward(ids, *a))
+    runner.warm_up([16, 48, 100])
+    assert sizes == [16, 48, 100]
+    sizes.clear()
+    runner.prefill_graphs = EagerPieces(runner.model, runner.kv_pool, 48, torch.device("cpu"))
+    runner.warm_up([16, 48, 100])
+    assert sizes == [100]
