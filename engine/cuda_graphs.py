@@ -57,6 +57,28 @@ def expert_counts_restored(model: DecoderModel) -> Iterator[None]:
             count.copy_(before)
 
 
+def padding_counts(
+    counts: list[torch.Tensor], replay_padding: Callable[[], None], rows: int, what: str
+) -> list[torch.Tensor] | None:
+    """What one padding row adds to each MoE block's expert counters (``counts``), measured by
+    ``replay_padding``, a replay of a graph of ``rows`` rows that are all padding (its callers restore the
+    counters afterwards). None without MoE blocks, or, with a warning naming ``what``, when the padding
+    rows did not route alike (which should not happen): that graph's counts then stay uncorrected."""
+    if not counts:
+        return None
+    before = [c.clone() for c in counts]
+    replay_padding()
+    deltas = [c - b for c, b in zip(counts, before, strict=True)]
+    if all(bool((d % rows == 0).all()) for d in deltas):
+        return [d // rows for d in deltas]
+    log.warning(
+        "padding rows of the %s route differently; MoE expert counts of its padded steps include padding "
+        "tokens",
+        what,
+    )
+    return None
+
+
 def decode_step_pieces(
     model: DecoderModel,
     input_ids: torch.Tensor,
@@ -180,8 +202,7 @@ class DecodeGraphs:
                         run()
                     g.pieces.append(graph)
                 self.graphs[size] = g
-            if self._counts:
-                self._measure_padding_counts()
+            self._measure_padding_counts()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         log.info(
@@ -205,17 +226,7 @@ class DecodeGraphs:
     def _measure_padding_counts(self) -> None:
         """Replay each graph with padding rows only; what one row adds is the padding correction."""
         for size, g in self.graphs.items():
-            before = [c.clone() for c in self._counts]
-            g.replay()
-            deltas = [c - b for c, b in zip(self._counts, before, strict=True)]
-            if all(bool((d % size == 0).all()) for d in deltas):
-                g.pad_counts = [d // size for d in deltas]
-            else:  # padding rows disagreed (should not happen): counts stay uncorrected, and say so
-                log.warning(
-                    "padding rows of the batch-%d decode graph route differently; MoE expert "
-                    "counts of padded steps include padding tokens",
-                    size,
-                )
+            g.pad_counts = padding_counts(self._counts, g.replay, size, f"batch-{size} decode graph")
 
     # ---- replay ----------------------------------------------------------------------------------
     def replay(self, size: int) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.cuda_graphs import expert_counts_restored
+from engine.cuda_graphs import expert_counts_restored, padding_counts
 from engine.models.decoder import AttentionMetadata, DecoderModel
 
 log = logging.getLogger(__name__)
@@ -168,19 +168,12 @@ class PrefillGraphs:
 
     def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
         """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
-        if not self._counts:
-            return None
-        before = [c.clone() for c in self._counts]
-        self._forward(size, 0, None, replay=True)
-        deltas = [c - b for c, b in zip(self._counts, before, strict=True)]
-        if all(bool((d % size == 0).all()) for d in deltas):
-            return [d // size for d in deltas]
-        log.warning(
-            "padding rows of the %d-token prefill graph route differently; MoE expert counts of padded "
-            "prefill steps include padding tokens",
+        return padding_counts(
+            self._counts,
+            lambda: self._forward(size, 0, None, replay=True),
             size,
+            f"{size}-token prefill graph",
         )
-        return None
 
     # ---- replay ----------------------------------------------------------------------------------
     def run(
