@@ -650,6 +650,58 @@ def sweep_moe_prefill() -> None:
         print(f"{tokens} tokens best: " + ", ".join(f"{us:.1f} us {c}" for us, c in timed[:3]), flush=True)
 
 
+NORM_LINEAR_SHAPES = [(5120, 2048), (128, 2048), (6144, 4096), (28672, 4096), (151936, 2048)]
+
+
+def norm_linear_compare() -> None:
+    """The fused add + RMSNorm + GEMV (``add_rms_norm_linear`` at one row) against the norm kernel then the
+    GEMV, per batch-1 shape that reads a norm, in CUDA graphs over rotated weights; then a grid of the
+    fused kernel's tiles (BLOCK_N, warps), best first."""
+    print("\n## add + RMSNorm + GEMV at one row: fused / norm then GEMV (us per call), then fused tiles")
+    base = triton_linear.norm_gemv_config
+    for n, k in NORM_LINEAR_SHAPES:
+        g = torch.randn(k, device="cuda", dtype=DTYPE)
+
+        def make(n: int = n, k: int = k) -> tuple:
+            w = torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
+            return (
+                torch.randn(1, k, device="cuda", dtype=DTYPE),
+                torch.randn(1, k, device="cuda", dtype=DTYPE),
+                w,
+            )
+
+        def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, g: torch.Tensor = g) -> object:
+            return TRITON_OPS.add_rms_norm_linear(x, r, g, 1e-6, w, True)
+
+        def split(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, g: torch.Tensor = g) -> object:
+            h, _ = TRITON_OPS.fused_add_rms_norm(x, r, g, 1e-6)
+            return TRITON_OPS.linear(h, w)
+
+        row = rotated_case("add+norm+GEMV", f"1 x {k} -> {n}", (n * k + 3 * k + n) * 2, make, fused, split)
+        timed = []
+        if n < 100_000:
+            sets = [make() for _ in range(rotations(row.bytes_moved))]
+            for bn in (1, 2, 4, 8, 16):
+                for w in (2, 4, 8, 16):
+                    bk = triton.next_power_of_2(k)
+                    if bn * bk // (32 * w) > 256:
+                        continue
+                    cfg = triton_linear.LinearConfig(bn, bk, w, 1)
+                    triton_linear.norm_gemv_config = lambda *_a, cfg=cfg: cfg
+                    try:
+                        timed.append((time_graph([lambda s=s: fused(*s) for s in sets])[0], f"{bn}/{w}"))
+                    except Exception as exc:  # registers, shared memory
+                        print(f"  {n} x {k} {cfg}: {type(exc).__name__}")
+                    triton_linear.norm_gemv_config = base
+        timed.sort()
+        tiles = ", ".join(f"{t:.1f} us {c}" for t, c in timed[:4])
+        print(
+            f"{n} x {k} ({n * k * 2 / 1e6:.1f} MB): fused {row.triton_us:.1f} us, norm then GEMV "
+            f"{row.torch_us:.1f} us; fused tiles BLOCK_N/warps: {tiles}",
+            flush=True,
+        )
+
+
 def pdl_compare() -> None:
     """The decode-path kernels with programmatic dependent launch on and off (back-to-back in a graph)."""
     print("\n## programmatic dependent launch: on / off (us per call, back-to-back calls in one graph)")
@@ -692,6 +744,9 @@ def main() -> None:
     parser.add_argument(
         "--moe-align", action="store_true", help="only: the three MoE alignments side by side per size"
     )
+    parser.add_argument(
+        "--norm-linear", action="store_true", help="only: the fused norm + GEMV against the two kernels"
+    )
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -705,6 +760,9 @@ def main() -> None:
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
     if args.moe_align:
         moe_align_compare()
+        return
+    if args.norm_linear:
+        norm_linear_compare()
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:

@@ -88,7 +88,7 @@ def decode_step_pieces(
     logits_out: torch.Tensor,
     layers_per_piece: int = LAYERS_PER_GRAPH,
 ) -> list[Callable[[], None]]:
-    """``DecoderModel.forward`` followed by ``compute_logits`` into ``logits_out``, cut into callables
+    """``DecoderModel.forward`` followed by ``final_logits`` into ``logits_out``, cut into callables
     that run in order, ``layers_per_piece`` decoder layers each (each becomes one graph). The hidden state
     and residual pass between pieces through ``state``, which the captured graphs keep addressing."""
     layers = list(model.layers)
@@ -105,8 +105,7 @@ def decode_step_pieces(
             for layer in layers[lo:hi]:
                 x, residual = layer(x, residual, positions, model.cos_sin, kv_pool, meta)
             if hi == len(layers):
-                x, _ = model.ops.fused_add_rms_norm(x, residual, model.norm, model.cfg.rms_norm_eps)
-                logits_out.copy_(model.compute_logits(x))
+                logits_out.copy_(model.final_logits(x, residual))  # one copy: converts to fp32 too
             state["x"], state["residual"] = x, residual
 
         return run

@@ -4,7 +4,27 @@ from __future__ import annotations
 
 import torch
 
+from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+
 
 def linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; w: [N, K] -> x @ w.T, [M, N]."""
     return x @ w.t()
+
+
+def add_rms_norm_linear_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    need_normed: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A layer's norm and the projection that consumes it, as one op so that a backend can fuse them:
+    h = rms_norm(x + residual) * norm_weight (rms_norm(x) where residual is None); returns
+    (h @ w.T, h if need_normed else None, x + residual, or x itself where residual is None)."""
+    if residual is None:
+        h, summed = rms_norm_torch(x, norm_weight, eps), x
+    else:
+        h, summed = fused_add_rms_norm_torch(x, residual, norm_weight, eps)
+    return linear_torch(h, w), (h if need_normed else None), summed

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
-from kernels.linear import linear_torch
+from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -32,6 +32,7 @@ class Ops:
     moe_route: Callable
     qkv_prologue: Callable
     linear: Callable
+    add_rms_norm_linear: Callable  # a layer's norm and the projection that reads it (fused at batch 1)
     gumbel_sample: (
         Callable  # the sampling race, with top-k, top-p and min-p (engine/sampler.py picks the rows)
     )
@@ -49,6 +50,7 @@ TORCH_OPS = Ops(
     moe_route=moe_route_torch,
     qkv_prologue=qkv_prologue_torch,
     linear=linear_torch,
+    add_rms_norm_linear=add_rms_norm_linear_torch,
     gumbel_sample=gumbel_sample_torch,
 )
 

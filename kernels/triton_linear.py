@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_device import pdl_kwargs, pdl_wait
+from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 
 def use_gemv(m: int, n: int, k: int) -> bool:
@@ -98,3 +99,123 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RMSNorm (with the residual add) fused into the GEMV that consumes it
+
+# Rows up to this long are normalised inside the GEMV (every hidden size of the benchmark models, and of
+# most models up to 70B); longer ones run the norm kernel and then the GEMV.
+NORM_GEMV_MAX_K = 8192
+
+
+def use_norm_gemv(m: int, n: int, k: int) -> bool:
+    """Whether ``add_rms_norm_linear_triton`` runs the fused kernel: one row, as ``use_gemv``, and a row of
+    at most ``NORM_GEMV_MAX_K`` (each program holds its weight rows and the whole input row at once)."""
+    return use_gemv(m, n, k) and k <= NORM_GEMV_MAX_K
+
+
+def norm_gemv_config(n: int, k: int, device: torch.device) -> LinearConfig:
+    """Tile of the fused kernel: ``block_k`` covers the whole row (one load of every weight row, no K loop),
+    ``block_n`` rows per program, and enough warps that each thread holds at most 64 weight elements."""
+    block_k = triton.next_power_of_2(k)
+    if device.type != "cuda":
+        return LinearConfig(4, block_k, 4, 1)  # the interpreter: several programs, masked edges
+    block_n = 4 if k <= 2048 else 2
+    num_warps = min(16, max(4, block_n * block_k // (32 * 64)))
+    return LinearConfig(block_n, block_k, num_warps, 1)
+
+
+@triton.jit
+def _norm_gemv_kernel(
+    x_ptr,
+    res_ptr,
+    g_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    normed_ptr,
+    N,
+    K,
+    stride_wn,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[n] = w[n] . rms_norm(x + res) * g for BLOCK_N rows n; program 0 also writes x + res (and the
+    normalised row where WRITE_NORMED).
+
+    Every program normalises the row itself (it is read from L2, a few KB), so the norm needs no launch
+    of its own and no second pass over HBM; the weight rows are loaded first, so their HBM reads are in
+    flight while the norm is reduced. Roundings are the reference's (``kernels/norm.py``): the sum and the
+    normalised row are rounded to their dtype before the weight multiply, and the product is rounded to
+    the normed dtype before the dot."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs_k, summed, mask=first)
+        s = summed.to(tl.float32)
+        in_dtype = sum_ptr.dtype.element_ty
+    else:
+        s = x
+        in_dtype = x_ptr.dtype.element_ty
+    inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / K + eps)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
+    if WRITE_NORMED:
+        tl.store(normed_ptr + offs_k, h, mask=first)
+    out = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def add_rms_norm_linear_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    need_normed: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``kernels.linear.add_rms_norm_linear_torch`` on the GPU: (linear(h, w), h if need_normed,
+    x + residual) with h = rms_norm(x + residual) * norm_weight (no add where residual is None, and the sum
+    is x itself). One fused launch where ``use_norm_gemv`` says so and the rows are plain (same dtypes,
+    unit last strides); otherwise the norm kernel, then ``linear_triton``."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    (m, k), n = x.shape, w.shape[0]
+    plain = (
+        x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and norm_weight.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+        and norm_weight.dtype == x.dtype == w.dtype
+    )
+    if not (plain and use_norm_gemv(m, n, k)):
+        if residual is None:
+            h, summed = rms_norm_triton(x, norm_weight, eps), x
+        else:
+            h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
+        return linear_triton(h, w), (h if need_normed else None), summed
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else x
+    normed = torch.empty_like(x) if need_normed else out  # `out` only lends its dtype when nothing is written
+    cfg = norm_gemv_config(n, k, x.device)
+    _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, residual if residual is not None else x, norm_weight, w, out, summed, normed, n, k, w.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, (normed if need_normed else None), summed

@@ -9,7 +9,7 @@ from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
-from kernels.triton_linear import linear_triton
+from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
@@ -29,5 +29,6 @@ TRITON_OPS = Ops(
     moe_route=moe_route_triton,
     qkv_prologue=qkv_prologue_triton,
     linear=linear_triton,
+    add_rms_norm_linear=add_rms_norm_linear_triton,
     gumbel_sample=gumbel_sample_triton,
 )

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels import triton_linear
-from kernels.linear import linear_torch
+from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
     DEVICE,
@@ -170,3 +170,122 @@ def test_gpu_linear_in_cuda_graph_without_host_sync() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, linear_torch(*up(x, w)), dtype, "graph: linear")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The norm fused into the GEMV that reads it (``add_rms_norm_linear``)
+
+
+@pytest.fixture
+def norm_gemv_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Records (N, K) of every fused norm + GEMV launch."""
+    launched: list[tuple[int, int]] = []
+    kernel = triton_linear._norm_gemv_kernel
+
+    class Recording:
+        def __getitem__(self, grid: tuple) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                launched.append(tuple(args[3].shape))  # w
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_linear, "_norm_gemv_kernel", Recording())
+    yield launched
+
+
+def _check_norm_linear(
+    m: int, n: int, k: int, dtype: torch.dtype, with_residual: bool, need_normed: bool, what: str
+) -> None:
+    x = randn(m, k, dtype=dtype)
+    res = randn(m, k, dtype=dtype) if with_residual else None
+    g = (1 + 0.2 * randn(k)).to(dtype)
+    w = make_weight(n, k, dtype)
+    out, normed, summed = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, need_normed)
+    ref_out, ref_normed, ref_summed = add_rms_norm_linear_torch(
+        x.float(), None if res is None else res.float(), g.float(), 1e-6, w.float(), True
+    )
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, ref_out, dtype, f"{what}: out")
+    assert_close(summed, ref_summed, dtype, f"{what}: x + residual")
+    if res is None:
+        assert summed is x  # nothing added: the sum is the input itself, as in the reference
+    if need_normed:
+        assert normed is not None
+        assert_close(normed, ref_normed, dtype, f"{what}: normed")
+    else:
+        assert normed is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+def test_add_rms_norm_linear_matches_reference(
+    m: int, dtype: torch.dtype, with_residual: bool, norm_gemv_launches: list
+) -> None:
+    """One row runs the fused kernel (N not a multiple of its rows, K not a power of two); more rows run
+    the norm kernel and the matmul. Both against the reference, with and without the normalised row."""
+    torch.manual_seed(500 + m)
+    for need_normed in (True, False):
+        _check_norm_linear(m, N + 1, K, dtype, with_residual, need_normed, f"M={m}, normed={need_normed}")
+    assert norm_gemv_launches == ([(N + 1, K)] * 2 if m == 1 else [])
+
+
+def test_add_rms_norm_linear_long_row_falls_back(
+    monkeypatch: pytest.MonkeyPatch, norm_gemv_launches: list, gemv_launches: list
+) -> None:
+    """A row longer than ``NORM_GEMV_MAX_K`` runs the norm kernel and then the plain GEMV."""
+    monkeypatch.setattr(triton_linear, "NORM_GEMV_MAX_K", K - 1)
+    torch.manual_seed(520)
+    _check_norm_linear(1, N, K, torch.float32, True, True, "long row")
+    assert norm_gemv_launches == [] and gemv_launches == [(N, K)]
+
+
+def test_add_rms_norm_linear_mixed_dtypes_fall_back(norm_gemv_launches: list) -> None:
+    """A norm weight of another dtype than x (the reference promotes) is not fused, and still exact."""
+    torch.manual_seed(530)
+    x, res = randn(1, K, dtype=torch.bfloat16), randn(1, K, dtype=torch.bfloat16)
+    g, w = 1 + 0.2 * randn(K), make_weight(N, K, torch.float32)
+    out, normed, summed = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w.to(torch.bfloat16), True)
+    ref = add_rms_norm_linear_torch(x, res, g, 1e-6, w.to(torch.float32), True)
+    assert normed is not None and normed.dtype == ref[1].dtype == torch.float32
+    assert_close(out, ref[0].to(torch.bfloat16), torch.bfloat16, "mixed: out")
+    assert norm_gemv_launches == []
+
+
+# (N, K): Qwen3-30B-A3B QKV, router, LM head; Llama-3.1-8B QKV, gate-up.
+NORM_REAL_SHAPES = [(5120, 2048), (128, 2048), (151936, 2048), (6144, 4096), (28672, 4096)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("n", "k"), NORM_REAL_SHAPES, ids=lambda v: str(v))
+def test_gpu_add_rms_norm_linear_real_shapes(n: int, k: int, norm_gemv_launches: list) -> None:
+    torch.manual_seed(540)
+    for with_residual in (True, False):
+        _check_norm_linear(1, n, k, torch.bfloat16, with_residual, True, f"{n}x{k}")
+    assert norm_gemv_launches == [(n, k)] * 2
+
+
+@gpu
+@needs_cuda
+def test_gpu_add_rms_norm_linear_in_cuda_graph() -> None:
+    """Captured once and replayed with new inputs: program 0's writes of the sum and the normalised row,
+    and every program's norm, follow the new values."""
+    torch.manual_seed(550)
+    dtype = torch.bfloat16
+    x, res = randn(1, 2048, dtype=dtype), randn(1, 2048, dtype=dtype)
+    g, w = (1 + 0.2 * randn(2048)).to(dtype), make_weight(5120, 2048, dtype)
+    TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, normed, summed = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)
+    for _ in range(3):
+        x.copy_(randn(1, 2048, dtype=dtype))
+        res.copy_(randn(1, 2048, dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = add_rms_norm_linear_torch(*up(x, res, g), 1e-6, w.float(), True)
+        for got, want, what in zip((out, normed, summed), ref, ("out", "normed", "sum"), strict=True):
+            assert_close(got, want, dtype, f"graph: {what}")

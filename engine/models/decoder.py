@@ -53,15 +53,15 @@ class Attention(nn.Module):
 
     def project(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """QKV projection, q/k norms and RoPE; writes K and V into the pool at ``slot_mapping`` (-1: write
-        nothing) and returns q [T, heads, head_dim]."""
-        qkv = self.ops.linear(x, self.qkv_proj)
+        """From the QKV projection's output (the layer projects it with its input norm, see
+        ``DecoderLayer.pre_attention``): bias, q/k norms and RoPE; writes K and V into the pool at
+        ``slot_mapping`` (-1: write nothing) and returns q [T, heads, head_dim]."""
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         return self.ops.qkv_prologue(
@@ -99,7 +99,11 @@ class DenseMLP(nn.Module):
         self.down_proj = _param(hidden, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, self.gate_up_proj)), self.down_proj)
+        return self.down(self.ops.linear(x, self.gate_up_proj))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP after its gate-up projection (which the layer fuses with its norm)."""
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -157,22 +161,28 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer up to attention: the input norm (adding the residual), and ``Attention.project``.
-        Returns q and the residual. Reads nothing of the batch's layout but the KV slots."""
-        if residual is None:
-            residual = x
-            h = self.ops.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            h, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        return self.self_attn.project(h, positions, cos_sin, kv_pool, slot_mapping), residual
+        """The layer up to attention: the input norm (adding the residual) with the QKV projection, and
+        ``Attention.project``. Returns q and the residual. Reads nothing of the batch's layout but the KV
+        slots."""
+        qkv, _, residual = self.ops.add_rms_norm_linear(
+            x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, False
+        )
+        return self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping), residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after attention: the output projection, the post-attention norm and the MLP (dense or
-        MoE). Returns the layer's output and the residual."""
-        h, residual = self.ops.fused_add_rms_norm(
-            self.self_attn.output(o), residual, self.post_attention_layernorm, self.eps
+        """The layer after attention: the output projection, the post-attention norm with the projection
+        that reads it (the router, or the dense MLP's gate-up), and the MLP. Returns the layer's output and
+        the residual."""
+        o = self.self_attn.output(o)
+        if isinstance(self.mlp, MoEBlock):
+            logits, h, residual = self.ops.add_rms_norm_linear(
+                o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True
+            )
+            return self.mlp(h, logits), residual
+        gate_up, _, residual = self.ops.add_rms_norm_linear(
+            o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate_up_proj, False
         )
-        return self.mlp(h), residual
+        return self.mlp.down(gate_up), residual
 
 
 class DecoderModel(nn.Module):
@@ -226,6 +236,14 @@ class DecoderModel(nn.Module):
             x, residual = layer(x, residual, positions, self.cos_sin, kv_pool, meta)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
+
+    def final_logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head in one op (fused at batch 1), for callers that run the layers
+        themselves and need the logits of every row (the decode graphs). Logits in x's dtype."""
+        logits, _, _ = self.ops.add_rms_norm_linear(
+            x, residual, self.norm, self.cfg.rms_norm_eps, self.lm_head, False
+        )
+        return logits
 
     def begin_forward(self) -> None:
         """Start of a forward pass (``forward`` calls it; so must callers that run the layers themselves)."""

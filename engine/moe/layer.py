@@ -71,8 +71,11 @@ class MoEBlock(nn.Module):
             "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.ops.linear(x, self.gate)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The block on normalised hidden states x [T, H]; ``router_logits`` (x @ gate.T) where the caller
+        computed them already (the layer fuses the router with its norm)."""
+        if router_logits is None:
+            router_logits = self.ops.linear(x, self.gate)
         p = self.placement
         topk_w, topk_phys = self.ops.moe_route(
             router_logits,
