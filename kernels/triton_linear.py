@@ -163,6 +163,7 @@ def _norm_gemv_kernel(
     w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         summed = (x + r).to(sum_ptr.dtype.element_ty)
@@ -173,7 +174,6 @@ def _norm_gemv_kernel(
         s = x
         in_dtype = x_ptr.dtype.element_ty
     inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / K + eps)
-    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
     if WRITE_NORMED:
         tl.store(normed_ptr + offs_k, h, mask=first)
