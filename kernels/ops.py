@@ -12,7 +12,7 @@ from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from kernels.qkv_prologue import qkv_prologue_torch
+from kernels.qkv_prologue import qkv_attention_torch, qkv_prologue_torch
 from kernels.rope import apply_rope_torch
 from kernels.sampling import gumbel_sample_torch
 
@@ -31,6 +31,7 @@ class Ops:
     fused_moe: Callable
     moe_route: Callable
     qkv_prologue: Callable
+    qkv_attention: Callable  # the prologue and attention as one op (folded into one kernel in decode)
     linear: Callable
     add_rms_norm_linear: Callable  # a layer's norm and the projection that reads it (fused at batch 1)
     gumbel_sample: (
@@ -49,6 +50,7 @@ TORCH_OPS = Ops(
     fused_moe=fused_moe_torch,
     moe_route=moe_route_torch,
     qkv_prologue=qkv_prologue_torch,
+    qkv_attention=qkv_attention_torch,
     linear=linear_torch,
     add_rms_norm_linear=add_rms_norm_linear_torch,
     gumbel_sample=gumbel_sample_torch,

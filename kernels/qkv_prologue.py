@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
@@ -40,3 +41,29 @@ def qkv_prologue_torch(
     q, k = apply_rope_torch(q, k, positions, cos_sin_cache)
     write_kv_torch(kv_pool, layer, k, v, slot_mapping)
     return q
+
+
+def qkv_attention_torch(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The prologue, then attention (``kernels.attention``): one op from the raw QKV projection to the
+    attention output [T, Hq, D], so that a backend can fold the prologue into the attention kernel.
+    Writes k and v into the pool at ``slot_mapping``, as the prologue does."""
+    q = qkv_prologue_torch(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, positions,
+                           cos_sin_cache, kv_pool, layer, slot_mapping)  # fmt: skip
+    return paged_attention_torch(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale)

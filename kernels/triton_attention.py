@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
+from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,17 @@ def _decode_split_kernel(
     stride_mo_s,
     stride_ml_t,
     stride_ml_h,
+    qkv_ptr,
+    pos_ptr,
+    slot_ptr,
+    cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_qkv_t,
+    stride_cache,
+    eps,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -153,8 +165,19 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FROM_QKV: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Attention of one query token's GROUP q heads (one KV head) over one split of its keys: partial
+    output and log-sum-exp into mid_o / mid_lse for ``_decode_merge_kernel``.
+
+    With FROM_QKV the QKV prologue is folded in (``qkv_attention_triton``): q is normalised and rotated
+    here from the raw projection, and the program whose split holds a new token's position writes that
+    token's k and v for its KV head into the pool first (``kernels.triton_prologue._kv_heads``), then
+    reads the split as usual. Only that program reads the position in its own split (others of the same
+    sequence that write it write the same values), so a block barrier orders the write before the read.
+    """
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,6 +188,12 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + token)  # pre-wait: step input
     q_end = tl.load(qsl_ptr + token + 1)  # pre-wait: step input
     seq_total = tl.load(seq_lens_ptr + token)  # pre-wait: step input (token < T <= num_seqs here)
+    if FROM_QKV:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        half_dims = tl.arange(0, BLOCK_D // 2)
+        pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
+        cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
+        sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
@@ -181,11 +210,35 @@ def _decode_split_kernel(
     head_mask = tl.arange(0, BLOCK_H) < GROUP
     dims = tl.arange(0, BLOCK_D)
     q_mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    q = tl.load(
-        q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
+    if FROM_QKV:
+        q_dtype = qkv_ptr.dtype.element_ty
+        row = qkv_ptr + token.to(tl.int64) * stride_qkv_t
+        src = row + heads[:, None] * HEAD_DIM + half_dims[None, :]
+        x1 = tl.load(src, mask=head_mask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
+        o1, o2 = _norm_rotate(x1, x2, q_norm_ptr, half_dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM,
+                              q_dtype, q_dtype)  # fmt: skip
+        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # halves side by side
+        # The new tokens of this sequence whose positions fall in this split: k and v into the pool.
+        first_new = seq_total - q_len
+        for i in range(tl.maximum(start, first_new) - first_new, tl.minimum(end, seq_total) - first_new):
+            new_token = (q_start + i).to(tl.int64)
+            slot = tl.load(slot_ptr + new_token).to(tl.int64)
+            if slot >= 0:  # a negative slot is padding: nothing is written
+                new_pos = tl.load(pos_ptr + new_token).to(tl.int64)
+                new_cos = tl.load(cache_ptr + new_pos * stride_cache + half_dims)[None, :]
+                new_sin = tl.load(cache_ptr + new_pos * stride_cache + HALF + half_dims)[None, :]
+                _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
+                          kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
+                          stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head,
+                          half_dims, new_cos, new_sin, eps, HEAD_DIM, HALF, BLOCK_SIZE, HAS_NORM, q_dtype)  # fmt: skip
+        tl.debug_barrier()  # this block's pool writes are visible to its own reads below
+    else:
+        q = tl.load(
+            q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
     k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -359,8 +412,6 @@ def paged_attention_triton(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
-    block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
-    group = num_heads // num_kv_heads
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -368,43 +419,150 @@ def paged_attention_triton(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    strides = pool_strides(kv_pool)
-    scale_log2 = scale * math.log2(math.e)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-
     if num_tokens <= num_seqs:
-        dcfg = DECODE_CONFIG
-        if max_seq_len is None:
-            max_seq_len = block_tables.shape[1] * block_size
-        splits = num_kv_splits(num_tokens, num_kv_heads, max_seq_len, q.device)
-        mid_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
-        _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
-            q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
-            layer, scale_log2, num_seqs, splits,
-            q.stride(0), q.stride(1), *strides, block_tables.stride(0),
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
-            DOT_PRECISION=precision, **pdl_kwargs(q.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
-        )  # fmt: skip
-        _decode_merge_kernel[(num_tokens, num_heads)](
-            mid_o, mid_lse, out, splits,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=splits, BLOCK_D=block_d, **pdl_kwargs(q.device), num_warps=4,
-        )  # fmt: skip
+        _decode(out, q, None, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len)
         return out
 
     ecfg = EXTEND_CONFIG
+    block_size = kv_pool.shape[3]
     grid = (num_tokens // ecfg.block_m + num_seqs, num_heads)
     _extend_kernel[grid](
         q, kv_pool, block_tables, seq_lens, query_start_loc, out,
-        layer, scale_log2, num_seqs,
-        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_D=block_d,
-        DOT_PRECISION=precision, num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,
+        layer, scale * math.log2(math.e), num_seqs,
+        q.stride(0), q.stride(1), *pool_strides(kv_pool), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // kv_pool.shape[4], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_D=_block_d(head_dim),
+        DOT_PRECISION=_precision(q.dtype), num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,
     )  # fmt: skip
+    return out
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class _Prologue:
+    """What the split kernel needs to fold the QKV prologue in (``qkv_attention_triton``)."""
+
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+
+
+def _decode(
+    out: torch.Tensor,
+    q: torch.Tensor | None,
+    prologue: _Prologue | None,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+) -> None:
+    """The split-KV decode attention into ``out`` [T, Hq, D], from q, or from the raw QKV projection with the
+    prologue folded into the split kernel (exactly one of ``q`` and ``prologue``)."""
+    num_tokens, num_heads, head_dim = out.shape
+    block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    group = num_heads // num_kv_heads
+    dcfg = DECODE_CONFIG
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    splits = num_kv_splits(num_tokens, num_kv_heads, max_seq_len, out.device)
+    mid_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=out.device)
+    mid_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=out.device)
+    if prologue is None:
+        assert q is not None
+        qkv = cache = pos = slots = q  # never read without FROM_QKV
+        q_norm = k_norm = q
+        eps, stride_qkv, stride_cache, has_norm = 0.0, 0, 0, False
+    else:
+        qkv, cache = prologue.qkv, prologue.cos_sin_cache
+        pos, slots = prologue.positions, prologue.slot_mapping
+        has_norm = prologue.q_norm is not None
+        q_norm = prologue.q_norm if has_norm else qkv
+        k_norm = prologue.k_norm if has_norm else qkv
+        eps, stride_qkv, stride_cache = prologue.eps, qkv.stride(0), cache.stride(0)
+        q = out  # never read with FROM_QKV
+    block_d = _block_d(head_dim)
+    _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
+        q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
+        layer, scale * math.log2(math.e), seq_lens.shape[0], splits,
+        q.stride(0), q.stride(1), *pool_strides(kv_pool), block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        qkv, pos, slots, cache, q_norm, k_norm, num_heads, num_kv_heads, stride_qkv, stride_cache, eps,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
+        DOT_PRECISION=_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
+        **pdl_kwargs(out.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+    )  # fmt: skip
+    _decode_merge_kernel[(num_tokens, num_heads)](
+        mid_o, mid_lse, out, splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=splits, BLOCK_D=block_d, **pdl_kwargs(out.device), num_warps=4,
+    )  # fmt: skip
+
+
+def qkv_attention_triton(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """``kernels.attention.qkv_attention_torch`` on the GPU: the QKV prologue (which writes k and v into the
+    pool) and attention, from the raw projection. In the decode shape (T <= B) the prologue is folded into
+    the split kernel: one launch less per layer, and q never goes through memory. Elsewhere, or where the
+    fold does not apply (head_dim not a power of two of at least 16, norm weights of another dtype than
+    qkv), the prologue kernel and then ``paged_attention_triton``."""
+    num_tokens, num_seqs = qkv.shape[0], seq_lens.shape[0]
+    foldable = (
+        0 < num_tokens <= num_seqs
+        and head_dim >= 16
+        and head_dim == triton.next_power_of_2(head_dim)
+        and (q_norm is None) == (k_norm is None)
+        and (q_norm is None or q_norm.dtype == k_norm.dtype == qkv.dtype)
+    )
+    if not foldable:
+        q = qkv_prologue_triton(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, positions,
+                                cos_sin_cache, kv_pool, layer, slot_mapping)  # fmt: skip
+        return paged_attention_triton(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale,
+                                      max_seq_len=max_seq_len)  # fmt: skip
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    prologue = _Prologue(
+        qkv if qkv.stride(-1) == 1 else qkv.contiguous(),
+        positions,
+        slot_mapping,
+        cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous(),
+        q_norm,
+        k_norm,
+        eps,
+    )
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    _decode(out, None, prologue, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len)
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_attention import paged_attention_triton
+from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
 from kernels.triton_moe import fused_moe_triton
@@ -28,6 +28,7 @@ TRITON_OPS = Ops(
     fused_moe=fused_moe_triton,
     moe_route=moe_route_triton,
     qkv_prologue=qkv_prologue_triton,
+    qkv_attention=qkv_attention_triton,
     linear=linear_triton,
     add_rms_norm_linear=add_rms_norm_linear_triton,
     gumbel_sample=gumbel_sample_triton,

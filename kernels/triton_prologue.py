@@ -96,11 +96,11 @@ def _q_heads(
 @triton.jit
 def _kv_heads(
     row,
-    q_out_ptr,
     pool_ptr,
     w_ptr,
     slot,
     layer,
+    heads,
     num_q_heads,
     num_kv_heads,
     stride_pool_block,
@@ -116,10 +116,11 @@ def _kv_heads(
     HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    BLOCK_HKV: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
-    """k heads (norm, rotate) and v heads (copy) of one token into its pool slot, cast to the pool dtype."""
-    heads = tl.arange(0, BLOCK_HKV)
+    """k heads ``heads`` (norm, rotate) and v heads (copy) of one token into its pool slot, cast to the
+    pool dtype; k is first rounded to OUT_DTYPE, q's dtype (promote(norm weight, qkv), as in the
+    reference)."""
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF)
     dst = (
         pool_ptr
@@ -133,20 +134,8 @@ def _kv_heads(
     k_src = row + (num_q_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
     x1 = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(k_src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # k is rounded to q's dtype (promote(norm weight, qkv), as in the reference) before the pool cast.
     o1, o2 = _norm_rotate(
-        x1,
-        x2,
-        w_ptr,
-        dims,
-        cos,
-        sin,
-        eps,
-        HEAD_DIM,
-        HALF,
-        HAS_NORM,
-        row.dtype.element_ty,
-        q_out_ptr.dtype.element_ty,
+        x1, x2, w_ptr, dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM, row.dtype.element_ty, OUT_DTYPE
     )
     tl.store(dst, o1.to(pool_dtype), mask=mask)
     tl.store(dst + HALF, o2.to(pool_dtype), mask=mask)
@@ -226,11 +215,11 @@ def _qkv_prologue_kernel(
         if slot >= 0:  # a negative slot is padding: nothing is written
             _kv_heads(
                 row,
-                q_out_ptr,
                 pool_ptr,
                 k_norm_ptr,
                 slot,
                 layer,
+                tl.arange(0, BLOCK_HKV),
                 num_q_heads,
                 num_kv_heads,
                 stride_pool_block,
@@ -246,7 +235,7 @@ def _qkv_prologue_kernel(
                 HALF,
                 BLOCK_SIZE,
                 HAS_NORM,
-                BLOCK_HKV,
+                q_out_ptr.dtype.element_ty,
             )
 
 

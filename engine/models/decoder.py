@@ -60,24 +60,38 @@ class Attention(nn.Module):
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """From the QKV projection's output (the layer projects it with its input norm, see
-        ``DecoderLayer.pre_attention``): bias, q/k norms and RoPE; writes K and V into the pool at
-        ``slot_mapping`` (-1: write nothing) and returns q [T, heads, head_dim]."""
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        return self.ops.qkv_prologue(
+        ``DecoderLayer.qkv``): q/k norms and RoPE; writes K and V into the pool at ``slot_mapping`` (-1:
+        write nothing) and returns q [T, heads, head_dim]."""
+        return self.ops.qkv_prologue(qkv, *self._prologue_args(positions, cos_sin, kv_pool, slot_mapping))
+
+    def project_and_attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``project`` then ``attend`` as one op, which a backend may fold into one kernel (the Triton one
+        does for decode steps). Returns the attention output [T, heads, head_dim]."""
+        return self.ops.qkv_attention(
             qkv,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.q_norm,
-            self.k_norm,
-            self.eps,
-            positions,
-            cos_sin,
-            kv_pool,
-            self.layer,
-            slot_mapping,
+            *self._prologue_args(positions, cos_sin, kv_pool, meta.slot_mapping),
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
         )
+
+    def _prologue_args(
+        self,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple:
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm, self.eps,
+                positions, cos_sin, kv_pool, self.layer, slot_mapping)  # fmt: skip
 
     def attend(self, q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of q [T, heads, head_dim] over each sequence's cached context; the only part of a
@@ -149,8 +163,19 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, residual = self.pre_attention(x, residual, positions, cos_sin, kv_pool, meta.slot_mapping)
-        return self.post_attention(self.self_attn.attend(q, kv_pool, meta), residual)
+        qkv, residual = self.qkv(x, residual)
+        o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
+        return self.post_attention(o, residual)
+
+    def qkv(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (adding the residual) with the QKV projection (and its bias). Returns the
+        projection and the residual."""
+        qkv, _, residual = self.ops.add_rms_norm_linear(
+            x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, False
+        )
+        if self.self_attn.qkv_bias is not None:
+            qkv = qkv + self.self_attn.qkv_bias
+        return qkv, residual
 
     def pre_attention(
         self,
@@ -161,12 +186,10 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer up to attention: the input norm (adding the residual) with the QKV projection, and
-        ``Attention.project``. Returns q and the residual. Reads nothing of the batch's layout but the KV
-        slots."""
-        qkv, _, residual = self.ops.add_rms_norm_linear(
-            x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, False
-        )
+        """The layer up to attention, for callers that run attention on its own (the prefill graphs):
+        ``qkv`` and ``Attention.project``. Returns q and the residual. Reads nothing of the batch's layout
+        but the KV slots."""
+        qkv, residual = self.qkv(x, residual)
         return self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping), residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

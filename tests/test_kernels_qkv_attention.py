@@ -1,0 +1,184 @@
+"""The ``qkv_attention`` op (the QKV prologue and attention as one op) against its reference.
+
+In the decode shape (query tokens <= sequences) the Triton op folds the prologue into the split-KV
+attention kernel: q is normalised and rotated in the kernel, and the program whose split holds a new
+token's position writes that token's k and v into the pool before reading the split. These tests check the
+output and the pool (k close, v bit-identical, every other slot untouched) against the reference
+composition ``qkv_prologue_torch`` + ``paged_attention_torch`` run in the same dtype on a copy of the pool;
+the positions and slots are the ones the engine gives (a token's KV slot is where attention reads its
+position), so a write the kernel missed or made after its read fails. Without a GPU the kernels run in the
+interpreter (``tests/conftest.py``); every float buffer the op allocates starts as NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.models.rope_cache import cos_sin_cache
+from kernels import triton_attention
+from kernels.qkv_prologue import qkv_attention_torch
+from kernels.triton_ops import TRITON_OPS
+from tests.kernel_testing import (
+    DEVICE,
+    assert_close,
+    gpu,
+    needs_cuda,
+    poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
+    randn,
+)
+
+LAYERS, LAYER = 2, 1
+
+
+class Case:
+    """A batch of sequences: their contexts in the pool, the new tokens' raw QKV rows, positions and slots."""
+
+    def __init__(
+        self,
+        q_lens: list[int],
+        seq_lens: list[int],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        *,
+        qk_norm: bool,
+        padding_tokens: tuple[int, ...] = (),
+    ) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
+        num_blocks = len(seq_lens) * max_blocks + 3
+        self.pool = randn(num_blocks, LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+        tables = torch.randperm(num_blocks, device=DEVICE)[: len(seq_lens) * max_blocks]
+        self.block_tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        self.qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
+        self.qsl[1:] = torch.tensor(q_lens, device=DEVICE).cumsum(0)
+        positions, slots = [], []
+        for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            for j in range(q_len):
+                pos = seq_len - q_len + j
+                positions.append(pos)
+                slots.append(int(self.block_tables[b, pos // block_size]) * block_size + pos % block_size)
+        for t in padding_tokens:  # a token whose KV is not written (slot -1); attention reads the old pool
+            slots[t] = -1
+        self.positions = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        self.qkv = randn(len(positions), width + 8, dtype=dtype)[:, 4 : 4 + width]  # a strided row view
+        self.q_norm = (1 + 0.3 * randn(head_dim)).to(dtype) if qk_norm else None
+        self.k_norm = (1 + 0.3 * randn(head_dim)).to(dtype) if qk_norm else None
+        self.cache = cos_sin_cache(head_dim, max(seq_lens) + 8, 1e4, None, device=DEVICE)
+        self.block_size = block_size
+
+    def args(self, pool: torch.Tensor) -> tuple:
+        return (self.qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm, 1e-6,
+                self.positions, self.cache, pool, LAYER, self.slots, self.block_tables, self.seq_lens, self.qsl,
+                self.head_dim**-0.5)  # fmt: skip
+
+    def written(self) -> torch.Tensor:
+        mask = torch.zeros(self.pool.shape[:4], dtype=torch.bool, device=DEVICE)
+        valid = self.slots[self.slots >= 0]
+        mask[valid // self.block_size, LAYER, :, valid % self.block_size] = True
+        return mask
+
+
+@pytest.fixture
+def prologue_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts the separate prologue's launches from ``qkv_attention_triton`` (0 where it was folded in)."""
+    calls: list[int] = []
+    original = triton_attention.qkv_prologue_triton
+
+    def counting(qkv: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(qkv.shape[0])
+        return original(qkv, *args)
+
+    monkeypatch.setattr(triton_attention, "qkv_prologue_triton", counting)
+    yield calls
+
+
+def check(case: Case) -> torch.Tensor:
+    before = case.pool.clone()
+    ref_pool, pool = case.pool.clone(), case.pool.clone()
+    ref = qkv_attention_torch(*case.args(ref_pool))
+    out = TRITON_OPS.qkv_attention(*case.args(pool))
+    dtype = case.qkv.dtype
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref.float(), dtype, "attention output")
+    written = case.written()
+    assert torch.equal(pool[~written], before[~written]), "a slot not written changed"
+    k_rows, v_rows = written.clone(), written.clone()
+    k_rows[:, :, 1] = False
+    v_rows[:, :, 0] = False
+    assert_close(pool[k_rows], ref_pool[k_rows].float(), dtype, "pool k")
+    assert torch.equal(pool[v_rows], ref_pool[v_rows]), "pool v"
+    return out
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm)
+LAYOUTS = [
+    (4, 2, 32, 4, torch.bfloat16, True),
+    (8, 2, 64, 16, torch.float32, False),
+    (4, 4, 16, 16, torch.float16, True),
+    (8, 1, 32, 4, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda p: f"h{p[0]}-kv{p[1]}-d{p[2]}-bs{p[3]}-{p[4]}-norm{p[5]}"
+)
+def test_decode_folds_the_prologue(
+    layout: tuple, monkeypatch: pytest.MonkeyPatch, prologue_launches: list[int]
+) -> None:
+    """One new token per sequence, contexts of 1 to 70 tokens; with one split and with four (so the new
+    token's position sits in a later split than the first, and some splits are empty)."""
+    heads, kv_heads, head_dim, block_size, dtype, qk_norm = layout
+    for splits in (1, 4):
+        torch.manual_seed(10 + splits)
+        monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_a, s=splits: s)
+        case = Case([1] * 4, [1, 9, 33, 70], heads, kv_heads, head_dim, block_size, dtype, qk_norm=qk_norm)
+        check(case)
+    assert prologue_launches == []
+
+
+def test_decode_shape_with_several_tokens_of_one_sequence(
+    monkeypatch: pytest.MonkeyPatch, prologue_launches: list[int]
+) -> None:
+    """T <= B but one sequence brings two tokens and another none: each token's programs write the new
+    tokens in their splits, so the second token sees the first one's k and v."""
+    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_a: 2)
+    torch.manual_seed(20)
+    check(Case([2, 0, 1], [40, 5, 17], 4, 2, 32, 4, torch.float32, qk_norm=True))
+    assert prologue_launches == []
+
+
+def test_padding_slot_writes_nothing(prologue_launches: list[int]) -> None:
+    """A token with slot -1 writes no KV (its attention reads the pool as it was), as with the reference."""
+    torch.manual_seed(30)
+    check(Case([1] * 3, [5, 12, 20], 4, 2, 32, 4, torch.bfloat16, qk_norm=True, padding_tokens=(1,)))
+    assert prologue_launches == []
+
+
+def test_unfoldable_cases_run_the_prologue(prologue_launches: list[int]) -> None:
+    """A head_dim that is not a power of two, and a prefill (more tokens than sequences): the separate
+    prologue, then attention, with the same results."""
+    torch.manual_seed(40)
+    check(Case([1] * 2, [6, 13], 4, 2, 48, 4, torch.float32, qk_norm=True))
+    check(Case([5, 3], [5, 20], 4, 2, 32, 4, torch.bfloat16, qk_norm=False))
+    assert prologue_launches == [2, 8]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "qk_norm"), [(32, 8, False), (32, 4, True)], ids=["llama-3.1-8b", "qwen3-30b-a3b"]
+)
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_real_shapes(heads: int, kv_heads: int, qk_norm: bool, batch: int) -> None:
+    torch.manual_seed(50)
+    seq_lens = torch.randint(1, 1500, (batch,)).tolist()
+    check(Case([1] * batch, seq_lens, heads, kv_heads, 128, 16, torch.bfloat16, qk_norm=qk_norm))
