@@ -76,66 +76,6 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(
-    k_base,
-    v_base,
-    bt_row_ptr,
-    start,
-    limit,
-    stride_pool_block,
-    stride_pool_slot,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """K and V of keys [start, start + BLOCK_N) (zeros at and past ``limit``), through the block table."""
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < limit
-    dims = tl.arange(0, BLOCK_D)
-    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = page * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
-    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
-    k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_kv(
-    q,
-    acc,
-    l_i,
-    m_i,
-    k,
-    v,
-    start,
-    limit,
-    q_pos,
-    scale_log2,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step of a query tile over a loaded K/V tile of keys [start, start + BLOCK_N)
-    (those < limit)."""
-    pos = start + tl.arange(0, BLOCK_N)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-    mask = (pos < limit)[None, :]
-    if CAUSAL:
-        mask = mask & (pos[None, :] <= q_pos[:, None])
-    s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row with every key masked so far keeps m = -inf; exponentiate against 0 so it stays at p = 0.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attend_tile(
     q,
     acc,
@@ -158,9 +98,27 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N) (those < limit) for a query tile."""
-    k, v = _load_kv_tile(k_base, v_base, bt_row_ptr, start, limit, stride_pool_block, stride_pool_slot,
-                         BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)  # fmt: skip
-    return _attend_kv(q, acc, l_i, m_i, k, v, start, limit, q_pos, scale_log2, BLOCK_N, CAUSAL, DOT_PRECISION)
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < limit
+    dims = tl.arange(0, BLOCK_D)
+    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = page * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
+    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    mask = valid[None, :]
+    if CAUSAL:
+        mask = mask & (pos[None, :] <= q_pos[:, None])
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with every key masked so far keeps m = -inf; exponentiate against 0 so it stays at p = 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -236,27 +194,6 @@ def _decode_split_kernel(
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
-        # The pool's context (every position before the sequence's new tokens) was written by earlier
-        # steps only: this layer's prologue is this kernel. So where this split's first tile holds no new
-        # token, it is loaded before the wait, while the QKV projection still runs (decode fast path only:
-        # token t is sequence t's query).
-        first_new0 = seq_total - (q_end - q_start)
-        kv_len0 = first_new0 + (token - q_start) + 1
-        start0 = split * (tl.cdiv(tl.cdiv(kv_len0, num_splits), BLOCK_N) * BLOCK_N)
-        preload = (q_start <= token) & (token < q_end) & (start0 + BLOCK_N <= first_new0)
-        pre_k, pre_v = _load_kv_tile(
-            pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head,
-            pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head + stride_pool_kv,
-            bt_ptr + token.to(tl.int64) * stride_bt,
-            start0,
-            tl.where(preload, start0 + BLOCK_N, 0),  # no key (no load) where it does not apply
-            stride_pool_block,
-            stride_pool_slot,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-        )
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
@@ -307,13 +244,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    first = start
-    if FROM_QKV:  # noqa: SIM102  (a compile-time branch: `preload` exists only with FROM_QKV)
-        if preload:  # the same tile as the loop's first (fast path: the pre-wait values were the real ones)
-            acc, l_i, m_i = _attend_kv(q, acc, l_i, m_i, pre_k, pre_v, start, end, m_i, scale_log2,
-                                       BLOCK_N, False, DOT_PRECISION)  # fmt: skip
-            first = start + BLOCK_N
-    for n in range(first, end, BLOCK_N):
+    for n in range(start, end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, bt_row_ptr, n, end, m_i, scale_log2,
             stride_pool_block, stride_pool_slot,

@@ -135,8 +135,8 @@ def test_decode_folds_the_prologue(
     layout: tuple, monkeypatch: pytest.MonkeyPatch, prologue_launches: list[int]
 ) -> None:
     """One new token per sequence, contexts of 1 to 300 tokens (64: the new token is the last key of a tile); with one split and with four (so the new
-    token's position sits in a later split than the first, some splits are empty, and splits of old
-    context take their first tile before the PDL wait and the rest in the loop)."""
+    token's position sits in a later split than the first, some splits are empty, and splits of
+    old context run several tiles)."""
     heads, kv_heads, head_dim, block_size, dtype, qk_norm = layout
     for splits in (1, 4):
         torch.manual_seed(10 + splits)
