@@ -117,7 +117,7 @@ def use_norm_gemv(m: int, n: int, k: int) -> bool:
 
 def norm_gemv_config(n: int, k: int, device: torch.device) -> LinearConfig:
     """Tile of the fused kernel: ``block_k`` covers the whole row (one load of every weight row, no K loop)
-    and ``block_n`` rows per program. From ``kernel_bench.py --norm-linear`` (one H200, 2026-11-29 22:37
+    and ``block_n`` rows per program. From ``kernel_bench.py --norm-linear`` (one H200, 2026-11-29 22:15
     UTC, CUDA-graph replay over rotated weights): rows of 2048 take 4 rows in 8 warps (Qwen3-30B-A3B QKV
     6.5 us against 7.3 with 4 warps; router 1.6 against 1.5), rows of 4096 2 rows in 4 warps (Llama-3.1-8B
     QKV 13.8 us, gate-up 55.0, both within 0.3 us of the best tile)."""
