@@ -460,9 +460,6 @@ class MoeSmallConfig:
     down_num_warps: int
     gate_up_num_stages: int = 3
     down_num_stages: int = 3
-    # The down kernel loads its whole weight rows (down_block_k >= I) before its PDL wait: the expert ids
-    # are the gate-up kernel's inputs, so the loads overlap that kernel's tail.
-    down_preload: bool = False
 
 
 def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfig:
@@ -490,9 +487,7 @@ def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfi
     if device.type != "cuda":
         return MoeSmallConfig(16, 32, 4, 16, 32, 4)  # the interpreter: tiny shapes, few masked lanes
     if num_tokens == 1:
-        return MoeSmallConfig(
-            1, 1024, 1, 1, 1024, 4, gate_up_num_stages=2, down_num_stages=1, down_preload=True
-        )
+        return MoeSmallConfig(1, 1024, 1, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
     return MoeSmallConfig(16, 256, 4, 8, 256, 4)
 
 
@@ -562,7 +557,6 @@ def _moe_small_down_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRELOAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
@@ -582,6 +576,7 @@ def _moe_small_down_kernel(
     pairs = token * TOP_K + js
     experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
     weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
         w2_ptr
@@ -590,25 +585,15 @@ def _moe_small_down_kernel(
         + offs_k[None, None, :]
     )
     a_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    if PRELOAD:  # one tile holds the rows: BLOCK_K >= inter
-        k_mask = offs_k < inter
-        w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
-        # Expert weights are never written in a step, and the ids are the gate-up kernel's inputs.
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # pre-wait: weights, by ids complete before gate-up
-        pdl_wait(USE_PDL)  # the gate-up kernel's act is visible after this
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc = w.to(tl.float32) * (a * weights[:, None])[:, None, :]
-    else:
-        pdl_wait(USE_PDL)  # the gate-up kernel's act is visible after this
-        acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_mask = offs_k < inter - k0
-            a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            acc += w.to(tl.float32) * (a * weights[:, None])[:, None, :]
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * (a * weights[:, None])[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -640,7 +625,6 @@ def _fused_moe_small(
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        PRELOAD=cfg.down_preload and cfg.down_block_k >= inter,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out

@@ -98,21 +98,6 @@ def test_small_path_matches_reference(tokens: int, top_k: int, dtype: torch.dtyp
 
 
 @pytest.mark.usefixtures("small_path_only")
-@pytest.mark.parametrize("down_block_k", [64, 32], ids=["preload", "rows-too-long"])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_small_path_down_preload(monkeypatch: pytest.MonkeyPatch, tokens: int, down_block_k: int) -> None:
-    """The down kernel with its whole rows loaded before the PDL wait (down_block_k >= I, the batch-1
-    configuration on a GPU), and the same flag with rows longer than the tile (the loop runs instead)."""
-    cfg = triton_moe.MoeSmallConfig(16, 32, 4, 16, down_block_k, 4, down_preload=True)
-    monkeypatch.setattr(triton_moe, "moe_small_config", lambda *_a: cfg)
-    torch.manual_seed(300 + tokens)
-    w13, w2 = make_weights(16, HIDDEN, INTER, torch.bfloat16)
-    x = randn(tokens, HIDDEN, dtype=torch.bfloat16)
-    weights = torch.rand(tokens, 4, device=DEVICE).softmax(-1)
-    run_and_check(x, w13, w2, weights, random_ids(tokens, 4, 16), f"down preload, BLOCK_K {down_block_k}")
-
-
-@pytest.mark.usefixtures("small_path_only")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_path_shared_experts(dtype: torch.dtype) -> None:
     """Several tokens choose the same experts (in different top-k slots); a token may use one twice."""
