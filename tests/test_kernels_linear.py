@@ -35,22 +35,29 @@ from tests.kernel_testing import (
 N, K = 40, 72
 
 
-@pytest.fixture
-def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
-    """Records (N, K) of every GEMV launch, so a silent switch to cuBLAS cannot pass for coverage."""
+def record_launches(monkeypatch: pytest.MonkeyPatch, kernel_name: str, w_arg: int) -> list[tuple[int, int]]:
+    """Replaces ``triton_linear.<kernel_name>`` with a wrapper that records the (N, K) shape of the
+    weight (positional argument ``w_arg``) of every launch, so a silent switch of path cannot pass for
+    coverage."""
     launched: list[tuple[int, int]] = []
-    kernel = triton_linear._gemv_kernel
+    kernel = getattr(triton_linear, kernel_name)
 
     class Recording:
         def __getitem__(self, grid: tuple) -> object:
-            def launch(x: torch.Tensor, w: torch.Tensor, *args: object, **kwargs: object) -> None:
-                launched.append(tuple(w.shape))
-                kernel[grid](x, w, *args, **kwargs)
+            def launch(*args: torch.Tensor, **kwargs: object) -> None:
+                launched.append(tuple(args[w_arg].shape))
+                kernel[grid](*args, **kwargs)
 
             return launch
 
-    monkeypatch.setattr(triton_linear, "_gemv_kernel", Recording())
-    yield launched
+    monkeypatch.setattr(triton_linear, kernel_name, Recording())
+    return launched
+
+
+@pytest.fixture
+def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Records (N, K) of every GEMV launch."""
+    yield record_launches(monkeypatch, "_gemv_kernel", 1)
 
 
 def make_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -179,19 +186,7 @@ def test_gpu_linear_in_cuda_graph_without_host_sync() -> None:
 @pytest.fixture
 def norm_gemv_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
     """Records (N, K) of every fused norm + GEMV launch."""
-    launched: list[tuple[int, int]] = []
-    kernel = triton_linear._norm_gemv_kernel
-
-    class Recording:
-        def __getitem__(self, grid: tuple) -> object:
-            def launch(*args: object, **kwargs: object) -> None:
-                launched.append(tuple(args[3].shape))  # w
-                kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_linear, "_norm_gemv_kernel", Recording())
-    yield launched
+    yield record_launches(monkeypatch, "_norm_gemv_kernel", 3)
 
 
 def _check_norm_linear(
