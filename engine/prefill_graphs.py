@@ -87,18 +87,16 @@ class PrefillGraphs:
 
         def first() -> None:
             model.begin_forward()
-            q, state["residual"] = layers[0].pre_attention(
-                model.embed_tokens[ids], None, positions, model.cos_sin, self.kv_pool, slots
+            _, state["residual"] = layers[0].pre_attention(
+                model.embed_tokens[ids], None, positions, model.cos_sin, self.kv_pool, slots, q_out=attn_in
             )
-            attn_in.copy_(q)
 
         def middle(i: int) -> Callable[[], None]:
             def run() -> None:
                 x, residual = layers[i - 1].post_attention(attn_out, state["residual"])
-                q, state["residual"] = layers[i].pre_attention(
-                    x, residual, positions, model.cos_sin, self.kv_pool, slots
+                _, state["residual"] = layers[i].pre_attention(
+                    x, residual, positions, model.cos_sin, self.kv_pool, slots, q_out=attn_in
                 )
-                attn_in.copy_(q)
 
             return run
 
@@ -120,8 +118,8 @@ class PrefillGraphs:
                     self._runs[size][i]()
                 if i < len(layers) and n > 0:
                     assert meta is not None
-                    o = layers[i].self_attn.attend(self.attn_in[:n], self.kv_pool, meta)
-                    self.attn_out[:n].copy_(o.reshape(n, -1))
+                    out = self.attn_out[:n].view(n, *self.attn_in.shape[1:])  # written in place: no copy
+                    layers[i].self_attn.attend(self.attn_in[:n], self.kv_pool, meta, out=out)
 
     # ---- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -19,8 +19,38 @@ def paged_attention_torch(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D]."""
+    """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D].
+
+    ``out`` (optional, [T, Hq, D] of q's dtype): where the result goes, for callers with a static buffer
+    (the prefill graphs); it is returned."""
+    result = _paged_attention(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale)
+    if out is None:
+        return result
+    check_out(out, q.shape, q.dtype, "attention")
+    return out.copy_(result)
+
+
+def check_out(out: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, op: str) -> None:
+    """An ``out`` buffer for an op's [T, H, D] result: that shape and dtype, unit last stride."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"{op} out must be {tuple(shape)} {dtype} with a unit last stride; "
+            f"got {tuple(out.shape)} {out.dtype}, strides {out.stride()}"
+        )
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // num_kv_heads

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import paged_attention_torch
+from kernels.attention import check_out, paged_attention_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
@@ -28,8 +28,11 @@ def qkv_prologue_torch(
     kv_pool: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """qkv: [T, (Hq + 2 Hk) * D]; q_norm/k_norm: [D] or None (both or neither). Returns q: [T, Hq, D]."""
+    """qkv: [T, (Hq + 2 Hk) * D]; q_norm/k_norm: [D] or None (both or neither). Returns q: [T, Hq, D], in
+    ``out`` where given (of q's dtype: promote(norm weight, qkv))."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(-1, num_heads, head_dim)
@@ -40,7 +43,10 @@ def qkv_prologue_torch(
         k = rms_norm_torch(k, k_norm, eps)
     q, k = apply_rope_torch(q, k, positions, cos_sin_cache)
     write_kv_torch(kv_pool, layer, k, v, slot_mapping)
-    return q
+    if out is None:
+        return q
+    check_out(out, q.shape, q.dtype, "qkv_prologue")
+    return out.copy_(q)
 
 
 def qkv_attention_torch(

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import check_out
 from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
 from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
@@ -403,16 +404,21 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
+    out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D].
+    """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D],
+    written into ``out`` where given (q's shape and dtype, unit last stride).
 
     ``max_seq_len`` (optional, an upper bound on ``seq_lens``) only tunes the decode split count; it
     defaults to ``max_blocks * block_size``, read from shapes. Nothing here reads device values on the host.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    else:
+        check_out(out, q.shape, q.dtype, "attention")
     if num_tokens == 0 or num_seqs == 0:
         return out
     if q.stride(-1) != 1:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import check_out
 from kernels.triton_device import pdl_kwargs, pdl_wait
 from kernels.triton_kv_cache import pool_strides
 
@@ -257,8 +258,11 @@ def qkv_prologue_triton(
     kv_pool: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """qkv: [T, (Hq + 2 Hk) * D]; q_norm/k_norm: [D] or None (both or neither). Returns q: [T, Hq, D]."""
+    """qkv: [T, (Hq + 2 Hk) * D]; q_norm/k_norm: [D] or None (both or neither). Returns q: [T, Hq, D],
+    written into ``out`` where given (of q's dtype, unit last stride: the prefill graphs' static buffer)."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm must be given together (Qwen3) or both be None (Llama)")
     if q_norm is not None and q_norm.dtype != k_norm.dtype:
@@ -271,7 +275,11 @@ def qkv_prologue_triton(
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     num_tokens = qkv.shape[0]
     out_dtype = qkv.dtype if q_norm is None else torch.promote_types(q_norm.dtype, qkv.dtype)
-    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=qkv.device)
+    if out is None:
+        q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=qkv.device)
+    else:
+        check_out(out, (num_tokens, num_heads, head_dim), out_dtype, "qkv_prologue")
+        q_out = out
     if num_tokens == 0:
         return q_out
     block_hq = _q_heads_per_program(num_heads, num_kv_heads)

@@ -205,6 +205,24 @@ ATTN_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [5, 3, 9]], ids=["decode", "extend"])
+def test_attention_writes_into_out(q_lens: list[int]) -> None:
+    """Both versions write into a given buffer (a view of a wider static buffer's rows, as the prefill
+    graphs pass) and return it; one of the wrong shape is refused."""
+    torch.manual_seed(8)
+    q, pool, bt, sl, qsl = make_paged_case(q_lens, [9, 20, 33], 4, 2, 32, 4, torch.float32)
+    want = paged_attention_torch(q, pool, 1, bt, sl, qsl, 0.2)
+    t = q.shape[0]
+    for op in (paged_attention_torch, TRITON_OPS.paged_attention):
+        static = torch.full((t + 3, 4 * 32), float("nan"), device=DEVICE)
+        got = op(q, pool, 1, bt, sl, qsl, 0.2, out=static[:t].view(t, 4, 32))
+        assert got.data_ptr() == static.data_ptr()
+        assert_close(static[:t].view(t, 4, 32), want, torch.float32, "attention out")
+        assert torch.isnan(static[t:]).all()
+        with pytest.raises(ValueError, match="out must be"):
+            op(q, pool, 1, bt, sl, qsl, 0.2, out=static[: t - 1].view(t - 1, 4, 32))
+
+
 @pytest.mark.parametrize("layout", ATTN_LAYOUTS, ids=lambda p: f"h{p[0]}-kv{p[1]}-d{p[2]}-bs{p[3]}-{p[4]}")
 def test_decode_attention_long_and_short(layout: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(6)

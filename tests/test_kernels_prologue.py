@@ -299,3 +299,21 @@ def test_gpu_prologue_in_cuda_graph(model: dict) -> None:
         written = case.written()
         assert torch.equal(pool[~written], before[~written])
         assert_close(pool[written], ref_pool[written], TOL[torch.bfloat16], "graph pool")
+
+
+def test_prologue_writes_into_out() -> None:
+    """Both versions write q into a given buffer (here rows of a wider static buffer, as the prefill
+    graphs pass) and return it; a buffer of the wrong shape or dtype is refused."""
+    torch.manual_seed(7)
+    case = Case(6, 4, 2, 32, torch.bfloat16, qk_norm=True)
+    want = qkv_prologue_torch(*case.args(case.pool.clone()))
+    for op in (qkv_prologue_torch, qkv_prologue_triton):
+        static = torch.full((9, 4, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        got = op(*case.args(case.pool.clone()), out=static[:6])
+        assert got.data_ptr() == static.data_ptr()
+        assert_close(static[:6], want, TOL[torch.bfloat16], f"{op.__name__} out")
+        assert torch.isnan(static[6:].float()).all()  # nothing past the rows given
+        with pytest.raises(ValueError, match="out must be"):
+            op(*case.args(case.pool.clone()), out=static[:5])
+        with pytest.raises(ValueError, match="out must be"):
+            op(*case.args(case.pool.clone()), out=static[:6].float())

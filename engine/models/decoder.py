@@ -58,11 +58,13 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
+        q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """From the QKV projection's output (the layer projects it with its input norm, see
         ``DecoderLayer.qkv``): q/k norms and RoPE; writes K and V into the pool at ``slot_mapping`` (-1:
-        write nothing) and returns q [T, heads, head_dim]."""
-        return self.ops.qkv_prologue(qkv, *self._prologue_args(positions, cos_sin, kv_pool, slot_mapping))
+        write nothing) and returns q [T, heads, head_dim] (in ``q_out`` where given)."""
+        args = self._prologue_args(positions, cos_sin, kv_pool, slot_mapping)
+        return self.ops.qkv_prologue(qkv, *args, out=q_out)
 
     def project_and_attend(
         self,
@@ -93,11 +95,20 @@ class Attention(nn.Module):
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm, self.eps,
                 positions, cos_sin, kv_pool, self.layer, slot_mapping)  # fmt: skip
 
-    def attend(self, q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q [T, heads, head_dim] over each sequence's cached context; the only part of a
-        layer that reads the batch's layout (``meta``)."""
+    def attend(
+        self, q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention of q [T, heads, head_dim] over each sequence's cached context (into ``out`` where
+        given); the only part of a layer that reads the batch's layout (``meta``)."""
         return self.ops.paged_attention(
-            q, kv_pool, self.layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+            q,
+            kv_pool,
+            self.layer,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            out=out,
         )
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -185,12 +196,13 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
+        q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer up to attention, for callers that run attention on its own (the prefill graphs):
-        ``qkv`` and ``Attention.project``. Returns q and the residual. Reads nothing of the batch's layout
-        but the KV slots."""
+        ``qkv`` and ``Attention.project`` (q into ``q_out`` where given). Returns q and the residual.
+        Reads nothing of the batch's layout but the KV slots."""
         qkv, residual = self.qkv(x, residual)
-        return self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping), residual
+        return self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping, q_out), residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: the output projection, the post-attention norm with the projection
