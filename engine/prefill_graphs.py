@@ -110,6 +110,8 @@ class PrefillGraphs:
         """The pieces of bucket ``size`` in order (replayed, or run eagerly), with attention over the first
         ``n`` rows between them (none when ``n`` is 0)."""
         layers = self.model.layers
+        q = self.attn_in[:n]
+        out = self.attn_out[:n].view(q.shape)  # attention writes the next piece's input in place
         with torch.inference_mode():
             for i in range(len(layers) + 1):
                 if replay:
@@ -118,8 +120,7 @@ class PrefillGraphs:
                     self._runs[size][i]()
                 if i < len(layers) and n > 0:
                     assert meta is not None
-                    out = self.attn_out[:n].view(n, *self.attn_in.shape[1:])  # written in place: no copy
-                    layers[i].self_attn.attend(self.attn_in[:n], self.kv_pool, meta, out=out)
+                    layers[i].self_attn.attend(q, self.kv_pool, meta, out=out)
 
     # ---- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:

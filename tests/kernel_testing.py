@@ -1,5 +1,5 @@
 """What the Triton kernel tests share: the interpreter on machines without a GPU, the device, dtypes and
-error bounds, the ``gpu`` markers, NaN-poisoned allocations and the comparison.
+error bounds, the ``gpu`` markers, NaN-poisoned allocations, the comparison and a paged-attention case.
 
 Without a GPU the kernels run in the interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``);
 importing this module then corrects the interpreter's bf16 dot and bf16 rounding to what compiled code does,
@@ -114,3 +114,25 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -
 
 def up(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.float() for t in tensors]
+
+
+def make_paged_case(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_layers: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random pool with scattered block tables (padded with garbage ids past each sequence's end)."""
+    max_blocks = max(triton.cdiv(s, block_size) for s in seq_lens) + 1
+    num_blocks = len(seq_lens) * max_blocks + 5
+    pool = randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, device=DEVICE)[: len(seq_lens) * max_blocks]
+    block_tables = block_tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
+    qsl[1:] = torch.tensor(q_lens, device=DEVICE).cumsum(0)
+    q = randn(sum(q_lens), num_heads, head_dim, dtype=dtype)
+    return q, pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl

@@ -30,10 +30,10 @@ from tests.kernel_testing import (
     DTYPES,
     assert_close,
     gpu,
+    make_paged_case,
     needs_cuda,
     poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
     randn,
-    triton,
     up,
 )
 
@@ -148,28 +148,6 @@ def test_pool_ops_reject_a_pool_strided_in_head_dim() -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # Paged attention
-
-
-def make_paged_case(
-    q_lens: list[int],
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    num_layers: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random pool with scattered block tables (padded with garbage ids past each sequence's end)."""
-    max_blocks = max(triton.cdiv(s, block_size) for s in seq_lens) + 1
-    num_blocks = len(seq_lens) * max_blocks + 5
-    pool = randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
-    block_tables = torch.randperm(num_blocks, device=DEVICE)[: len(seq_lens) * max_blocks]
-    block_tables = block_tables.view(len(seq_lens), max_blocks).to(torch.int32)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
-    qsl[1:] = torch.tensor(q_lens, device=DEVICE).cumsum(0)
-    q = randn(sum(q_lens), num_heads, head_dim, dtype=dtype)
-    return q, pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl
 
 
 def check_attention(

@@ -25,6 +25,7 @@ from tests.kernel_testing import (
     DEVICE,
     assert_close,
     gpu,
+    make_paged_case,
     needs_cuda,
     poison_allocations,  # noqa: F401  (autouse fixture: NaN-filled torch.empty)
     randn,
@@ -50,14 +51,9 @@ class Case:
         padding_tokens: tuple[int, ...] = (),
     ) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
-        num_blocks = len(seq_lens) * max_blocks + 3
-        self.pool = randn(num_blocks, LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
-        tables = torch.randperm(num_blocks, device=DEVICE)[: len(seq_lens) * max_blocks]
-        self.block_tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-        self.qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
-        self.qsl[1:] = torch.tensor(q_lens, device=DEVICE).cumsum(0)
+        _, self.pool, self.block_tables, self.seq_lens, self.qsl = make_paged_case(
+            q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_layers=LAYERS
+        )
         positions, slots = [], []
         for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
             for j in range(q_len):
