@@ -631,6 +631,143 @@ def _fused_moe_small(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# One pass at one token: gate-up, SiLU and down in one launch
+
+
+@dataclass(frozen=True)
+class MoeOnePassConfig:
+    """Tiles of ``_moe_one_pass_kernel``: ``block_i`` intermediate rows per program, streamed against the
+    hidden row in ``block_k`` chunks (gate-up), then the down columns of those rows in ``block_h`` chunks."""
+
+    block_i: int
+    block_k: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+def moe_one_pass_config(device: torch.device) -> MoeOnePassConfig:
+    if device.type != "cuda":
+        return MoeOnePassConfig(16, 32, 16, 4, 1)  # the interpreter: tiny shapes, several steps, masked edges
+    return MoeOnePassConfig(16, 256, 256, 4, 3)
+
+
+@triton.jit
+def _moe_one_pass_kernel(
+    x_ptr,
+    w13_ptr,
+    w2_ptr,
+    acc_ptr,
+    out_ptr,
+    counter_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    num_tokens,
+    inter,
+    hidden,
+    stride_xm,
+    stride_w13e,
+    stride_w13n,
+    up_offset,
+    stride_w2e,
+    stride_w2n,
+    TOP_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FINISH: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ATOMIC: tl.constexpr = True,
+):
+    """acc[token] += weight * w2[e][:, rows] @ (silu(x . w13[e, rows]) * (x . w13[e, I + rows])) for one
+    pair (token, e) and BLOCK_I intermediate rows, accumulated with fp32 atomics into a zeroed ``acc``.
+
+    With FINISH the program that arrives last (an arrival counter) writes ``out = acc`` in out's dtype and
+    sets ``acc`` and the counter back to zero, so the scratch is ready for the next call."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * stride_xm + offs_k
+    gate_ptrs = w13_ptr + expert * stride_w13e + offs_i.to(tl.int64)[:, None] * stride_w13n + offs_k[None, :]
+    up_ptrs = gate_ptrs + up_offset
+    gate_acc = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        mask = i_mask[:, None] & k_mask[None, :]
+        xk = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        gate_acc += tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32) * xk
+        up_acc += tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32) * xk
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    # The reference's roundings, as in the small path's gate-up kernel; then the routing weight in fp32.
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.sum(gate_acc, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = tl.where(i_mask, (silu * up).to(dtype).to(tl.float32) * weight, 0.0)
+    offs_h = tl.arange(0, BLOCK_H)
+    w2_ptrs = w2_ptr + expert * stride_w2e + offs_h.to(tl.int64)[:, None] * stride_w2n + offs_i[None, :]
+    acc_ptrs = acc_ptr + token * hidden + offs_h
+    for h0 in range(0, hidden, BLOCK_H):
+        h_mask = offs_h < hidden - h0
+        w = tl.load(w2_ptrs, mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+        if ATOMIC:
+            tl.atomic_add(acc_ptrs, tl.sum(w * act[None, :], axis=1), mask=h_mask, sem="relaxed")
+        else:  # timing only: a racy store in place of the sum
+            tl.store(acc_ptrs, tl.sum(w * act[None, :], axis=1), mask=h_mask)
+        w2_ptrs += BLOCK_H * stride_w2n
+        acc_ptrs += BLOCK_H
+    if FINISH:
+        tl.debug_barrier()  # every thread's adds are issued before the arrival below
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == programs - 1:
+            for start in range(0, num_tokens * hidden, BLOCK_H):
+                offs = start + offs_h
+                mask = offs < num_tokens * hidden
+                total = tl.load(acc_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(acc_ptr + offs, tl.zeros_like(total), mask=mask)
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+
+
+def _fused_moe_one_pass(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: MoeOnePassConfig,
+    acc: torch.Tensor,
+    counter: torch.Tensor | None,
+    atomic: bool = True,
+) -> torch.Tensor:
+    """One launch: every pair's gate-up, SiLU and down, summed with fp32 atomics into ``acc`` (zeroed,
+    [>= T, H] float32, contiguous). With ``counter`` (an int32 zero) the kernel's last program also
+    writes the result in x's dtype and zeroes ``acc`` and ``counter`` again, and that result is returned;
+    without it ``acc`` holds the sum and is returned."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x) if counter is not None else acc
+    grid = (num_tokens * top_k, triton.cdiv(inter, cfg.block_i))
+    _moe_one_pass_kernel[grid](
+        x, w13, w2, acc, out, counter if counter is not None else acc, topk_weights, topk_ids,
+        num_tokens, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), w2.stride(0), w2.stride(1),
+        TOP_K=top_k, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h, FINISH=counter is not None,
+        ATOMIC=atomic, **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out if counter is not None else acc[:num_tokens]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Entry point
 
 
