@@ -616,75 +616,6 @@ def sweep_moe_small(narrow: bool = False) -> None:
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
-def moe_one_pass_compare() -> None:
-    """The one-pass MoE kernel at one token (gate-up, SiLU, down and the weighted sum in one launch, fp32
-    atomics) against the small path's two launches, on the Qwen3-30B-A3B shape in CUDA graphs: with the
-    sum left in fp32 ("fp32 acc") and with the last program's conversion back to bf16 ("finish"); then
-    a grid of the one-pass tiles (fp32 acc), best first."""
-    print("\n## MoE at one token: two launches / one pass (us per call)")
-    hidden, inter, experts, top_k = 2048, 768, 128, 8
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) * inter**-0.5
-    rot = 8
-    xs = [torch.randn(1, hidden, device="cuda", dtype=DTYPE) for _ in range(rot)]
-    ids = [torch.randperm(experts, device="cuda")[:top_k].view(1, top_k) for _ in range(rot)]
-    weights = [torch.rand(1, top_k, device="cuda").softmax(-1) for _ in range(rot)]
-    accs = [torch.zeros(1, hidden, device="cuda", dtype=torch.float32) for _ in range(rot)]
-    counters = [torch.zeros(1, device="cuda", dtype=torch.int32) for _ in range(rot)]
-    floor_us = top_k * 3 * hidden * inter * 2 / (copy_gbps() * 1e3)
-    small_cfg = triton_moe.moe_small_config(xs[0].device, 1)
-    two, _ = time_graph(
-        [
-            lambda i=i: triton_moe._fused_moe_small(xs[i], w13, w2, weights[i], ids[i], small_cfg)
-            for i in range(rot)
-        ]
-    )
-
-    def one_pass(cfg: triton_moe.MoeOnePassConfig, finish: bool, atomic: bool = True) -> float:
-        calls = [
-            lambda i=i: triton_moe._fused_moe_one_pass(
-                xs[i], w13, w2, weights[i], ids[i], cfg, accs[i], counters[i] if finish else None, atomic
-            )
-            for i in range(rot)
-        ]
-        try:
-            return time_graph(calls)[0]
-        except Exception as exc:  # registers, shared memory
-            print(f"  {cfg}: {type(exc).__name__}")
-            return float("inf")
-
-    current = triton_moe.moe_one_pass_config(xs[0].device)
-    # Correctness against the two launches before timing (fresh zeroed scratch).
-    ref = triton_moe._fused_moe_small(xs[0], w13, w2, weights[0], ids[0], small_cfg).float()
-    acc, cnt = torch.zeros_like(accs[0]), torch.zeros_like(counters[0])
-    got = triton_moe._fused_moe_one_pass(xs[0], w13, w2, weights[0], ids[0], current, acc, cnt).float()
-    print(
-        f"max |one pass - two launches| {(got - ref).abs().max().item():.3g} (|ref| max {ref.abs().max().item():.3g});"
-        f" scratch left {acc.abs().max().item()}, counter {cnt.item()}"
-    )
-    print(
-        f"floor (75.5 MB at the copy rate) {floor_us:.1f} us; two launches {two:.1f} us; one pass {current}: "
-        f"fp32 acc {one_pass(current, False):.1f} us, finish {one_pass(current, True):.1f} us",
-        flush=True,
-    )
-    timed = []
-    for bi in (16, 32, 64):
-        for bk in (256, 512):
-            for bh in (128, 256):
-                for w in (4, 8):
-                    for st in (2, 4):
-                        cfg = triton_moe.MoeOnePassConfig(bi, bk, bh, w, st)
-                        timed.append((one_pass(cfg, False), cfg))
-    timed.sort(key=lambda t: t[0])
-    print("one pass tiles, best:", ", ".join(f"{us:.1f} us {c}" for us, c in timed[:6]), flush=True)
-    for us, cfg in timed[:3]:
-        print(
-            f"  {cfg}: fp32 acc {us:.1f} us, finish {one_pass(cfg, True):.1f} us, "
-            f"stores in place of the atomics (timing only) {one_pass(cfg, False, atomic=False):.1f} us",
-            flush=True,
-        )
-
-
 def sweep_moe_prefill() -> None:
     """The grouped MoE path at prefill sizes (512 and 2048 tokens: 32 and 128 pairs per expert) against a
     grid of tile configs (BLOCK_M, BLOCK_N, BLOCK_K, group, warps, stages), current config first."""
@@ -814,9 +745,6 @@ def main() -> None:
         "--moe-align", action="store_true", help="only: the three MoE alignments side by side per size"
     )
     parser.add_argument(
-        "--moe-one-pass", action="store_true", help="only: the one-pass MoE at one token against two launches"
-    )
-    parser.add_argument(
         "--norm-linear", action="store_true", help="only: the fused norm + GEMV against the two kernels"
     )
     args = parser.parse_args()
@@ -835,9 +763,6 @@ def main() -> None:
         return
     if args.norm_linear:
         norm_linear_compare()
-        return
-    if args.moe_one_pass:
-        moe_one_pass_compare()
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:
