@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_device import pdl_kwargs, pdl_wait
+from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
 
 
 @dataclass(frozen=True)
@@ -627,6 +627,229 @@ def _fused_moe_small(
         TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The small path at one token as one persistent launch: gate-up, a grid barrier, down
+
+
+@dataclass(frozen=True)
+class MoePersistentConfig:
+    """``_moe_persistent_kernel``: gate-up items of ``rows`` intermediate rows (gate and up, whole hidden
+    rows), down items of one hidden row of every pair's expert (whole intermediate rows); ``per_sm``
+    programs per SM at most (fewer where registers say so)."""
+
+    rows: int
+    num_warps: int
+    per_sm: int
+    num_stages: int
+    prefetch: bool = True
+
+
+PERSISTENT_CONFIG = MoePersistentConfig(rows=2, num_warps=4, per_sm=4, num_stages=2)
+PERSISTENT_MAX_ELEMENTS = 4096  # hidden and intermediate sizes up to this are loaded as whole rows
+
+
+@triton.jit
+def _grid_barrier(count_ptr, gen_ptr, num_programs):
+    """Every program of the grid arrives before any leaves (all must be resident: the caller sizes the grid
+    by occupancy). Sense-reversing: the last to arrive resets the count and bumps the generation."""
+    tl.debug_barrier()  # the block's stores are issued before it arrives
+    gen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_programs - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(gen_ptr, 1, sem="release", scope="gpu")
+    else:
+        seen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+        while seen == gen:
+            seen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _gate_up_rows(g, u, xf, act_row_ptr, offs_n, inter, dtype: tl.constexpr):
+    """act[rows] = silu(g . x) * (u . x) with the reference's roundings (gate_up in x's dtype, SiLU rounded)."""
+    gate = tl.sum(g.to(tl.float32) * xf, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(u.to(tl.float32) * xf, axis=1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_row_ptr + offs_n, (silu * up).to(dtype), mask=offs_n < inter)
+
+
+@triton.jit
+def _moe_persistent_kernel(
+    x_ptr,
+    w13_ptr,
+    w2_ptr,
+    act_ptr,
+    out_ptr,
+    state_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    inter,
+    hidden,
+    stride_w13e,
+    stride_w13n,
+    up_offset,
+    stride_w2e,
+    stride_w2n,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    PHASES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One token. PHASES 3: gate-up items (act[j, rows] = silu(x . gate rows of e_j) * (x . up rows)),
+    then a grid barrier, then down items (out[n] = sum_j weight_j * act[j] . w2[e_j, n]); each program
+    loads its first down item's weights before the barrier, and every loop loads its next item while it
+    reduces the current one. PHASES 1 or 2: one half alone, as two launches (the interpreter runs programs
+    one by one, so it cannot pass a barrier)."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = x_ptr.dtype.element_ty
+    js = tl.arange(0, BLOCK_J)
+    j_mask = js < TOP_K
+    experts = tl.load(topk_ids_ptr + js, mask=j_mask, other=0).to(tl.int64)  # all pairs' experts, once
+    if PHASES & 1:
+        offs_k = tl.arange(0, BLOCK_H)
+        k_mask = offs_k < hidden
+        rows = tl.arange(0, ROWS)
+        xf = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        items = TOP_K * tl.cdiv(inter, ROWS)
+        if PREFETCH:  # the next item's rows load (into registers) while this one is reduced
+            # Item i: pair i % TOP_K (pairs fastest), rows (i // TOP_K) * ROWS + [0, ROWS).
+            pair = pid % TOP_K
+            offs_n = (pid // TOP_K) * ROWS + rows
+            mask = (offs_n < tl.where(pid < items, inter, 0))[:, None] & k_mask[None, :]
+            expert = tl.sum(tl.where(js == pair, experts, 0))
+            ptrs = (
+                w13_ptr + expert * stride_w13e + offs_n.to(tl.int64)[:, None] * stride_w13n + offs_k[None, :]
+            )
+            g = tl.load(ptrs, mask=mask, other=0.0)
+            u = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+            for item in tl.range(pid, items, programs):
+                cur_pair, cur_n, cur_g, cur_u = pair, offs_n, g, u
+                nxt = item + programs
+                pair = nxt % TOP_K
+                offs_n = (nxt // TOP_K) * ROWS + rows
+                mask = (offs_n < tl.where(nxt < items, inter, 0))[:, None] & k_mask[None, :]
+                expert = tl.sum(tl.where(js == pair, experts, 0))
+                ptrs = (
+                    w13_ptr
+                    + expert * stride_w13e
+                    + offs_n.to(tl.int64)[:, None] * stride_w13n
+                    + offs_k[None, :]
+                )
+                g = tl.load(ptrs, mask=mask, other=0.0)
+                u = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+                _gate_up_rows(cur_g, cur_u, xf, act_ptr + cur_pair * inter, cur_n, inter, dtype)
+        else:  # the compiler's pipeline (num_stages) keeps the next items' loads in flight
+            for item in tl.range(pid, items, programs):
+                pair = item % TOP_K
+                offs_n = (item // TOP_K) * ROWS + rows
+                mask = (offs_n < inter)[:, None] & k_mask[None, :]
+                expert = tl.sum(tl.where(js == pair, experts, 0))
+                ptrs = (
+                    w13_ptr
+                    + expert * stride_w13e
+                    + offs_n.to(tl.int64)[:, None] * stride_w13n
+                    + offs_k[None, :]
+                )
+                g = tl.load(ptrs, mask=mask, other=0.0)
+                u = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+                _gate_up_rows(g, u, xf, act_ptr + pair * inter, offs_n, inter, dtype)
+    if PHASES & 2:
+        offs_i = tl.arange(0, BLOCK_I)
+        i_mask = offs_i < inter
+        w_mask = j_mask[:, None] & i_mask[None, :]
+        w_base = w2_ptr + experts[:, None] * stride_w2e + offs_i[None, :]
+        # The first down item's weights before the barrier: in flight while the other programs finish.
+        first_mask = (js < tl.where(pid < hidden, TOP_K, 0))[:, None] & i_mask[None, :]
+        w = tl.load(w_base + pid.to(tl.int64) * stride_w2n, mask=first_mask, other=0.0)
+        if PHASES == 3:
+            _grid_barrier(state_ptr, state_ptr + 1, programs)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()  # only now: every program of this grid is resident
+        weights = tl.load(topk_weights_ptr + js, mask=j_mask, other=0.0).to(tl.float32)
+        a = tl.load(
+            act_ptr + js[:, None] * inter + offs_i[None, :], mask=w_mask, other=0.0, cache_modifier=".cg"
+        )
+        for n in tl.range(pid, hidden, programs):
+            cur = w
+            nxt = n + programs
+            next_mask = (js < tl.where(nxt < hidden, TOP_K, 0))[:, None] & i_mask[None, :]
+            w = tl.load(w_base + nxt.to(tl.int64) * stride_w2n, mask=next_mask, other=0.0)
+            out = tl.sum(tl.sum(cur.to(tl.float32) * a.to(tl.float32), axis=1) * weights, axis=0)
+            tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty))
+
+
+_PERSISTENT_STATE: dict[int, torch.Tensor] = {}
+_PERSISTENT_GRID: dict[tuple, int] = {}
+
+
+def use_persistent_path(num_tokens: int, hidden: int, inter: int, device: torch.device) -> bool:
+    """One token on a CUDA device, rows short enough to load whole (``PERSISTENT_MAX_ELEMENTS``)."""
+    return num_tokens == 1 and device.type == "cuda" and max(hidden, inter) <= PERSISTENT_MAX_ELEMENTS
+
+
+def _persistent_programs(kernel: object, device: torch.device, cfg: MoePersistentConfig) -> int:
+    """Programs that are all resident at once: the barrier waits for every one, so the grid must never
+    exceed what the SMs hold together (registers per warp in 256-register units, 64 warps, 228 KB)."""
+    kernel._init_handles()  # type: ignore[attr-defined]
+    regs = max(1, kernel.n_regs)  # type: ignore[attr-defined]
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * cfg.num_warps)
+    by_warps = 64 // cfg.num_warps
+    shared = kernel.metadata.shared  # type: ignore[attr-defined]
+    by_smem = (227 * 1024) // (shared + 1024) if shared else 32
+    per_sm = max(1, min(by_regs, by_warps, by_smem, 32, cfg.per_sm))
+    return per_sm * sm_count(device)
+
+
+def _fused_moe_persistent(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: MoePersistentConfig = PERSISTENT_CONFIG,
+    phases: int = 3,
+) -> torch.Tensor:
+    """The small path as one launch with a grid barrier (``phases=3``), or as its two halves (1 then 2)."""
+    num_tokens, hidden = x.shape
+    if num_tokens != 1:
+        raise ValueError(f"the persistent MoE path takes one token, not {num_tokens}")
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    act = torch.empty((top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    index = x.device.index if x.device.index is not None else 0
+    state = _PERSISTENT_STATE.get(index)
+    if state is None:  # two int32: arrivals, generation; the barrier leaves the count at zero
+        state = _PERSISTENT_STATE[index] = torch.zeros(2, dtype=torch.int32, device=x.device)
+    args = (x, w13, w2, act, out, state, topk_weights, topk_ids, inter, hidden,
+            w13.stride(0), w13.stride(1), inter * w13.stride(1), w2.stride(0), w2.stride(1))  # fmt: skip
+    consts = dict(
+        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), ROWS=cfg.rows,
+        BLOCK_H=triton.next_power_of_2(hidden), BLOCK_I=triton.next_power_of_2(inter), PREFETCH=cfg.prefetch,
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if phases != 3:
+        grid = (max(top_k * triton.cdiv(inter, cfg.rows), hidden),)
+        for phase in (1, 2):
+            _moe_persistent_kernel[grid](*args, PHASES=phase, **consts)
+        return out
+    key = (index, top_k, hidden, inter, x.dtype, cfg)
+    programs = _PERSISTENT_GRID.get(key)
+    if programs is None:
+        compiled = _moe_persistent_kernel.warmup(*args, PHASES=3, grid=(1,), **consts)
+        programs = _PERSISTENT_GRID[key] = _persistent_programs(compiled, x.device, cfg)
+    _moe_persistent_kernel[(programs,)](*args, PHASES=3, **consts)
     return out
 
 
