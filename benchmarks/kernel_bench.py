@@ -616,66 +616,6 @@ def sweep_moe_small(narrow: bool = False) -> None:
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
-def moe_persistent_compare() -> None:
-    """The small MoE path at one token as one persistent launch (gate-up, a grid barrier, down; each
-    program loads its first down rows before the barrier) against the two launches, Qwen3-30B-A3B shape,
-    CUDA graphs of 8 calls over rotated inputs; then a grid of its tiles, best first."""
-    print("\n## MoE at one token: two launches / one persistent launch (us per call)")
-    hidden, inter, experts, top_k = 2048, 768, 128, 8
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) * inter**-0.5
-    rot = 8
-    xs = [torch.randn(1, hidden, device="cuda", dtype=DTYPE) for _ in range(rot)]
-    ids = [torch.randperm(experts, device="cuda")[:top_k].view(1, top_k) for _ in range(rot)]
-    weights = [torch.rand(1, top_k, device="cuda").softmax(-1).to(DTYPE) for _ in range(rot)]
-    floor_us = top_k * 3 * hidden * inter * 2 / (copy_gbps() * 1e3)
-    small_cfg = triton_moe.moe_small_config(xs[0].device, 1)
-
-    def two(i: int) -> torch.Tensor:
-        return triton_moe._fused_moe_small(xs[i], w13, w2, weights[i], ids[i], small_cfg)
-
-    ref = two(0).float()
-    got = triton_moe._fused_moe_persistent(xs[0], w13, w2, weights[0], ids[0]).float()
-    state = next(iter(triton_moe._PERSISTENT_STATE.values()))
-    print(
-        f"max |persistent - two launches| {(got - ref).abs().max().item():.3g} (|ref| max "
-        f"{ref.abs().max().item():.3g}); barrier count after the call {state[0].item()}"
-    )
-    two_us, _ = time_graph([lambda i=i: two(i) for i in range(rot)])
-
-    def persistent(cfg: triton_moe.MoePersistentConfig, phases: int = 3) -> float:
-        calls = [lambda i=i: triton_moe._fused_moe_persistent(xs[i], w13, w2, weights[i], ids[i], cfg, phases)
-                 for i in range(rot)]  # fmt: skip
-        try:
-            return time_graph(calls, replays=30)[0]
-        except Exception as exc:  # registers, shared memory
-            print(f"  {cfg}: {type(exc).__name__}: {exc}")
-            return float("inf")
-
-    cfg = triton_moe.PERSISTENT_CONFIG
-    one = persistent(cfg)
-    programs = {k: v for k, v in triton_moe._PERSISTENT_GRID.items() if k[-1] == cfg}
-    print(
-        f"floor (75.5 MB at the copy rate) {floor_us:.1f} us; two launches {two_us:.1f} us; persistent {cfg}: "
-        f"{one:.1f} us ({list(programs.values())} programs), its two halves as two launches "
-        f"{persistent(cfg, phases=1):.1f} us; barrier count after the replays {state[0].item()}",
-        flush=True,
-    )
-    timed = []
-    for rows in (1, 2, 4):
-        for warps in (2, 4, 8):
-            for stages in (1, 2):
-                for prefetch in (True, False):
-                    c = triton_moe.MoePersistentConfig(rows, warps, 8, stages, prefetch)
-                    timed.append((persistent(c), c))
-    timed.sort(key=lambda t: t[0])
-    print("persistent tiles, best:", ", ".join(f"{us:.1f} us {c}" for us, c in timed[:8]), flush=True)
-    print(
-        "grid sizes:",
-        {k[-1]: v for k, v in triton_moe._PERSISTENT_GRID.items() if k[-1] in [c for _, c in timed[:8]]},
-    )
-
-
 def sweep_moe_prefill() -> None:
     """The grouped MoE path at prefill sizes (512 and 2048 tokens: 32 and 128 pairs per expert) against a
     grid of tile configs (BLOCK_M, BLOCK_N, BLOCK_K, group, warps, stages), current config first."""
@@ -805,11 +745,6 @@ def main() -> None:
         "--moe-align", action="store_true", help="only: the three MoE alignments side by side per size"
     )
     parser.add_argument(
-        "--moe-persistent",
-        action="store_true",
-        help="only: the persistent one-token MoE against two launches",
-    )
-    parser.add_argument(
         "--norm-linear", action="store_true", help="only: the fused norm + GEMV against the two kernels"
     )
     args = parser.parse_args()
@@ -828,9 +763,6 @@ def main() -> None:
         return
     if args.norm_linear:
         norm_linear_compare()
-        return
-    if args.moe_persistent:
-        moe_persistent_compare()
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:
