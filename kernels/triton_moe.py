@@ -631,6 +631,178 @@ def _fused_moe_small(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The small path at one token on tensor cores: the token row padded to 16, weights pipelined by the compiler
+
+
+@dataclass(frozen=True)
+class MoeDotConfig:
+    gate_up_block_n: int
+    gate_up_block_k: int
+    gate_up_num_warps: int
+    gate_up_num_stages: int
+    down_block_n: int
+    down_block_k: int
+    down_num_warps: int
+    down_num_stages: int
+
+
+DOT_CONFIG = MoeDotConfig(32, 128, 4, 4, 64, 128, 4, 4)
+
+
+@triton.jit
+def _moe_gate_up_dot_kernel(
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    topk_ids_ptr,
+    inter,
+    hidden,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    up_offset,
+    stride_am,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``_moe_small_gate_up_kernel`` with tl.dot on a 16-row tile whose row 0 is the token (the others
+    zero), so that the compiler stages the weight tiles through shared memory, several in flight."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_m = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_m[:, None] * 0 + offs_k[None, :]
+    w_ptrs = w13_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    gate_acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    up_acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        xk = tl.load(x_ptrs, mask=(offs_m == 0)[:, None] & k_mask[None, :], other=0.0)
+        g = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        u = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        gate_acc = tl.dot(xk, g, gate_acc)
+        up_acc = tl.dot(xk, u, up_acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = act_ptr.dtype.element_ty
+    row0 = (offs_m == 0)[:, None]
+    gate = tl.sum(tl.where(row0, gate_acc, 0.0), axis=0).to(dtype).to(tl.float32)
+    up = tl.sum(tl.where(row0, up_acc, 0.0), axis=0).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (silu * up).to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _moe_down_dot_kernel(
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    hidden,
+    inter,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``_moe_small_down_kernel`` on tensor cores: one loop over (pair, K chunk); each step multiplies the
+    pair's activations (weighted, rounded to their dtype, in row 0 of a 16-row tile) by a tile of its
+    expert's rows."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    js = tl.arange(0, BLOCK_J)
+    j_mask = js < TOP_K
+    experts = tl.load(topk_ids_ptr + token * TOP_K + js, mask=j_mask, other=0).to(
+        tl.int64
+    )  # pre-wait: gate-up's input
+    weights = tl.load(topk_weights_ptr + token * TOP_K + js, mask=j_mask, other=0.0).to(
+        tl.float32
+    )  # pre-wait: same
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    offs_m = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_steps = tl.cdiv(inter, BLOCK_K)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for t in range(0, TOP_K * k_steps):
+        j = t // k_steps
+        k0 = (t % k_steps) * BLOCK_K
+        expert = tl.sum(tl.where(js == j, experts, 0))
+        weight = tl.sum(tl.where(js == j, weights, 0.0))
+        pair = token * TOP_K + j
+        k_mask = offs_k < inter - k0
+        a = tl.load(act_ptr + pair.to(tl.int64) * stride_am + k0 + offs_m[:, None] * 0 + offs_k[None, :],
+                    mask=(offs_m == 0)[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        a = (a.to(tl.float32) * weight).to(a.dtype)
+        w = tl.load(w2_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + k0 + offs_k[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, w, acc)
+    out = tl.sum(tl.where((offs_m == 0)[:, None], acc, 0.0), axis=0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _fused_moe_dot(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: MoeDotConfig = DOT_CONFIG,
+    gate_up: bool = True,
+    down: bool = True,
+) -> torch.Tensor:
+    """The small path with either kernel (or both) on tensor cores; the others are the CUDA-core ones."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    small = moe_small_config(x.device, num_tokens)
+    act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    pdl = pdl_kwargs(x.device)
+    if gate_up:
+        _moe_gate_up_dot_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_block_n))](
+            x, w13, act, topk_ids, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
+            TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
+            **pdl, num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
+        )  # fmt: skip
+    else:
+        _moe_small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, small.gate_up_block_n))](
+            x, w13, act, topk_ids, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
+            TOP_K=top_k, BLOCK_N=small.gate_up_block_n, BLOCK_K=small.gate_up_block_k,
+            **pdl, num_warps=small.gate_up_num_warps, num_stages=small.gate_up_num_stages,
+        )  # fmt: skip
+    if down:
+        _moe_down_dot_kernel[(num_tokens, triton.cdiv(hidden, cfg.down_block_n))](
+            act, w2, out, topk_weights, topk_ids, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+            **pdl, num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
+        )  # fmt: skip
+    else:
+        _moe_small_down_kernel[(num_tokens, triton.cdiv(hidden, small.down_block_n))](
+            act, w2, out, topk_weights, topk_ids, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=small.down_block_n,
+            BLOCK_K=small.down_block_k, **pdl, num_warps=small.down_num_warps, num_stages=small.down_num_stages,
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Entry point
 
 
