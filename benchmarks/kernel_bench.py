@@ -616,89 +616,6 @@ def sweep_moe_small(narrow: bool = False) -> None:
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
-AB_ONLY = True
-
-
-def moe_dot_compare() -> None:
-    """The small MoE path at one token with its kernels on tensor cores (the token row padded to 16 rows,
-    so that the compiler pipelines the weight tiles through shared memory) against the CUDA-core kernels,
-    Qwen3-30B-A3B shape, CUDA graphs of 8 calls over rotated inputs: each dot kernel swept with the other
-    kernel on CUDA cores, then the best of both together."""
-    print("\n## MoE at one token: CUDA-core kernels / tensor-core kernels (us per call)")
-    hidden, inter, experts, top_k = 2048, 768, 128, 8
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) * inter**-0.5
-    rot = 8
-    xs = [torch.randn(1, hidden, device="cuda", dtype=DTYPE) for _ in range(rot)]
-    ids = [torch.randperm(experts, device="cuda")[:top_k].view(1, top_k) for _ in range(rot)]
-    weights = [torch.rand(1, top_k, device="cuda").softmax(-1).to(DTYPE) for _ in range(rot)]
-    floor_us = top_k * 3 * hidden * inter * 2 / (copy_gbps() * 1e3)
-    small_cfg = triton_moe.moe_small_config(xs[0].device, 1)
-    ref = triton_moe._fused_moe_small(xs[0], w13, w2, weights[0], ids[0], small_cfg).float()
-    got = triton_moe._fused_moe_dot(xs[0], w13, w2, weights[0], ids[0]).float()
-    print(
-        f"max |tensor cores - CUDA cores| {(got - ref).abs().max().item():.3g} (|ref| max {ref.abs().max().item():.3g})"
-    )
-    two, _ = time_graph(
-        [
-            lambda i=i: triton_moe._fused_moe_small(xs[i], w13, w2, weights[i], ids[i], small_cfg)
-            for i in range(rot)
-        ]
-    )
-
-    def timed(cfg: triton_moe.MoeDotConfig, gate_up: bool, down: bool) -> float:
-        calls = [lambda i=i: triton_moe._fused_moe_dot(xs[i], w13, w2, weights[i], ids[i], cfg, gate_up, down)
-                 for i in range(rot)]  # fmt: skip
-        try:
-            return time_graph(calls, replays=30)[0]
-        except Exception as exc:  # shared memory, registers
-            print(f"  {cfg}: {type(exc).__name__}")
-            return float("inf")
-
-    base = triton_moe.DOT_CONFIG
-    if AB_ONLY:
-        variants = [dataclasses.replace(base, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_stages=st)
-                    for bn, bk, st in ((64, 256, 3), (32, 256, 3), (64, 128, 6))]  # fmt: skip
-        for rnd in range(4):
-            cuda = time_graph([lambda i=i: triton_moe._fused_moe_small(xs[i], w13, w2, weights[i], ids[i], small_cfg)
-                               for i in range(rot)], replays=30)[0]  # fmt: skip
-            dots = [timed(v, True, False) for v in variants]
-            print(f"round {rnd}: CUDA cores {cuda:.1f} us; gate-up on tensor cores " +
-                  ", ".join(f"{t:.1f} ({v.gate_up_block_n}, {v.gate_up_block_k}, {v.gate_up_num_stages})" for t, v in zip(dots, variants, strict=True)),
-                  flush=True)  # fmt: skip
-        return
-    print(f"floor {floor_us:.1f} us; CUDA cores {two:.1f} us; {base}: gate-up on tensor cores "
-          f"{timed(base, True, False):.1f}, down {timed(base, False, True):.1f}, both {timed(base, True, True):.1f} us",
-          flush=True)  # fmt: skip
-    ups = sorted(
-        (timed(dataclasses.replace(base, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_stages=st), True, False),
-         (bn, bk, st))
-        for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)
-    )  # fmt: skip
-    print(
-        "gate-up on tensor cores (down on CUDA cores), best:",
-        ", ".join(f"{t:.1f} us {c}" for t, c in ups[:4]),
-        flush=True,
-    )
-    downs = sorted(
-        (timed(dataclasses.replace(base, down_block_n=bn, down_block_k=bk, down_num_stages=st), False, True),
-         (bn, bk, st))
-        for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 4, 6)
-    )  # fmt: skip
-    print(
-        "down on tensor cores (gate-up on CUDA cores), best:",
-        ", ".join(f"{t:.1f} us {c}" for t, c in downs[:4]),
-        flush=True,
-    )
-    (bn, bk, st), (dn, dk, dst) = ups[0][1], downs[0][1]
-    best = dataclasses.replace(base, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_stages=st,
-                               down_block_n=dn, down_block_k=dk, down_num_stages=dst)  # fmt: skip
-    print(
-        f"both best {best}: {timed(best, True, True):.1f} us; CUDA cores again {time_graph([lambda i=i: triton_moe._fused_moe_small(xs[i], w13, w2, weights[i], ids[i], small_cfg) for i in range(rot)])[0]:.1f} us",
-        flush=True,
-    )
-
-
 def sweep_moe_prefill() -> None:
     """The grouped MoE path at prefill sizes (512 and 2048 tokens: 32 and 128 pairs per expert) against a
     grid of tile configs (BLOCK_M, BLOCK_N, BLOCK_K, group, warps, stages), current config first."""
@@ -828,11 +745,6 @@ def main() -> None:
         "--moe-align", action="store_true", help="only: the three MoE alignments side by side per size"
     )
     parser.add_argument(
-        "--moe-dot",
-        action="store_true",
-        help="only: the one-token small MoE on tensor cores against CUDA cores",
-    )
-    parser.add_argument(
         "--norm-linear", action="store_true", help="only: the fused norm + GEMV against the two kernels"
     )
     args = parser.parse_args()
@@ -851,9 +763,6 @@ def main() -> None:
         return
     if args.norm_linear:
         norm_linear_compare()
-        return
-    if args.moe_dot:
-        moe_dot_compare()
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:
