@@ -1,8 +1,15 @@
 """KV block allocator: reference counts, prefix caching by the shared block hash, LRU eviction, events.
 
-Owns block ids only; the KV bytes live in the pool tensor (engine/kv_cache.py). Free blocks come from a
-min-heap so that allocations tend to be contiguous runs (one NIXL descriptor per run). Cached blocks
-whose reference count drops to zero stay cached and are evicted least-recently-used first.
+Owns block ids only; the KV bytes live in the pool tensor (engine/kv_cache.py). Cached blocks whose
+reference count drops to zero stay cached and are evicted least-recently-used first.
+
+Free (unreferenced, uncached) blocks are handed out as contiguous runs where they can be, because a KV
+transfer moves each run of adjacent blocks as one NIXL descriptor and a descriptor's fixed cost dominates
+small ones (docs/performance.md, "KV transfer"): a sequence that grows takes the blocks right after its
+last one if they are free, a fresh allocation takes the lowest-numbered run long enough (first fit, found
+in a byte map of the free blocks), and only when no run fits do blocks come one by one, lowest id first
+(a min-heap), then from the cached blocks by eviction. Which free blocks an allocation takes never
+changes what is cached or evicted.
 """
 
 from __future__ import annotations
@@ -34,7 +41,11 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        self._free_heap: list[int] = list(range(num_blocks))  # unreferenced and uncached
+        # Unreferenced and uncached blocks: a byte map (1 = free) for finding runs, and a min-heap of ids
+        # whose entries may be stale (a block taken as part of a run stays in the heap until popped).
+        self._free_map = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
+        self._free_heap: list[int] = list(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached, LRU first
         self._pending_events: list[KVEvent] = []
 
@@ -42,12 +53,12 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free plus evictable cached blocks)."""
-        return len(self._free_heap) + len(self._evictable)
+        return self._num_free + len(self._evictable)
 
     @property
     def num_uncached_free_blocks(self) -> int:
         """Blocks an allocation can take without evicting a cached block."""
-        return len(self._free_heap)
+        return self._num_free
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its block table covers ``num_tokens`` tokens."""
@@ -92,7 +103,7 @@ class BlockPool:
         for b in hits:
             self._ref(b)
         seq.block_table = list(hits)
-        seq.block_table += self._take(need)
+        seq.block_table += self._take(need, after=hits[-1] if hits else None)
         seq.cache_scan_upto = len(hits)  # hits are cached already
         return True
 
@@ -100,7 +111,7 @@ class BlockPool:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free_blocks:
             return False
-        seq.block_table += self._take(need)
+        seq.block_table += self._take(need, after=seq.block_table[-1] if seq.block_table else None)
         return True
 
     def allocate_blocks(self, n: int) -> list[int] | None:
@@ -115,17 +126,57 @@ class BlockPool:
             self._evictable.pop(block, None)
         self.ref_counts[block] += 1
 
-    def _take(self, n: int) -> list[int]:
-        out: list[int] = []
-        for _ in range(n):
-            if self._free_heap:
-                block = heapq.heappop(self._free_heap)
-            else:
-                block, _ = self._evictable.popitem(last=False)
-                self._uncache(block)
+    def _take(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` blocks, each with one reference: the run right after block ``after`` if it is free, else
+        the first free run of ``n``, else free blocks lowest id first and then evicted cached ones."""
+        if n == 0:
+            return []
+        start = self._free_run(n, after)
+        if start is not None:
+            self._free_map[start : start + n] = bytes(n)
+            self._num_free -= n
+            out = list(range(start, start + n))
+        else:
+            out = []
+            for _ in range(n):
+                if self._num_free:
+                    block = self._pop_free()
+                else:
+                    block, _ = self._evictable.popitem(last=False)
+                    self._uncache(block)
+                out.append(block)
+        for block in out:
             self.ref_counts[block] = 1
-            out.append(block)
         return out
+
+    def _free_run(self, n: int, after: int | None) -> int | None:
+        """Start of ``n`` adjacent free blocks: right after ``after`` where those are free, else the first
+        such run; None when there is none."""
+        if n > self._num_free:
+            return None
+        run = b"\x01" * n
+        if after is not None and self._free_map[after + 1 : after + 1 + n] == run:
+            return after + 1
+        if n == 1:
+            return None  # the heap's lowest id
+        start = self._free_map.find(run)
+        return start if start >= 0 else None
+
+    def _pop_free(self) -> int:
+        while True:
+            block = heapq.heappop(self._free_heap)
+            if self._free_map[block]:  # else a stale entry: the block went out in a run
+                self._free_map[block] = 0
+                self._num_free -= 1
+                return block
+
+    def _push_free(self, block: int) -> None:
+        self._free_map[block] = 1
+        self._num_free += 1
+        if len(self._free_heap) >= 2 * self.num_blocks:  # stale entries pile up when runs are taken
+            self._free_heap = [b for b in range(self.num_blocks) if self._free_map[b]]  # sorted: a heap
+        else:
+            heapq.heappush(self._free_heap, block)
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]
@@ -171,7 +222,7 @@ class BlockPool:
                 if self.block_hash[block] is not None:
                     self._evictable[block] = None
                 else:
-                    heapq.heappush(self._free_heap, block)
+                    self._push_free(block)
 
     def free(self, seq: Sequence) -> None:
         self.free_blocks(seq.block_table)
