@@ -3,12 +3,12 @@
 Owns block ids only; the KV bytes live in the pool tensor (engine/kv_cache.py). Cached blocks whose
 reference count drops to zero stay cached and are evicted least-recently-used first.
 
-Free (unreferenced, uncached) blocks are handed out as contiguous runs where they can be, because a KV
-transfer moves each run of adjacent blocks as one NIXL descriptor and a descriptor's fixed cost dominates
-small ones (docs/performance.md, "KV transfer"): a sequence that grows takes the blocks right after its
-last one if they are free, a fresh allocation takes the lowest-numbered run long enough (first fit, found
-in a byte map of the free blocks), and only when no run fits do blocks come one by one, lowest id first
-(a min-heap), then from the cached blocks by eviction. Which free blocks an allocation takes never
+Free (unreferenced, uncached) blocks are handed out as contiguous runs where they can be: a NIXL READ
+of scattered blocks takes several times as long as one of a run (2.3-6.9x on an H200 in the workers'
+default transfer mode; docs/performance.md, "KV transfer"). A sequence that grows takes the blocks right
+after its last one if they are free; a fresh allocation takes the lowest-numbered run long enough (first
+fit, found in a byte map of the free blocks); only when no run fits do blocks come one by one, lowest id
+first (a min-heap), then from the cached blocks by eviction. Which free blocks an allocation takes never
 changes what is cached or evicted.
 """
 
