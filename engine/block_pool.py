@@ -103,7 +103,9 @@ class BlockPool:
         for b in hits:
             self._ref(b)
         seq.block_table = list(hits)
-        seq.block_table += self._take(need, after=hits[-1] if hits else None)
+        # A prompt prefilled in chunks grows in place when its first chunk starts a run that fits it all.
+        whole = -(-seq.num_tokens // self.block_size) - len(hits)
+        seq.block_table += self._take(need, after=hits[-1] if hits else None, room=whole)
         seq.cache_scan_upto = len(hits)  # hits are cached already
         return True
 
@@ -126,12 +128,15 @@ class BlockPool:
             self._evictable.pop(block, None)
         self.ref_counts[block] += 1
 
-    def _take(self, n: int, after: int | None = None) -> list[int]:
+    def _take(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
         """``n`` blocks, each with one reference: the run right after block ``after`` if it is free, else
-        the first free run of ``n``, else free blocks lowest id first and then evicted cached ones."""
+        the start of the first free run of ``room`` blocks (when ``room`` > ``n``: space to grow in place),
+        else the first free run of ``n``, else free blocks lowest id first and then evicted cached ones."""
         if n == 0:
             return []
-        start = self._free_run(n, after)
+        start = self._free_run(max(n, room), after) if room > n else None
+        if start is None:
+            start = self._free_run(n, after)
         if start is not None:
             self._free_map[start : start + n] = bytes(n)
             self._num_free -= n

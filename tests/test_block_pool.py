@@ -40,6 +40,19 @@ def test_fresh_allocations_and_growth_are_runs() -> None:
     assert pool.num_uncached_free_blocks == 64 - 5 - 2 - 7
 
 
+def test_a_prompt_prefilled_in_chunks_starts_where_it_can_grow_in_place() -> None:
+    pool = BlockPool(32, BLOCK, root_hash=1)
+    first = pool.allocate_blocks(2)  # 0, 1
+    pool.allocate_blocks(1)  # 2
+    pool.free_blocks(first)  # a hole of two blocks at 0
+    seq = make_seq("p", 6 * BLOCK)  # six blocks of prompt, prefilled two blocks at a time
+    assert pool.allocate_with_prefix(seq, [], 2 * BLOCK)
+    assert pool.append_slots(seq, 4 * BLOCK)
+    assert pool.append_slots(seq, 6 * BLOCK)
+    assert seq.block_table == [3, 4, 5, 6, 7, 8]  # one run, not the hole then a run
+    assert pool.allocate_blocks(2) == [0, 1]  # the hole is still there for what fits it
+
+
 def test_after_churn_an_import_takes_the_first_run_that_fits() -> None:
     pool = BlockPool(32, BLOCK, root_hash=1)
     singles = [pool.allocate_blocks(1) for _ in range(12)]
