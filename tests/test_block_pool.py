@@ -1,5 +1,6 @@
-"""The block allocator hands out contiguous runs where it can (one NIXL descriptor per run in a KV
-transfer), and which free blocks it takes never changes the prefix cache, its LRU order or its events."""
+"""The block allocator hands out contiguous runs where it can (a KV transfer READs a run several times
+faster than scattered blocks), evicts cached blocks only when no free block is left, least recently used
+first, and keeps its accounting exact under random traffic."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def make_seq(request_id: str, num_tokens: int, first: int = 1) -> Sequence:
 
 
 def runs(blocks: list[int]) -> int:
-    """Descriptors a transfer of ``blocks`` needs: runs of adjacent ids."""
+    """Runs of adjacent ids in ``blocks`` (the descriptors of a coalesced transfer)."""
     return sum(1 for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1] + 1)
 
 
