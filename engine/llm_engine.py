@@ -79,6 +79,7 @@ class EngineStats:
     generated_tokens_total: int
     lookahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
     lookahead_drains: int = 0  # steps in flight read out first because the next step could not overlap
+    lookahead_joins: int = 0  # imported requests a lookahead step took in (no drain for them)
 
 
 @dataclass
@@ -178,6 +179,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # async_scheduling: the step whose tokens are unread
         self.lookahead_steps = 0
         self.lookahead_drains = 0
+        self.lookahead_joins = 0
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
@@ -285,8 +287,12 @@ class LLMEngine:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
-        self._drain_inflight()  # blocks finished requests free go back before this allocation
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
+        if n_blocks > self.block_pool.num_uncached_free_blocks:
+            # Evicting or failing would depend on the blocks the step in flight's finished requests free:
+            # read it first, as the synchronous engine would have. Otherwise the allocation takes uncached
+            # free blocks either way, and the prefix cache ends up the same.
+            self._drain_inflight()
         blocks = self.block_pool.allocate_blocks(n_blocks)
         self.block_pool.flush_events()
         if blocks is None:
@@ -308,8 +314,8 @@ class LLMEngine:
         first_logprobs: TokenLogprobs | None = None,
         num_cached_tokens: int = 0,
     ) -> None:
-        """The reserved blocks now hold the prompt's KV: the request joins the batch with its first token."""
-        self._drain_inflight()
+        """The reserved blocks now hold the prompt's KV: the request joins the batch with its first token
+        (with a step in flight, the next lookahead step takes it in; see ``_joining``)."""
         seq = self._imports.pop(request_id)
         if not 0 <= first_token_id < self.vocab_size:
             self.block_pool.free(seq)
@@ -380,6 +386,18 @@ class LLMEngine:
             s.params.logprobs is None and not s.hold_kv for s in sample_seqs
         )
 
+    def _joining(self) -> list[Sequence] | None:
+        """The waiting requests the next lookahead step can take in: all of them, when every one is an
+        imported request ready to decode its first token (KV in place, one token to compute) that could
+        run ahead (no logprobs, no KV to hold); None when any other request waits."""
+        waiting = list(self.scheduler.waiting)
+        if all(
+            s.block_table and s.num_uncomputed_tokens == 1 and s.params.logprobs is None and not s.hold_kv
+            for s in waiting
+        ):
+            return waiting
+        return None
+
     def _ends_at_next_token(self, seq: Sequence) -> bool:
         """Whether the token in flight is ``seq``'s last whatever its value (lengths known in advance)."""
         return self._at_length_limit(seq, len(seq.output_token_ids) + 1, seq.num_tokens + 1)
@@ -398,23 +416,39 @@ class LLMEngine:
         assert prev is not None
         sched, pool = self.scheduler, self.block_pool
         running = sched.running
+        joining = self._joining()
         if (
-            sched.waiting
+            joining is None
             or len(running) != len(prev.seqs)
             or any(a is not b for a, b in zip(running, prev.seqs, strict=True))
         ):
             return False
         keep = [i for i, s in enumerate(prev.seqs) if not self._ends_at_next_token(s)]
-        if not keep or len(keep) > sched.max_num_batched_tokens:
+        if (
+            not keep
+            or len(keep) + len(joining) > sched.max_num_batched_tokens
+            or len(running) + len(joining) > sched.max_num_seqs
+        ):
             return False
-        seqs = [prev.seqs[i] for i in keep] if len(keep) < len(prev.seqs) else prev.seqs
+        kept = [prev.seqs[i] for i in keep] if len(keep) < len(prev.seqs) else prev.seqs
         # The synchronous step allocates after the finished requests freed their blocks: taking only
         # uncached free blocks here keeps the prefix cache, its events and its LRU order the same.
-        if sum(pool.blocks_needed(s, s.num_tokens + 1) for s in seqs) > pool.num_uncached_free_blocks:
+        needed = sum(pool.blocks_needed(s, s.num_tokens + 1) for s in kept)
+        needed += sum(pool.blocks_needed(s, s.num_tokens) for s in joining)
+        if needed > pool.num_uncached_free_blocks:
             return False
-        for s in seqs:
+        for s in kept:
             pool.append_slots(s, s.num_tokens + 1)
-        input_ids = prev.tokens if seqs is prev.seqs else prev.tokens[self._device_index(keep)]
+        input_ids = prev.tokens if kept is prev.seqs else prev.tokens[self._device_index(keep)]
+        seqs = kept
+        if joining:  # admitted as the synchronous scheduler would: after the running ones, in queue order
+            for s in joining:
+                pool.append_slots(s, s.num_tokens)
+                sched.admit_next()
+            seqs = [*kept, *joining]
+            self.lookahead_joins += len(joining)
+            first = torch.tensor([s.token_at(s.num_computed_tokens) for s in joining], dtype=torch.int64)
+            input_ids = torch.cat([input_ids, host_to_device(first, self.device)])
         self._inflight = None
         logits = self.runner.execute_lookahead(seqs, input_ids)
         self.lookahead_steps += 1
@@ -552,6 +586,7 @@ class LLMEngine:
             generated_tokens_total=self.generated_tokens_total,
             lookahead_steps=self.lookahead_steps,
             lookahead_drains=self.lookahead_drains,
+            lookahead_joins=self.lookahead_joins,
         )
 
     def take_expert_counts(self) -> torch.Tensor | None:

@@ -83,15 +83,21 @@ class Scheduler:
                 seq.num_computed_tokens = num_cached
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = num_cached
-            self.waiting.popleft()
-            if not seq.first_scheduled_ns:
-                seq.first_scheduled_ns = time.time_ns()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.admit_next()
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def admit_next(self) -> Sequence:
+        """Move the first waiting sequence to the running ones, as ``schedule`` admits it (for a caller that
+        allocated its slots itself: the engine's lookahead step)."""
+        seq = self.waiting.popleft()
+        if not seq.first_scheduled_ns:
+            seq.first_scheduled_ns = time.time_ns()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

@@ -255,8 +255,13 @@ class WorkerMetrics:
         self.lookahead_drains = m.counter(
             "lookahead_drains",
             "total",
-            "Steps in flight read out first because the next step could not overlap them (an arrival, an "
-            "import, logprobs, held KV).",
+            "Steps in flight read out first because the next step could not overlap them (an arrival, "
+            "logprobs, held KV, an import that could evict).",
+        )
+        self.lookahead_joins = m.counter(
+            "lookahead_joins",
+            "total",
+            "Imported requests a lookahead step took in without reading out the step in flight.",
         )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         self._totals = [
@@ -265,6 +270,7 @@ class WorkerMetrics:
             (self.generated_tokens, "generated_tokens_total"),
             (self.lookahead_steps, "lookahead_steps"),
             (self.lookahead_drains, "lookahead_drains"),
+            (self.lookahead_joins, "lookahead_joins"),
         ]
         self._last = dict.fromkeys((name for _, name in self._totals), 0)
 

@@ -13,12 +13,14 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.errors import CapacityError
 from engine.llm_engine import LLMEngine, RequestOutput
-from mesh.kv_events import KVEvent, ListEventSink
+from mesh.kv_events import BlocksRemoved, KVEvent, ListEventSink
 from tests.kernel_testing import needs_gpu
 
 # Tokens the tiny models produce often, declared EOS, stop tokens or stop strings so requests stop early.
@@ -39,6 +41,18 @@ class Add:
 class Abort:
     step: int
     request_id: str
+
+
+@dataclass
+class Import:
+    """A request whose prompt KV a prefill worker computed: reserved, its blocks zeroed (the same content
+    whichever block ids it gets), committed with its first token."""
+
+    step: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    first_token: int
 
 
 @dataclass
@@ -68,7 +82,7 @@ def _strip(out: RequestOutput) -> tuple:
     )
 
 
-def run_script(script: list[Add | Abort], eos: int | None = None, **config) -> Trace:
+def run_script(script: list[Add | Abort | Import], eos: int | None = None, **config) -> Trace:
     sink = ListEventSink()
     engine = LLMEngine(EngineConfig(**config), event_sink=sink)
     if eos is not None:
@@ -82,6 +96,15 @@ def run_script(script: list[Add | Abort], eos: int | None = None, **config) -> T
             if isinstance(action, Add):
                 trace.outputs[action.request_id] = []
                 engine.add_request(action.request_id, action.prompt, action.params)
+            elif isinstance(action, Import):
+                try:
+                    blocks = engine.reserve_import(action.request_id, action.prompt, action.params)
+                except CapacityError:  # what a decode worker answers RESOURCE_EXHAUSTED
+                    trace.aborted.append((action.request_id, False))
+                    continue
+                trace.outputs[action.request_id] = []
+                engine.kv_pool[torch.tensor(blocks)] = 0
+                engine.commit_import(action.request_id, action.first_token)
             else:
                 trace.aborted.append((action.request_id, engine.abort(action.request_id)))
         for out in engine.step():
@@ -90,9 +113,11 @@ def run_script(script: list[Add | Abort], eos: int | None = None, **config) -> T
             outs.append(_strip(out))
         step += 1
         assert step < 10_000
+    imported = {a.request_id for a in script if isinstance(a, Import)}
     for rid, outs in trace.outputs.items():
         assert outs and outs[-1][1], f"{rid} never finished"
-        assert sum(len(o[0]) for o in outs) == outs[-1][6]  # tokens streamed == tokens counted
+        # Tokens streamed == tokens counted (an import's first token came with its handle, not streamed).
+        assert sum(len(o[0]) for o in outs) + (rid in imported) == outs[-1][6]
     pool = engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
     assert sorted(pool.ref_counts) == [0] * pool.num_blocks
@@ -113,10 +138,13 @@ def assert_same(sync: Trace, lookahead: Trace) -> None:
     assert lookahead.cached_hashes == sync.cached_hashes
 
 
-def random_script(model: str, seed: int, n: int = 14, last_arrival: int = 30) -> list[Add | Abort]:
+def random_script(
+    model: str, seed: int, n: int = 14, last_arrival: int = 30, n_imports: int = 6
+) -> list[Add | Abort | Import]:
     """Mixed traffic: shared system prompts (prefix-cache hits), greedy, seeded and unseeded sampling,
     top-k / top-p / min-p, EOS, stop tokens, stop strings, max_tokens from 1 to 60, staggered arrivals,
-    and aborts of requests that are running, finished or not yet admitted."""
+    aborts of requests that are running, finished or not yet admitted, and imported requests (KV from a
+    prefill worker), some with logprobs."""
     rng = random.Random(seed)
     systems = [[rng.randrange(0, 256) for _ in range(rng.choice((20, 40, 70)))] for _ in range(2)]
     script: list[Add | Abort] = []
@@ -139,6 +167,16 @@ def random_script(model: str, seed: int, n: int = 14, last_arrival: int = 30) ->
     adds = [a for a in script if isinstance(a, Add)]
     for a in rng.sample(adds, 3):
         script.append(Abort(a.step + rng.randrange(1, 25), a.request_id))
+    for i in range(n_imports):  # decode-worker traffic: prompts computed elsewhere, most able to run ahead
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 40),
+            temperature=0.0 if rng.random() < 0.5 else 1.0,
+            seed=rng.randrange(1 << 30),
+            logprobs=2 if rng.random() < 0.15 else None,
+            stop_token_ids=rng.sample(STOP_TOKENS[model], 1) if rng.random() < 0.4 else [],
+        )
+        prompt = [rng.randrange(0, 256) for _ in range(rng.randrange(1, 60))]
+        script.append(Import(rng.randrange(1, last_arrival), f"i{i}", prompt, params, rng.randrange(3, 256)))
     return script
 
 
@@ -186,6 +224,7 @@ def test_tight_pool_preempts_and_evicts_the_same(model: str) -> None:
     assert lookahead.engine.scheduler.num_preemptions == sync.engine.scheduler.num_preemptions
     assert lookahead.engine.lookahead_steps > 0  # the engines compared really differ in how they step
     assert any(type(e).__name__ == "BlocksRemoved" for e in sync.events)  # evictions happened
+    assert any(rid.startswith("i") for rid, _ in sync.aborted)  # and an import found no room
 
 
 @pytest.mark.parametrize(("seed", "num_blocks"), [(5, 16), (7, 12), (8, 14), (11, 12)])
@@ -306,7 +345,9 @@ def test_logprobs_and_hold_kv_run_synchronously() -> None:
 
 
 def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
-    """release_held, reserve_import and commit_import between steps drain the step in flight first."""
+    """release_held between steps drains the step in flight first; reserve_import and commit_import do not
+    (the pool has room): the imported request joins the next lookahead step. Outputs and KV events are the
+    synchronous engine's."""
     prompt = list(range(100, 140))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     traces = []
@@ -329,7 +370,12 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
         outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         assert (engine._inflight is not None) == async_scheduling
         engine.commit_import("b", 7)  # no KV was written: only the bookkeeping is compared
-        assert engine.lookahead_drains - drains == (3 if async_scheduling else 0)
+        assert engine.lookahead_drains - drains == (1 if async_scheduling else 0)  # release_held only
+        steps = engine.lookahead_steps
+        outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        if async_scheduling:  # "b" joined the step after the one in flight, which was not drained
+            assert engine.lookahead_steps == steps + 1 and engine.lookahead_drains - drains == 1
+            assert [s.request_id for s in engine._inflight.seqs] == ["a", "b"]
         while engine.has_unfinished():
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         assert engine.block_pool.num_free_blocks == 64
@@ -339,6 +385,46 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
         assert [o for o in lookahead_outs if o[0] == rid] == [o for o in sync_outs if o[0] == rid]
     assert lookahead_events == sync_events
     assert lookahead_steps > 0
+
+
+def test_import_into_a_tight_pool_drains_and_imports_with_logprobs_wait() -> None:
+    """reserve_import drains the step in flight when its blocks could need an eviction, and an imported
+    request with logprobs does not join a lookahead step; both end as in the synchronous engine."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    traces = []
+    for async_scheduling in (False, True):
+        sink = ListEventSink()
+        config = EngineConfig(model="tiny-dense", num_kv_blocks=16, async_scheduling=async_scheduling)
+        engine = LLMEngine(config, event_sink=sink)
+        outs: list[tuple] = []
+        # A finished request leaves 3 cached, evictable blocks; then "a" decodes with a step in flight.
+        engine.add_request("done", list(range(400, 450)), SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_unfinished():
+            outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        engine.add_request("a", list(range(10, 60)), params)
+        for _ in range(3):
+            outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert (engine._inflight is not None) == async_scheduling
+        drains = engine.lookahead_drains
+        free = engine.block_pool.num_uncached_free_blocks
+        engine.reserve_import("tight", list(range(200, 200 + 16 * (free + 1) - 3)), params)  # free + 1 blocks
+        assert engine.lookahead_drains - drains == (1 if async_scheduling else 0)
+        engine.commit_import("tight", 7)
+        engine.reserve_import("lp", list(range(300, 310)), SamplingParams(max_tokens=3, logprobs=2))
+        engine.cancel_import("tight")
+        engine.commit_import("lp", 9)
+        steps = engine.lookahead_steps
+        outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert engine.lookahead_steps == steps  # "lp" asks for logprobs: a synchronous step
+        while engine.has_unfinished():
+            outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert engine.block_pool.num_free_blocks == 16
+        traces.append((outs, sink.events))
+    (sync_outs, sync_events), (lookahead_outs, lookahead_events) = traces
+    for rid in ("done", "a", "tight", "lp"):
+        assert [o for o in lookahead_outs if o[0] == rid] == [o for o in sync_outs if o[0] == rid]
+    assert any(isinstance(e, BlocksRemoved) for e in sync_events)  # the import evicted a cached block
+    assert lookahead_events == sync_events
 
 
 def test_async_engine_streams_match_the_synchronous_engine() -> None:
