@@ -180,6 +180,9 @@ class LLMEngine:
         self.lookahead_steps = 0
         self.lookahead_drains = 0
         self.lookahead_joins = 0
+        # Recorded after a lookahead step whose sequences finished (and freed their blocks) while its
+        # kernels may still write their KV; a KV transfer into freed blocks waits for it.
+        self._freed_while_running: torch.cuda.Event | None = None
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
@@ -287,12 +290,15 @@ class LLMEngine:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
+        # Read the step in flight first, as the synchronous engine would have: which blocks are free (and
+        # whether one must be evicted) depends on the requests it finishes. It also waits for the device:
+        # a request that finished on content during a lookahead step frees blocks while that step's kernels
+        # may still write its last KV slot, and the KV transfer into these blocks is not ordered after them.
+        self._drain_inflight()
+        if self._freed_while_running is not None:  # also when no step is in flight any more
+            self._freed_while_running.synchronize()
+            self._freed_while_running = None
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
-        if n_blocks > self.block_pool.num_uncached_free_blocks:
-            # Evicting or failing would depend on the blocks the step in flight's finished requests free:
-            # read it first, as the synchronous engine would have. Otherwise the allocation takes uncached
-            # free blocks either way, and the prefix cache ends up the same.
-            self._drain_inflight()
         blocks = self.block_pool.allocate_blocks(n_blocks)
         self.block_pool.flush_events()
         if blocks is None:
@@ -453,6 +459,9 @@ class LLMEngine:
         logits = self.runner.execute_lookahead(seqs, input_ids)
         self.lookahead_steps += 1
         self._process_inflight(prev, outputs)  # the host's work, while the device computes
+        if self.device.type == "cuda" and any(s.is_finished for s in seqs):
+            self._freed_while_running = torch.cuda.Event()
+            self._freed_while_running.record()  # after the step's forward, which writes their KV slots
         # A sequence that finished on the token just read drops its row: its next token never existed.
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
         if not live:

@@ -46,12 +46,21 @@ class Abort:
 @dataclass
 class Import:
     """A request whose prompt KV a prefill worker computed: reserved, its blocks zeroed (the same content
-    whichever block ids it gets), committed with its first token."""
+    whichever block ids it gets), and committed with its first token ``pull_steps`` steps later (the KV
+    transfer's time)."""
 
     step: int
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    first_token: int
+    pull_steps: int = 0
+
+
+@dataclass
+class Commit:
+    step: int
+    request_id: str
     first_token: int
 
 
@@ -104,6 +113,9 @@ def run_script(script: list[Add | Abort | Import], eos: int | None = None, **con
                     continue
                 trace.outputs[action.request_id] = []
                 engine.kv_pool[torch.tensor(blocks)] = 0
+                commit = Commit(step + action.pull_steps, action.request_id, action.first_token)
+                todo.insert(next((i for i, a in enumerate(todo) if a.step > commit.step), len(todo)), commit)
+            elif isinstance(action, Commit):
                 engine.commit_import(action.request_id, action.first_token)
             else:
                 trace.aborted.append((action.request_id, engine.abort(action.request_id)))
@@ -176,7 +188,8 @@ def random_script(
             stop_token_ids=rng.sample(STOP_TOKENS[model], 1) if rng.random() < 0.4 else [],
         )
         prompt = [rng.randrange(0, 256) for _ in range(rng.randrange(1, 60))]
-        script.append(Import(rng.randrange(1, last_arrival), f"i{i}", prompt, params, rng.randrange(3, 256)))
+        arrival = rng.randrange(1, last_arrival)
+        script.append(Import(arrival, f"i{i}", prompt, params, rng.randrange(3, 256), rng.randrange(0, 4)))
     return script
 
 
@@ -345,9 +358,9 @@ def test_logprobs_and_hold_kv_run_synchronously() -> None:
 
 
 def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
-    """release_held between steps drains the step in flight first; reserve_import and commit_import do not
-    (the pool has room): the imported request joins the next lookahead step. Outputs and KV events are the
-    synchronous engine's."""
+    """release_held and reserve_import between steps drain the step in flight first; commit_import does
+    not: the imported request joins the next lookahead step. Outputs and KV events are the synchronous
+    engine's."""
     prompt = list(range(100, 140))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     traces = []
@@ -370,11 +383,12 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
         outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         assert (engine._inflight is not None) == async_scheduling
         engine.commit_import("b", 7)  # no KV was written: only the bookkeeping is compared
-        assert engine.lookahead_drains - drains == (1 if async_scheduling else 0)  # release_held only
+        assert engine.lookahead_drains - drains == (2 if async_scheduling else 0)  # release_held, reserve
         steps = engine.lookahead_steps
         outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         if async_scheduling:  # "b" joined the step after the one in flight, which was not drained
-            assert engine.lookahead_steps == steps + 1 and engine.lookahead_drains - drains == 1
+            assert engine.lookahead_steps == steps + 1 and engine.lookahead_drains - drains == 2
+            assert engine.lookahead_joins == 1
             assert [s.request_id for s in engine._inflight.seqs] == ["a", "b"]
         while engine.has_unfinished():
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
@@ -388,8 +402,8 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
 
 
 def test_import_into_a_tight_pool_drains_and_imports_with_logprobs_wait() -> None:
-    """reserve_import drains the step in flight when its blocks could need an eviction, and an imported
-    request with logprobs does not join a lookahead step; both end as in the synchronous engine."""
+    """An import whose blocks need an eviction, one refused for room, and one with logprobs (which does
+    not join a lookahead step) end as in the synchronous engine."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     traces = []
     for async_scheduling in (False, True):
