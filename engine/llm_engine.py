@@ -414,10 +414,11 @@ class LLMEngine:
 
     def _step_lookahead(self, outputs: list[RequestOutput]) -> bool:
         """Launch the next decode step of the sequences in flight on their sampled tokens, still on the
-        device, then read and process those tokens while it runs. Returns False, having changed nothing,
-        when the synchronous engine's next step could differ from that decode step: requests waiting to
-        be admitted (or preempted, or imported), a batch that is not all running sequences, or blocks
-        that would have to come from evicting cached blocks or preempting."""
+        device (with the imported requests ready to decode, ``_joining``, after them), then read and
+        process those tokens while it runs. Returns False, having changed nothing, when the synchronous
+        engine's next step could differ from that decode step: other requests waiting to be admitted (new
+        or preempted), a batch that is not all running sequences, the token budget or ``max_num_seqs``
+        exceeded, or blocks that would have to come from evicting cached blocks or preempting."""
         prev = self._inflight
         assert prev is not None
         sched, pool = self.scheduler, self.block_pool
