@@ -401,9 +401,9 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
     assert lookahead_steps > 0
 
 
-def test_import_into_a_tight_pool_drains_and_imports_with_logprobs_wait() -> None:
-    """An import whose blocks need an eviction, one refused for room, and one with logprobs (which does
-    not join a lookahead step) end as in the synchronous engine."""
+def test_an_import_that_evicts_and_one_with_logprobs_match_the_synchronous_engine() -> None:
+    """An import whose blocks need an eviction and one with logprobs (which does not join a lookahead step)
+    end as in the synchronous engine."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     traces = []
     for async_scheduling in (False, True):
@@ -424,12 +424,16 @@ def test_import_into_a_tight_pool_drains_and_imports_with_logprobs_wait() -> Non
         engine.reserve_import("tight", list(range(200, 200 + 16 * (free + 1) - 3)), params)  # free + 1 blocks
         assert engine.lookahead_drains - drains == (1 if async_scheduling else 0)
         engine.commit_import("tight", 7)
-        engine.reserve_import("lp", list(range(300, 310)), SamplingParams(max_tokens=3, logprobs=2))
-        engine.cancel_import("tight")
-        engine.commit_import("lp", 9)
-        steps = engine.lookahead_steps
         outs += [(o.request_id, *_strip(o)) for o in engine.step()]
-        assert engine.lookahead_steps == steps  # "lp" asks for logprobs: a synchronous step
+        engine.reserve_import("lp", list(range(300, 310)), SamplingParams(max_tokens=3, logprobs=2))
+        outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        assert (engine._inflight is not None) == async_scheduling
+        engine.commit_import("lp", 9)
+        drains = engine.lookahead_drains
+        outs += [(o.request_id, *_strip(o)) for o in engine.step()]
+        # "lp" asks for logprobs: it does not join; the step in flight is drained and the step is synchronous.
+        assert engine.lookahead_drains - drains == (1 if async_scheduling else 0)
+        assert engine.lookahead_joins == 0
         while engine.has_unfinished():
             outs += [(o.request_id, *_strip(o)) for o in engine.step()]
         assert engine.block_pool.num_free_blocks == 16
