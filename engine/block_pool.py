@@ -134,7 +134,7 @@ class BlockPool:
         else the first free run of ``n``, else free blocks lowest id first and then evicted cached ones."""
         if n == 0:
             return []
-        start = self._free_run(max(n, room), after) if room > n else None
+        start = self._free_run(room, after) if room > n else None
         if start is None:
             start = self._free_run(n, after)
         if start is not None:

@@ -460,11 +460,11 @@ class LLMEngine:
         logits = self.runner.execute_lookahead(seqs, input_ids)
         self.lookahead_steps += 1
         self._process_inflight(prev, outputs)  # the host's work, while the device computes
-        if self.device.type == "cuda" and any(s.is_finished for s in seqs):
-            self._freed_while_running = torch.cuda.Event()
-            self._freed_while_running.record()  # after the step's forward, which writes their KV slots
         # A sequence that finished on the token just read drops its row: its next token never existed.
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if len(live) < len(seqs) and self.device.type == "cuda":
+            self._freed_while_running = torch.cuda.Event()
+            self._freed_while_running.record()  # after the step's forward, which writes their KV slots
         if not live:
             return True
         if len(live) < len(seqs):

@@ -256,7 +256,7 @@ class WorkerMetrics:
             "lookahead_drains",
             "total",
             "Steps in flight read out first because the next step could not overlap them (an arrival, "
-            "logprobs, held KV, an import that could evict).",
+            "a KV import's reservation, logprobs, held KV).",
         )
         self.lookahead_joins = m.counter(
             "lookahead_joins",
