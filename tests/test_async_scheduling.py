@@ -484,9 +484,9 @@ def test_async_engine_streams_match_the_synchronous_engine() -> None:
     assert [len(lookahead[f"r{i}"]) for i in range(5)] == [p.max_tokens for p in params[:5]]
 
 
-def _gpu_script(model: str, stop_early: bool) -> list[Add | Abort]:
+def _gpu_script(model: str, stop_early: bool) -> list[Add | Abort | Import]:
     rng = random.Random(11)
-    script: list[Add | Abort] = [
+    script: list[Add | Abort | Import] = [
         Add(
             rng.randrange(0, 6),
             f"r{i}",
@@ -501,6 +501,15 @@ def _gpu_script(model: str, stop_early: bool) -> list[Add | Abort]:
         for i in range(24)
     ]
     script.append(Abort(15, "r1"))
+    for i in range(8):  # decode-worker arrivals: reserved, zeroed, committed after a simulated pull
+        params = SamplingParams(
+            max_tokens=rng.randrange(4, 30),
+            temperature=0.0,
+            ignore_eos=not stop_early or i % 2 == 0,
+            logprobs=2 if i == 5 else None,
+        )
+        prompt = [rng.randrange(3, 256) for _ in range(rng.randrange(1, 50))]
+        script.append(Import(rng.randrange(2, 24), f"i{i}", prompt, params, rng.randrange(3, 256), i % 3))
     return script
 
 
@@ -527,5 +536,6 @@ def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str, stop_
     engine = lookahead.engine
     assert engine.runner.graphs is not None and sum(engine.runner.graphs.replays.values()) > 0
     assert engine.lookahead_steps > 0
+    assert engine.lookahead_joins > 0  # imports joined steps in flight (KV zeroed after the drain)
     if stop_early:
         assert any(outs[-1][2] == "stop" for outs in sync.outputs.values())
