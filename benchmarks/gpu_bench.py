@@ -333,6 +333,52 @@ def kernel_profile(fn: Callable[[], None], iters: int = 5) -> str:
     return averages.table(row_limit=30)
 
 
+def kernel_timeline(fn: Callable[[], None], iters: int = 3) -> str:
+    """Where a call's device time goes along its chain of kernels (for the log). With programmatic
+    dependent launch the kernels overlap, so a kernel's own duration says little; what it adds to the
+    chain is its end minus the previous kernel's end (its *marginal* time, which sums to the span). Per
+    kernel name over ``iters`` calls: launches per call, mean duration, mean marginal, total marginal per
+    call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+            torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        return "(no kernel events)"
+    rows: dict[str, list[float]] = {}
+    span, prev_end, t0, order = 0.0, None, 0.0, []
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        if prev_end is None or start - prev_end > 50.0:  # a new call (the host synchronised in between)
+            prev_end, t0, order = start, start, []
+        order.append(f"  {start - t0:9.2f} {end - t0:9.2f} {end - prev_end:7.2f}  {e.name[:70]}")
+        marginal = max(0.0, end - prev_end)
+        prev_end = max(prev_end, end)
+        span += marginal
+        row = rows.setdefault(e.name[:60], [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += end - start
+        row[2] += marginal
+    lines = [f"{'kernel':60} {'n/call':>7} {'dur us':>8} {'marg us':>8} {'marg/call us':>12}"]
+    for name, (n, dur, marg) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+        lines.append(f"{name:60} {n / iters:7.1f} {dur / n:8.2f} {marg / n:8.2f} {marg / iters:12.1f}")
+    lines.append(f"span per call {span / iters:.1f} us")
+    lines.append(
+        "the last call's kernels 20-60: start, end (us from its first kernel's start), marginal, name"
+    )
+    lines += order[20:60]
+    return "\n".join(lines)
+
+
 class StepBreakdown:
     """Host wall time inside the runner (``execute``, or ``execute_lookahead`` under asynchronous
     scheduling: batch metadata, copies, launch, all asynchronous) and the
@@ -441,6 +487,13 @@ def decode_point(
                     batch,
                     ctx,
                     kernel_profile(replay),
+                )
+                log.info(
+                    "kernel timeline, %s batch %d ctx %d (graph replays):\n%s",
+                    name,
+                    batch,
+                    ctx,
+                    kernel_timeline(replay),
                 )
         t = time.perf_counter()
         running = list(engine.scheduler.running)
