@@ -34,13 +34,7 @@ import triton.language as tl
 from kernels.attention import check_out
 from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
-from kernels.triton_prologue import (
-    _kv_head_values,
-    _kv_heads,
-    _norm_rotate,
-    _store_kv_heads,
-    qkv_prologue_triton,
-)
+from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
 
 
 @dataclass(frozen=True)
@@ -59,13 +53,6 @@ class ExtendConfig:
     num_warps: int = 4
     num_stages: int = 2
 
-
-# Decode batches of up to this many tokens run the split kernel's low-latency variant: the first tile of
-# old keys loaded before the PDL wait, and a decode token's own k and v attended from registers instead
-# of written and read back. At batch 1 it took Qwen3-30B-A3B's step from 2.72 to 2.60 ms at 4k context
-# (2.44 -> 2.40 at 512); at batch 64 it was slower (the prefetched tile's registers), so larger batches
-# run the plain variant (docs/performance.md, "Twelfth run").
-LOW_LATENCY_MAX_TOKENS = 4
 
 # Module-level so that benchmarks/kernel_bench.py can sweep them; see docs/kernels.md for the numbers.
 DECODE_CONFIG = DecodeConfig()
@@ -90,63 +77,6 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(
-    k_base,
-    v_base,
-    bt_row_ptr,
-    start,
-    limit,
-    stride_pool_block,
-    stride_pool_slot,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Keys and values at positions [start, start + BLOCK_N) (those < limit; the others 0) of one KV head,
-    through the sequence's block table, and the positions."""
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < limit
-    dims = tl.arange(0, BLOCK_D)
-    page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = page * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
-    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
-    k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k, v, pos, valid
-
-
-@triton.jit
-def _softmax_tile(q, acc, l_i, m_i, k, v, mask, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of a query tile over loaded keys and values (``mask``: [rows, keys])."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row with every key masked so far keeps m = -inf; exponentiate against 0 so it stays at p = 0.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _softmax_key(q, acc, l_i, m_i, k, v, scale_log2):
-    """One online-softmax step over a single key and value held in registers (k, v: [1, BLOCK_D] in the
-    pool dtype), with the roundings of ``_softmax_tile``: q . k in fp32 from k in q's dtype, p rounded to
-    v's dtype."""
-    s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32), axis=1) * scale_log2
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe)
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
-    l_i = l_i * alpha + p
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attend_tile(
     q,
     acc,
@@ -168,8 +98,7 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys [start, start + BLOCK_N) (those < limit) for a query tile (v is
-    loaded after the scores, as measured best for the extend kernel)."""
+    """One online-softmax step over keys [start, start + BLOCK_N) (those < limit) for a query tile."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < limit
     dims = tl.arange(0, BLOCK_D)
@@ -191,31 +120,6 @@ def _attend_tile(
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _write_new_kv(
-    qkv_ptr, pool_ptr, k_norm_ptr, slot_ptr, pos_ptr, cache_ptr, q_start, first, last, layer, kv_head,
-    num_q_heads, num_kv_heads, stride_qkv_t, stride_cache,
-    stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head, half_dims, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """k and v of one KV head of a sequence's new tokens q_start + [first, last) into the pool, followed
-    by a block barrier so that the program's own reads see them."""
-    for i in range(first, last):
-        new_token = (q_start + i).to(tl.int64)
-        slot = tl.load(slot_ptr + new_token).to(tl.int64)
-        if slot >= 0:  # a negative slot is padding: nothing is written
-            new_pos = tl.load(pos_ptr + new_token).to(tl.int64)
-            new_cos = tl.load(cache_ptr + new_pos * stride_cache + half_dims)[None, :]
-            new_sin = tl.load(cache_ptr + new_pos * stride_cache + HALF + half_dims)[None, :]
-            _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
-                      kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
-                      stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot,
-                      stride_pool_head, half_dims, new_cos, new_sin, eps, HEAD_DIM, HALF, BLOCK_SIZE,
-                      HAS_NORM, OUT_DTYPE)  # fmt: skip
-    tl.debug_barrier()  # this block's pool writes are visible to its own reads below
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -264,74 +168,44 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FROM_QKV: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    LOW_LATENCY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of one query token's GROUP q heads (one KV head) over one split of its keys: partial
     output and log-sum-exp into mid_o / mid_lse for ``_decode_merge_kernel``.
 
-    The keys of earlier steps (positions before the sequence's new tokens) are read by no kernel of this
-    step that writes them, so in a decode batch the split's first tile of them is loaded before the PDL
-    wait, while the previous kernel still runs.
-
     With FROM_QKV the QKV prologue is folded in (``qkv_attention_triton``): q is normalised and rotated
-    here from the raw projection. A token that is its sequence's only new one (decode) has its k and v
-    computed by the program whose split holds its position, which writes them into the pool and attends
-    to them from registers. With several new tokens per sequence, the program whose split holds a new
-    token's position writes that token's k and v for its KV head into the pool first
-    (``kernels.triton_prologue._kv_heads``) and reads them back behind a block barrier (others of the same
-    sequence that write it write the same values).
+    here from the raw projection, and the program whose split holds a new token's position writes that
+    token's k and v for its KV head into the pool first (``kernels.triton_prologue._kv_heads``), then
+    reads the split as usual. Only that program reads the position in its own split (others of the same
+    sequence that write it write the same values), so a block barrier orders the write before the read.
     """
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Fast path: in a decode batch token t is sequence t's only query; otherwise search for it after the
-    # wait. The batch metadata is a step input that no kernel of the step writes, so it is read before the
-    # PDL wait, while the previous kernel (the QKV projection) still runs, and so are the split's bounds,
-    # the cos/sin rows, the token's slot and the first tile of old keys.
+    # Fast path: in a decode batch token t is sequence t's only query; otherwise search for it. The batch
+    # metadata is a step input that no kernel of the step writes, so it is read before the PDL wait,
+    # while the previous kernel (the QKV prologue) still runs: one dependent round trip less after it.
     seq = token
     q_start = tl.load(qsl_ptr + token)  # pre-wait: step input
     q_end = tl.load(qsl_ptr + token + 1)  # pre-wait: step input
     seq_total = tl.load(seq_lens_ptr + token)  # pre-wait: step input (token < T <= num_seqs here)
-    fast = (q_start <= token) & (token < q_end)
-    q_len = q_end - q_start
-    kv_len = seq_total - q_len + (token - q_start) + 1
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, kv_len)
-    first_new = seq_total - q_len
-    k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
-    v_base = k_base + stride_pool_kv
-    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    if LOW_LATENCY:
-        old_end = tl.where(fast, tl.minimum(end, first_new), 0)
-        # pre-wait: old keys (the first tile of positions before the new tokens; none when not fast)
-        k0, v0, _, valid0 = _load_kv_tile(k_base, v_base, bt_row_ptr, start, old_end, stride_pool_block,
-                                          stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)  # fmt: skip
     if FROM_QKV:
         HALF: tl.constexpr = HEAD_DIM // 2
         half_dims = tl.arange(0, BLOCK_D // 2)
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
-        own_slot = tl.load(slot_ptr + token).to(tl.int64)  # pre-wait: step input
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
         q_start = tl.load(qsl_ptr + seq)
         q_end = tl.load(qsl_ptr + seq + 1)
         seq_total = tl.load(seq_lens_ptr + seq)
-        q_len = q_end - q_start
-        kv_len = seq_total - q_len + (token - q_start) + 1
-        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
-        end = tl.minimum(start + split_len, kv_len)
-        first_new = seq_total - q_len
-        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-        if LOW_LATENCY:
-            old_end = tl.minimum(end, first_new)
-            k0, v0, _, valid0 = _load_kv_tile(k_base, v_base, bt_row_ptr, start, old_end, stride_pool_block,
-                                              stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)  # fmt: skip
+    q_len = q_end - q_start
+    kv_len = seq_total - q_len + (token - q_start) + 1
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
 
     heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
     head_mask = tl.arange(0, BLOCK_H) < GROUP
@@ -346,65 +220,37 @@ def _decode_split_kernel(
         o1, o2 = _norm_rotate(x1, x2, q_norm_ptr, half_dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM,
                               q_dtype, q_dtype)  # fmt: skip
         q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # halves side by side
+        # The new tokens of this sequence whose positions fall in this split: k and v into the pool.
+        first_new = seq_total - q_len
+        for i in range(tl.maximum(start, first_new) - first_new, tl.minimum(end, seq_total) - first_new):
+            new_token = (q_start + i).to(tl.int64)
+            slot = tl.load(slot_ptr + new_token).to(tl.int64)
+            if slot >= 0:  # a negative slot is padding: nothing is written
+                new_pos = tl.load(pos_ptr + new_token).to(tl.int64)
+                new_cos = tl.load(cache_ptr + new_pos * stride_cache + half_dims)[None, :]
+                new_sin = tl.load(cache_ptr + new_pos * stride_cache + HALF + half_dims)[None, :]
+                _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
+                          kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
+                          stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head,
+                          half_dims, new_cos, new_sin, eps, HEAD_DIM, HALF, BLOCK_SIZE, HAS_NORM, q_dtype)  # fmt: skip
+        tl.debug_barrier()  # this block's pool writes are visible to its own reads below
     else:
         q = tl.load(
             q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
             mask=q_mask,
             other=0.0,
         )
+    k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    new_start = tl.maximum(start, first_new)  # this step's new keys in the split: [new_start, end)
-    if LOW_LATENCY:
-        # Keys of earlier steps: the first tile is loaded, the rest streams.
-        acc, l_i, m_i = _softmax_tile(q, acc, l_i, m_i, k0, v0, valid0[None, :], scale_log2, DOT_PRECISION)
-        for n in range(start + BLOCK_N, old_end, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                q, acc, l_i, m_i, k_base, v_base, bt_row_ptr, n, old_end, m_i, scale_log2,
-                stride_pool_block, stride_pool_slot,
-                BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
-            )  # fmt: skip
-        if FROM_QKV:
-            if (q_len == 1) & (new_start < end) & (own_slot >= 0):  # the token's own position, here
-                kv_heads = kv_head + tl.arange(0, 1)
-                k1, k2, v1, v2 = _kv_head_values(row, k_norm_ptr, kv_heads, num_q_heads, num_kv_heads, half_dims,
-                                                 cos, sin, eps, HEAD_DIM, HALF, HAS_NORM, q_dtype)  # fmt: skip
-                _store_kv_heads(pool_ptr, own_slot, layer, kv_heads, num_kv_heads, k1, k2, v1, v2,
-                                stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot,
-                                stride_pool_head, half_dims, HALF, BLOCK_SIZE)  # fmt: skip
-                pool_dtype = pool_ptr.dtype.element_ty
-                k_new = tl.reshape(tl.permute(tl.join(k1.to(pool_dtype), k2.to(pool_dtype)), (0, 2, 1)), (1, BLOCK_D))  # fmt: skip
-                v_new = tl.reshape(tl.permute(tl.join(v1.to(pool_dtype), v2.to(pool_dtype)), (0, 2, 1)), (1, BLOCK_D))  # fmt: skip
-                acc, l_i, m_i = _softmax_key(q, acc, l_i, m_i, k_new, v_new, scale_log2)
-                new_start = end  # attended
-            elif q_len > 1:
-                _write_new_kv(qkv_ptr, pool_ptr, k_norm_ptr, slot_ptr, pos_ptr, cache_ptr, q_start,
-                              new_start - first_new, end - first_new, layer, kv_head, num_q_heads, num_kv_heads,
-                              stride_qkv_t, stride_cache, stride_pool_block, stride_pool_layer, stride_pool_kv,
-                              stride_pool_slot, stride_pool_head, half_dims, eps, HEAD_DIM, HALF, BLOCK_SIZE,
-                              HAS_NORM, q_dtype)  # fmt: skip
-        # New keys read from the pool: written by the prologue kernel, by _write_new_kv above, or a padding
-        # token's position (nothing written; the pool is read as it is).
-        for n in range(new_start, end, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                q, acc, l_i, m_i, k_base, v_base, bt_row_ptr, n, end, m_i, scale_log2,
-                stride_pool_block, stride_pool_slot,
-                BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
-            )  # fmt: skip
-    else:
-        if FROM_QKV:
-            _write_new_kv(qkv_ptr, pool_ptr, k_norm_ptr, slot_ptr, pos_ptr, cache_ptr, q_start,
-                          new_start - first_new, end - first_new, layer, kv_head, num_q_heads, num_kv_heads,
-                          stride_qkv_t, stride_cache, stride_pool_block, stride_pool_layer, stride_pool_kv,
-                          stride_pool_slot, stride_pool_head, half_dims, eps, HEAD_DIM, HALF, BLOCK_SIZE,
-                          HAS_NORM, q_dtype)  # fmt: skip
-        for n in range(start, end, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                q, acc, l_i, m_i, k_base, v_base, bt_row_ptr, n, end, m_i, scale_log2,
-                stride_pool_block, stride_pool_slot,
-                BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
-            )  # fmt: skip
+    for n in range(start, end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, bt_row_ptr, n, end, m_i, scale_log2,
+            stride_pool_block, stride_pool_slot,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
+        )  # fmt: skip
     # An empty split (past the end of a short sequence) reports lse = -inf and output 0.
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -664,7 +510,6 @@ def _decode(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
-        LOW_LATENCY=num_tokens <= LOW_LATENCY_MAX_TOKENS,
         **pdl_kwargs(out.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](

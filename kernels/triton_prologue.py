@@ -95,49 +95,6 @@ def _q_heads(
 
 
 @triton.jit
-def _kv_head_values(
-    row, w_ptr, heads, num_q_heads, num_kv_heads, dims, cos, sin, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """k heads ``heads`` of one token's QKV row normalised and rotated, rounded to OUT_DTYPE (q's dtype,
-    promote(norm weight, qkv), as in the reference), and its v heads, as halves [H, HALF]."""
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF)
-    k_src = row + (num_q_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
-    x1 = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_src + HALF, mask=mask, other=0.0).to(tl.float32)
-    v_src = k_src + num_kv_heads * HEAD_DIM
-    v1 = tl.load(v_src, mask=mask, other=0.0)
-    v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
-    k1, k2 = _norm_rotate(
-        x1, x2, w_ptr, dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM, row.dtype.element_ty, OUT_DTYPE
-    )
-    return k1, k2, v1, v2
-
-
-@triton.jit
-def _store_kv_heads(
-    pool_ptr, slot, layer, heads, num_kv_heads, k1, k2, v1, v2,
-    stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head, dims,
-    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
-    """k and v halves [H, HALF] of KV heads ``heads`` into one pool slot, cast to the pool dtype."""
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF)
-    dst = (
-        pool_ptr
-        + (slot // BLOCK_SIZE) * stride_pool_block
-        + layer * stride_pool_layer
-        + (slot % BLOCK_SIZE) * stride_pool_slot
-        + heads[:, None] * stride_pool_head
-        + dims[None, :]
-    )
-    pool_dtype = pool_ptr.dtype.element_ty
-    tl.store(dst, k1.to(pool_dtype), mask=mask)
-    tl.store(dst + HALF, k2.to(pool_dtype), mask=mask)
-    tl.store(dst + stride_pool_kv, v1.to(pool_dtype), mask=mask)
-    tl.store(dst + stride_pool_kv + HALF, v2.to(pool_dtype), mask=mask)
-
-
-@triton.jit
 def _kv_heads(
     row,
     pool_ptr,
@@ -165,11 +122,29 @@ def _kv_heads(
     """k heads ``heads`` (norm, rotate) and v heads (copy) of one token into its pool slot, cast to the
     pool dtype; k is first rounded to OUT_DTYPE, q's dtype (promote(norm weight, qkv), as in the
     reference)."""
-    k1, k2, v1, v2 = _kv_head_values(row, w_ptr, heads, num_q_heads, num_kv_heads, dims, cos, sin, eps,
-                                     HEAD_DIM, HALF, HAS_NORM, OUT_DTYPE)  # fmt: skip
-    _store_kv_heads(pool_ptr, slot, layer, heads, num_kv_heads, k1, k2, v1, v2, stride_pool_block,
-                    stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head, dims, HALF,
-                    BLOCK_SIZE)  # fmt: skip
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF)
+    dst = (
+        pool_ptr
+        + (slot // BLOCK_SIZE) * stride_pool_block
+        + layer * stride_pool_layer
+        + (slot % BLOCK_SIZE) * stride_pool_slot
+        + heads[:, None] * stride_pool_head
+        + dims[None, :]
+    )
+    pool_dtype = pool_ptr.dtype.element_ty
+    k_src = row + (num_q_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
+    x1 = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_src + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _norm_rotate(
+        x1, x2, w_ptr, dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM, row.dtype.element_ty, OUT_DTYPE
+    )
+    tl.store(dst, o1.to(pool_dtype), mask=mask)
+    tl.store(dst + HALF, o2.to(pool_dtype), mask=mask)
+    v_src = k_src + num_kv_heads * HEAD_DIM
+    v1 = tl.load(v_src, mask=mask, other=0.0)
+    v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
+    tl.store(dst + stride_pool_kv, v1.to(pool_dtype), mask=mask)
+    tl.store(dst + stride_pool_kv + HALF, v2.to(pool_dtype), mask=mask)
 
 
 @triton.jit

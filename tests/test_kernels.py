@@ -201,12 +201,8 @@ def test_attention_writes_into_out(q_lens: list[int]) -> None:
             op(q, pool, 1, bt, sl, qsl, 0.2, out=static[: t - 1].view(t - 1, 4, 32))
 
 
-@pytest.mark.parametrize("low_latency", [True, False], ids=["low-latency", "plain"])
 @pytest.mark.parametrize("layout", ATTN_LAYOUTS, ids=lambda p: f"h{p[0]}-kv{p[1]}-d{p[2]}-bs{p[3]}-{p[4]}")
-def test_decode_attention_long_and_short(
-    layout: tuple, low_latency: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(triton_attention, "LOW_LATENCY_MAX_TOKENS", 1 << 30 if low_latency else 0)
+def test_decode_attention_long_and_short(layout: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(6)
     heads, kv_heads, head_dim, block_size, dtype = layout
     seq_lens = [1, 7, 33, 130]  # one token, inside a block, crossing blocks, many blocks

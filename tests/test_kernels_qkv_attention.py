@@ -2,8 +2,7 @@
 
 In the decode shape (query tokens <= sequences) the Triton op folds the prologue into the split-KV
 attention kernel: q is normalised and rotated in the kernel, and the program whose split holds a new
-token's position writes that token's k and v into the pool (and, in the low-latency variant for small
-batches, attends to a decode token's own k and v from registers instead of reading them back). These tests check the
+token's position writes that token's k and v into the pool before reading the split. These tests check the
 output and the pool (k close, v bit-identical, every other slot untouched) against the reference
 composition ``qkv_prologue_torch`` + ``paged_attention_torch`` run in the same dtype on a copy of the pool;
 the positions and slots are the ones the engine gives (a token's KV slot is where attention reads its
@@ -82,16 +81,6 @@ class Case:
         valid = self.slots[self.slots >= 0]
         mask[valid // self.block_size, LAYER, :, valid % self.block_size] = True
         return mask
-
-
-@pytest.fixture(autouse=True, params=["low-latency", "plain"])
-def split_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs both variants of the decode split kernel: the low-latency one (a decode token's own
-    k and v attended from registers, the first tile of old keys loaded before the PDL wait) and the plain
-    one (each new token's k and v written, then read back behind a block barrier)."""
-    limit = 1 << 30 if request.param == "low-latency" else 0
-    monkeypatch.setattr(triton_attention, "LOW_LATENCY_MAX_TOKENS", limit)
-    return request.param
 
 
 @pytest.fixture
