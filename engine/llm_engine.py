@@ -79,7 +79,7 @@ class EngineStats:
     generated_tokens_total: int
     lookahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
     lookahead_drains: int = 0  # steps in flight read out first because the next step could not overlap
-    lookahead_joins: int = 0  # imported requests a lookahead step took in (no drain for them)
+    lookahead_joins: int = 0  # waiting requests (imports, new prompts) a lookahead step took in, no drain
 
 
 @dataclass
@@ -393,12 +393,19 @@ class LLMEngine:
         )
 
     def _joining(self) -> list[Sequence] | None:
-        """The waiting requests the next lookahead step can take in: all of them, when every one is an
-        imported request ready to decode its first token (KV in place, one token to compute) that could
-        run ahead (no logprobs, no KV to hold); None when any other request waits."""
+        """The waiting requests the next lookahead step can take in: all of them, when every one could run
+        ahead (no logprobs, no KV to hold) and is either an imported request ready to decode its first
+        token (KV in place, one token to compute) or a new prompt (none computed, no output: not a
+        preempted one); None when any other request waits. Whether their tokens fit the step is
+        ``_step_lookahead``'s to check."""
         waiting = list(self.scheduler.waiting)
         if all(
-            s.block_table and s.num_uncomputed_tokens == 1 and s.params.logprobs is None and not s.hold_kv
+            s.params.logprobs is None
+            and not s.hold_kv
+            and (
+                (s.block_table and s.num_uncomputed_tokens == 1)
+                or (not s.block_table and s.num_computed_tokens == 0 and not s.output_token_ids)
+            )
             for s in waiting
         ):
             return waiting
@@ -413,12 +420,21 @@ class LLMEngine:
         return num_output >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _step_lookahead(self, outputs: list[RequestOutput]) -> bool:
-        """Launch the next decode step of the sequences in flight on their sampled tokens, still on the
-        device (with the imported requests ready to decode, ``_joining``, after them), then read and
-        process those tokens while it runs. Returns False, having changed nothing, when the synchronous
-        engine's next step could differ from that decode step: other requests waiting to be admitted (new
-        or preempted), a batch that is not all running sequences, the token budget or ``max_num_seqs``
-        exceeded, or blocks that would have to come from evicting cached blocks or preempting."""
+        """Launch the next step of the sequences in flight on their sampled tokens, still on the device,
+        with the waiting requests the synchronous scheduler would admit after them (``_joining``: imported
+        requests ready to decode, and new prompts, each whole), then read and process those tokens while
+        it runs. Returns False, having changed nothing, when the synchronous engine's next step could
+        differ from that step: other requests waiting (preempted, or with logprobs or KV to hold), a
+        prompt that would be split into chunks, a batch that is not all running sequences, the token
+        budget or ``max_num_seqs`` exceeded, or blocks that would have to come from evicting cached blocks
+        or preempting.
+
+        Why the synchronous scheduler admits the same requests with the same tokens: it runs after the
+        tokens in flight are processed, so sequences that stop on their token (unknown here) are gone.
+        That leaves it at least this step's token budget, sequence slots and uncached free blocks; so when
+        every waiting request fits here whole, it admits them all, whole, in the same order. Prefix
+        matches are the same too: a block is hashed only once its KV is computed, and the block the token
+        in flight completes is computed by this step in both engines."""
         prev = self._inflight
         assert prev is not None
         sched, pool = self.scheduler, self.block_pool
@@ -431,17 +447,22 @@ class LLMEngine:
         ):
             return False
         keep = [i for i, s in enumerate(prev.seqs) if not self._ends_at_next_token(s)]
-        if (
-            not keep
-            or len(keep) + len(joining) > sched.max_num_batched_tokens
-            or len(running) + len(joining) > sched.max_num_seqs
-        ):
+        if not keep or len(running) + len(joining) > sched.max_num_seqs:
             return False
         kept = [prev.seqs[i] for i in keep] if len(keep) < len(prev.seqs) else prev.seqs
+        # Each joining request's tokens this step and its cached prefix (new prompts only).
+        hits = [pool.match_prefix(s) if not s.block_table else [] for s in joining]
+        counts = [
+            1 if s.block_table else s.num_tokens - len(h) * pool.block_size
+            for s, h in zip(joining, hits, strict=True)
+        ]
+        if len(keep) + sum(counts) > sched.max_num_batched_tokens:
+            return False
         # The synchronous step allocates after the finished requests freed their blocks: taking only
         # uncached free blocks here keeps the prefix cache, its events and its LRU order the same.
         needed = sum(pool.blocks_needed(s, s.num_tokens + 1) for s in kept)
-        needed += sum(pool.blocks_needed(s, s.num_tokens) for s in joining)
+        for s, h in zip(joining, hits, strict=True):
+            needed += pool.blocks_needed(s, s.num_tokens) - len(h)
         if needed > pool.num_uncached_free_blocks:
             return False
         for s in kept:
@@ -449,16 +470,27 @@ class LLMEngine:
         input_ids = prev.tokens if kept is prev.seqs else prev.tokens[self._device_index(keep)]
         seqs = kept
         if joining:  # admitted as the synchronous scheduler would: after the running ones, in queue order
-            for s in joining:
-                pool.append_slots(s, s.num_tokens)
+            for s, h in zip(joining, hits, strict=True):
+                if s.block_table:
+                    pool.append_slots(s, s.num_tokens)
+                else:
+                    assert pool.allocate_with_prefix(s, h, s.num_tokens)
+                    s.num_computed_tokens = len(h) * pool.block_size
+                    if s.num_cached_tokens < 0:
+                        s.num_cached_tokens = s.num_computed_tokens
                 sched.admit_next()
             seqs = [*kept, *joining]
             self.lookahead_joins += len(joining)
-            first = torch.tensor([s.token_at(s.num_computed_tokens) for s in joining], dtype=torch.int64)
-            input_ids = torch.cat([input_ids, host_to_device(first, self.device)])
         self._inflight = None
-        logits = self.runner.execute_lookahead(seqs, input_ids)
+        if all(c == 1 for c in counts):  # a decode step: the imports' first tokens follow on the device
+            if joining:
+                first = torch.tensor([s.token_at(s.num_computed_tokens) for s in joining], dtype=torch.int64)
+                input_ids = torch.cat([input_ids, host_to_device(first, self.device)])
+            logits = self.runner.execute_lookahead(seqs, input_ids)
+        else:
+            logits = self.runner.execute_lookahead_mixed(seqs, [1] * len(kept) + counts, input_ids)
         self.lookahead_steps += 1
+        num_new = dict(zip(map(id, joining), counts, strict=True))
         self._process_inflight(prev, outputs)  # the host's work, while the device computes
         # A sequence that finished on the token just read drops its row: its next token never existed.
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
@@ -471,7 +503,7 @@ class LLMEngine:
             seqs = [seqs[i] for i in live]
             logits = logits[self._device_index(live)]
         for seq in seqs:  # its KV is computed and, from now, its token real: the block may be hashed
-            seq.num_computed_tokens += 1
+            seq.num_computed_tokens += num_new.get(id(seq), 1)
             pool.cache_full_blocks(seq)
         positions = [len(s.output_token_ids) for s in seqs]
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions)

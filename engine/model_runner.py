@@ -191,8 +191,13 @@ class ModelRunner:
         return time.perf_counter() - started
 
     def prepare(
-        self, batch: ScheduledBatch
+        self, batch: ScheduledBatch, in_flight: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence], torch.Tensor]:
+        """The step's inputs on the device: token ids, positions, attention metadata, the sequences that
+        sample and their rows. With ``in_flight`` (asynchronous scheduling), the first ``in_flight``
+        sequences decode a token still on the device, not yet in their outputs: their id rows are left
+        for the caller to fill, they all sample, and every copy is non-blocking (a pageable one would wait
+        for the step in flight)."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
         n_new = np.array(counts, dtype=np.int64)
@@ -200,8 +205,8 @@ class ModelRunner:
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(n_new, out=cu[1:])
         total = int(cu[-1])
-        input_ids = np.empty(total, dtype=np.int64)
-        for i, s in enumerate(seqs):
+        input_ids = np.zeros(total, dtype=np.int64)
+        for i, s in enumerate(seqs[in_flight:], start=in_flight):
             a, b = int(starts[i]), int(ends[i])
             n_prompt = len(s.prompt_token_ids)
             if b <= n_prompt:
@@ -215,22 +220,43 @@ class ModelRunner:
         tables = _block_tables(seqs)
         block_of = tables[seq_index, positions // self.block_size].astype(np.int64)
         slots = block_of * self.block_size + positions % self.block_size
-        sampling = [i for i, s in enumerate(seqs) if ends[i] == s.num_tokens]
+        sampling = [i for i, s in enumerate(seqs) if i < in_flight or ends[i] == s.num_tokens]
         logits_rows = cu[1:][sampling] - 1
         dev = self.device
+
+        def copy(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return host_to_device(t, dev) if in_flight else t.to(dev)
+
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            slot_mapping=copy(slots),
+            block_tables=copy(tables),
+            seq_lens=copy(ends.astype(np.int32)),
+            query_start_loc=copy(cu.astype(np.int32)),
         )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            [seqs[i] for i in sampling],
-            torch.from_numpy(logits_rows).to(dev),
-        )
+        return copy(input_ids), copy(positions), meta, [seqs[i] for i in sampling], copy(logits_rows)
+
+    def execute_lookahead_mixed(
+        self, seqs: list[Sequence], num_new_tokens: list[int], decode_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A step of asynchronous scheduling with prompts in it: the first ``len(decode_ids)`` sequences
+        decode the tokens still on the device (``execute_lookahead``), the others compute their
+        ``num_new_tokens`` from the host, each to its end. Every row samples; returns the logits [n, V]."""
+        k = decode_ids.shape[0]
+        batch = ScheduledBatch(seqs=seqs, num_new_tokens=num_new_tokens)
+        input_ids, positions, meta, sample_seqs, rows = self.prepare(batch, in_flight=k)
+        assert len(sample_seqs) == len(seqs)
+        input_ids[:k] = decode_ids  # one token per decode row, at the start of the batch
+        return self.model.compute_logits(self._forward(input_ids, positions, meta)[rows])
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The model over a prepared batch: a piecewise prefill graph where one fits, else eager."""
+        pg = self.prefill_graphs
+        if pg is not None and pg.bucket_for(input_ids.shape[0]) is not None:
+            return pg.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_pool, meta)
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; returns the sequences that sample now and their logits [n, V] (fp32).
@@ -244,11 +270,7 @@ class ModelRunner:
         ):
             return self._execute_decode_graph(batch.seqs)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
-        pg = self.prefill_graphs
-        if pg is not None and pg.bucket_for(input_ids.shape[0]) is not None:
-            hidden = pg.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_pool, meta)
+        hidden = self._forward(input_ids, positions, meta)
         if not sample_seqs:
             return [], hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return sample_seqs, self.model.compute_logits(hidden[rows])

@@ -255,13 +255,14 @@ class WorkerMetrics:
         self.lookahead_drains = m.counter(
             "lookahead_drains",
             "total",
-            "Steps in flight read out first because the next step could not overlap them (an arrival, "
-            "a KV import's reservation, logprobs, held KV).",
+            "Steps in flight read out first because the next step could not overlap them (a prompt "
+            "that would be chunked or evict, a KV import's reservation, logprobs, held KV, an abort).",
         )
         self.lookahead_joins = m.counter(
             "lookahead_joins",
             "total",
-            "Imported requests a lookahead step took in without reading out the step in flight.",
+            "Waiting requests (imports, new prompts) a lookahead step took in without reading out the "
+            "step in flight.",
         )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         self._totals = [

@@ -300,6 +300,77 @@ def test_steady_decode_overlaps_and_wastes_no_step(max_model_len: int | None) ->
     assert engine.stats().lookahead_steps == engine.lookahead_steps
 
 
+def _drains_and_joins(script: list, **config) -> tuple[int, int]:
+    sync = run_script(script, **config)
+    lookahead = run_script(script, async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    return lookahead.engine.lookahead_drains, lookahead.engine.lookahead_joins
+
+
+def test_new_prompts_join_the_step_in_flight() -> None:
+    """Prompts arriving while requests decode join the next lookahead step whole (a mixed step: the
+    decodes' tokens from the device, the prompts' from the host), with the synchronous engine's outputs,
+    cached prefixes and KV events. Covered: several prompts at once, a prompt with a cached prefix, one
+    whose only uncomputed token is its last (a decode-shaped join), one that stops at its first token,
+    and a prompt arriving with an import's commit."""
+    rng = random.Random(8)
+    system = [rng.randrange(0, 256) for _ in range(40)]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    script: list = [
+        Add(0, "a", [rng.randrange(0, 256) for _ in range(12)], SamplingParams(max_tokens=40, **greedy)),
+        Add(0, "sys", system + [7, 8], SamplingParams(max_tokens=30, **greedy)),
+        Add(5, "b", [rng.randrange(0, 256) for _ in range(23)], SamplingParams(max_tokens=12, **greedy)),
+        Add(5, "c", system + [9], SamplingParams(max_tokens=9, temperature=0.9, seed=3)),  # cached prefix
+        Add(9, "d", system[:33], SamplingParams(max_tokens=6, **greedy)),  # 32 cached: one token left
+        Add(12, "one", [5, 6, 7], SamplingParams(max_tokens=1, **greedy)),
+        Add(
+            16, "e", [rng.randrange(0, 256) for _ in range(30)], SamplingParams(max_tokens=8, top_k=5, seed=1)
+        ),
+        Import(
+            14, "i", [rng.randrange(0, 256) for _ in range(20)], SamplingParams(max_tokens=5, **greedy), 77, 2
+        ),  # reserved at 14 (a drain), committed at 16 with "e" arriving
+    ]
+    config = dict(model="tiny-dense", num_kv_blocks=64, max_model_len=256)
+    sync = run_script(script, **config)
+    lookahead = run_script(script, async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert [o[5] for o in lookahead.outputs["c"]][0] == 32 and lookahead.outputs["d"][0][5] == 32
+    engine = lookahead.engine
+    # Every arrival joined (b, c, d, one, e, i). The drains: the reservation, and the last token.
+    assert engine.lookahead_joins == 6
+    assert engine.lookahead_drains == 2
+
+
+def test_prompts_that_would_differ_in_the_synchronous_step_drain_first() -> None:
+    """No join when the synchronous scheduler could decide otherwise: a prompt that does not fit the
+    token budget whole (it would be chunked), a pool that would have to evict, a request asking for
+    logprobs. Outputs and events stay the synchronous engine's."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    long_prompt = list(range(100, 160))  # 60 tokens against a budget of 64 with 8 decodes running
+    decoders = [Add(0, f"r{i}", [i + 1] * 5, SamplingParams(max_tokens=30, **greedy)) for i in range(8)]
+    chunked = [*decoders, Add(4, "long", long_prompt, SamplingParams(max_tokens=5, **greedy))]
+    drains, joins = _drains_and_joins(chunked, model="tiny-moe", num_kv_blocks=64, max_num_batched_tokens=64)
+    assert joins == 0 and drains >= 2
+    # The same prompt joins where the budget holds it whole.
+    drains, joins = _drains_and_joins(chunked, model="tiny-moe", num_kv_blocks=64, max_num_batched_tokens=128)
+    assert joins == 1
+    # 17 blocks of 16: "done" leaves 3 cached blocks, the four decoders hold 2 blocks each by step 12, so
+    # 6 are free and uncached; "late" needs 7: the synchronous scheduler evicts a cached block for it.
+    tight = [
+        Add(0, "done", list(range(200, 250)), SamplingParams(max_tokens=1, **greedy)),
+        *[Add(2, f"r{i}", [i + 1] * 10, SamplingParams(max_tokens=20, **greedy)) for i in range(4)],
+        Add(12, "late", list(range(300, 400)), SamplingParams(max_tokens=3, **greedy)),
+    ]
+    sync = run_script(tight, model="tiny-dense", num_kv_blocks=17)
+    lookahead = run_script(tight, model="tiny-dense", num_kv_blocks=17, async_scheduling=True)
+    assert_same(sync, lookahead)
+    assert any(isinstance(e, BlocksRemoved) for e in sync.events)  # "late" evicted a cached block
+    assert lookahead.engine.lookahead_joins == 0
+    logprobs = [*decoders[:2], Add(3, "lp", [1, 2, 3], SamplingParams(max_tokens=3, logprobs=1))]
+    drains, joins = _drains_and_joins(logprobs, model="tiny-dense", num_kv_blocks=64)
+    assert joins == 0
+
+
 def test_finish_on_content_discards_the_token_in_flight() -> None:
     """A request that stops on EOS has its next step in flight already: that token is never emitted
     nor counted, its blocks come back, and its last block is not hashed with a token it never had."""
@@ -488,7 +559,7 @@ def _gpu_script(model: str, stop_early: bool) -> list[Add | Abort | Import]:
     rng = random.Random(11)
     script: list[Add | Abort | Import] = [
         Add(
-            rng.randrange(0, 6),
+            rng.randrange(0, 6) if i < 16 else rng.randrange(6, 30),  # the late ones join steps in flight
             f"r{i}",
             [rng.randrange(3, 256) for _ in range(rng.randrange(2, 70))],
             SamplingParams(
@@ -536,6 +607,7 @@ def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str, stop_
     engine = lookahead.engine
     assert engine.runner.graphs is not None and sum(engine.runner.graphs.replays.values()) > 0
     assert engine.lookahead_steps > 0
-    assert engine.lookahead_joins > 0  # imports joined steps in flight (KV zeroed after the drain)
+    # 8 imports at most: new prompts joined steps in flight too (mixed steps through the prefill graphs).
+    assert engine.lookahead_joins > 8
     if stop_early:
         assert any(outs[-1][2] == "stop" for outs in sync.outputs.values())
