@@ -77,7 +77,7 @@ class EngineStats:
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     generated_tokens_total: int
-    lookahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
+    lookahead_steps: int = 0  # steps launched before the previous step's tokens were read
     lookahead_drains: int = 0  # steps in flight read out first because the next step could not overlap
     lookahead_joins: int = 0  # waiting requests (imports, new prompts) a lookahead step took in, no drain
 

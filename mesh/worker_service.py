@@ -250,7 +250,7 @@ class WorkerMetrics:
         self.lookahead_steps = m.counter(
             "lookahead_steps",
             "total",
-            "Decode steps launched before the previous step's tokens were read (asynchronous scheduling).",
+            "Steps launched before the previous step's tokens were read (asynchronous scheduling).",
         )
         self.lookahead_drains = m.counter(
             "lookahead_drains",
