@@ -138,6 +138,7 @@ class Plan:
     e2e_new: int = 128
     serve_rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # requests per second, Poisson arrivals
     serve_requests: int = 64  # each with e2e_prompt tokens in and e2e_new out
+    serve_modes: tuple[str, ...] = ("off", "on", "on-drain")  # SERVE_MODES, each at every rate
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     smoke: bool = False
@@ -628,25 +629,34 @@ def e2e_point(engine: LLMEngine, name: str, batch: int, plan: Plan, res: Results
     log.info("e2e %s", json.dumps(row))
 
 
-def serve_point(engine: LLMEngine, name: str, rate: float, async_on: bool, plan: Plan, res: Results) -> None:
+SERVE_MODES = {  # asynchronous scheduling, new prompts joining the lookahead step
+    "off": (False, False),
+    "on": (True, True),
+    "on-drain": (True, False),  # as before prompts could join: a waiting prompt drains the step in flight
+}
+
+
+def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan, res: Results) -> None:
     """Requests arriving one by one (Poisson, ``rate`` per second), each a ``plan.e2e_prompt``-token prompt
     and ``plan.e2e_new`` new tokens, stepped as a worker's loop steps: TTFT (arrival to the step that
-    returns the first token), TPOT and throughput, with asynchronous scheduling on or off.
+    returns the first token), TPOT and throughput, in one of ``SERVE_MODES``.
 
-    Arrivals and prompts depend on the rate alone, so both settings serve the same work. The setting is
+    Arrivals and prompts depend on the rate alone, so every mode serves the same work. The mode is
     switched on the same engine between runs, with nothing in flight (the engine reads it every step).
     """
+    async_on, join_prompts = SERVE_MODES[mode]
     engine.config.async_scheduling = async_on
+    engine.lookahead_join_prompts = join_prompts
     rng = np.random.default_rng(int(rate * 1000))
     n = plan.serve_requests
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     prompts = [rng.integers(0, engine.vocab_size, plan.e2e_prompt).tolist() for _ in range(n)]
     params = SamplingParams(max_tokens=plan.e2e_new, temperature=0.0, ignore_eos=True)
-    tag = f"{name}-serve{rate:g}-{'async' if async_on else 'sync'}"
+    tag = f"{name}-serve{rate:g}-{mode}"
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     counts = [0] * n
-    lookahead_before = engine.lookahead_steps
+    before = (engine.lookahead_steps, engine.lookahead_drains, engine.lookahead_joins)
     steps = 0
     t0 = time.perf_counter()
     added = 0
@@ -676,6 +686,7 @@ def serve_point(engine: LLMEngine, name: str, rate: float, async_on: bool, plan:
         model=name,
         rate=rate,
         async_scheduling=async_on,
+        mode=mode,
         requests=n,
         ttft_p50_ms=percentile(ttft, 50),
         ttft_p99_ms=percentile(ttft, 99),
@@ -683,7 +694,9 @@ def serve_point(engine: LLMEngine, name: str, rate: float, async_on: bool, plan:
         tpot_p99_ms=percentile(tpot, 99),
         tok_s=sum(counts) / makespan,
         steps=steps,
-        lookahead_steps=engine.lookahead_steps - lookahead_before,
+        lookahead_steps=engine.lookahead_steps - before[0],
+        lookahead_drains=engine.lookahead_drains - before[1],
+        lookahead_joins=engine.lookahead_joins - before[2],
     )
     res.serve.append(row)
     log.info("serve %s", json.dumps(row))
@@ -761,10 +774,11 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
             setting = engine.config.async_scheduling
             try:
                 for rate in plan.serve_rates:
-                    for async_on in (False, True):
-                        serve_point(engine, shape, rate, async_on, plan, res)
+                    for mode in plan.serve_modes:
+                        serve_point(engine, shape, rate, mode, plan, res)
             finally:
                 engine.config.async_scheduling = setting
+                engine.lookahead_join_prompts = True
     finally:
         del engine
         gc.collect()
@@ -906,16 +920,18 @@ def summary(res: Results, plan: Plan) -> str:
         lines += [
             "",
             f"serve: {plan.serve_requests} requests arriving (Poisson), {plan.e2e_prompt}-token prompts, "
-            f"{plan.e2e_new} new tokens; asynchronous scheduling off / on",
+            f"{plan.e2e_new} new tokens; asynchronous scheduling off, on, and on with new prompts draining "
+            "the step in flight (on-drain)",
             "| model | req/s | async | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | steps "
-            "| lookahead steps |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| lookahead steps | drains | joins |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in res.serve:
             lines.append(
-                f"| {r['model']} | {r['rate']:g} | {'on' if r['async_scheduling'] else 'off'} "
+                f"| {r['model']} | {r['rate']:g} | {r['mode']} "
                 f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} "
-                f"| {r['tpot_p99_ms']:.2f} | {r['tok_s']:.0f} | {r['steps']} | {r['lookahead_steps']} |"
+                f"| {r['tpot_p99_ms']:.2f} | {r['tok_s']:.0f} | {r['steps']} | {r['lookahead_steps']} "
+                f"| {r['lookahead_drains']} | {r['lookahead_joins']} |"
             )
     lines += ["", "targets:"]
     for shape in SHAPES:
@@ -1006,6 +1022,12 @@ def main(argv: list[str] | None = None) -> None:
         help="engines overlap each step's host work with the next decode step (EngineConfig.async_scheduling; "
         "unset: the engine's default, on for CUDA)",
     )
+    parser.add_argument(
+        "--serve-modes",
+        default="off,on,on-drain",
+        help="comma-separated serve modes: off, on (asynchronous scheduling), on-drain (on, with new prompts "
+        "draining the step in flight as before they could join it)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1034,7 +1056,10 @@ def main(argv: list[str] | None = None) -> None:
             e2e_new=4,
             smoke=True,
         )
-    plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling)
+    modes = tuple(args.serve_modes.split(","))
+    if not set(modes) <= SERVE_MODES.keys():
+        parser.error(f"--serve-modes: each of {', '.join(SERVE_MODES)}")
+    plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling, serve_modes=modes)
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl
     res = Results(env=environment(plan))

@@ -180,6 +180,9 @@ class LLMEngine:
         self.lookahead_steps = 0
         self.lookahead_drains = 0
         self.lookahead_joins = 0
+        # New prompts may join a lookahead step (``_joining``); benchmarks turn it off to compare with the
+        # behaviour before it, in which a waiting prompt drained the step in flight.
+        self.lookahead_join_prompts = True
         # Recorded after a lookahead step whose sequences finished (and freed their blocks) while its
         # kernels may still write their KV; a KV transfer into freed blocks waits for it.
         self._freed_while_running: torch.cuda.Event | None = None
@@ -404,7 +407,12 @@ class LLMEngine:
             and not s.hold_kv
             and (
                 (s.block_table and s.num_uncomputed_tokens == 1)
-                or (not s.block_table and s.num_computed_tokens == 0 and not s.output_token_ids)
+                or (
+                    self.lookahead_join_prompts
+                    and not s.block_table
+                    and s.num_computed_tokens == 0
+                    and not s.output_token_ids
+                )
             )
             for s in waiting
         ):

@@ -91,9 +91,12 @@ def _strip(out: RequestOutput) -> tuple:
     )
 
 
-def run_script(script: list[Add | Abort | Import], eos: int | None = None, **config) -> Trace:
+def run_script(
+    script: list[Add | Abort | Import], eos: int | None = None, join_prompts: bool = True, **config
+) -> Trace:
     sink = ListEventSink()
     engine = LLMEngine(EngineConfig(**config), event_sink=sink)
+    engine.lookahead_join_prompts = join_prompts
     if eos is not None:
         engine.eos_token_ids = frozenset({eos})
     trace = Trace(engine=engine)
@@ -339,6 +342,11 @@ def test_new_prompts_join_the_step_in_flight() -> None:
     # Every arrival joined (b, c, d, one, e, i). The drains: the reservation, and the last token.
     assert engine.lookahead_joins == 6
     assert engine.lookahead_drains == 2
+    # The benchmarks' comparison switch: prompts drain the step in flight, as before they could join.
+    draining = run_script(script, join_prompts=False, async_scheduling=True, **config)
+    assert_same(sync, draining)
+    # One drain per arrival step (5, 9, 12, 14 the reservation, 16) and one for the last token.
+    assert draining.engine.lookahead_joins == 0 and draining.engine.lookahead_drains == 6
 
 
 def test_prompts_that_would_differ_in_the_synchronous_step_drain_first() -> None:
