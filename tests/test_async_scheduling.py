@@ -131,8 +131,10 @@ def run_script(
     imported = {a.request_id for a in script if isinstance(a, Import)}
     for rid, outs in trace.outputs.items():
         assert outs and outs[-1][1], f"{rid} never finished"
-        # Tokens streamed == tokens counted (an import's first token came with its handle, not streamed).
-        assert sum(len(o[0]) for o in outs) + (rid in imported) == outs[-1][6]
+        # Tokens streamed == tokens counted. An import's first token came with its handle and is not
+        # streamed, unless the request finished on it (its one output then carries it).
+        finished_at_commit = rid in imported and len(outs) == 1 and outs[0][6] == 1
+        assert sum(len(o[0]) for o in outs) + (rid in imported and not finished_at_commit) == outs[-1][6]
     pool = engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
     assert sorted(pool.ref_counts) == [0] * pool.num_blocks
@@ -347,6 +349,24 @@ def test_new_prompts_join_the_step_in_flight() -> None:
     assert_same(sync, draining)
     # One drain per arrival step (5, 9, 12, 14 the reservation, 16) and one for the last token.
     assert draining.engine.lookahead_joins == 0 and draining.engine.lookahead_drains == 6
+
+
+def test_imports_that_finish_on_their_first_token() -> None:
+    """An import whose first token ends it (max_tokens 1, or a stop token) finishes at its commit, with
+    one output carrying that token, while other requests decode with a step in flight."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    script: list = [
+        Add(0, "a", list(range(30, 50)), SamplingParams(max_tokens=20, **greedy)),
+        Import(3, "one", list(range(60, 77)), SamplingParams(max_tokens=1, **greedy), 9, 1),
+        Import(5, "stop", list(range(80, 90)), SamplingParams(max_tokens=9, stop_token_ids=[11]), 11),
+        Import(6, "more", list(range(90, 99)), SamplingParams(max_tokens=4, **greedy), 12, 2),
+    ]
+    sync = run_script(script, model="tiny-dense", num_kv_blocks=64)
+    lookahead = run_script(script, model="tiny-dense", num_kv_blocks=64, async_scheduling=True)
+    assert_same(sync, lookahead)
+    assert [o[:4] for o in lookahead.outputs["one"]] == [([9], True, "length", None)]
+    assert [o[:4] for o in lookahead.outputs["stop"]] == [([11], True, "stop", 11)]
+    assert sum(len(o[0]) for o in lookahead.outputs["more"]) == 3  # the first came with the handle
 
 
 def test_prompts_that_would_differ_in_the_synchronous_step_drain_first() -> None:
