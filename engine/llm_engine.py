@@ -478,27 +478,24 @@ class LLMEngine:
         input_ids = prev.tokens if kept is prev.seqs else prev.tokens[self._device_index(keep)]
         seqs = kept
         if joining:  # admitted as the synchronous scheduler would: after the running ones, in queue order
-            for s, h in zip(joining, hits, strict=True):
+            for s, h, n in zip(joining, hits, counts, strict=True):
                 if s.block_table:
                     pool.append_slots(s, s.num_tokens)
                 else:
-                    assert pool.allocate_with_prefix(s, h, s.num_tokens)
-                    s.num_computed_tokens = len(h) * pool.block_size
-                    if s.num_cached_tokens < 0:
-                        s.num_cached_tokens = s.num_computed_tokens
+                    assert sched.allocate_prompt(s, h, n)
                 sched.admit_next()
             seqs = [*kept, *joining]
             self.lookahead_joins += len(joining)
         self._inflight = None
+        num_new = [1] * len(kept) + counts  # tokens each row computes, in ``seqs`` order
         if all(c == 1 for c in counts):  # a decode step: the imports' first tokens follow on the device
             if joining:
                 first = torch.tensor([s.token_at(s.num_computed_tokens) for s in joining], dtype=torch.int64)
                 input_ids = torch.cat([input_ids, host_to_device(first, self.device)])
             logits = self.runner.execute_lookahead(seqs, input_ids)
         else:
-            logits = self.runner.execute_lookahead_mixed(seqs, [1] * len(kept) + counts, input_ids)
+            logits = self.runner.execute_lookahead_mixed(seqs, num_new, input_ids)
         self.lookahead_steps += 1
-        num_new = dict(zip(map(id, joining), counts, strict=True))
         self._process_inflight(prev, outputs)  # the host's work, while the device computes
         # A sequence that finished on the token just read drops its row: its next token never existed.
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
@@ -509,9 +506,10 @@ class LLMEngine:
             return True
         if len(live) < len(seqs):
             seqs = [seqs[i] for i in live]
+            num_new = [num_new[i] for i in live]
             logits = logits[self._device_index(live)]
-        for seq in seqs:  # its KV is computed and, from now, its token real: the block may be hashed
-            seq.num_computed_tokens += num_new.get(id(seq), 1)
+        for seq, n in zip(seqs, num_new, strict=True):  # KV computed, tokens real: blocks may be hashed
+            seq.num_computed_tokens += n
             pool.cache_full_blocks(seq)
         positions = [len(s.output_token_ids) for s in seqs]
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions)

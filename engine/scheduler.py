@@ -76,18 +76,25 @@ class Scheduler:
                     break
             else:
                 hits = self.pool.match_prefix(seq)
-                num_cached = len(hits) * self.pool.block_size
-                n = min(seq.num_tokens - num_cached, budget)
-                if not self.pool.allocate_with_prefix(seq, hits, num_cached + n):
+                n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
+                if not self.allocate_prompt(seq, hits, n):
                     break
-                seq.num_computed_tokens = num_cached
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = num_cached
             self.admit_next()
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def allocate_prompt(self, seq: Sequence, hits: list[int], n: int) -> bool:
+        """Blocks for a new prompt's cached prefix (``hits``, from ``BlockPool.match_prefix``) and its next
+        ``n`` tokens; the cached tokens count as computed. False, changing nothing, when they do not fit."""
+        num_cached = len(hits) * self.pool.block_size
+        if not self.pool.allocate_with_prefix(seq, hits, num_cached + n):
+            return False
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_cached
+        return True
 
     def admit_next(self) -> Sequence:
         """Move the first waiting sequence to the running ones, as ``schedule`` admits it (for a caller that

@@ -456,6 +456,12 @@ def test_logprobs_and_hold_kv_run_synchronously() -> None:
     assert engine.block_pool.num_free_blocks == 64
 
 
+def _dense_engine(num_kv_blocks: int, async_scheduling: bool) -> tuple[LLMEngine, ListEventSink]:
+    sink = ListEventSink()
+    config = EngineConfig(model="tiny-dense", num_kv_blocks=num_kv_blocks, async_scheduling=async_scheduling)
+    return LLMEngine(config, event_sink=sink), sink
+
+
 def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
     """release_held and reserve_import between steps drain the step in flight first; commit_import does
     not: the imported request joins the next lookahead step. Outputs and KV events are the synchronous
@@ -464,9 +470,7 @@ def test_held_kv_and_imports_while_a_step_is_in_flight() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     traces = []
     for async_scheduling in (False, True):
-        sink = ListEventSink()
-        config = EngineConfig(model="tiny-dense", num_kv_blocks=64, async_scheduling=async_scheduling)
-        engine = LLMEngine(config, event_sink=sink)
+        engine, sink = _dense_engine(64, async_scheduling)
         engine.add_request("held", list(range(60, 95)), params, hold_kv=True)
         engine.add_request("a", list(range(10, 30)), params)
         outs: list[tuple] = []
@@ -506,9 +510,7 @@ def test_an_import_that_evicts_and_one_with_logprobs_match_the_synchronous_engin
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     traces = []
     for async_scheduling in (False, True):
-        sink = ListEventSink()
-        config = EngineConfig(model="tiny-dense", num_kv_blocks=16, async_scheduling=async_scheduling)
-        engine = LLMEngine(config, event_sink=sink)
+        engine, sink = _dense_engine(16, async_scheduling)
         outs: list[tuple] = []
         # A finished request leaves 3 cached, evictable blocks; then "a" decodes with a step in flight.
         engine.add_request("done", list(range(400, 450)), SamplingParams(max_tokens=2, temperature=0.0))
