@@ -978,7 +978,6 @@ def environment(plan: Plan) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "pdl": triton_device.pdl_kwargs(torch.device(plan.device))["USE_PDL"],  # in effect, not requested
-        "l2_prefetch": triton_device.prefetch_kwargs(torch.device(plan.device), 4)["PREFETCH"],
         "async_scheduling": EngineConfig(
             device=plan.device, async_scheduling=plan.async_scheduling
         ).async_scheduling,
@@ -1015,13 +1014,6 @@ def main(argv: list[str] | None = None) -> None:
         "--no-pdl",
         action="store_true",
         help="launch the Triton kernels without programmatic dependent launch",
-    )
-    parser.add_argument(
-        "--l2-prefetch",
-        type=int,
-        choices=(0, 1, 2),
-        default=triton_device.L2_PREFETCH_MODE,
-        help="the Triton kernels' L2 prefetch hints: 0 off, 1 bulk, 2 lines (kernels.triton_device)",
     )
     parser.add_argument(
         "--async-scheduling",
@@ -1070,7 +1062,6 @@ def main(argv: list[str] | None = None) -> None:
     plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling, serve_modes=modes)
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl
-    triton_device.L2_PREFETCH_MODE = args.l2_prefetch
     res = Results(env=environment(plan))
     log.info("environment %s", json.dumps(res.env))
     if "ceilings" in sections and plan.device == "cuda":

@@ -66,13 +66,10 @@ def qkv_attention_torch(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    *,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prologue, then attention (``kernels.attention``): one op from the raw QKV projection to the
     attention output [T, Hq, D], so that a backend can fold the prologue into the attention kernel.
-    Writes k and v into the pool at ``slot_mapping``, as the prologue does. ``prefetch``: a tensor the
-    next op reads, which a backend may ask the cache for while attention runs (a hint; unused here)."""
+    Writes k and v into the pool at ``slot_mapping``, as the prologue does."""
     q = qkv_prologue_torch(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, positions,
                            cos_sin_cache, kv_pool, layer, slot_mapping)  # fmt: skip
     return paged_attention_torch(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import check_out
-from kernels.triton_device import l2_prefetch, pdl_kwargs, pdl_wait, prefetch_kwargs, sm_count
+from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
 from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
 
@@ -122,56 +122,6 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
-def _prefetch_split(
-    pool_ptr,
-    bt_ptr,
-    pf_ptr,
-    pf_numel,
-    token,
-    kv_head,
-    split,
-    q_start,
-    q_end,
-    seq_total,
-    num_splits,
-    layer,
-    stride_pool_block,
-    stride_pool_layer,
-    stride_pool_kv,
-    stride_pool_slot,
-    stride_bt,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LANES: tl.constexpr,
-):
-    """The split kernel's L2 prefetch (see there): this program's share of pf_ptr, then its share of its
-    split's K and V blocks. Reads only step inputs (the block table); a token found by search (not in the
-    decode fast path) skips the KV part."""
-    lin = token + tl.num_programs(0) * (kv_head + tl.num_programs(1) * split)
-    share = tl.cdiv(pf_numel, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
-    lo = lin.to(tl.int64) * share
-    l2_prefetch(pf_ptr + lo, tl.minimum(tl.maximum(pf_numel - lo, 0), share), PREFETCH, PF_LANES)
-    if (q_start <= token) & (token < q_end):
-        kv_len = seq_total - (q_end - q_start) + (token - q_start) + 1
-        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
-        end = tl.minimum(start + split_len, kv_len)
-        # Each block's K (then V) rows of the layer, all KV heads, are contiguous: the KV heads' programs
-        # of a split take a quarter each (for 4 heads), together the whole.
-        block_numel = BLOCK_SIZE * stride_pool_slot
-        share_kv = tl.cdiv(block_numel, tl.num_programs(1))
-        lo_kv = layer * stride_pool_layer + kv_head * share_kv
-        n_kv = tl.minimum(share_kv, block_numel - kv_head * share_kv)
-        bt_row = bt_ptr + token.to(tl.int64) * stride_bt
-        for b in range(start // BLOCK_SIZE, tl.cdiv(end, BLOCK_SIZE)):
-            page = tl.load(bt_row + b).to(tl.int64)  # pre-wait: step input
-            k_ptr = pool_ptr + page * stride_pool_block + lo_kv
-            l2_prefetch(k_ptr, n_kv, PREFETCH, PF_LANES)
-            l2_prefetch(k_ptr + stride_pool_kv, n_kv, PREFETCH, PF_LANES)
-
-
 @triton.jit(do_not_specialize=["num_seqs"])
 def _decode_split_kernel(
     q_ptr,
@@ -209,8 +159,6 @@ def _decode_split_kernel(
     stride_qkv_t,
     stride_cache,
     eps,
-    pf_ptr,
-    pf_numel,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -220,8 +168,6 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FROM_QKV: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LANES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of one query token's GROUP q heads (one KV head) over one split of its keys: partial
@@ -232,11 +178,6 @@ def _decode_split_kernel(
     token's k and v for its KV head into the pool first (``kernels.triton_prologue._kv_heads``), then
     reads the split as usual. Only that program reads the position in its own split (others of the same
     sequence that write it write the same values), so a block barrier orders the write before the read.
-
-    With PREFETCH, before the PDL wait, each program asks L2 for its split's keys and values (the cached
-    context; the new token's slot is rewritten in L2 by its writer) and for its share of ``pf_ptr``'s
-    ``pf_numel`` elements (the output projection's weight, read by the kernel after the merge): the
-    attention is bound by round trips, not bandwidth, so HBM fetches them while it runs.
     """
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -254,10 +195,6 @@ def _decode_split_kernel(
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
-    if PREFETCH != 0:
-        _prefetch_split(pool_ptr, bt_ptr, pf_ptr, pf_numel, token, kv_head, split, q_start, q_end, seq_total,
-                        num_splits, layer, stride_pool_block, stride_pool_layer, stride_pool_kv,
-                        stride_pool_slot, stride_bt, BLOCK_SIZE, BLOCK_N, PREFETCH, PF_LANES)  # fmt: skip
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
@@ -538,11 +475,9 @@ def _decode(
     query_start_loc: torch.Tensor,
     scale: float,
     max_seq_len: int | None,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """The split-KV decode attention into ``out`` [T, Hq, D], from q, or from the raw QKV projection with the
-    prologue folded into the split kernel (exactly one of ``q`` and ``prologue``); ``prefetch``: a tensor
-    the split kernel asks L2 for (a hint, see ``_decode_split_kernel``)."""
+    prologue folded into the split kernel (exactly one of ``q`` and ``prologue``)."""
     num_tokens, num_heads, head_dim = out.shape
     block_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // num_kv_heads
@@ -566,19 +501,16 @@ def _decode(
         eps, stride_qkv, stride_cache = prologue.eps, qkv.stride(0), cache.stride(0)
         q = out  # never read with FROM_QKV
     block_d = _block_d(head_dim)
-    pf = prefetch_kwargs(out.device, dcfg.num_warps)
     _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
         q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
         layer, scale * math.log2(math.e), seq_lens.shape[0], splits,
         q.stride(0), q.stride(1), *pool_strides(kv_pool), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         qkv, pos, slots, cache, q_norm, k_norm, num_heads, num_kv_heads, stride_qkv, stride_cache, eps,
-        prefetch if prefetch is not None else out, prefetch.numel() if prefetch is not None else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
-        **pf, **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
-        num_stages=dcfg.num_stages,
+        **pdl_kwargs(out.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](
         mid_o, mid_lse, out, splits,
@@ -606,7 +538,6 @@ def qkv_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
-    prefetch: torch.Tensor | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """``kernels.attention.qkv_attention_torch`` on the GPU: the QKV prologue (which writes k and v into the
@@ -639,6 +570,5 @@ def qkv_attention_triton(
     )
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    _decode(out, None, prologue, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len,
-            prefetch)  # fmt: skip
+    _decode(out, None, prologue, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len)
     return out

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import l2_prefetch, pdl_kwargs, pdl_wait, prefetch_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 
@@ -53,18 +53,6 @@ def linear_config(n: int, k: int, device: torch.device) -> LinearConfig:
 
 
 @triton.jit
-def _prefetch_rows(
-    w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PF_LANES: tl.constexpr
-):
-    """This program's BLOCK_N rows of w into L2 (``l2_prefetch``)."""
-    row0 = tl.program_id(0) * BLOCK_N
-    rows = tl.minimum(N - row0, BLOCK_N)
-    l2_prefetch(
-        w_ptr + row0.to(tl.int64) * stride_wn, (rows - 1).to(tl.int64) * stride_wn + K, PREFETCH, PF_LANES
-    )
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -74,13 +62,9 @@ def _gemv_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LANES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[n] = x . w[n] for BLOCK_N rows n, fp32 accumulation. The weight tile, which no kernel writes,
-    is prefetched into L2 before the PDL wait."""
-    _prefetch_rows(w_ptr, N, K, stride_wn, BLOCK_N, PREFETCH, PF_LANES)
+    """out[n] = x . w[n] for BLOCK_N rows n, fp32 accumulation."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -111,7 +95,7 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     cfg = linear_config(n, k, x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, out, n, k, w.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **prefetch_kwargs(x.device, cfg.num_warps),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -162,8 +146,6 @@ def _norm_gemv_kernel(
     WRITE_NORMED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LANES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[n] = w[n] . rms_norm(x + res) * g for BLOCK_N rows n; program 0 also writes x + res (and the
@@ -173,8 +155,7 @@ def _norm_gemv_kernel(
     of its own and no second pass over HBM; the weight rows are loaded first, so their HBM reads are in
     flight while the norm is reduced. Roundings are the reference's (``kernels/norm.py``): the sum and the
     normalised row are rounded to their dtype before the weight multiply, and the product is rounded to
-    the normed dtype before the dot. The weight tile is prefetched into L2 before the PDL wait."""
-    _prefetch_rows(w_ptr, N, K, stride_wn, BLOCK_N, PREFETCH, PF_LANES)
+    the normed dtype before the dot."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,6 +219,6 @@ def add_rms_norm_linear_triton(
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight, w, out, summed, normed, n, k, w.stride(0), eps,
         HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        **prefetch_kwargs(x.device, cfg.num_warps), **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, (normed if need_normed else None), summed

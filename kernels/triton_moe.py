@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_device import l2_prefetch, pdl_kwargs, pdl_wait, prefetch_kwargs
+from kernels.triton_device import pdl_kwargs, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -557,8 +557,6 @@ def _moe_small_down_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LANES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
@@ -569,8 +567,7 @@ def _moe_small_down_kernel(
 
     The ids and weights are also inputs of the gate-up kernel launched just before this one, so they were
     complete before that kernel passed its own PDL wait, which it did before this kernel could start:
-    they are read before this kernel's wait, and only ``act`` after it. So are the weight rows this program
-    will read: prefetched into L2 while the gate-up kernel runs."""
+    they are read before this kernel's wait, and only ``act`` after it."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
@@ -579,14 +576,6 @@ def _moe_small_down_kernel(
     pairs = token * TOP_K + js
     experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
     weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
-    if PREFETCH != 0:
-        row0 = tl.program_id(1) * BLOCK_N
-        numel = (tl.minimum(hidden - row0, BLOCK_N) - 1).to(tl.int64) * stride_wn + inter
-        for j in tl.static_range(TOP_K):  # each expert's BLOCK_N rows of w2
-            expert_j = tl.sum(tl.where(js == j, experts, 0))
-            l2_prefetch(
-                w2_ptr + expert_j * stride_we + row0.to(tl.int64) * stride_wn, numel, PREFETCH, PF_LANES
-            )
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
@@ -636,7 +625,7 @@ def _fused_moe_small(
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        **prefetch_kwargs(x.device, cfg.down_num_warps), **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
+        **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
 

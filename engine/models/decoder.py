@@ -75,8 +75,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """``project`` then ``attend`` as one op, which a backend may fold into one kernel (the Triton one
-        does for decode steps, and asks L2 for the output projection's weight meanwhile). Returns the
-        attention output [T, heads, head_dim]."""
+        does for decode steps). Returns the attention output [T, heads, head_dim]."""
         return self.ops.qkv_attention(
             qkv,
             *self._prologue_args(positions, cos_sin, kv_pool, meta.slot_mapping),
@@ -84,7 +83,6 @@ class Attention(nn.Module):
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
-            prefetch=self.o_proj,
         )
 
     def _prologue_args(
