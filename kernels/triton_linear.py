@@ -130,7 +130,7 @@ def norm_gemv_config(n: int, k: int, device: torch.device) -> LinearConfig:
 
 
 @triton.jit
-def _norm_gemv_kernel(
+def _norm_gemv_tile(
     x_ptr,
     res_ptr,
     g_ptr,
@@ -146,17 +146,10 @@ def _norm_gemv_kernel(
     WRITE_NORMED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    """out[n] = w[n] . rms_norm(x + res) * g for BLOCK_N rows n; program 0 also writes x + res (and the
-    normalised row where WRITE_NORMED).
-
-    Every program normalises the row itself (it is read from L2, a few KB), so the norm needs no launch
-    of its own and no second pass over HBM; the weight rows are loaded first, so their HBM reads are in
-    flight while the norm is reduced. Roundings are the reference's (``kernels/norm.py``): the sum and the
-    normalised row are rounded to their dtype before the weight multiply, and the product is rounded to
-    the normed dtype before the dot."""
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    """out[n] = w[n] . rms_norm(x + res) * g for this program's BLOCK_N rows n; program 0 also writes
+    x + res (and the normalised row where WRITE_NORMED). The body of ``_norm_gemv_kernel`` (see there), after
+    its PDL wait."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -184,6 +177,51 @@ def _norm_gemv_kernel(
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _norm_gemv_kernel(
+    x_ptr,
+    res_ptr,
+    g_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    normed_ptr,
+    N,
+    K,
+    stride_wn,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[n] = w[n] . rms_norm(x + res) * g for BLOCK_N rows n; program 0 also writes x + res (and the
+    normalised row where WRITE_NORMED).
+
+    Every program normalises the row itself (it is read from L2, a few KB), so the norm needs no launch
+    of its own and no second pass over HBM; the weight rows are loaded first, so their HBM reads are in
+    flight while the norm is reduced. Roundings are the reference's (``kernels/norm.py``): the sum and the
+    normalised row are rounded to their dtype before the weight multiply, and the product is rounded to
+    the normed dtype before the dot."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    _norm_gemv_tile(x_ptr, res_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, K, stride_wn, eps,
+                    HAS_RESIDUAL, WRITE_NORMED, BLOCK_N, BLOCK_K)  # fmt: skip
+
+
+def norm_gemv_plain(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, w: torch.Tensor
+) -> bool:
+    """Whether the fused norm-GEMV kernels take these operands as they are: unit last strides, one dtype."""
+    return (
+        x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and norm_weight.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+        and norm_weight.dtype == x.dtype == w.dtype
+    )
+
+
 def add_rms_norm_linear_triton(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -199,14 +237,7 @@ def add_rms_norm_linear_triton(
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     (m, k), n = x.shape, w.shape[0]
-    plain = (
-        x.stride(-1) == 1
-        and w.stride(-1) == 1
-        and norm_weight.is_contiguous()
-        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
-        and norm_weight.dtype == x.dtype == w.dtype
-    )
-    if not (plain and use_norm_gemv(m, n, k)):
+    if not (norm_gemv_plain(x, residual, norm_weight, w) and use_norm_gemv(m, n, k)):
         if residual is None:
             h, summed = rms_norm_triton(x, norm_weight, eps), x
         else:
