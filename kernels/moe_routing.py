@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import add_rms_norm_linear_torch
-
 
 def moe_route_torch(
     router_logits: torch.Tensor,
@@ -37,30 +35,3 @@ def moe_route_torch(
     flat = topk_phys.reshape(-1)
     expert_counts.scatter_add_(0, flat, torch.ones_like(flat))
     return topk_w.to(out_dtype), topk_phys
-
-
-def add_rms_norm_route_torch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    logical_to_physical: torch.Tensor,
-    replica_counts: torch.Tensor,
-    expert_counts: torch.Tensor,
-    *,
-    arrivals: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An MoE layer's post-attention norm, router and routing as one op, so that a backend can fuse them:
-    ``add_rms_norm_linear_torch`` with the router ``gate`` [E, H], then ``moe_route_torch`` of its logits
-    (weights in x's dtype). Returns (h, x + residual, weights [T, k], physical ids [T, k]). ``arrivals``:
-    a zeroed int32 word the caller keeps per layer, for a backend that routes inside the router's kernel
-    (unused here)."""
-    logits, h, summed = add_rms_norm_linear_torch(x, residual, norm_weight, eps, gate, True)
-    assert h is not None
-    weights, ids = moe_route_torch(
-        logits, top_k, renormalize, logical_to_physical, replica_counts, expert_counts, x.dtype
-    )
-    return h, summed, weights, ids

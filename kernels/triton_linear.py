@@ -130,54 +130,6 @@ def norm_gemv_config(n: int, k: int, device: torch.device) -> LinearConfig:
 
 
 @triton.jit
-def _norm_gemv_tile(
-    x_ptr,
-    res_ptr,
-    g_ptr,
-    w_ptr,
-    out_ptr,
-    sum_ptr,
-    normed_ptr,
-    N,
-    K,
-    stride_wn,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[n] = w[n] . rms_norm(x + res) * g for this program's BLOCK_N rows n; program 0 also writes
-    x + res (and the normalised row where WRITE_NORMED). The body of ``_norm_gemv_kernel`` (see there), after
-    its PDL wait."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
-    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + offs_k, summed, mask=first)
-        s = summed.to(tl.float32)
-        in_dtype = sum_ptr.dtype.element_ty
-    else:
-        s = x
-        in_dtype = x_ptr.dtype.element_ty
-    inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / K + eps)
-    h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
-    if WRITE_NORMED:
-        tl.store(normed_ptr + offs_k, h, mask=first)
-    out = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _norm_gemv_kernel(
     x_ptr,
     res_ptr,
@@ -205,21 +157,31 @@ def _norm_gemv_kernel(
     normalised row are rounded to their dtype before the weight multiply, and the product is rounded to
     the normed dtype before the dot."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    _norm_gemv_tile(x_ptr, res_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, K, stride_wn, eps,
-                    HAS_RESIDUAL, WRITE_NORMED, BLOCK_N, BLOCK_K)  # fmt: skip
-
-
-def norm_gemv_plain(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, w: torch.Tensor
-) -> bool:
-    """Whether the fused norm-GEMV kernels take these operands as they are: unit last strides, one dtype."""
-    return (
-        x.stride(-1) == 1
-        and w.stride(-1) == 1
-        and norm_weight.is_contiguous()
-        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
-        and norm_weight.dtype == x.dtype == w.dtype
-    )
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs_k, summed, mask=first)
+        s = summed.to(tl.float32)
+        in_dtype = sum_ptr.dtype.element_ty
+    else:
+        s = x
+        in_dtype = x_ptr.dtype.element_ty
+    inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / K + eps)
+    h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
+    if WRITE_NORMED:
+        tl.store(normed_ptr + offs_k, h, mask=first)
+    out = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def add_rms_norm_linear_triton(
@@ -237,7 +199,14 @@ def add_rms_norm_linear_triton(
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     (m, k), n = x.shape, w.shape[0]
-    if not (norm_gemv_plain(x, residual, norm_weight, w) and use_norm_gemv(m, n, k)):
+    plain = (
+        x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and norm_weight.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+        and norm_weight.dtype == x.dtype == w.dtype
+    )
+    if not (plain and use_norm_gemv(m, n, k)):
         if residual is None:
             h, summed = rms_norm_triton(x, norm_weight, eps), x
         else:

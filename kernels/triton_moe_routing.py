@@ -15,10 +15,6 @@ logits into a tie. Among equal logits the lowest expert index wins (``torch.topk
 unspecified). The weights are ``exp(l - max) / sum``, renormalised over the k if asked, stored in
 ``out_dtype``; the physical id is ``logical_to_physical[e, token % replica_counts[e]]``, stored as int64,
 and each (token, k) pair adds 1 to ``expert_counts[physical]`` with a relaxed atomic.
-
-At one token the routing also runs inside the router's projection (``add_rms_norm_route_triton``): the
-post-attention norm and the router GEMV as in ``kernels/triton_linear.py``, then the program that finishes
-last routes, so a batch-1 MoE layer has one launch fewer on its chain of dependent kernels.
 """
 
 from __future__ import annotations
@@ -28,13 +24,6 @@ import triton
 import triton.language as tl
 
 from kernels.triton_device import pdl_kwargs, pdl_wait
-from kernels.triton_linear import (
-    _norm_gemv_tile,
-    add_rms_norm_linear_triton,
-    norm_gemv_config,
-    norm_gemv_plain,
-    use_norm_gemv,
-)
 
 # Tokens per program are capped so that a program's logits tile stays about this many elements (16 tokens
 # at E = 128), and small batches spread one token per program over as many SMs as possible.
@@ -42,17 +31,18 @@ _TILE_ELEMENTS = 2048
 _TARGET_PROGRAMS = 128
 
 
-@triton.jit
-def _route_tile(
-    logits,
-    tokens,
-    token_mask,
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_route_kernel(
+    logits_ptr,
     weights_ptr,
     ids_ptr,
     l2p_ptr,
     replica_counts_ptr,
     counts_ptr,
+    num_tokens,
     num_experts,
+    stride_lt,
+    stride_le,
     stride_l2p_e,
     stride_l2p_r,
     stride_counts,
@@ -61,12 +51,17 @@ def _route_tile(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Route a [BLOCK_T, BLOCK_E] tile of float32 logits (rows ``tokens``; columns past num_experts are
-    masked here): softmax, top-k, weights, replica ids, counters (see the module docstring)."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
+    token_mask = tokens < num_tokens
     expert_mask = experts < num_experts
+
+    ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
+    logits = tl.load(ptrs, mask=token_mask[:, None] & expert_mask[None, :], other=0.0).to(tl.float32)
     logits = tl.where(expert_mask[None, :], logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
     denom = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
@@ -100,40 +95,6 @@ def _route_tile(
     tl.store(ids_ptr + out_offs, physical, mask=pair_mask)
     ones = tl.full([BLOCK_T, BLOCK_K], 1, dtype=counts_ptr.dtype.element_ty)
     tl.atomic_add(counts_ptr + physical * stride_counts, ones, mask=pair_mask, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _moe_route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    l2p_ptr,
-    replica_counts_ptr,
-    counts_ptr,
-    num_tokens,
-    num_experts,
-    stride_lt,
-    stride_le,
-    stride_l2p_e,
-    stride_l2p_r,
-    stride_counts,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    experts = tl.arange(0, BLOCK_E)
-    token_mask = tokens < num_tokens
-    ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
-    mask = token_mask[:, None] & (experts < num_experts)[None, :]
-    logits = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    _route_tile(logits, tokens, token_mask, weights_ptr, ids_ptr, l2p_ptr, replica_counts_ptr, counts_ptr,
-                num_experts, stride_l2p_e, stride_l2p_r, stride_counts,
-                TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
 
 
 def moe_route_triton(
@@ -173,111 +134,3 @@ def moe_route_triton(
         **pdl_kwargs(router_logits.device), num_warps=num_warps,
     )  # fmt: skip
     return weights, ids
-
-
-@triton.jit
-def _norm_gemv_route_kernel(
-    x_ptr,
-    res_ptr,
-    g_ptr,
-    w_ptr,
-    logits_ptr,
-    sum_ptr,
-    normed_ptr,
-    weights_ptr,
-    ids_ptr,
-    l2p_ptr,
-    replica_counts_ptr,
-    counts_ptr,
-    arrivals_ptr,
-    num_experts,
-    hidden,
-    stride_wn,
-    eps,
-    stride_l2p_e,
-    stride_l2p_r,
-    stride_counts,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One token: the norm-GEMV of the router (``_norm_gemv_tile``: BLOCK_N logits per program, the normed
-    row and the residual sum from program 0), then the routing by the program that arrives last.
-
-    Arrival: each program's threads have stored its logits (block barrier), then one thread adds 1 to
-    ``arrivals`` with acquire-release semantics at GPU scope, which publishes the stores. The program that
-    reads num_programs - 1 sees every program's logits; it loads them through L2 (``.cg``: no stale L1
-    line), routes them as ``_moe_route_kernel`` does, and sets ``arrivals`` back to 0 for the next launch.
-    So one launch at a time may use an ``arrivals`` word: each MoE layer owns one, and a layer runs on one
-    stream."""
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    _norm_gemv_tile(x_ptr, res_ptr, g_ptr, w_ptr, logits_ptr, sum_ptr, normed_ptr, num_experts, hidden,
-                    stride_wn, eps, HAS_RESIDUAL, True, BLOCK_N, BLOCK_H)  # fmt: skip
-    tl.debug_barrier()  # every thread's logits are stored before the arrival
-    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        experts = tl.arange(0, BLOCK_E)
-        mask = (experts < num_experts)[None, :]
-        logits = tl.load(logits_ptr + experts[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        tokens = tl.zeros([1], dtype=tl.int64)
-        _route_tile(logits.to(tl.float32), tokens, tokens == 0, weights_ptr, ids_ptr, l2p_ptr,
-                    replica_counts_ptr, counts_ptr, num_experts, stride_l2p_e, stride_l2p_r, stride_counts,
-                    TOP_K, RENORMALIZE, 1, BLOCK_E, BLOCK_K)  # fmt: skip
-        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
-
-
-def add_rms_norm_route_triton(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    logical_to_physical: torch.Tensor,
-    replica_counts: torch.Tensor,
-    expert_counts: torch.Tensor,
-    *,
-    arrivals: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kernels.moe_routing.add_rms_norm_route_torch`` on the GPU: one launch (``_norm_gemv_route_kernel``)
-    for one plain row (as ``add_rms_norm_linear_triton``'s fused kernel) where ``arrivals`` (a zeroed int32
-    word the caller keeps for this layer) is given; otherwise ``add_rms_norm_linear_triton`` then
-    ``moe_route_triton``."""
-    (m, hidden), num_experts = x.shape, gate.shape[0]
-    if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != hidden:
-        raise ValueError(f"router needs x [M, H] and gate [E, H]; got {tuple(x.shape)}, {tuple(gate.shape)}")
-    fused = (
-        arrivals is not None
-        and norm_gemv_plain(x, residual, norm_weight, gate)
-        and use_norm_gemv(m, num_experts, hidden)
-        and 0 < top_k <= num_experts
-    )
-    if not fused:
-        logits, h, summed = add_rms_norm_linear_triton(x, residual, norm_weight, eps, gate, True)
-        weights, ids = moe_route_triton(logits, top_k, renormalize, logical_to_physical, replica_counts,
-                                        expert_counts, x.dtype)  # fmt: skip
-        return h, summed, weights, ids
-    assert arrivals is not None and arrivals.dtype == torch.int32
-    logits = torch.empty((1, num_experts), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else x
-    h = torch.empty_like(x)
-    weights = torch.empty((1, top_k), dtype=x.dtype, device=x.device)
-    ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
-    cfg = norm_gemv_config(num_experts, hidden, x.device)
-    _norm_gemv_route_kernel[(triton.cdiv(num_experts, cfg.block_n),)](
-        x, residual if residual is not None else x, norm_weight, gate, logits, summed, h,
-        weights, ids, logical_to_physical, replica_counts, expert_counts, arrivals,
-        num_experts, hidden, gate.stride(0), eps,
-        logical_to_physical.stride(0), logical_to_physical.stride(1), expert_counts.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_H=cfg.block_k,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(top_k),
-        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return h, summed, weights, ids

@@ -1,5 +1,4 @@
-"""The Triton MoE routing kernels (``kernels/triton_moe_routing.py``) against ``moe_route_torch``, and the
-batch-1 router-and-routing kernel (``add_rms_norm_route_triton``) against the two ops it fuses.
+"""The Triton MoE routing kernel (``kernels/triton_moe_routing.py``) against ``moe_route_torch``.
 
 As in ``tests/test_kernels.py``: without a GPU the kernel runs under the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported) at small shapes; the ``gpu``-marked tests add
@@ -15,9 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_routing import add_rms_norm_route_torch, moe_route_torch
-from kernels.triton_linear import add_rms_norm_linear_triton
-from kernels.triton_moe_routing import add_rms_norm_route_triton, moe_route_triton
+from kernels.moe_routing import moe_route_torch
+from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import DEVICE, DTYPES, assert_close, gpu, needs_cuda
 
@@ -217,94 +215,6 @@ def test_triton_table_routes_with_the_kernel() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The router and the routing in one kernel (one token)
-
-
-def check_norm_route(
-    hidden: int,
-    num_experts: int,
-    top_k: int,
-    renormalize: bool,
-    placement: Placement,
-    dtype: torch.dtype,
-    with_residual: bool,
-    seed: int,
-) -> None:
-    """The fused op against the unfused Triton path on the same inputs: the same kernel body computes the
-    logits, so the normed row, the sum and the ids must be equal (the unfused routing is checked against
-    the reference above); the weights within bounds. Also against the torch reference op. The arrivals
-    word is back at 0, and a second call accumulates the counters again."""
-    torch.manual_seed(seed)
-    x = torch.randn(1, hidden, device=DEVICE).to(dtype)
-    residual = torch.randn(1, hidden, device=DEVICE).to(dtype) if with_residual else None
-    norm_w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
-    gate = (torch.randn(num_experts, hidden, device=DEVICE) / hidden**0.5).to(dtype)
-    tables = (placement.logical_to_physical, placement.replica_counts)
-    start = torch.randint(0, 100, (placement.num_physical,), dtype=torch.int64, device=DEVICE)
-    counts, ref_counts, torch_counts = start.clone(), start.clone(), start.clone()
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    for call in range(2):
-        h, summed, weights, ids = add_rms_norm_route_triton(
-            x, residual, norm_w, 1e-6, gate, top_k, renormalize, *tables, counts, arrivals=arrivals
-        )
-        assert arrivals.item() == 0, "the last program resets the arrivals word"
-        logits, ref_h, ref_sum = add_rms_norm_linear_triton(x, residual, norm_w, 1e-6, gate, True)
-        ref_w, ref_ids = moe_route_triton(logits, top_k, renormalize, *tables, ref_counts, dtype)
-        assert torch.equal(h, ref_h) and torch.equal(summed, ref_sum), call
-        assert torch.equal(ids, ref_ids), call
-        assert_close(weights, ref_w, dtype, "fused routing weights")
-        assert torch.equal(counts, ref_counts), call
-        t_h, t_sum, t_w, _ = add_rms_norm_route_torch(
-            x.float(), None if residual is None else residual.float(), norm_w.float(), 1e-6, gate.float(),
-            top_k, renormalize, *tables, torch_counts,
-        )  # fmt: skip
-        assert_close(h, t_h, dtype, "normed row")
-        assert_close(summed, t_sum, dtype, "residual sum")
-        assert weights.shape == t_w.shape and ids.dtype == torch.int64
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (60, 8)])
-def test_norm_route_matches_the_unfused_ops(
-    dtype: torch.dtype, with_residual: bool, num_experts: int, top_k: int
-) -> None:
-    placement = random_placement(num_experts, extra=num_experts // 4 + 1, seed=num_experts)
-    check_norm_route(96, num_experts, top_k, True, placement, dtype, with_residual, seed=300 + num_experts)
-
-
-def test_norm_route_replicas_without_renormalising() -> None:
-    check_norm_route(64, 8, 3, False, Placement(EIGHT_ON_ELEVEN, 8), torch.float32, True, seed=301)
-
-
-def test_norm_route_unfused_without_arrivals_or_with_several_rows() -> None:
-    """No arrivals word, or more than one row: the op runs the two kernels, with the same results."""
-    torch.manual_seed(302)
-    placement = random_placement(8, extra=3, seed=4)
-    tables = (placement.logical_to_physical, placement.replica_counts)
-    x, residual = torch.randn(3, 32, device=DEVICE), torch.randn(3, 32, device=DEVICE)
-    norm_w, gate = torch.randn(32, device=DEVICE), torch.randn(8, 32, device=DEVICE)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    for rows, word in ((1, None), (3, arrivals)):
-        counts = torch.zeros(placement.num_physical, dtype=torch.int64, device=DEVICE)
-        ref_counts = counts.clone()
-        h, summed, weights, ids = add_rms_norm_route_triton(
-            x[:rows], residual[:rows], norm_w, 1e-6, gate, 2, True, *tables, counts, arrivals=word
-        )
-        logits, ref_h, ref_sum = add_rms_norm_linear_triton(
-            x[:rows], residual[:rows], norm_w, 1e-6, gate, True
-        )
-        ref_w, ref_ids = moe_route_triton(logits, 2, True, *tables, ref_counts, torch.float32)
-        assert torch.equal(h, ref_h) and torch.equal(summed, ref_sum) and torch.equal(ids, ref_ids)
-        assert torch.equal(weights, ref_w) and torch.equal(counts, ref_counts)
-    assert arrivals.item() == 0
-
-
-def test_triton_table_fuses_router_and_routing() -> None:
-    assert TRITON_OPS.add_rms_norm_route is add_rms_norm_route_triton
-
-
-# ---------------------------------------------------------------------------------------------------------
 # GPU: model shapes, no host sync, CUDA graphs
 
 
@@ -363,46 +273,4 @@ def test_gpu_moe_route_in_cuda_graph() -> None:
         ref_w, ref_ids = moe_route_torch(logits, QWEN3_TOP_K, True, *tables, ref_counts, torch.float32)
         assert torch.equal(ids, ref_ids)
         assert_close(weights, ref_w, torch.bfloat16, "graph-replayed routing weights")
-        assert torch.equal(counts - before, ref_counts)
-
-
-@gpu
-@needs_cuda
-def test_gpu_norm_route_qwen3_shape_in_cuda_graph() -> None:
-    """The fused batch-1 kernel at Qwen3-30B-A3B's router (2048 x 128, top-8): eager against the unfused
-    ops, then captured once and replayed on new rows (the arrivals word must return to 0 every replay), no
-    host synchronisation."""
-    torch.manual_seed(203)
-    placement = random_placement(QWEN3_EXPERTS, extra=16, seed=203)
-    check_norm_route(2048, QWEN3_EXPERTS, QWEN3_TOP_K, True, placement, torch.bfloat16, True, seed=203)
-    tables = (placement.logical_to_physical, placement.replica_counts)
-    x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
-    residual = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
-    norm_w = torch.ones(2048, device=DEVICE, dtype=torch.bfloat16)
-    gate = (torch.randn(QWEN3_EXPERTS, 2048, device=DEVICE) / 45).to(torch.bfloat16)
-    counts = torch.zeros(placement.num_physical, dtype=torch.int64, device=DEVICE)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    args = (x, residual, norm_w, 1e-6, gate, QWEN3_TOP_K, True, *tables, counts)
-    add_rms_norm_route_triton(*args, arrivals=arrivals)  # compile
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        add_rms_norm_route_triton(*args, arrivals=arrivals)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h, summed, weights, ids = add_rms_norm_route_triton(*args, arrivals=arrivals)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        residual.copy_(torch.randn_like(residual))
-        before = counts.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert arrivals.item() == 0
-        ref_counts = torch.zeros_like(counts)
-        logits, ref_h, ref_sum = add_rms_norm_linear_triton(x, residual, norm_w, 1e-6, gate, True)
-        ref_w, ref_ids = moe_route_triton(logits, QWEN3_TOP_K, True, *tables, ref_counts, torch.bfloat16)
-        assert torch.equal(h, ref_h) and torch.equal(summed, ref_sum) and torch.equal(ids, ref_ids)
-        assert_close(weights, ref_w, torch.bfloat16, "graph-replayed fused routing weights")
         assert torch.equal(counts - before, ref_counts)

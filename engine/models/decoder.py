@@ -206,14 +206,14 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: the output projection, the post-attention norm with the projection
-        that reads it (the router and the routing, or the dense MLP's gate-up), and the MLP. Returns the layer's output and
+        that reads it (the router, or the dense MLP's gate-up), and the MLP. Returns the layer's output and
         the residual."""
         o = self.self_attn.output(o)
         if isinstance(self.mlp, MoEBlock):
-            h, residual, topk_w, topk_phys = self.mlp.norm_and_route(
-                o, residual, self.post_attention_layernorm, self.eps
+            logits, h, residual = self.ops.add_rms_norm_linear(
+                o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True
             )
-            return self.mlp.experts(h, topk_w, topk_phys), residual
+            return self.mlp(h, logits), residual
         gate_up, _, residual = self.ops.add_rms_norm_linear(
             o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate_up_proj, False
         )

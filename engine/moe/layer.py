@@ -70,15 +70,12 @@ class MoEBlock(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         )
-        # The word a backend's fused router-and-routing kernel counts its programs' arrivals in (zero
-        # between launches; see ``kernels.triton_moe_routing``).
-        self.register_buffer(
-            "route_arrivals", torch.zeros(1, dtype=torch.int32, device=device), persistent=False
-        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The block on normalised hidden states x [T, H]: router, routing, experts."""
-        router_logits = self.ops.linear(x, self.gate)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The block on normalised hidden states x [T, H]; ``router_logits`` (x @ gate.T) where the caller
+        computed them already (the layer fuses the router with its norm)."""
+        if router_logits is None:
+            router_logits = self.ops.linear(x, self.gate)
         p = self.placement
         topk_w, topk_phys = self.ops.moe_route(
             router_logits,
@@ -89,31 +86,6 @@ class MoEBlock(nn.Module):
             self.expert_counts,
             x.dtype,
         )
-        return self.experts(x, topk_w, topk_phys)
-
-    def norm_and_route(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's post-attention norm (adding the residual) with this block's router and routing, one
-        op (one kernel at batch 1). Returns (normalised x, x + residual, weights, physical ids)."""
-        p = self.placement
-        return self.ops.add_rms_norm_route(
-            x,
-            residual,
-            norm_weight,
-            eps,
-            self.gate,
-            self.top_k,
-            self.norm_topk_prob,
-            p.logical_to_physical,
-            p.replica_counts,
-            self.expert_counts,
-            arrivals=self.route_arrivals,
-        )
-
-    def experts(self, x: torch.Tensor, topk_w: torch.Tensor, topk_phys: torch.Tensor) -> torch.Tensor:
-        """The routed experts on normalised x (through the dispatcher, across EP ranks where there are
-        several), combined by the routing weights."""
         return self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
 
     def _experts(self, x: torch.Tensor, topk_w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
