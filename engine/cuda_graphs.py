@@ -25,6 +25,7 @@ number of padding rows, in one fused launch.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,32 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MAX_GRAPH_BATCH = BUCKETS[-1]
 LAYERS_PER_GRAPH = 8
+
+
+# A capture tolerates other threads' CUDA calls (the default, "global", fails the capture when any thread
+# makes a call that is unsafe during capture, such as destroying another engine's graph or synchronising);
+# the capturing thread itself must still make none, which ``capturing`` sees to for the garbage collector.
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+@contextmanager
+def capturing() -> Iterator[None]:
+    """Around a series of graph captures: collect garbage first, then keep Python's cyclic collector off
+    until the block ends.
+
+    A collection inside a capture may finalise an unreachable engine's CUDA graphs (a previous engine in the
+    same process, kept by a reference cycle), and destroying a graph is not permitted while a stream
+    captures: the capture fails later with "operation failed due to a previous error during capture"
+    (seen intermittently in the GPU tests, which build engines one after another). torch no longer collects
+    at the start of each capture, so this does, once, and defers collections to the end."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextmanager
@@ -185,7 +212,8 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64)
         self._dev32[: self.max_batch].copy_(self._host32[: self.max_batch])
         pool = torch.cuda.graph_pool_handle()
-        with expert_counts_restored(self.model):  # warm-ups and calibration replays see no real tokens
+        # Warm-ups and calibration replays see no real tokens: the expert counters are restored.
+        with capturing(), expert_counts_restored(self.model):
             for size in reversed(self.sizes):
                 pieces = self._pieces(size)
                 side = torch.cuda.Stream()
@@ -197,7 +225,7 @@ class DecodeGraphs:
                 g = _Graph(size, runs=pieces)
                 for run in pieces:  # in order: each piece's outputs, in the pool, are the next one's inputs
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
                         run()
                     g.pieces.append(graph)
                 self.graphs[size] = g

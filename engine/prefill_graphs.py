@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.cuda_graphs import expert_counts_restored, padding_counts
+from engine.cuda_graphs import CAPTURE_ERROR_MODE, capturing, expert_counts_restored, padding_counts
 from engine.models.decoder import AttentionMetadata, DecoderModel
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class PrefillGraphs:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        with expert_counts_restored(self.model):
+        with capturing(), expert_counts_restored(self.model):
             for size in reversed(self.sizes):
                 self._runs[size] = self._pieces(size)
                 meta = AttentionMetadata(
@@ -148,7 +148,10 @@ class PrefillGraphs:
                 graphs = []
                 for run in self._runs[size]:  # in order: each piece's outputs are the next one's inputs
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                    with (
+                        torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE),
+                        torch.inference_mode(),
+                    ):
                         run()
                     graphs.append(graph)
                 self._graphs[size] = graphs

@@ -10,13 +10,16 @@ a decode step is captured in compute exactly the model's forward.
 
 from __future__ import annotations
 
+import gc
 import random
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import capturing
 from engine.llm import CompletionOutput
 from tests.kernel_testing import needs_gpu
 
@@ -134,6 +137,102 @@ def test_graph_replay_equals_eager_at_several_batch_sizes(model: str, dtype: str
         assert_same_greedy(got, reference, exact=dtype == "float32")
         bucket = graphs.bucket_for(batch)
         assert graphs.replays[bucket] > before[bucket], (batch, graphs.replays)
+
+
+def test_capturing_collects_first_and_defers_collections() -> None:
+    """``capturing``: garbage (a reference cycle) is freed on entry, the collector is off inside, and on
+    again after, also when the block raises."""
+    freed = threading.Event()
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            freed.set()
+
+    assert gc.isenabled()
+    Cycle()
+    with capturing():
+        assert freed.is_set()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), capturing():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+
+
+def _graphs_to_discard(count: int) -> list[torch.cuda.CUDAGraph]:
+    x = torch.zeros(8, device="cuda")
+    graphs = []
+    for _ in range(count):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x.add_(1)
+        graphs.append(graph)
+    return graphs
+
+
+@needs_gpu
+def test_capture_survives_the_collector_freeing_old_graphs() -> None:
+    """Regression: graphs of an unreachable engine (here a reference cycle holding captured graphs) must not
+    be finalised inside a capture (destroying a graph is not permitted while a stream captures). The
+    collector is made to run at almost every allocation, so without ``capturing`` it would run inside one."""
+
+    class OldEngine:
+        def __init__(self) -> None:
+            self.me = self
+            self.graphs = _graphs_to_discard(8)
+
+    OldEngine()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        llm = _llm("tiny-moe", "triton", graphs=True, dtype="bfloat16")
+    finally:
+        gc.set_threshold(*threshold)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.prefill_graphs is not None
+    out = llm.generate(_prompts(3, seed=5), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [4, 4, 4]
+
+
+@needs_gpu
+def test_capture_survives_another_thread_freeing_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: another thread's CUDA calls that are unsafe during a capture (here destroying graphs, as
+    an engine torn down on another thread does) must not fail this thread's captures."""
+    graphs = _graphs_to_discard(200)
+    capturing_now, stop = threading.Event(), threading.Event()
+    destroyed_in_capture = 0
+    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
+
+    def capture_begin(self: torch.cuda.CUDAGraph, *args: object, **kwargs: object) -> None:
+        begin(self, *args, **kwargs)
+        capturing_now.set()
+
+    def capture_end(self: torch.cuda.CUDAGraph) -> None:
+        capturing_now.clear()
+        end(self)
+
+    def discard() -> None:
+        nonlocal destroyed_in_capture
+        while graphs and not stop.is_set():
+            if capturing_now.wait(0.01):
+                graphs.pop()  # the last reference: the graph is destroyed on this thread
+                destroyed_in_capture += 1
+                stop.wait(0.001)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", capture_end)
+    thread = threading.Thread(target=discard, daemon=True)
+    thread.start()
+    try:
+        llm = _llm("tiny-moe", "triton", graphs=True, dtype="bfloat16")
+    finally:
+        stop.set()
+        thread.join()
+    assert destroyed_in_capture > 0, "no graph was destroyed while the engine captured"
+    out = llm.generate(_prompts(2, seed=6), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [4, 4]
 
 
 @needs_gpu
