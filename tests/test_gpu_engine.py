@@ -174,19 +174,27 @@ def _graphs_to_discard(count: int) -> list[torch.cuda.CUDAGraph]:
 
 
 @needs_gpu
-def test_capture_survives_the_collector_freeing_old_graphs() -> None:
+def test_capture_survives_the_collector_freeing_old_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: graphs of an unreachable engine (here a reference cycle holding captured graphs) must not
-    be finalised inside a capture (destroying a graph is not permitted while a stream captures). The
-    collector is made to run at almost every allocation, so without ``capturing`` it would run inside one."""
+    be finalised inside a capture (destroying a graph is not permitted while a stream captures). The cycle
+    loses its last outside reference as the first capture begins, and the collector is made to run at
+    almost every allocation, so without ``capturing`` it would run inside that capture."""
 
     class OldEngine:
         def __init__(self) -> None:
             self.me = self
             self.graphs = _graphs_to_discard(8)
 
-    OldEngine()
+    held = [OldEngine()]
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(self: torch.cuda.CUDAGraph, *args: object, **kwargs: object) -> None:
+        begin(self, *args, **kwargs)
+        held.clear()  # the cycle is garbage from now on
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
     threshold = gc.get_threshold()
-    gc.set_threshold(1)
+    gc.set_threshold(1, 1, 1)
     try:
         llm = _llm("tiny-moe", "triton", graphs=True, dtype="bfloat16")
     finally:
