@@ -642,11 +642,14 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     returns the first token), TPOT and throughput, in one of ``SERVE_MODES``.
 
     Arrivals and prompts depend on the rate alone, so every mode serves the same work. The mode is
-    switched on the same engine between runs, with nothing in flight (the engine reads it every step).
+    switched on the same engine between runs, with nothing in flight (the engine reads it every step), and
+    the prefix cache is emptied first: otherwise only the first mode at a rate would prefill its prompts and
+    the later ones would find them cached (as the rows before 2026-11-30 04:40 UTC did).
     """
     async_on, join_prompts = SERVE_MODES[mode]
     engine.config.async_scheduling = async_on
     engine.lookahead_join_prompts = join_prompts
+    engine.reset_prefix_cache()
     rng = np.random.default_rng(int(rate * 1000))
     n = plan.serve_requests
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))

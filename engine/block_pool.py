@@ -217,6 +217,16 @@ class BlockPool:
         if stored:
             self._pending_events.append(BlocksStored(tuple(stored), Tier.GPU, parent))
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached block no sequence holds (each a ``BlocksRemoved`` event); blocks in use stay
+        cached. Returns how many were evicted."""
+        evicted = list(self._evictable)
+        self._evictable.clear()
+        for block in evicted:
+            self._uncache(block)
+            self._push_free(block)
+        return len(evicted)
+
     # ---- release --------------------------------------------------------------------------------
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference from each block; tail blocks first so they are evicted first."""

@@ -76,3 +76,8 @@ class LLM:
             self.engine.step()
             raise
         return [results[rid] for rid in ids]
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix block no request holds (``LLMEngine.reset_prefix_cache``); returns how
+        many blocks were evicted."""
+        return self.engine.reset_prefix_cache()

@@ -637,6 +637,14 @@ class LLMEngine:
             lookahead_joins=self.lookahead_joins,
         )
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix block no request holds, as vLLM's ``reset_prefix_cache`` does (for
+        benchmarks that must start cold, and after weights change); blocks of running requests stay. The
+        removals are published as KV events at once. Returns how many blocks were evicted."""
+        evicted = self.block_pool.reset_prefix_cache()
+        self.block_pool.flush_events()
+        return evicted
+
     def take_expert_counts(self) -> torch.Tensor | None:
         """Tokens per physical expert per MoE layer since the last call, [moe_layers, physical], or None."""
         blocks = self.model.moe_blocks()

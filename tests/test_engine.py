@@ -237,6 +237,42 @@ def test_kv_events_report_stored_and_removed_blocks() -> None:
     assert sorted(removed) == sorted(stored)
 
 
+def test_reset_prefix_cache_evicts_unheld_blocks_and_reports_them() -> None:
+    """``reset_prefix_cache``: a finished prompt's cached blocks are evicted (a later identical prompt
+    computes everything again) and published as removed; the blocks of a request still running stay."""
+    from engine import EngineConfig, LLMEngine
+
+    sink = ListEventSink()
+    engine = LLMEngine(EngineConfig(model="tiny-dense", num_kv_blocks=32, block_size=16), event_sink=sink)
+    done, running = list(range(3, 51)), list(range(60, 108))  # three full blocks each
+    engine.add_request("done", done, SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("running", running, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    while "done" not in [o.request_id for o in engine.step() if o.finished]:
+        pass
+    stored = {h for e in sink.drain() if isinstance(e, BlocksStored) for h in e.block_hashes}
+    from mesh.block_hash import block_hashes
+
+    done_hashes = block_hashes(done, 16, engine.root_hash)
+    assert set(done_hashes) <= stored
+    free_before = engine.block_pool.num_uncached_free_blocks
+    assert engine.reset_prefix_cache() == 3
+    removed = [h for e in sink.drain() if isinstance(e, BlocksRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(done_hashes)  # published at once, and only those
+    assert engine.block_pool.num_uncached_free_blocks == free_before + 3
+    assert engine.reset_prefix_cache() == 0
+    engine.add_request("again", done, SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("shares", running, SamplingParams(max_tokens=1, temperature=0.0))
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                cached[o.request_id] = o.num_cached_tokens
+            if o.request_id == "running" and not o.finished:
+                engine.abort("running")
+    assert cached["again"] == 0  # evicted: computed from scratch
+    assert cached["shares"] == 32  # the running request's blocks stayed cached (the last one is recomputed)
+
+
 def test_physical_expert_replicas_give_same_tokens() -> None:
     from engine import EngineConfig, LLMEngine
     from engine.loader import load_model
