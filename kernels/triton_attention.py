@@ -122,7 +122,7 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,
     pool_ptr,
@@ -305,7 +305,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _extend_kernel(
     q_ptr,
     pool_ptr,

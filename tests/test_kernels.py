@@ -522,6 +522,36 @@ def test_pdl_only_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch) -> No
     assert triton_device.pdl_kwargs(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
+@pytest.mark.parametrize("kernel", ["_extend_kernel", "_decode_split_kernel"])
+def test_attention_compiles_one_variant_for_any_block_table_width(kernel: str) -> None:
+    """Triton compiles a variant of a kernel per class of each integer argument it specialises on (equal to
+    1, divisible by 16, other). The block table's width varies from step to step in eager attention (the
+    prefill graphs' attention runs eagerly), so the attention kernels must not specialise on its stride (or
+    on the sequence count): a new class would compile in the middle of serving. Checked with Triton's own
+    argument binder for an sm_90 target (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = getattr(triton_attention, kernel)
+    if not isinstance(fn, JITFunction):  # under the interpreter: the same function, jitted as on a GPU
+        fn = JITFunction(fn.fn, **fn.kwargs)
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    variants = set()
+    for width, seqs in ((1, 1), (33, 3), (47, 16), (48, 17), (64, 64)):
+        args: dict[str, object] = {}
+        for param in fn.params:
+            name = param.name
+            if param.is_constexpr:
+                args[name] = "tf32" if name == "DOT_PRECISION" else 16
+            elif name.endswith("_ptr"):
+                args[name] = torch.empty(64, dtype=torch.int32)
+            else:
+                args[name] = {"stride_bt": width, "num_seqs": seqs}.get(name, 0.5 if "scale" in name else 7)
+        variants.add(str(binder(**args)[1]))
+    assert len(variants) == 1, variants
+
+
 def test_every_pdl_kernel_waits_before_its_first_load() -> None:
     """A kernel launched with PDL may start while the previous one still writes its inputs: each kernel
     with a USE_PDL switch must call pdl_wait before any tl.store, and before any tl.load except those
