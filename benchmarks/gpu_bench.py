@@ -644,7 +644,7 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     Arrivals and prompts depend on the rate alone, so every mode serves the same work. The mode is
     switched on the same engine between runs, with nothing in flight (the engine reads it every step), and
     the prefix cache is emptied first: otherwise only the first mode at a rate would prefill its prompts and
-    the later ones would find them cached (as the rows before 2026-11-30 04:40 UTC did).
+    the later ones would find them cached (as the rows before 2026-11-30 04:25 UTC did).
     """
     async_on, join_prompts = SERVE_MODES[mode]
     engine.config.async_scheduling = async_on

@@ -640,7 +640,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Evict every cached prefix block no request holds, as vLLM's ``reset_prefix_cache`` does (for
         benchmarks that must start cold, and after weights change); blocks of running requests stay. The
-        removals are published as KV events at once. Returns how many blocks were evicted."""
+        removals are published as KV events at once. Returns how many blocks were evicted. Not thread-safe,
+        like every engine method: on an ``AsyncEngine`` run it through ``AsyncEngine.call``."""
         evicted = self.block_pool.reset_prefix_cache()
         self.block_pool.flush_events()
         return evicted
