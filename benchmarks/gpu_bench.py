@@ -629,6 +629,32 @@ def e2e_point(engine: LLMEngine, name: str, batch: int, plan: Plan, res: Results
     log.info("e2e %s", json.dumps(row))
 
 
+class CompileLog:
+    """Triton JIT compiles as they happen (the runtime's pre- and post-compile hooks): kernel and seconds.
+    A compile inside a served step is what a request waits for; the serve rows count them."""
+
+    def __init__(self) -> None:
+        self.compiles: list[tuple[str, float]] = []
+        self._started = 0.0
+
+    def install(self) -> None:
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = self._before
+        triton.knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, **kwargs: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, *, fn: Any, **kwargs: Any) -> None:
+        seconds = time.perf_counter() - self._started
+        self.compiles.append((fn.name, seconds))
+        log.info("triton compile: %s, %.2f s", fn.name, seconds)
+
+
+COMPILES = CompileLog()
+
+
 SERVE_MODES = {  # asynchronous scheduling, new prompts joining the lookahead step
     "off": (False, False),
     "on": (True, True),
@@ -660,6 +686,7 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     last: dict[int, float] = {}
     counts = [0] * n
     before = (engine.lookahead_steps, engine.lookahead_drains, engine.lookahead_joins)
+    compiles_before = len(COMPILES.compiles)
     steps = 0
     t0 = time.perf_counter()
     added = 0
@@ -700,6 +727,8 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
         lookahead_steps=engine.lookahead_steps - before[0],
         lookahead_drains=engine.lookahead_drains - before[1],
         lookahead_joins=engine.lookahead_joins - before[2],
+        compiles=len(COMPILES.compiles) - compiles_before,  # Triton JIT compiles during the run
+        compile_s=sum(t for _, t in COMPILES.compiles[compiles_before:]),
     )
     res.serve.append(row)
     log.info("serve %s", json.dumps(row))
@@ -926,15 +955,15 @@ def summary(res: Results, plan: Plan) -> str:
             f"{plan.e2e_new} new tokens; asynchronous scheduling off, on, and on with new prompts draining "
             "the step in flight (on-drain)",
             "| model | req/s | async | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | steps "
-            "| lookahead steps | drains | joins |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| lookahead steps | drains | joins | JIT compiles (s) |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in res.serve:
             lines.append(
                 f"| {r['model']} | {r['rate']:g} | {r['mode']} "
                 f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} "
                 f"| {r['tpot_p99_ms']:.2f} | {r['tok_s']:.0f} | {r['steps']} | {r['lookahead_steps']} "
-                f"| {r['lookahead_drains']} | {r['lookahead_joins']} |"
+                f"| {r['lookahead_drains']} | {r['lookahead_joins']} | {r['compiles']} ({r['compile_s']:.1f}) |"
             )
     lines += ["", "targets:"]
     for shape in SHAPES:
@@ -1065,6 +1094,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling, serve_modes=modes)
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl
+    if plan.device == "cuda":
+        COMPILES.install()
     res = Results(env=environment(plan))
     log.info("environment %s", json.dumps(res.env))
     if "ceilings" in sections and plan.device == "cuda":
