@@ -48,7 +48,9 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None,
         "Overlap the host's scheduling and output processing with the next decode step (one step of "
-        "lookahead). Unset: on for CUDA devices, off on the CPU (where host and device work do not overlap).",
+        "lookahead): lower time per output token and higher throughput, but each step's tokens come back "
+        "one step later, so time to first token rises under load. Unset: on for CUDA devices, off on the "
+        "CPU (where host and device work do not overlap).",
     )
     cache_salt: str | None = setting(
         None,
@@ -57,7 +59,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "Asynchronous scheduling"
+        if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "What is left", item 3
             self.async_scheduling = self.device == "cuda"
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
