@@ -48,9 +48,9 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None,
         "Overlap the host's scheduling and output processing with the next decode step (one step of "
-        "lookahead): lower time per output token and higher throughput, but each step's tokens come back "
-        "one step later, so time to first token rises under load. Unset: on for CUDA devices, off on the "
-        "CPU (where host and device work do not overlap).",
+        "lookahead): lower time per output token and higher throughput, but a new request joins after the "
+        "step already queued, so time to first token rises by about one step. Unset: on for CUDA devices, "
+        "off on the CPU (where host and device work do not overlap).",
     )
     cache_salt: str | None = setting(
         None,
