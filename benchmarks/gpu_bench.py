@@ -803,14 +803,14 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
             for batch in plan.e2e_batches:
                 e2e_point(engine, shape, batch, plan, res)
         if "serve" in sections:
-            setting = engine.config.async_scheduling
+            setting, join_prompts = engine.config.async_scheduling, engine.lookahead_join_prompts
             try:
                 for rate in plan.serve_rates:
                     for mode in plan.serve_modes:
                         serve_point(engine, shape, rate, mode, plan, res)
             finally:
                 engine.config.async_scheduling = setting
-                engine.lookahead_join_prompts = True
+                engine.lookahead_join_prompts = join_prompts
     finally:
         del engine
         gc.collect()
@@ -1056,7 +1056,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--serve-modes",
-        default="off,on,on-drain",
+        default=",".join(Plan.serve_modes),
         help="comma-separated serve modes: off, on (asynchronous scheduling), on-drain (on, with new prompts "
         "draining the step in flight as before they could join it)",
     )
