@@ -12,7 +12,9 @@ two), takes the softmax denominator in float32, then picks the k experts by k ro
 argmax-and-exclude. Selection compares the float32 logits rather than the probabilities: softmax is
 strictly increasing in the logit, so the order is the reference's, and rounding cannot turn two distinct
 logits into a tie. Among equal logits the lowest expert index wins (``torch.topk`` leaves that order
-unspecified). The weights are ``exp(l - max) / sum``, renormalised over the k if asked, stored in
+unspecified). Each logit becomes one integer key that orders like it, with the expert index in its low
+bits as the tie-break (32 bits for 16-bit logits, whose widened mantissas end in zeros; 64 for float32),
+so a round is one max-reduction, and the chosen logit is decoded from the key exactly. The weights are ``exp(l - max) / sum``, renormalised over the k if asked, stored in
 ``out_dtype``; the physical id is ``logical_to_physical[e, token % replica_counts[e]]``, stored as int64,
 and each (token, k) pair adds 1 to ``expert_counts[physical]`` with a relaxed atomic.
 """
@@ -48,6 +50,7 @@ def _moe_route_kernel(
     stride_counts,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    KEY64: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,21 +66,41 @@ def _moe_route_kernel(
     ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
     logits = tl.load(ptrs, mask=token_mask[:, None] & expert_mask[None, :], other=0.0).to(tl.float32)
     logits = tl.where(expert_mask[None, :], logits, float("-inf"))
+    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: the keys below order the zeros alike
     row_max = tl.max(logits, axis=1)
     denom = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
 
-    # k rounds of argmax over the experts not yet taken; ties go to the lowest index.
-    available = tl.broadcast_to(expert_mask[None, :], [BLOCK_T, BLOCK_E])
+    # One integer key per logit that orders like the logit, with ties broken towards the lowest index,
+    # so each of the k rounds below is one max-reduction (argmax-and-exclude in one step).
+    bits = logits.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip a negative's magnitude bits: sign-magnitude order
+    rank = BLOCK_E - 1 - experts
+    if KEY64:
+        key = (ordered.to(tl.int64) << 32) | rank.to(tl.int64)[None, :]
+        key = tl.where(expert_mask[None, :], key, -9223372036854775807 - 1)
+    else:
+        # A 16-bit float widened to float32 has at least 13 zero mantissa bits at the bottom (ones, once a
+        # negative's are flipped), so the index fits there without changing the order of distinct logits.
+        key = (ordered & ~(BLOCK_E - 1)) | rank[None, :]
+        key = tl.where(expert_mask[None, :], key, -2147483647 - 1)
+
     top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     top_e = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        candidates = tl.where(available, logits, float("-inf"))
-        best = tl.max(candidates, axis=1)
-        is_best = available & (candidates == best[:, None])
-        choice = tl.min(tl.where(is_best, experts[None, :], BLOCK_E), axis=1)
-        choice = tl.minimum(choice, num_experts - 1)  # a NaN row matches nothing: stay in bounds
-        available = available & (experts[None, :] != choice[:, None])
-        prob = tl.exp(best - row_max) / denom
+        best = tl.max(key, axis=1)
+        if KEY64:
+            key = tl.where(key == best[:, None], -9223372036854775807 - 1, key)  # taken: never again
+        else:
+            key = tl.where(key == best[:, None], -2147483647 - 1, key)
+        choice = (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32)
+        choice = tl.minimum(choice, num_experts - 1)  # stays in bounds whatever the logits hold
+        if KEY64:
+            high = (best >> 32).to(tl.int32)
+        else:
+            high = best & ~(BLOCK_E - 1)
+            high = high | ((high >> 31) & (BLOCK_E - 1))  # a negative's low bits were ones before the index
+        value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the logit back, exactly
+        prob = tl.exp(value - row_max) / denom
         top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
         top_e = tl.where(slots[None, :] == j, choice.to(tl.int64)[:, None], top_e)
 
@@ -95,6 +118,13 @@ def _moe_route_kernel(
     tl.store(ids_ptr + out_offs, physical, mask=pair_mask)
     ones = tl.full([BLOCK_T, BLOCK_K], 1, dtype=counts_ptr.dtype.element_ty)
     tl.atomic_add(counts_ptr + physical * stride_counts, ones, mask=pair_mask, sem="relaxed")
+
+
+def _needs_64_bit_keys(dtype: torch.dtype, block_e: int) -> bool:
+    """Whether the kernel's selection keys need 64 bits: float32 logits use every bit of the key's top
+    half; 16-bit logits widened to float32 leave 13 (fp16) or 16 (bf16) zero bits for the expert index."""
+    free_bits = {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
+    return block_e > 1 << free_bits
 
 
 def moe_route_triton(
@@ -129,7 +159,7 @@ def moe_route_triton(
         num_tokens, num_experts,
         router_logits.stride(0), router_logits.stride(1),
         logical_to_physical.stride(0), logical_to_physical.stride(1), expert_counts.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize,
+        TOP_K=top_k, RENORMALIZE=renormalize, KEY64=_needs_64_bit_keys(router_logits.dtype, block_e),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         **pdl_kwargs(router_logits.device), num_warps=num_warps,
     )  # fmt: skip

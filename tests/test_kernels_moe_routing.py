@@ -102,7 +102,7 @@ def check_route(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_experts", [8, 60, 128])
+@pytest.mark.parametrize("num_experts", [8, 60, 128, 256])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_moe_route_matches_reference(
@@ -198,6 +198,40 @@ def test_moe_route_ties_pick_the_lowest_expert() -> None:
     )
     assert ids.tolist() == [[0, 1, 2], [5, 0, 1], [0, 1, 2]]
     assert_close(weights[0], torch.full((3,), 1 / 8, device=DEVICE), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_moe_route_ties_among_negatives_and_signed_zeros(dtype: torch.dtype) -> None:
+    """The selection keys (32 bits for 16-bit logits, 64 for float32) keep the tie rule where the sign bit
+    flips a key's low bits: -0.0 ties with +0.0, and equal negatives go lowest index first too."""
+    placement = Placement(list(range(8)), 8)
+    counts = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    row = [-1.0, -0.0, 0.0, -1.0, -0.0, -2.5, -1.0, -2.5]
+    logits = torch.tensor([row, row[::-1]], device=DEVICE, dtype=dtype)
+    weights, ids = moe_route_triton(
+        logits, 8, False, placement.logical_to_physical, placement.replica_counts, counts, torch.float32
+    )
+    assert ids.tolist() == [[1, 2, 4, 0, 3, 6, 5, 7], [3, 5, 6, 1, 4, 7, 0, 2]]
+    ref_w, _ = moe_route_torch(logits, 8, False, placement.logical_to_physical, placement.replica_counts,
+                               torch.zeros_like(counts), torch.float32)  # fmt: skip
+    assert_close(weights, ref_w, torch.float32, "weights of tied logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_moe_route_neighbouring_16_bit_logits(dtype: torch.dtype) -> None:
+    """Logits one unit in the last place apart (both signs, at two exponents, and a zero), shuffled:
+    packing the expert index into the widened mantissa must not reorder any two of them. (Not subnormal or
+    tiny ones: their softmax probabilities tie in float32, so the reference leaves their order open.)"""
+    torch.manual_seed(107)
+    one, four = (0x3F80, 0x4080) if dtype == torch.bfloat16 else (0x3C00, 0x4400)
+    codes = [one + i for i in range(16)] + [0x8000 | (one + i) for i in range(16)]
+    codes += [four + i for i in range(15)] + [0x8000 | (four + i) for i in range(15)] + [0]
+    bits = torch.tensor(codes, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype).to(DEVICE)  # 63 distinct values
+    logits = torch.stack([values[torch.randperm(63)] for _ in range(5)])
+    check_route(logits, 8, True, Placement(list(range(63)), 63), dtype)
+    # Every one of the 63, in order: the full ranking survives packing.
+    check_route(logits, 63, False, Placement(list(range(63)), 63), torch.float32)
 
 
 def test_moe_route_rejects_k_above_experts() -> None:
