@@ -16,7 +16,9 @@ unspecified). Each logit becomes one integer key that orders like it, with the e
 bits as the tie-break (32 bits for 16-bit logits, whose widened mantissas end in zeros; 64 for float32),
 so a round is one max-reduction, and the chosen logit is decoded from the key exactly. The weights are ``exp(l - max) / sum``, renormalised over the k if asked, stored in
 ``out_dtype``; the physical id is ``logical_to_physical[e, token % replica_counts[e]]``, stored as int64,
-and each (token, k) pair adds 1 to ``expert_counts[physical]`` with a relaxed atomic.
+and each (token, k) pair adds 1 to ``expert_counts[physical]`` with a relaxed atomic. The physical id of
+every expert is gathered before the PDL wait (the tables are step inputs), and each round picks its
+chosen expert's id out of registers with a second max-reduction.
 """
 
 from __future__ import annotations
@@ -56,15 +58,22 @@ def _moe_route_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
     token_mask = tokens < num_tokens
     expert_mask = experts < num_experts
+    # Every expert's physical replica for these tokens, before the wait: the placement tables are step
+    # inputs that no kernel of the step writes, so no dependent round trip to them follows the selection.
+    replicas = tl.load(replica_counts_ptr + experts, mask=expert_mask, other=1)  # pre-wait: step input
+    replica = tokens.to(tl.int32)[:, None] % replicas.to(tl.int32)[None, :]
+    tile_mask = token_mask[:, None] & expert_mask[None, :]
+    l2p_ptrs = l2p_ptr + experts[None, :] * stride_l2p_e + replica * stride_l2p_r
+    physical_of = tl.load(l2p_ptrs, mask=tile_mask, other=0).to(tl.int32)  # pre-wait: step input
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
 
     ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
-    logits = tl.load(ptrs, mask=token_mask[:, None] & expert_mask[None, :], other=0.0).to(tl.float32)
+    logits = tl.load(ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     logits = tl.where(expert_mask[None, :], logits, float("-inf"))
     logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: the keys below order the zeros alike
     row_max = tl.max(logits, axis=1)
@@ -85,15 +94,16 @@ def _moe_route_kernel(
         key = tl.where(expert_mask[None, :], key, -2147483647 - 1)
 
     top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    top_e = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    top_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
+        taken = key == best[:, None]  # one expert per token: the index makes every key distinct
         if KEY64:
-            key = tl.where(key == best[:, None], -9223372036854775807 - 1, key)  # taken: never again
+            key = tl.where(taken, -9223372036854775807 - 1, key)  # never chosen again
         else:
-            key = tl.where(key == best[:, None], -2147483647 - 1, key)
-        choice = (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32)
-        choice = tl.minimum(choice, num_experts - 1)  # stays in bounds whatever the logits hold
+            key = tl.where(taken, -2147483647 - 1, key)
+        # Its physical id; an out-of-range choice (only if k exceeded the experts) finds none: -1 -> 0.
+        physical_j = tl.maximum(tl.max(tl.where(taken & expert_mask[None, :], physical_of, -1), axis=1), 0)
         if KEY64:
             high = (best >> 32).to(tl.int32)
         else:
@@ -102,7 +112,7 @@ def _moe_route_kernel(
         value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the logit back, exactly
         prob = tl.exp(value - row_max) / denom
         top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
-        top_e = tl.where(slots[None, :] == j, choice.to(tl.int64)[:, None], top_e)
+        top_p = tl.where(slots[None, :] == j, physical_j[:, None], top_p)
 
     pair_mask = token_mask[:, None] & (slots[None, :] < TOP_K)
     if RENORMALIZE:
@@ -110,11 +120,7 @@ def _moe_route_kernel(
     out_offs = tokens[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + out_offs, top_w.to(weights_ptr.dtype.element_ty), mask=pair_mask)
 
-    # Replica token % replicas(e) of each chosen expert, so the replicas share the load.
-    replicas = tl.load(replica_counts_ptr + top_e, mask=pair_mask, other=1)
-    replica = tokens[:, None] % replicas
-    physical = tl.load(l2p_ptr + top_e * stride_l2p_e + replica * stride_l2p_r, mask=pair_mask, other=0)
-    physical = physical.to(tl.int64)
+    physical = top_p.to(tl.int64)
     tl.store(ids_ptr + out_offs, physical, mask=pair_mask)
     ones = tl.full([BLOCK_T, BLOCK_K], 1, dtype=counts_ptr.dtype.element_ty)
     tl.atomic_add(counts_ptr + physical * stride_counts, ones, mask=pair_mask, sem="relaxed")
