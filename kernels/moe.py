@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.moe_routing import moe_route_torch
-
 
 def fused_moe_torch(
     x: torch.Tensor,
@@ -43,25 +41,3 @@ def fused_moe_torch(
         y = (act @ w2[expert].t()) * flat_w[sel].unsqueeze(1).to(x.dtype)
         out.index_add_(0, tokens, y)
     return out
-
-
-def routed_moe_torch(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    logical_to_physical: torch.Tensor,
-    replica_counts: torch.Tensor,
-    physical_by_row: torch.Tensor,
-    expert_counts: torch.Tensor,
-) -> torch.Tensor:
-    """Routing (``moe_route_torch``, counters included) then the experts, for one rank that holds every
-    physical expert. ``physical_by_row`` [R, E] int32, row t: ``logical_to_physical[e, t % replica_counts[e]]``
-    (what the Triton op reads instead of the two tables for its first R tokens); unused here."""
-    del physical_by_row
-    weights, ids = moe_route_torch(
-        router_logits, top_k, renormalize, logical_to_physical, replica_counts, expert_counts, x.dtype
-    )
-    return fused_moe_torch(x, w13, w2, weights, ids)

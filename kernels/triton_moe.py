@@ -41,7 +41,6 @@ import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_device import pdl_kwargs, pdl_wait
-from kernels.triton_moe_routing import _needs_64_bit_keys, _select_experts, moe_route_triton
 
 
 @dataclass(frozen=True)
@@ -505,46 +504,16 @@ def _moe_small_gate_up_kernel(
     stride_wn,
     up_offset,
     stride_am,
-    logits_ptr,
-    physical_ptr,
-    counts_ptr,
-    num_experts,
-    stride_lt,
-    stride_le,
-    stride_pt,
-    stride_counts,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr,
-    KEY64: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_J: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n.
-
-    With ROUTE the pair's expert is chosen here from the router logits (``_select_experts``, as the
-    routing kernel chooses) instead of read from ``topk_ids``, and the pair's first program adds it to
-    the expert counters: the routing launch and its dependent round trip leave the chain."""
+    """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pair = tl.program_id(0)
     token = pair // TOP_K
-    if ROUTE:
-        logical = tl.arange(0, BLOCK_E)
-        logical_mask = logical < num_experts
-        physical_row = physical_ptr + token * stride_pt + logical
-        physical_of = tl.load(physical_row, mask=logical_mask, other=0)[None, :]  # pre-wait: step input
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    if ROUTE:
-        logits_row = logits_ptr + token.to(tl.int64) * stride_lt + logical * stride_le
-        logits = tl.load(logits_row, mask=logical_mask, other=0.0).to(tl.float32)[None, :]
-        slots = tl.arange(0, BLOCK_J)
-        _, chosen = _select_experts(logits, logical_mask, physical_of, slots, TOP_K, False, KEY64, BLOCK_E)
-        expert = tl.sum(tl.where(slots[None, :] == pair % TOP_K, chosen, 0)).to(tl.int64)
-        if tl.program_id(1) == 0:
-            tl.atomic_add(counts_ptr + expert * stride_counts, 1, sem="relaxed")
-    else:
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -584,20 +553,10 @@ def _moe_small_down_kernel(
     stride_we,
     stride_wn,
     stride_om,
-    logits_ptr,
-    physical_ptr,
-    num_experts,
-    stride_lt,
-    stride_le,
-    stride_pt,
     TOP_K: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    KEY64: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
@@ -608,31 +567,15 @@ def _moe_small_down_kernel(
 
     The ids and weights are also inputs of the gate-up kernel launched just before this one, so they were
     complete before that kernel passed its own PDL wait, which it did before this kernel could start:
-    they are read before this kernel's wait, and only ``act`` after it. With ROUTE the same holds for the
-    router logits: this kernel chooses the token's experts and weights from them before its wait, exactly
-    as the gate-up kernel did (``_select_experts``), the weights rounded to the activations' dtype as the
-    routing op stores them."""
+    they are read before this kernel's wait, and only ``act`` after it."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     js = tl.arange(0, BLOCK_J)
     j_mask = js < TOP_K
     pairs = token * TOP_K + js
-    if ROUTE:
-        logical = tl.arange(0, BLOCK_E)
-        logical_mask = logical < num_experts
-        physical_row = physical_ptr + token * stride_pt + logical
-        physical_of = tl.load(physical_row, mask=logical_mask, other=0)[None, :]  # pre-wait: step input
-        logits_row = logits_ptr + token.to(tl.int64) * stride_lt + logical * stride_le
-        logits = tl.load(logits_row, mask=logical_mask, other=0.0)  # pre-wait: gate-up's input
-        top_w, top_p = _select_experts(logits.to(tl.float32)[None, :], logical_mask, physical_of, js,
-                                       TOP_K, RENORMALIZE, KEY64, BLOCK_E)  # fmt: skip
-        experts = tl.reshape(top_p, [BLOCK_J]).to(tl.int64)
-        weights = tl.reshape(top_w, [BLOCK_J]).to(act_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0)  # pre-wait: gate-up's input
-        weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0)  # pre-wait: same
-        experts, weights = experts.to(tl.int64), weights.to(tl.float32)
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
+    weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
@@ -655,48 +598,18 @@ def _moe_small_down_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@dataclass(frozen=True)
-class SmallRouting:
-    """Routing inputs for the small path's routed kernels (``routed_moe_triton``): router logits [T, E]
-    (logical experts), each row's physical replica of each logical expert [>= T, E] int32, the counters
-    [P] int64 to add each pair to, and whether the k weights are renormalised."""
-
-    logits: torch.Tensor
-    physical_by_row: torch.Tensor
-    counts: torch.Tensor
-    renormalize: bool
-
-
 def _fused_moe_small(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    topk_ids: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     cfg: MoeSmallConfig,
-    routing: SmallRouting | None = None,
-    top_k: int | None = None,
 ) -> torch.Tensor:
-    """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller).
-    With ``routing`` (and ``top_k``) the kernels choose the experts themselves; the top-k tensors are None."""
+    """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller)."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
-    if routing is None:
-        assert topk_ids is not None and topk_weights is not None
-        top_k = topk_ids.shape[1]
-        logits = physical = counts = topk_ids  # unused pointers
-        num_logical, stride_lt, stride_le, stride_pt, stride_counts = 1, 0, 0, 0, 0
-        route_kw = {"ROUTE": False, "KEY64": False, "BLOCK_E": 1}
-    else:
-        assert top_k is not None
-        logits, physical, counts = routing.logits, routing.physical_by_row, routing.counts
-        topk_ids = topk_weights = logits  # unused pointers
-        num_logical = logits.shape[1]
-        stride_lt, stride_le = logits.stride()
-        stride_pt, stride_counts = physical.stride(0), counts.stride(0)
-        block_e = triton.next_power_of_2(num_logical)
-        route_kw = {"ROUTE": True, "KEY64": _needs_64_bit_keys(logits.dtype, block_e), "BLOCK_E": block_e}
-    block_j = triton.next_power_of_2(top_k)
+    top_k = topk_ids.shape[1]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     # Pair (token) is grid axis 0, the fastest: pairs sharing an expert read its tile at about the same time.
@@ -704,17 +617,14 @@ def _fused_moe_small(
     _moe_small_gate_up_kernel[grid_a](
         x, w13, act, topk_ids, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
-        logits, physical, counts, num_logical, stride_lt, stride_le, stride_pt, stride_counts,
-        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, BLOCK_J=block_j, **route_kw,
+        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
         **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
     )  # fmt: skip
     grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
     _moe_small_down_kernel[grid_b](
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        logits, physical, num_logical, stride_lt, stride_le, stride_pt,
-        TOP_K=top_k, BLOCK_J=block_j, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        RENORMALIZE=routing is not None and routing.renormalize, **route_kw,
+        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
@@ -760,41 +670,3 @@ def fused_moe_triton(
     down = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, topk_weights, sorted_ids, expert_ids, num_rows_padded, 1, True, cfg)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
-
-
-def routed_moe_triton(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    logical_to_physical: torch.Tensor,
-    replica_counts: torch.Tensor,
-    physical_by_row: torch.Tensor,
-    expert_counts: torch.Tensor,
-) -> torch.Tensor:
-    """Routing and experts in one op (``kernels/moe.py::routed_moe_torch``): on the small path at most
-    ``physical_by_row``'s rows of tokens, the two small-path kernels choose the experts themselves from the
-    router logits, one launch fewer per MoE layer; elsewhere ``moe_route_triton`` then ``fused_moe_triton``.
-    Both give the same experts, weights, counters and output."""
-    num_tokens = x.shape[0]
-    num_logical = router_logits.shape[1]
-    if not 0 < top_k <= num_logical:
-        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_logical})")
-    small = use_small_path(num_tokens * top_k, w13.shape[0]) and num_tokens <= physical_by_row.shape[0]
-    if num_tokens == 0 or not small:
-        weights, ids = moe_route_triton(
-            router_logits, top_k, renormalize, logical_to_physical, replica_counts, expert_counts, x.dtype
-        )
-        return fused_moe_triton(x, w13, w2, weights, ids)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("expert weights must be contiguous in their last dimension")
-    if physical_by_row.dtype != torch.int32 or physical_by_row.stride(-1) != 1:
-        raise ValueError("physical_by_row must be int32 and contiguous in its last dimension")
-    routing = SmallRouting(router_logits, physical_by_row, expert_counts, renormalize)
-    return _fused_moe_small(
-        x, w13, w2, None, None, moe_small_config(x.device, num_tokens), routing=routing, top_k=top_k
-    )

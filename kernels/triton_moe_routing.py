@@ -35,67 +35,6 @@ _TILE_ELEMENTS = 2048
 _TARGET_PROGRAMS = 128
 
 
-@triton.jit
-def _select_experts(
-    logits,
-    expert_mask,
-    physical_of,
-    slots,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    KEY64: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """The top-k experts of each row of ``logits`` [R, BLOCK_E] (float32; lanes outside ``expert_mask``
-    [BLOCK_E] are ignored): weights [R, BLOCK_K] in float32, descending, renormalised over the k if
-    asked, and their physical ids [R, BLOCK_K] int32 taken from ``physical_of`` [R, BLOCK_E]. Slots
-    ``slots`` >= TOP_K hold 0. Shared by the routing kernel and the small MoE path's routed kernels, so
-    both choose alike."""
-    experts = tl.arange(0, BLOCK_E)
-    logits = tl.where(expert_mask[None, :], logits, float("-inf"))
-    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: the keys below order the zeros alike
-    row_max = tl.max(logits, axis=1)
-    denom = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
-
-    # One integer key per logit that orders like the logit, with ties broken towards the lowest index,
-    # so each of the k rounds below is one max-reduction (argmax-and-exclude in one step).
-    bits = logits.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip a negative's magnitude bits: sign-magnitude order
-    rank = BLOCK_E - 1 - experts
-    if KEY64:
-        key = (ordered.to(tl.int64) << 32) | rank.to(tl.int64)[None, :]
-        key = tl.where(expert_mask[None, :], key, -9223372036854775807 - 1)
-    else:
-        # A 16-bit float widened to float32 has at least 13 zero mantissa bits at the bottom (ones, once a
-        # negative's are flipped), so the index fits there without changing the order of distinct logits.
-        key = (ordered & ~(BLOCK_E - 1)) | rank[None, :]
-        key = tl.where(expert_mask[None, :], key, -2147483647 - 1)
-
-    top_w = tl.zeros([logits.shape[0], slots.shape[0]], dtype=tl.float32)
-    top_p = tl.zeros([logits.shape[0], slots.shape[0]], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        taken = key == best[:, None]  # one expert per token: the index makes every key distinct
-        if KEY64:
-            key = tl.where(taken, -9223372036854775807 - 1, key)  # never chosen again
-        else:
-            key = tl.where(taken, -2147483647 - 1, key)
-        # Its physical id; an out-of-range choice (only if k exceeded the experts) finds none: -1 -> 0.
-        physical_j = tl.maximum(tl.max(tl.where(taken & expert_mask[None, :], physical_of, -1), axis=1), 0)
-        if KEY64:
-            high = (best >> 32).to(tl.int32)
-        else:
-            high = best & ~(BLOCK_E - 1)
-            high = high | ((high >> 31) & (BLOCK_E - 1))  # a negative's low bits were ones before the index
-        value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the logit back, exactly
-        prob = tl.exp(value - row_max) / denom
-        top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
-        top_p = tl.where(slots[None, :] == j, physical_j[:, None], top_p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    return top_w, top_p
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_route_kernel(
     logits_ptr,
@@ -135,11 +74,49 @@ def _moe_route_kernel(
 
     ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
     logits = tl.load(ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    top_w, top_p = _select_experts(
-        logits, expert_mask, physical_of, slots, TOP_K, RENORMALIZE, KEY64, BLOCK_E
-    )
+    logits = tl.where(expert_mask[None, :], logits, float("-inf"))
+    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: the keys below order the zeros alike
+    row_max = tl.max(logits, axis=1)
+    denom = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
+
+    # One integer key per logit that orders like the logit, with ties broken towards the lowest index,
+    # so each of the k rounds below is one max-reduction (argmax-and-exclude in one step).
+    bits = logits.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip a negative's magnitude bits: sign-magnitude order
+    rank = BLOCK_E - 1 - experts
+    if KEY64:
+        key = (ordered.to(tl.int64) << 32) | rank.to(tl.int64)[None, :]
+        key = tl.where(expert_mask[None, :], key, -9223372036854775807 - 1)
+    else:
+        # A 16-bit float widened to float32 has at least 13 zero mantissa bits at the bottom (ones, once a
+        # negative's are flipped), so the index fits there without changing the order of distinct logits.
+        key = (ordered & ~(BLOCK_E - 1)) | rank[None, :]
+        key = tl.where(expert_mask[None, :], key, -2147483647 - 1)
+
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    top_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)
+        taken = key == best[:, None]  # one expert per token: the index makes every key distinct
+        if KEY64:
+            key = tl.where(taken, -9223372036854775807 - 1, key)  # never chosen again
+        else:
+            key = tl.where(taken, -2147483647 - 1, key)
+        # Its physical id; an out-of-range choice (only if k exceeded the experts) finds none: -1 -> 0.
+        physical_j = tl.maximum(tl.max(tl.where(taken & expert_mask[None, :], physical_of, -1), axis=1), 0)
+        if KEY64:
+            high = (best >> 32).to(tl.int32)
+        else:
+            high = best & ~(BLOCK_E - 1)
+            high = high | ((high >> 31) & (BLOCK_E - 1))  # a negative's low bits were ones before the index
+        value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the logit back, exactly
+        prob = tl.exp(value - row_max) / denom
+        top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
+        top_p = tl.where(slots[None, :] == j, physical_j[:, None], top_p)
 
     pair_mask = token_mask[:, None] & (slots[None, :] < TOP_K)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     out_offs = tokens[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + out_offs, top_w.to(weights_ptr.dtype.element_ty), mask=pair_mask)
 

@@ -13,8 +13,6 @@ from torch import nn
 from engine.moe.dispatch import SingleRankDispatcher, TokenDispatcher
 from kernels import Ops
 
-PHYSICAL_ROWS = 64
-
 
 class ExpertPlacement:
     """Physical-to-logical map of one layer and the logical-to-physical replica table derived from it
@@ -32,11 +30,6 @@ class ExpertPlacement:
         table = [r + [-1] * (max_rep - len(r)) for r in replicas]
         self.logical_to_physical = torch.tensor(table, dtype=torch.int64, device=device)
         self.replica_counts = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
-        # Row t: the replica token t of a batch uses for each expert, for the first PHYSICAL_ROWS tokens
-        # (the Triton small path, up to 64 token-expert pairs, routes from this one table).
-        rows = torch.arange(PHYSICAL_ROWS, device=device)[:, None] % self.replica_counts[None, :]
-        experts = torch.arange(num_logical, device=device)[None, :]
-        self.physical_by_row = self.logical_to_physical[experts, rows].to(torch.int32).contiguous()
 
 
 class MoEBlock(nn.Module):
@@ -84,11 +77,6 @@ class MoEBlock(nn.Module):
         if router_logits is None:
             router_logits = self.ops.linear(x, self.gate)
         p = self.placement
-        if isinstance(self.dispatcher, SingleRankDispatcher):
-            return self.ops.routed_moe(
-                x, router_logits, self.w13, self.w2, self.top_k, self.norm_topk_prob,
-                p.logical_to_physical, p.replica_counts, p.physical_by_row, self.expert_counts,
-            )  # fmt: skip
         topk_w, topk_phys = self.ops.moe_route(
             router_logits,
             self.top_k,
