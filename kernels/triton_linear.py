@@ -107,10 +107,6 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # Rows up to this long are normalised inside the GEMV (every hidden size of the benchmark models, and of
 # most models up to 70B); longer ones run the norm kernel and then the GEMV.
 NORM_GEMV_MAX_K = 8192
-# Weights up to this size (an MoE router's: 0.5 MB at Qwen3-30B-A3B) are loaded before the PDL wait: a
-# kernel that small adds little to the previous kernel's stream, and its chain after the wait is then the
-# input row's read from L2 alone. Larger weights are read after it (before it they slowed the chain).
-EARLY_WEIGHT_BYTES = 1 << 20
 
 
 def use_norm_gemv(m: int, n: int, k: int) -> bool:
@@ -148,7 +144,6 @@ def _norm_gemv_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
-    EARLY_WEIGHTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -161,22 +156,17 @@ def _norm_gemv_kernel(
     flight while the norm is reduced. Roundings are the reference's (``kernels/norm.py``): the sum and the
     normalised row are rounded to their dtype before the weight multiply, and the product is rounded to
     the normed dtype before the dot."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    if EARLY_WEIGHTS:
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # pre-wait: weights
-        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # pre-wait: weights
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    if not EARLY_WEIGHTS:
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    if not EARLY_WEIGHTS:
-        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         summed = (x + r).to(sum_ptr.dtype.element_ty)
@@ -229,7 +219,6 @@ def add_rms_norm_linear_triton(
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight, w, out, summed, normed, n, k, w.stride(0), eps,
         HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EARLY_WEIGHTS=n * k * w.element_size() <= EARLY_WEIGHT_BYTES,
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, (normed if need_normed else None), summed
