@@ -293,15 +293,20 @@ class LLMEngine:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
-        # Read the step in flight first, as the synchronous engine would have: which blocks are free (and
-        # whether one must be evicted) depends on the requests it finishes. It also waits for the device:
-        # a request that finished on content during a lookahead step frees blocks while that step's kernels
-        # may still write its last KV slot, and the KV transfer into these blocks is not ordered after them.
-        self._drain_inflight()
+        n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
+        # With a step in flight, blocks that are free now and hold no cached content are taken without
+        # reading that step: what it finishes frees more blocks but cannot take these, and taking them
+        # evicts nothing, so outputs and KV events stay the synchronous engine's (only block ids differ,
+        # which nothing observes). Where an eviction would be needed, the step is read first, as the
+        # synchronous engine would have: which block is evicted depends on the requests it finishes.
+        if n_blocks > self.block_pool.num_uncached_free_blocks:
+            self._drain_inflight()
+        # Either way, wait for the device where a request that finished on content during a lookahead
+        # step freed blocks while that step's kernels may still write its last KV slot: the KV transfer
+        # into these blocks is not ordered after them.
         if self._freed_while_running is not None:  # also when no step is in flight any more
             self._freed_while_running.synchronize()
             self._freed_while_running = None
-        n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
         blocks = self.block_pool.allocate_blocks(n_blocks)
         self.block_pool.flush_events()
         if blocks is None:
