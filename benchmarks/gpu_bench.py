@@ -138,7 +138,7 @@ class Plan:
     e2e_new: int = 128
     serve_rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # requests per second, Poisson arrivals
     serve_requests: int = 64  # each with e2e_prompt tokens in and e2e_new out
-    serve_modes: tuple[str, ...] = ("off", "on", "on-drain")  # SERVE_MODES, each at every rate
+    serve_modes: tuple[str, ...] = ("off", "on", "on-early", "on-drain")  # SERVE_MODES, each at every rate
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     smoke: bool = False
@@ -655,10 +655,15 @@ class CompileLog:
 COMPILES = CompileLog()
 
 
-SERVE_MODES = {  # asynchronous scheduling, new prompts joining the lookahead step
-    "off": (False, False),
-    "on": (True, True),
-    "on-drain": (True, False),  # as before prompts could join: a waiting prompt drains the step in flight
+SERVE_MODES = {  # asynchronous scheduling, new prompts joining the lookahead step, late launch
+    "off": (False, False, False),
+    "on": (True, True, True),
+    "on-early": (True, True, False),  # each step launched as soon as the loop comes round (before 2026-11-30)
+    "on-drain": (
+        True,
+        False,
+        False,
+    ),  # as before prompts could join: a waiting prompt drains the step in flight
 }
 
 
@@ -672,8 +677,9 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     the prefix cache is emptied first: otherwise only the first mode at a rate would prefill its prompts and
     the later ones would find them cached (as the rows before 2026-11-30 04:25 UTC did).
     """
-    async_on, join_prompts = SERVE_MODES[mode]
+    async_on, join_prompts, late = SERVE_MODES[mode]
     engine.config.async_scheduling = async_on
+    engine.config.lookahead_late_launch = late
     engine.lookahead_join_prompts = join_prompts
     engine.reset_prefix_cache()
     rng = np.random.default_rng(int(rate * 1000))
@@ -691,6 +697,7 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     t0 = time.perf_counter()
     added = 0
     while added < n or engine.has_unfinished():
+        engine.wait_for_lookahead_point()  # as the worker's loop (engine.async_engine) does
         now = time.perf_counter() - t0
         while added < n and arrivals[added] <= now:
             engine.add_request(f"{tag}-{added}", prompts[added], params)
@@ -804,12 +811,14 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                 e2e_point(engine, shape, batch, plan, res)
         if "serve" in sections:
             setting, join_prompts = engine.config.async_scheduling, engine.lookahead_join_prompts
+            late = engine.config.lookahead_late_launch
             try:
                 for rate in plan.serve_rates:
                     for mode in plan.serve_modes:
                         serve_point(engine, shape, rate, mode, plan, res)
             finally:
                 engine.config.async_scheduling = setting
+                engine.config.lookahead_late_launch = late
                 engine.lookahead_join_prompts = join_prompts
     finally:
         del engine
@@ -952,8 +961,9 @@ def summary(res: Results, plan: Plan) -> str:
         lines += [
             "",
             f"serve: {plan.serve_requests} requests arriving (Poisson), {plan.e2e_prompt}-token prompts, "
-            f"{plan.e2e_new} new tokens; asynchronous scheduling off, on, and on with new prompts draining "
-            "the step in flight (on-drain)",
+            f"{plan.e2e_new} new tokens; asynchronous scheduling off, on (each step launched at the last "
+            "graph piece of the one in flight), on-early (launched at once), on-drain (at once, and new "
+            "prompts drain the step in flight)",
             "| model | req/s | async | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | steps "
             "| lookahead steps | drains | joins | JIT compiles (s) |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -1057,8 +1067,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--serve-modes",
         default=",".join(Plan.serve_modes),
-        help="comma-separated serve modes: off, on (asynchronous scheduling), on-drain (on, with new prompts "
-        "draining the step in flight as before they could join it)",
+        help="comma-separated serve modes: off, on (asynchronous scheduling, each step launched once the "
+        "one in flight reaches its last graph piece), on-early (each step launched at once), on-drain "
+        "(on-early, with new prompts draining the step in flight as before they could join it)",
     )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")

@@ -136,6 +136,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                # With a step in flight, admit what arrives until it reaches its last graph piece.
+                self.engine.wait_for_lookahead_point()
                 self._run_calls()
                 if self.engine.has_unfinished():
                     try:

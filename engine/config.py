@@ -48,9 +48,17 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None,
         "Overlap the host's scheduling and output processing with the next decode step (one step of "
-        "lookahead): lower time per output token and higher throughput, but a new request joins after the "
-        "step already queued, so time to first token rises by about one step. Unset: on for CUDA devices, "
-        "off on the CPU (where host and device work do not overlap).",
+        "lookahead): lower time per output token and higher throughput. A new request joins the step after "
+        "the one already queued, so time to first token rises by up to a step; lookahead_late_launch "
+        "narrows that. Unset: on for CUDA devices, off on the CPU (where host and device work do not "
+        "overlap).",
+    )
+    lookahead_late_launch: bool = setting(
+        True,
+        "With async_scheduling and decode CUDA graphs: the serving loop launches the next step once the "
+        "step in flight has reached its last graph piece, not as soon as it runs, so requests that arrive "
+        "meanwhile join the next step (time to first token about as without async_scheduling) while the "
+        "host still prepares each step during the previous one.",
     )
     cache_salt: str | None = setting(
         None,

@@ -153,8 +153,12 @@ class _Graph:
     # Per MoE block, the expert counts one padding row adds (None: no MoE, or not measurable).
     pad_counts: list[torch.Tensor] | None = None
 
-    def replay(self) -> None:
-        for piece in self.pieces:
+    def replay(self, late_point: torch.cuda.Event | None = None) -> None:
+        """Launch the pieces in order; ``late_point`` is recorded after the second-to-last one (with a
+        single piece, before it)."""
+        for i, piece in enumerate(self.pieces):
+            if late_point is not None and i == max(0, len(self.pieces) - 1):
+                late_point.record()
             piece.replay()
 
 
@@ -190,6 +194,9 @@ class DecodeGraphs:
         self._host32 = torch.zeros(b + b * max_blocks, dtype=torch.int32).pin_memory()
         self._np64 = self._host64.numpy()
         self._np32 = self._host32.numpy()
+        # Recorded in each step ``run`` launches, before its last piece: where a serving loop may launch
+        # the next step and still keep the device busy (``LLMEngine.wait_for_lookahead_point``).
+        self.late_point = torch.cuda.Event()
         self._copied = torch.cuda.Event()
         self._copied.record()
         self._counts = [blk.expert_counts for blk in model.moe_blocks()]
@@ -306,7 +313,7 @@ class DecodeGraphs:
             self.input_ids[:n].copy_(token_ids)
         self.block_tables[:n, :width].copy_(self._dev32[b : b + n * width].view(n, width))
         g = self.graphs[size]
-        g.replay()
+        g.replay(self.late_point)
         if size > n and g.pad_counts is not None:
             torch._foreach_add_(self._counts, g.pad_counts, alpha=-(size - n))
         self.replays[size] += 1

@@ -79,6 +79,7 @@ class EngineStats:
     generated_tokens_total: int
     lookahead_steps: int = 0  # steps launched before the previous step's tokens were read
     lookahead_drains: int = 0  # steps in flight read out first because the next step could not overlap
+    lookahead_late_waits: int = 0  # waits for a step in flight to reach its last piece (serving loops)
     lookahead_joins: int = 0  # waiting requests (imports, new prompts) a lookahead step took in, no drain
 
 
@@ -93,9 +94,12 @@ class _InFlight:
     tokens: torch.Tensor  # [n] int64 on the device: the next lookahead step's input ids
     host_tokens: torch.Tensor  # their copy on the host, complete once ``copied`` has fired
     copied: torch.cuda.Event | None  # None on the CPU, where host_tokens is tokens
+    late_point: torch.cuda.Event | None = None  # before the step's last decode-graph piece, if it has one
 
     @classmethod
-    def start(cls, seqs: list[Sequence], tokens: torch.Tensor) -> _InFlight:
+    def start(
+        cls, seqs: list[Sequence], tokens: torch.Tensor, late_point: torch.cuda.Event | None = None
+    ) -> _InFlight:
         """Queue the tokens' copy to the host now, before the next step's work is queued behind it."""
         if not tokens.is_cuda:
             return cls(seqs, tokens, tokens, None)
@@ -103,7 +107,7 @@ class _InFlight:
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(seqs, tokens, host, copied)
+        return cls(seqs, tokens, host, copied, late_point)
 
     def read(self) -> list[int]:
         if self.copied is not None:
@@ -179,6 +183,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # async_scheduling: the step whose tokens are unread
         self.lookahead_steps = 0
         self.lookahead_drains = 0
+        self.lookahead_late_waits = 0
         self.lookahead_joins = 0
         # New prompts may join a lookahead step (``_joining``); benchmarks turn it off to compare with the
         # behaviour before it, in which a waiting prompt drained the step in flight.
@@ -358,6 +363,19 @@ class LLMEngine:
             self.block_pool.free(seq)
 
     # ---- stepping ------------------------------------------------------------------------------
+    def wait_for_lookahead_point(self) -> None:
+        """For a serving loop, before it admits what arrived and calls ``step``: with a step in flight
+        (asynchronous scheduling) that replays decode graphs, and ``lookahead_late_launch``, wait until
+        the device reaches that step's last graph piece. ``step`` launches the next step as soon as it is
+        called, behind the one in flight, so a request admitted after it would wait a whole step more;
+        called here, it launches while the last piece still runs, with what arrived until then. The
+        outputs are the same either way; only when requests are admitted changes."""
+        inflight = self._inflight
+        if inflight is None or inflight.late_point is None or not self.config.lookahead_late_launch:
+            return
+        inflight.late_point.synchronize()
+        self.lookahead_late_waits += 1
+
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._inflight is None:
@@ -382,7 +400,7 @@ class LLMEngine:
         params = [s.params for s in sample_seqs]
         if self.config.async_scheduling and self._can_run_ahead(batch.seqs, sample_seqs):
             tokens = self.sampler.sample(logits, params, positions)
-            self._inflight = _InFlight.start(sample_seqs, tokens)
+            self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
         token_list, logprobs = self.sampler(logits, params, positions)
         for seq, tok, lp in zip(sample_seqs, token_list, logprobs, strict=True):
@@ -518,7 +536,7 @@ class LLMEngine:
             pool.cache_full_blocks(seq)
         positions = [len(s.output_token_ids) for s in seqs]
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions)
-        self._inflight = _InFlight.start(seqs, tokens)
+        self._inflight = _InFlight.start(seqs, tokens, self.runner.late_point)
         return True
 
     def _drain_inflight(self, outputs: list[RequestOutput] | None = None) -> None:
@@ -639,6 +657,7 @@ class LLMEngine:
             generated_tokens_total=self.generated_tokens_total,
             lookahead_steps=self.lookahead_steps,
             lookahead_drains=self.lookahead_drains,
+            lookahead_late_waits=self.lookahead_late_waits,
             lookahead_joins=self.lookahead_joins,
         )
 

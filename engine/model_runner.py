@@ -105,6 +105,8 @@ class ModelRunner:
         self.device = device
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # The last step's point before its last decode-graph piece (None: that step did not replay one).
+        self.late_point: torch.cuda.Event | None = None
         self._tables: DecodeBlockTables | None = None
         if cuda_graphs:
             self.enable_cuda_graphs(max_num_seqs, max_model_len or model.cfg.max_position_embeddings)
@@ -242,6 +244,7 @@ class ModelRunner:
         """A step of asynchronous scheduling with prompts in it: the first ``len(decode_ids)`` sequences
         decode the tokens still on the device (``execute_lookahead``), the others compute their
         ``num_new_tokens`` from the host, each to its end. Every row samples; returns the logits [n, V]."""
+        self.late_point = None
         k = decode_ids.shape[0]
         batch = ScheduledBatch(seqs=seqs, num_new_tokens=num_new_tokens)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch, in_flight=k)
@@ -263,6 +266,7 @@ class ModelRunner:
 
         After a graph replay the logits are a view of the graph's output buffer: use them before the
         next step."""
+        self.late_point = None
         if (
             self.graphs is not None
             and max(batch.num_new_tokens) == 1
@@ -280,6 +284,7 @@ class ModelRunner:
         ``input_ids[i]``, not yet in sequence i's ``output_token_ids``, goes at position
         ``seqs[i].num_computed_tokens``, whose KV slot the block table already covers. Every row samples;
         returns the logits [n, V] (fp32; after a graph replay, a view valid until the next step)."""
+        self.late_point = None
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         if self.graphs is not None and self.graphs.bucket_for(n) is not None:
@@ -320,7 +325,9 @@ class ModelRunner:
         bs = self.block_size
         slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
-        return self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width)
+        logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width)
+        self.late_point = self.graphs.late_point
+        return logits
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:

@@ -256,7 +256,13 @@ class WorkerMetrics:
             "lookahead_drains",
             "total",
             "Steps in flight read out first because the next step could not overlap them (a prompt "
-            "that would be chunked or evict, a KV import's reservation, logprobs, held KV, an abort).",
+            "that would be chunked or evict, a KV import that would evict, logprobs, held KV, an abort).",
+        )
+        self.lookahead_late_waits = m.counter(
+            "lookahead_late_waits",
+            "total",
+            "Waits for a step in flight to reach its last decode-graph piece before the next step was "
+            "launched, so that requests arriving meanwhile join it (lookahead_late_launch).",
         )
         self.lookahead_joins = m.counter(
             "lookahead_joins",
@@ -271,6 +277,7 @@ class WorkerMetrics:
             (self.generated_tokens, "generated_tokens_total"),
             (self.lookahead_steps, "lookahead_steps"),
             (self.lookahead_drains, "lookahead_drains"),
+            (self.lookahead_late_waits, "lookahead_late_waits"),
             (self.lookahead_joins, "lookahead_joins"),
         ]
         self._last = dict.fromkeys((name for _, name in self._totals), 0)

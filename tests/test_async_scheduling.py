@@ -103,6 +103,7 @@ def run_script(
     todo = sorted(script, key=lambda a: a.step)
     step = 0
     while todo or engine.has_unfinished():
+        engine.wait_for_lookahead_point()  # as serving loops do (a wait only with decode graphs)
         while todo and todo[0].step <= step:
             action = todo.pop(0)
             if isinstance(action, Add):
@@ -640,5 +641,24 @@ def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str, stop_
     assert engine.lookahead_steps > 0
     # 8 imports at most: new prompts joined steps in flight too (mixed steps through the prefill graphs).
     assert engine.lookahead_joins > 8
+    # The loop waited for steps in flight to reach their last graph piece, and the outputs stayed the same.
+    assert engine.lookahead_late_waits > 0
     if stop_early:
         assert any(outs[-1][2] == "stop" for outs in sync.outputs.values())
+
+
+def test_late_launch_waits_only_for_a_decode_graph_in_flight() -> None:
+    """On the CPU (no decode graphs) a step in flight has no late point: the serving loop's wait returns
+    at once and counts nothing, with the setting on or off."""
+    engine, _ = _dense_engine(64, async_scheduling=True)
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=6, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    assert engine._inflight is not None and engine._inflight.late_point is None
+    assert engine.config.lookahead_late_launch
+    engine.wait_for_lookahead_point()
+    engine.config.lookahead_late_launch = False
+    engine.wait_for_lookahead_point()
+    assert engine.lookahead_late_waits == 0
+    while engine.has_unfinished():
+        engine.step()
