@@ -691,7 +691,12 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     counts = [0] * n
-    before = (engine.lookahead_steps, engine.lookahead_drains, engine.lookahead_joins)
+    before = (
+        engine.lookahead_steps,
+        engine.lookahead_drains,
+        engine.lookahead_joins,
+        engine.lookahead_late_waits,
+    )
     compiles_before = len(COMPILES.compiles)
     steps = 0
     t0 = time.perf_counter()
@@ -734,6 +739,7 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
         lookahead_steps=engine.lookahead_steps - before[0],
         lookahead_drains=engine.lookahead_drains - before[1],
         lookahead_joins=engine.lookahead_joins - before[2],
+        lookahead_late_waits=engine.lookahead_late_waits - before[3],
         compiles=len(COMPILES.compiles) - compiles_before,  # Triton JIT compiles during the run
         compile_s=sum(t for _, t in COMPILES.compiles[compiles_before:]),
     )
@@ -965,15 +971,16 @@ def summary(res: Results, plan: Plan) -> str:
             "graph piece of the one in flight), on-early (launched at once), on-drain (at once, and new "
             "prompts drain the step in flight)",
             "| model | req/s | async | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | steps "
-            "| lookahead steps | drains | joins | JIT compiles (s) |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| lookahead steps | drains | joins | late waits | JIT compiles (s) |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in res.serve:
             lines.append(
                 f"| {r['model']} | {r['rate']:g} | {r['mode']} "
                 f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} "
                 f"| {r['tpot_p99_ms']:.2f} | {r['tok_s']:.0f} | {r['steps']} | {r['lookahead_steps']} "
-                f"| {r['lookahead_drains']} | {r['lookahead_joins']} | {r['compiles']} ({r['compile_s']:.1f}) |"
+                f"| {r['lookahead_drains']} | {r['lookahead_joins']} | {r.get('lookahead_late_waits', 0)} "
+                f"| {r['compiles']} ({r['compile_s']:.1f}) |"
             )
     lines += ["", "targets:"]
     for shape in SHAPES:
