@@ -662,3 +662,31 @@ def test_late_launch_waits_only_for_a_decode_graph_in_flight() -> None:
     assert engine.lookahead_late_waits == 0
     while engine.has_unfinished():
         engine.step()
+
+
+def test_late_point_is_recorded_before_the_last_graph_piece() -> None:
+    """The decode step's pieces launch in order with the late point between the last two (a single piece:
+    before it). Stand-ins for the graphs and the event record the order; the replay logic is the engine's."""
+    from engine.cuda_graphs import _Graph
+
+    order: list[str] = []
+
+    class Piece:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def replay(self) -> None:
+            order.append(self.name)
+
+    class Point:
+        def record(self) -> None:
+            order.append("late")
+
+    _Graph(size=1, pieces=[Piece(f"p{i}") for i in range(6)]).replay(Point())  # type: ignore[list-item]
+    assert order == ["p0", "p1", "p2", "p3", "p4", "late", "p5"]
+    order.clear()
+    _Graph(size=1, pieces=[Piece("only")]).replay(Point())  # type: ignore[list-item]
+    assert order == ["late", "only"]
+    order.clear()
+    _Graph(size=1, pieces=[Piece("a"), Piece("b")]).replay()  # type: ignore[list-item]
+    assert order == ["a", "b"]
