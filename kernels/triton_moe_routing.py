@@ -14,11 +14,12 @@ strictly increasing in the logit, so the order is the reference's, and rounding 
 logits into a tie. Among equal logits the lowest expert index wins (``torch.topk`` leaves that order
 unspecified). Each logit becomes one integer key that orders like it, with the expert index in its low
 bits as the tie-break (32 bits for 16-bit logits, whose widened mantissas end in zeros; 64 for float32),
-so a round is one max-reduction, and the chosen logit is decoded from the key exactly. The weights are ``exp(l - max) / sum``, renormalised over the k if asked, stored in
-``out_dtype``; the physical id is ``logical_to_physical[e, token % replica_counts[e]]``, stored as int64,
-and each (token, k) pair adds 1 to ``expert_counts[physical]`` with a relaxed atomic. The physical id of
-every expert is gathered before the PDL wait (the tables are step inputs), and each round picks its
-chosen expert's id out of registers with a second max-reduction.
+so a round is one max-reduction, and the chosen logit is decoded from the key exactly. The weights are
+``exp(l - max) / sum``, renormalised over the k if asked, stored in ``out_dtype``; the physical id is
+``logical_to_physical[e, token % replica_counts[e]]``, stored as int64, and each (token, k) pair adds 1 to
+``expert_counts[physical]`` with a relaxed atomic. The physical id of every expert is gathered before the
+PDL wait (the tables are step inputs), and each round picks its chosen expert's id out of registers with
+a second max-reduction.
 """
 
 from __future__ import annotations
@@ -86,22 +87,20 @@ def _moe_route_kernel(
     rank = BLOCK_E - 1 - experts
     if KEY64:
         key = (ordered.to(tl.int64) << 32) | rank.to(tl.int64)[None, :]
-        key = tl.where(expert_mask[None, :], key, -9223372036854775807 - 1)
+        lowest = -9223372036854775807 - 1
     else:
         # A 16-bit float widened to float32 has at least 13 zero mantissa bits at the bottom (ones, once a
         # negative's are flipped), so the index fits there without changing the order of distinct logits.
         key = (ordered & ~(BLOCK_E - 1)) | rank[None, :]
-        key = tl.where(expert_mask[None, :], key, -2147483647 - 1)
+        lowest = -2147483647 - 1
+    key = tl.where(expert_mask[None, :], key, lowest)  # padding lanes and, below, taken experts: never max
 
     top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     top_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
         taken = key == best[:, None]  # one expert per token: the index makes every key distinct
-        if KEY64:
-            key = tl.where(taken, -9223372036854775807 - 1, key)  # never chosen again
-        else:
-            key = tl.where(taken, -2147483647 - 1, key)
+        key = tl.where(taken, lowest, key)
         # Its physical id; an out-of-range choice (only if k exceeded the experts) finds none: -1 -> 0.
         physical_j = tl.maximum(tl.max(tl.where(taken & expert_mask[None, :], physical_of, -1), axis=1), 0)
         if KEY64:

@@ -234,6 +234,25 @@ def test_moe_route_neighbouring_16_bit_logits(dtype: torch.dtype) -> None:
     check_route(logits, 63, False, Placement(list(range(63)), 63), torch.float32)
 
 
+def test_moe_route_neighbouring_float32_logits() -> None:
+    """float32 logits one unit in the last place apart (both signs, two exponents), shuffled: their keys
+    take 64 bits, and every one of them is ranked by its exact value (a key that dropped low mantissa bits
+    would rank such neighbours by index instead). Compared with the logits' own order, as softmax
+    probabilities this close may round alike."""
+    torch.manual_seed(108)
+    codes = [0x3F800000 + i for i in range(16)] + [0xBF800000 + i for i in range(16)]
+    codes += [0x40800000 + i for i in range(15)] + [0xC0800000 + i for i in range(16)]
+    values = torch.tensor(codes, dtype=torch.int64).to(torch.int32).view(torch.float32).to(DEVICE)
+    logits = torch.stack([values[torch.randperm(63)] for _ in range(4)])
+    placement = Placement(list(range(63)), 63)
+    counts = torch.zeros(63, dtype=torch.int64, device=DEVICE)
+    tables = (placement.logical_to_physical, placement.replica_counts)
+    weights, ids = moe_route_triton(logits, 63, False, *tables, counts, torch.float32)
+    assert torch.equal(ids, logits.argsort(dim=-1, descending=True, stable=True))
+    ref_w, _ = moe_route_torch(logits, 63, False, *tables, torch.zeros_like(counts), torch.float32)
+    assert_close(weights, ref_w, torch.float32, "weights of neighbouring logits")
+
+
 def test_moe_route_rejects_k_above_experts() -> None:
     placement = Placement(list(range(8)), 8)
     counts = torch.zeros(8, dtype=torch.int64, device=DEVICE)
