@@ -655,15 +655,14 @@ class CompileLog:
 COMPILES = CompileLog()
 
 
-SERVE_MODES = {  # asynchronous scheduling, new prompts joining the lookahead step, late launch
+# Per mode: asynchronous scheduling, new prompts joining the lookahead step, late launch. "on-early"
+# launches each step as soon as the loop comes round (as before 2026-11-30 06:00 UTC); "on-drain" also
+# has waiting prompts drain the step in flight (as before they could join it).
+SERVE_MODES = {
     "off": (False, False, False),
     "on": (True, True, True),
-    "on-early": (True, True, False),  # each step launched as soon as the loop comes round (before 2026-11-30)
-    "on-drain": (
-        True,
-        False,
-        False,
-    ),  # as before prompts could join: a waiting prompt drains the step in flight
+    "on-early": (True, True, False),
+    "on-drain": (True, False, False),
 }
 
 
@@ -979,7 +978,7 @@ def summary(res: Results, plan: Plan) -> str:
                 f"| {r['model']} | {r['rate']:g} | {r['mode']} "
                 f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} "
                 f"| {r['tpot_p99_ms']:.2f} | {r['tok_s']:.0f} | {r['steps']} | {r['lookahead_steps']} "
-                f"| {r['lookahead_drains']} | {r['lookahead_joins']} | {r.get('lookahead_late_waits', 0)} "
+                f"| {r['lookahead_drains']} | {r['lookahead_joins']} | {r['lookahead_late_waits']} "
                 f"| {r['compiles']} ({r['compile_s']:.1f}) |"
             )
     lines += ["", "targets:"]

@@ -207,7 +207,8 @@ class ModelRunner:
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(n_new, out=cu[1:])
         total = int(cu[-1])
-        input_ids = np.zeros(total, dtype=np.int64)
+        input_ids = np.empty(total, dtype=np.int64)
+        input_ids[: cu[in_flight]] = 0  # the rows in flight: filled on the device by the caller
         for i, s in enumerate(seqs[in_flight:], start=in_flight):
             a, b = int(starts[i]), int(ends[i])
             n_prompt = len(s.prompt_token_ids)

@@ -647,21 +647,37 @@ def test_cuda_graphs_lookahead_gives_synchronous_greedy_tokens(model: str, stop_
         assert any(outs[-1][2] == "stop" for outs in sync.outputs.values())
 
 
-def test_late_launch_waits_only_for_a_decode_graph_in_flight() -> None:
-    """On the CPU (no decode graphs) a step in flight has no late point: the serving loop's wait returns
-    at once and counts nothing, with the setting on or off."""
+def test_serving_loop_waits_for_the_late_point_of_the_step_in_flight() -> None:
+    """``wait_for_lookahead_point`` waits on the step in flight's late point only: not without a step in
+    flight, not for a step without decode graphs (the CPU's: no late point), not with the setting off.
+    The CUDA event, which this machine cannot record, is a stand-in that counts its waits; the GPU test
+    above waits on real ones."""
     engine, _ = _dense_engine(64, async_scheduling=True)
+    engine.wait_for_lookahead_point()  # nothing in flight
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=6, temperature=0.0))
     for _ in range(3):
         engine.step()
-    assert engine._inflight is not None and engine._inflight.late_point is None
-    assert engine.config.lookahead_late_launch
-    engine.wait_for_lookahead_point()
-    engine.config.lookahead_late_launch = False
+    assert engine._inflight is not None and engine._inflight.late_point is None  # no decode graph
     engine.wait_for_lookahead_point()
     assert engine.lookahead_late_waits == 0
+
+    class Point:
+        waits = 0
+
+        def synchronize(self) -> None:
+            Point.waits += 1
+
+    engine._inflight.late_point = Point()  # type: ignore[assignment]
+    engine.wait_for_lookahead_point()
+    assert Point.waits == 1 and engine.lookahead_late_waits == 1
+    engine.config.lookahead_late_launch = False
+    engine.wait_for_lookahead_point()
+    assert Point.waits == 1 and engine.lookahead_late_waits == 1
+    engine.config.lookahead_late_launch = True
     while engine.has_unfinished():
         engine.step()
+    engine.wait_for_lookahead_point()  # drained at the end: nothing in flight
+    assert Point.waits == 1
 
 
 def test_late_point_is_recorded_before_the_last_graph_piece() -> None:
