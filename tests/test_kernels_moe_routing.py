@@ -277,10 +277,12 @@ QWEN3_EXPERTS, QWEN3_TOP_K = 128, 8
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_gpu_moe_route_qwen3_shapes(tokens: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_moe_route_qwen3_shapes(tokens: int, dtype: torch.dtype) -> None:
+    """bf16 logits take the 32-bit selection keys, float32 ones the 64-bit keys."""
     torch.manual_seed(200 + tokens)
     placement = random_placement(QWEN3_EXPERTS, extra=16, seed=tokens)
-    logits = distinct_logits(tokens, QWEN3_EXPERTS, torch.bfloat16)
+    logits = distinct_logits(tokens, QWEN3_EXPERTS, dtype)
     start = torch.randint(0, 1000, (placement.num_physical,), dtype=torch.int64, device=DEVICE)
     check_route(logits, QWEN3_TOP_K, True, placement, torch.bfloat16, counts_start=start)
 
