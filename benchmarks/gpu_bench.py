@@ -141,6 +141,8 @@ class Plan:
     serve_modes: tuple[str, ...] = ("off", "on", "on-early", "on-drain")  # SERVE_MODES, each at every rate
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
+    # The decode section's sampling, SamplingParams fields (empty: greedy), e.g. {"temperature": 0.8}.
+    decode_sampling: dict[str, float] = field(default_factory=dict)
     smoke: bool = False
 
 
@@ -446,7 +448,9 @@ def decode_point(
     vocab = engine.vocab_size
     rng = np.random.default_rng(batch * 100003 + ctx)
     params = SamplingParams(
-        max_tokens=plan.warmup_steps + plan.timed_steps + 8, temperature=0.0, ignore_eos=True
+        max_tokens=plan.warmup_steps + plan.timed_steps + 8,
+        ignore_eos=True,
+        **({"temperature": 0.0} | plan.decode_sampling),
     )
     rids = []
     for i in range(batch):
@@ -901,6 +905,22 @@ def _f(x: Any, fmt: str = ".1f") -> str:
     return format(x, fmt)
 
 
+def sampling_label(plan: Plan) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in plan.decode_sampling.items()) or "greedy"
+
+
+def parse_sampling(text: str) -> dict[str, float]:
+    """``temperature=0.8,top_p=0.9`` -> SamplingParams fields (numbers)."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    out: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value:
+            raise argparse.ArgumentTypeError(f"not a SamplingParams field=value: {item!r}")
+        out[key] = int(value) if key == "top_k" else float(value)
+    return out
+
+
 def summary(res: Results, plan: Plan) -> str:
     lines = []
     c = res.ceilings
@@ -912,7 +932,8 @@ def summary(res: Results, plan: Plan) -> str:
     if res.decode:
         lines += [
             "",
-            "decode (engine.step: scheduler + graph replay + sampler; graph = replay alone, device time)",
+            "decode (engine.step: scheduler + graph replay + sampler; graph = replay alone, device time; "
+            f"sampling: {sampling_label(plan)})",
             "| model | batch | ctx | step ms | graph ms | tok/s | experts/layer | GB moved | roofline ms "
             "| % roofline (step) | % roofline (graph) | runner ms | launch ms | sampler ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -1077,6 +1098,13 @@ def main(argv: list[str] | None = None) -> None:
         "one in flight reaches its last graph piece), on-early (each step launched at once), on-drain "
         "(on-early, with new prompts draining the step in flight as before they could join it)",
     )
+    parser.add_argument(
+        "--decode-sampling",
+        type=parse_sampling,
+        default={},
+        help="the decode section samples with these SamplingParams fields, e.g. temperature=0.8,top_p=0.9 "
+        "(default: greedy)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1108,7 +1136,9 @@ def main(argv: list[str] | None = None) -> None:
     modes = tuple(args.serve_modes.split(","))
     if not set(modes) <= SERVE_MODES.keys():
         parser.error(f"--serve-modes: each of {', '.join(SERVE_MODES)}")
-    plan = dataclasses.replace(plan, async_scheduling=args.async_scheduling, serve_modes=modes)
+    plan = dataclasses.replace(
+        plan, async_scheduling=args.async_scheduling, serve_modes=modes, decode_sampling=args.decode_sampling
+    )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl
     if plan.device == "cuda":

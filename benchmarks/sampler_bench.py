@@ -9,11 +9,18 @@ previous sampler's temperature path (noise drawn by a CPU generator per row, the
 rebuilt here as ``previous_temperature_sample``. On a GPU also the Triton backend's kernel
 (``kernels/triton_sampling.py``), and a second table of top-k/top-p settings: the torch sampler (which
 sorts the vocabulary) against the Triton sampler (which does not), with the kernel's device time alone.
+
+    python benchmarks/sampler_bench.py --kernel-graphs [--baseline OLD/kernels/triton_sampling.py]
+
+Only the Triton op's device time, from CUDA-graph replays of 10 calls (no host issue time in it), for
+each kind of row; ``--baseline`` times another version of the module (a file from another checkout, e.g.
+``git archive``) side by side in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -96,6 +103,78 @@ def kernel_device_ms(logits: torch.Tensor, params: SamplingParams) -> float:
     return statistics.median(times)
 
 
+KERNEL_ROWS = {
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "temperature 0.8, min-p 0.05": SamplingParams(temperature=0.8, min_p=0.05),
+    **FILTERED,
+}
+
+
+def op_arguments(batch: int, vocab: int, params: SamplingParams, device: torch.device) -> tuple:
+    """``gumbel_sample``'s arguments for ``batch`` rows of ``params`` on random logits x 3."""
+    logits = torch.randn(batch, vocab, device=device) * 3
+    temps = torch.full((batch,), params.temperature, device=device)
+    keys = torch.arange(batch, dtype=torch.int64, device=device) * 7919
+    min_p = torch.full((batch,), params.min_p, device=device) if params.min_p > 0 else None
+    filtered = params.top_k > 0 or params.top_p < 1.0
+    top_k = torch.full((batch,), params.top_k or vocab, device=device) if filtered else None
+    top_p = torch.full((batch,), params.top_p, device=device) if filtered else None
+    return logits, temps, keys, min_p, top_k, top_p
+
+
+def graph_device_us(fn: Callable, args: tuple, calls: int = 10) -> float:
+    """Device time of one call of ``fn(*args)``, us: a CUDA graph of ``calls`` calls, median of 20 timed
+    replays after 3. The graph holds the op's own tensor work (the wrapper's casts, its scratch) too."""
+    fn(*args)  # compile
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(*args)
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def load_module(path: str, name: str):  # noqa: ANN201 (a module)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_graphs(vocab: int, batches: list[int], baseline: str | None) -> None:
+    """The Triton op's device time per kind of row and batch, against ``baseline``'s where given."""
+    from kernels.triton_sampling import gumbel_sample_triton
+
+    old = load_module(baseline, "baseline_triton_sampling").gumbel_sample_triton if baseline else None
+    print(f"# Triton sampling op, device time from CUDA-graph replays, vocab {vocab}")
+    print("| batch | rows | this op us | baseline us | baseline / this |")
+    print("|---:|---|---:|---:|---:|")
+    for batch in batches:
+        for name, params in KERNEL_ROWS.items():
+            args = op_arguments(batch, vocab, params, torch.device("cuda"))
+            new_us = graph_device_us(gumbel_sample_triton, args)
+            if old is not None:
+                old_us = graph_device_us(old, args)
+                assert torch.equal(old(*args), gumbel_sample_triton(*args)), f"tokens differ: {batch}, {name}"
+                cells = f"{old_us:.1f} | {old_us / new_us:.2f}x"
+            else:
+                cells = "- | -"
+            print(f"| {batch} | {name} | {new_us:.1f} | {cells} |", flush=True)
+
+
 SWEEP_TILES = ((4096, 8), (4096, 16), (8192, 16), (2048, 8), (4096, 32), (1024, 4))
 
 
@@ -129,7 +208,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--skip-previous", action="store_true", help="leave out the previous sampler (slow)")
     parser.add_argument("--sweep-tiles", action="store_true", help="only: the kernel's chunk width and warps")
+    parser.add_argument("--kernel-graphs", action="store_true", help="only: the Triton op's device time")
+    parser.add_argument("--baseline", help="with --kernel-graphs: another triton_sampling.py, side by side")
     args = parser.parse_args()
+    if args.kernel_graphs:
+        kernel_graphs(args.vocab, [int(b) for b in args.batches.split(",")], args.baseline)
+        return
     if args.sweep_tiles:
         sweep_tiles(args.vocab)
         return

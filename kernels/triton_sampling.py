@@ -37,12 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_device import sm_count
+
 # The top-k select's digit: 5 bits of the ordered keys per histogram pass. Triton's histogram costs each
 # thread about (bins / 32) * log2(bins) operations per element, so 32 bins make the cheapest pass; with
 # 2048 bins (three passes) top-k 50 took 1.84 ms of device time at batch 1 on an H200, 0.29-0.51 ms with
 # 32 (docs/performance.md, "Eighth run").
 RADIX_BITS: tl.constexpr = tl.constexpr(5)
 RADIX_BINS: tl.constexpr = tl.constexpr(32)
+# A part's integers in ``_race_kernel``'s output: its winner's token id, then its first-digit counts.
+PART_INTS: tl.constexpr = tl.constexpr(1 + 32)
 
 
 @triton.jit
@@ -108,7 +112,69 @@ def _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
     return (prefix << (hi - shift)) | b.to(tl.uint32), k_rem - above, count, shift
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "num_parts"])
+def _race_kernel(
+    logits_ptr,
+    inv_temp_ptr,
+    keys_ptr,
+    top_k_ptr,
+    scores_ptr,
+    part_f_ptr,
+    part_i_ptr,
+    vocab,
+    stride_row,
+    chunk,
+    num_parts,
+    FILTERED: tl.constexpr,
+    CACHE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Pass 1 over one part of a row, ``chunk`` tokens from ``part * chunk``: the part's maximum, its race
+    winner (score, then the smallest token id holding it), and where the row has top-k, the count of each
+    first digit of the ordered keys. With CACHE each token's race score goes to ``scores`` [B, V], so the
+    row's later passes (``_sample_kernel``) read it instead of hashing again. What a part reports is exact
+    (a maximum, an argmax, integer counts), so the row's results do not depend on how it was split."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    inv_t = tl.load(inv_temp_ptr + row)
+    seed = tl.load(keys_ptr + row).to(tl.uint64) * 0x9E3779B97F4A7C15
+    offs = tl.arange(0, BLOCK_V)
+    count_digits = False
+    if FILTERED:
+        count_digits = tl.load(top_k_ptr + row) < vocab
+    start = part * chunk
+    end = tl.minimum(start + chunk, vocab)
+    # Reductions across lanes wait for the end of the part: one per part, not one per chunk.
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    hist = tl.zeros([RADIX_BINS], tl.int32)
+    lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_index = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in range(start, end, BLOCK_V):
+        ids = v0 + offs
+        valid = ids < end
+        logit = tl.load(base + ids, mask=valid, other=float("-inf"))
+        m = tl.maximum(m, logit)
+        score = tl.where(valid, _race_score(logit, ids, seed, inv_t), float("-inf"))
+        if CACHE:
+            tl.store(scores_ptr + row.to(tl.int64) * vocab + ids, score, mask=valid)
+        lane_score, lane_index = _lane_best(lane_score, lane_index, score, ids)
+        if FILTERED:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+            if count_digits:
+                digit = _ordered_key(logit) >> (32 - RADIX_BITS)
+                hist += tl.histogram(digit.to(tl.int32), RADIX_BINS, mask=valid)
+    best, best_index = _first_best(lane_score, lane_index)
+    slot = row.to(tl.int64) * num_parts + part
+    tl.store(part_f_ptr + slot * 2, tl.max(m, axis=0))
+    tl.store(part_f_ptr + slot * 2 + 1, best)
+    ints = part_i_ptr + slot * PART_INTS
+    tl.store(ints, best_index)
+    if FILTERED:  # noqa: SIM102
+        if count_digits:
+            tl.store(ints + 1 + tl.arange(0, RADIX_BINS), hist)
+
+
+@triton.jit(do_not_specialize=["num_parts"])
 def _sample_kernel(
     logits_ptr,
     inv_temp_ptr,
@@ -116,17 +182,27 @@ def _sample_kernel(
     log_min_p_ptr,
     top_k_ptr,
     top_p_ptr,
+    scores_ptr,
+    part_f_ptr,
+    part_i_ptr,
     out_ptr,
     vocab,
     stride_row,
+    num_parts,
     HAS_MIN_P: tl.constexpr,
     FILTERED: tl.constexpr,
+    CACHED: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
+    """The rest of a row after ``_race_kernel``'s parts: their results combined, then the top-k select's
+    later digits and the top-p / min-p rejection passes, one program per row. With CACHED (set where the
+    parts cached the scores: min-p or the filters) a pass reads the race scores instead of hashing again."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     inv_t = tl.load(inv_temp_ptr + row)
     seed = tl.load(keys_ptr + row).to(tl.uint64) * 0x9E3779B97F4A7C15
+    row_scores = scores_ptr + row.to(tl.int64) * vocab
     offs = tl.arange(0, BLOCK_V)
     log_min_p = float("-inf")
     if HAS_MIN_P:
@@ -137,33 +213,26 @@ def _sample_kernel(
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row)
 
-    # Pass 1: the row's maximum, the race over every token, and the top-k select's first digit.
-    # Reductions across lanes wait for the end of the pass: one per pass, not one per chunk.
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    hist = tl.zeros([RADIX_BINS], tl.int32)
-    lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    lane_index = tl.zeros([BLOCK_V], tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
-        ids = v0 + offs
-        valid = ids < vocab
-        logit = tl.load(base + ids, mask=valid, other=float("-inf"))
-        m = tl.maximum(m, logit)
-        score = tl.where(valid, _race_score(logit, ids, seed, inv_t), float("-inf"))
-        lane_score, lane_index = _lane_best(lane_score, lane_index, score, ids)
-        if FILTERED:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-            if top_k < vocab:  # the padding lanes land in bin 0 and are taken out below
-                digit = _ordered_key(logit) >> (32 - RADIX_BITS)
-                hist += tl.histogram(tl.where(valid, digit, 0).to(tl.int32), RADIX_BINS)
-    row_max = tl.max(m, axis=0)
-    _, best_index = _first_best(lane_score, lane_index)
+    # Pass 1's results from the parts: the row's maximum, the race's winner (the first token holding the
+    # best score: each part reports its first), and the counts of the top-k select's first digit.
+    parts = tl.arange(0, BLOCK_P)
+    in_row = parts < num_parts
+    slots = row.to(tl.int64) * num_parts + parts
+    row_max = tl.max(tl.load(part_f_ptr + slots * 2, mask=in_row, other=float("-inf")), axis=0)
+    part_best = tl.load(part_f_ptr + slots * 2 + 1, mask=in_row, other=float("-inf"))
+    part_index = tl.load(part_i_ptr + slots * PART_INTS, mask=in_row, other=2147483647)
+    _, best_index = _first_best(part_best, part_index)
 
     # Top-k: the rest of the radix select. ``lo`` becomes the lowest key kept (0: every token): the k-th
     # largest key, or the lower edge of its digit once every key of that digit is among the top k.
     lo = tl.zeros([], tl.uint32)
     if FILTERED:  # noqa: SIM102
         if top_k < vocab:
-            pad = tl.cdiv(vocab, BLOCK_V) * BLOCK_V - vocab
-            b, above, count = _select_bin(hist - tl.where(tl.arange(0, RADIX_BINS) == 0, pad, 0), top_k)
+            bins = tl.arange(0, RADIX_BINS)
+            counts = tl.load(
+                part_i_ptr + slots[:, None] * PART_INTS + 1 + bins[None, :], mask=in_row[:, None], other=0
+            )
+            b, above, count = _select_bin(tl.sum(counts, axis=0), top_k)
             k_rem = top_k - above
             prefix = b.to(tl.uint32)
             hi = 32 - RADIX_BITS
@@ -198,7 +267,10 @@ def _sample_kernel(
             racing = (
                 valid & (key >= lo) & ((logit - row_max) * inv_t >= log_min_p) & (above_w | (not allowed))
             )
-            score = tl.where(racing, _race_score(logit, ids, seed, inv_t), float("-inf"))
+            if CACHED:
+                score = tl.load(row_scores + ids, mask=racing, other=float("-inf"))
+            else:  # only a row whose logits are all -inf gets here: nothing races
+                score = tl.where(racing, _race_score(logit, ids, seed, inv_t), float("-inf"))
             lane_score, lane_index = _lane_best(lane_score, lane_index, score, ids)
         mass_above = tl.sum(lane_above, axis=0)
         mass_top_k = tl.sum(lane_top_k, axis=0)
@@ -212,12 +284,29 @@ def _sample_kernel(
     tl.store(out_ptr + row, best_index)
 
 
-# Chunk width and warps per row on a GPU (one program per row; the interpreter takes 64 and 1). A pass
-# over a 128k row costs ~0.1 ms on one H200 SM whatever the shape: it is bound by the hash and the two
-# logarithms per token, not by memory. Six shapes from 1024 x 4 warps to 8192 x 16 were within noise of
-# this one or slower (``sampler_bench.py --sweep-tiles``, docs/performance.md).
+# Chunk width and warps of ``_sample_kernel``'s passes on a GPU (one program per row; the interpreter takes
+# 64 and 1). A pass that hashes a 128k row cost ~0.1 ms on one H200 SM whatever the shape: it is bound by
+# the hash and the two logarithms per token, not by memory. Six shapes from 1024 x 4 warps to 8192 x 16
+# were within noise of this one or slower (``sampler_bench.py --sweep-tiles``, docs/performance.md).
 CUDA_BLOCK_V = 4096
 CUDA_NUM_WARPS = 8
+# ``_race_kernel``'s parts: the hashing pass is split until the batch has about two programs per SM, a
+# part being a whole number of RACE_BLOCK_V chunks, at most MAX_PARTS per row (``_sample_kernel`` reads a
+# row's parts in one tile). The interpreter: chunks of 64, up to 8 parts.
+RACE_BLOCK_V = 1024
+RACE_NUM_WARPS = 4
+MAX_PARTS = 256
+
+
+def race_parts(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per part, parts per row) of the hashing pass for a batch: about two programs per SM on a
+    GPU (eight in all on the CPU), at most ``MAX_PARTS`` (8 on the CPU) per row, whole chunks each."""
+    block, most, slots = (
+        (RACE_BLOCK_V, MAX_PARTS, 2 * sm_count(device)) if device.type == "cuda" else (64, 8, 8)
+    )
+    want = max(1, min(most, triton.cdiv(slots, batch)))
+    chunk = triton.cdiv(triton.cdiv(vocab, want), block) * block
+    return chunk, triton.cdiv(vocab, chunk)
 
 
 def interpreted() -> bool:
@@ -235,13 +324,17 @@ def gumbel_sample_triton(
     min_p: torch.Tensor | None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    *,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (last dim contiguous); temperatures [B] > 0; row_keys [B] int64 (the sampler's
     per-row keys); min_p [B] in [0, 1] or None; top_k [B] (any dtype holding integers; the vocabulary size
     where off) or None; top_p [B] in (0, 1] (1 where off) or None. Returns the sampled token ids, [B]
-    int64."""
+    int64. ``chunk`` (tests): tokens per part of the hashing pass, a multiple of its chunk width, instead
+    of ``race_parts``'s; the tokens drawn do not depend on it."""
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    device = logits.device
+    out = torch.empty(batch, dtype=torch.int64, device=device)
     if batch == 0:
         return out
     if logits.stride(-1) != 1:
@@ -256,11 +349,29 @@ def gumbel_sample_triton(
         # view as it is, 8 bytes off a 16-byte boundary, and compile another variant for the same call.
         top_k = top_k.to(torch.int32).clamp(1, vocab)
         top_p = top_p.to(torch.float32).clamp(max=1.0)
+    on_gpu = logits.is_cuda
+    if chunk is None:
+        chunk, parts = race_parts(batch, vocab, device)
+    else:
+        parts = triton.cdiv(vocab, chunk)
+        assert chunk % (RACE_BLOCK_V if on_gpu else 64) == 0 and parts <= (MAX_PARTS if on_gpu else 8)
+    # Later passes run only for min-p and the filters: only then are the race scores kept for them.
+    cached = filtered or min_p is not None
+    scores = torch.empty(batch, vocab, device=device) if cached else logits
+    part_f = torch.empty(batch, parts, 2, device=device)
+    part_i = torch.empty(batch, parts, PART_INTS, dtype=torch.int32, device=device)
+    keys = row_keys.contiguous()
+    top_k_arg = top_k if filtered else inv_temp
+    _race_kernel[(batch, parts)](
+        logits, inv_temp, keys, top_k_arg, scores, part_f, part_i, vocab, logits.stride(0), chunk, parts,
+        FILTERED=filtered, CACHE=cached, BLOCK_V=RACE_BLOCK_V if on_gpu else 64,
+        num_warps=RACE_NUM_WARPS if on_gpu else 1,
+    )  # fmt: skip
     _sample_kernel[(batch,)](
-        logits, inv_temp, row_keys.contiguous(), log_min_p, top_k if filtered else inv_temp,
-        top_p if filtered else inv_temp, out, vocab, logits.stride(0),
-        HAS_MIN_P=min_p is not None, FILTERED=filtered,
-        BLOCK_V=CUDA_BLOCK_V if logits.is_cuda else 64,
-        num_warps=CUDA_NUM_WARPS if logits.is_cuda else 1,
+        logits, inv_temp, keys, log_min_p, top_k_arg, top_p if filtered else inv_temp, scores, part_f,
+        part_i, out, vocab, logits.stride(0), parts,
+        HAS_MIN_P=min_p is not None, FILTERED=filtered, CACHED=cached,
+        BLOCK_V=CUDA_BLOCK_V if on_gpu else 64, BLOCK_P=MAX_PARTS if on_gpu else 8,
+        num_warps=CUDA_NUM_WARPS if on_gpu else 1,
     )  # fmt: skip
     return out

@@ -144,6 +144,46 @@ def test_top_k_keeps_ties_and_top_k_one_is_greedy() -> None:
     assert bool((logits.gather(1, tiny_p.unsqueeze(1)).squeeze(1) == logits.max(dim=1).values).all())
 
 
+def draw_with_parts(
+    chunks: list[int | None], vocab: int, rows: int, seed: int, first: int | None = None
+) -> list[torch.Tensor]:
+    """The tokens drawn for one set of rows (every kind: plain, min-p, top-k, top-p, both) with the hashing
+    pass split at each of ``chunks`` tokens per part (None: ``race_parts``'s choice); [4, rows] each.
+    ``first``: only the first rows of the set are sampled, as a batch of their own."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2.5).to(DEVICE)
+    logits[1::7] *= 0.05  # nearly flat rows: top-p rejects pass after pass
+    temps = (torch.rand(rows, generator=gen) * 1.5 + 0.3).to(DEVICE)
+    min_p = (torch.rand(rows, generator=gen) * 0.2).to(DEVICE)
+    top_k, top_p = filter_values(rows, vocab, gen)
+    keys = row_keys(seed, rows)
+    if first is not None:
+        logits, temps, min_p, top_k, top_p, keys = (
+            x[:first] for x in (logits, temps, min_p, top_k, top_p, keys)
+        )
+    draws = []
+    for chunk in chunks:
+        plain = gumbel_sample_triton(logits, temps, keys, None, chunk=chunk)
+        with_min_p = gumbel_sample_triton(logits, temps, keys, min_p, chunk=chunk)
+        filtered = gumbel_sample_triton(logits, temps, keys, None, top_k, top_p, chunk=chunk)
+        both = gumbel_sample_triton(logits, temps, keys, min_p, top_k, top_p, chunk=chunk)
+        draws.append(torch.stack([plain, with_min_p, filtered, both]))
+    return draws
+
+
+@pytest.mark.parametrize("vocab", [100, 500])
+def test_tokens_do_not_depend_on_how_the_hashing_pass_is_split(vocab: int) -> None:
+    """The first pass runs in parts (``_race_kernel``) and the row's program combines them: a maximum, an
+    argmax with the first token winning a tie, integer digit counts, scores kept per token. So one part or
+    eight draw the same tokens, for every kind of row, and so does a row in a batch of any size."""
+    chunks = [64 * n for n in (1, 3, -(-vocab // 64))]  # 8 parts (or 2) down to one part
+    draws = draw_with_parts([*chunks, None], vocab, 24, vocab)
+    for chunk, drawn in zip(chunks[1:] + [None], draws[1:], strict=True):
+        assert torch.equal(drawn, draws[0]), f"tokens differ with {chunk} tokens per part"
+    alone = draw_with_parts([None], vocab, 24, vocab, first=1)[0]  # race_parts splits a batch of one the most
+    assert torch.equal(alone[:, 0], draws[0][:, 0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
@@ -182,3 +222,17 @@ def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
         gumbel_sample_triton(logits, temps, keys, None, top_k, top_p)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_gpu_tokens_do_not_depend_on_how_the_hashing_pass_is_split(rows: int) -> None:
+    """A 151,936-token vocabulary (Qwen3's): the batch's own split (~2 programs per SM), one part per row
+    and 37 chunks per part draw the same tokens for every kind of row, and the first row alone (split the
+    most) draws what it draws in the batch."""
+    vocab = 151_936
+    draws = draw_with_parts([None, 1024 * 149, 1024 * 37], vocab, rows, 300 + rows)
+    assert torch.equal(draws[1], draws[0]) and torch.equal(draws[2], draws[0])
+    alone = draw_with_parts([None], vocab, rows, 300 + rows, first=1)[0]
+    assert torch.equal(alone[:, 0], draws[0][:, 0])

@@ -87,7 +87,7 @@ def test_engine_warms_up_where_kernels_compile_with_or_without_graphs(
 def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
     """After start-up, requests with temperature, min-p, top-k and top-p find every variant of the
     sampling kernel compiled (the JIT's per-device cache gains no entry), with CUDA graphs and without."""
-    from kernels.triton_sampling import _sample_kernel
+    from kernels.triton_sampling import _race_kernel, _sample_kernel
 
     prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     requests = [
@@ -96,11 +96,17 @@ def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
         SamplingParams(max_tokens=4, temperature=0.8, top_k=20),
         SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, min_p=0.05),
     ]
+    device = torch.cuda.current_device()
     for graphs in (True, False):
         _sample_kernel.device_caches.clear()  # compiled again from Triton's disk cache
+        _race_kernel.device_caches.clear()
         llm = LLM("tiny-moe", device="cuda", kernel_backend="triton", num_kv_blocks=64, cuda_graphs=graphs)
-        compiled = dict(_sample_kernel.device_caches[torch.cuda.current_device()][0])
+        compiled = dict(_sample_kernel.device_caches[device][0])
         assert len(compiled) == 4, compiled.keys()  # min-p or not, top-k/top-p or not
+        # The hashing pass: plain rows, min-p rows (scores kept), filtered rows (scores kept, digits counted).
+        compiled_race = dict(_race_kernel.device_caches[device][0])
+        assert len(compiled_race) == 3, compiled_race.keys()
         for params in requests:
             llm.generate(prompts, params)
-        assert _sample_kernel.device_caches[torch.cuda.current_device()][0].keys() == compiled.keys()
+        assert _sample_kernel.device_caches[device][0].keys() == compiled.keys()
+        assert _race_kernel.device_caches[device][0].keys() == compiled_race.keys()
