@@ -92,6 +92,14 @@ def _select_bin(hist, k):
 
 
 @triton.jit
+def _next_chunk(base, ids, limit, BLOCK_V: tl.constexpr, other):
+    """The chunk after ``ids`` (``other`` past ``limit``), loaded while the current one is processed: a pass
+    is a loop of dependent chunks that Triton does not pipeline, so without it a program waits for each
+    chunk's load (~1 us from L2, 37 times over a 151,936-token row)."""
+    return tl.load(base + ids + BLOCK_V, mask=ids + BLOCK_V < limit, other=other)
+
+
+@triton.jit
 def _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
     """One digit of the top-k select: the keys whose bits from ``hi`` up are ``prefix`` are counted by their
     next ``RADIX_BITS`` bits (fewer at the bottom). Returns the prefix extended by the digit holding the
@@ -101,10 +109,12 @@ def _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
     digit_mask = ((1 << (hi - shift)) - 1).to(tl.uint32)
     hist = tl.zeros([RADIX_BINS], tl.int32)
     skipped = 0
+    logit = tl.load(base + offs, mask=offs < vocab, other=0.0)
     for v0 in range(0, vocab, BLOCK_V):
         ids = v0 + offs
         valid = ids < vocab
-        key = _ordered_key(tl.load(base + ids, mask=valid, other=0.0))
+        key = _ordered_key(logit)
+        logit = _next_chunk(base, ids, vocab, BLOCK_V, 0.0)
         match = valid & ((key >> hi) == prefix)
         hist += tl.histogram(tl.where(match, (key >> shift) & digit_mask, 0).to(tl.int32), RADIX_BINS)
         skipped += tl.sum((~match).to(tl.int32), axis=0)  # counted in bin 0 above
@@ -150,10 +160,10 @@ def _race_kernel(
     hist = tl.zeros([RADIX_BINS], tl.int32)
     lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_index = tl.zeros([BLOCK_V], tl.int32)
+    logit = tl.load(base + start + offs, mask=start + offs < end, other=float("-inf"))
     for v0 in range(start, end, BLOCK_V):
         ids = v0 + offs
         valid = ids < end
-        logit = tl.load(base + ids, mask=valid, other=float("-inf"))
         m = tl.maximum(m, logit)
         score = tl.where(valid, _race_score(logit, ids, seed, inv_t), float("-inf"))
         if CACHE:
@@ -163,6 +173,7 @@ def _race_kernel(
             if count_digits:
                 digit = _ordered_key(logit) >> (32 - RADIX_BITS)
                 hist += tl.histogram(digit.to(tl.int32), RADIX_BINS, mask=valid)
+        logit = _next_chunk(base, ids, end, BLOCK_V, float("-inf"))
     best, best_index = _first_best(lane_score, lane_index)
     slot = row.to(tl.int64) * num_parts + part
     tl.store(part_f_ptr + slot * 2, tl.max(m, axis=0))
@@ -254,10 +265,10 @@ def _sample_kernel(
         lane_top_k = tl.zeros([BLOCK_V], tl.float32)
         lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
         lane_index = tl.zeros([BLOCK_V], tl.int32)
+        logit = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
         for v0 in range(0, vocab, BLOCK_V):
             ids = v0 + offs
             valid = ids < vocab
-            logit = tl.load(base + ids, mask=valid, other=float("-inf"))
             key = _ordered_key(logit)
             above_w = valid & (key > w_key)
             if FILTERED:
@@ -272,6 +283,7 @@ def _sample_kernel(
             else:  # only a row whose logits are all -inf gets here: nothing races
                 score = tl.where(racing, _race_score(logit, ids, seed, inv_t), float("-inf"))
             lane_score, lane_index = _lane_best(lane_score, lane_index, score, ids)
+            logit = _next_chunk(base, ids, vocab, BLOCK_V, float("-inf"))
         mass_above = tl.sum(lane_above, axis=0)
         mass_top_k = tl.sum(lane_top_k, axis=0)
         next_score, next_index = _first_best(lane_score, lane_index)
@@ -293,8 +305,8 @@ CUDA_NUM_WARPS = 8
 # ``_race_kernel``'s parts: the hashing pass is split until the batch has about two programs per SM, a
 # part being a whole number of RACE_BLOCK_V chunks, at most MAX_PARTS per row (``_sample_kernel`` reads a
 # row's parts in one tile). The interpreter: chunks of 64, up to 8 parts.
-RACE_BLOCK_V = 1024
-RACE_NUM_WARPS = 4
+RACE_BLOCK_V = 2048
+RACE_NUM_WARPS = 8
 MAX_PARTS = 256
 
 
@@ -304,7 +316,7 @@ def race_parts(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
     block, most, slots = (
         (RACE_BLOCK_V, MAX_PARTS, 2 * sm_count(device)) if device.type == "cuda" else (64, 8, 8)
     )
-    want = max(1, min(most, triton.cdiv(slots, batch)))
+    want = max(1, min(most, slots // batch))
     chunk = triton.cdiv(triton.cdiv(vocab, want), block) * block
     return chunk, triton.cdiv(vocab, chunk)
 
