@@ -301,11 +301,11 @@ def _sample_kernel(
 # the hash and the two logarithms per token, not by memory. Six shapes from 1024 x 4 warps to 8192 x 16
 # were within noise of this one or slower (``sampler_bench.py --sweep-tiles``, docs/performance.md).
 CUDA_BLOCK_V = 4096
-CUDA_NUM_WARPS = 8
+CUDA_NUM_WARPS = 16
 # ``_race_kernel``'s parts: the hashing pass is split until the batch has about two programs per SM, a
 # part being a whole number of RACE_BLOCK_V chunks, at most MAX_PARTS per row (``_sample_kernel`` reads a
 # row's parts in one tile). The interpreter: chunks of 64, up to 8 parts.
-RACE_BLOCK_V = 2048
+RACE_BLOCK_V = 4096
 RACE_NUM_WARPS = 8
 MAX_PARTS = 256
 

@@ -16,6 +16,7 @@ import torch
 
 from engine.sampler import Sampler, _position_seed
 from engine.sampling_params import SamplingParams
+from kernels import triton_sampling
 from kernels.sampling import gumbel_sample_torch, top_k_top_p_probs
 from kernels.triton_sampling import gumbel_sample_triton
 from tests.kernel_testing import DEVICE
@@ -229,10 +230,11 @@ def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_gpu_tokens_do_not_depend_on_how_the_hashing_pass_is_split(rows: int) -> None:
     """A 151,936-token vocabulary (Qwen3's): the batch's own split (~2 programs per SM), one part per row
-    and 37 chunks per part draw the same tokens for every kind of row, and the first row alone (split the
+    and 9 chunks per part draw the same tokens for every kind of row, and the first row alone (split the
     most) draws what it draws in the batch."""
     vocab = 151_936
-    draws = draw_with_parts([None, 1024 * 149, 1024 * 37], vocab, rows, 300 + rows)
+    block = triton_sampling.RACE_BLOCK_V
+    draws = draw_with_parts([None, block * -(-vocab // block), block * 9], vocab, rows, 300 + rows)
     assert torch.equal(draws[1], draws[0]) and torch.equal(draws[2], draws[0])
     alone = draw_with_parts([None], vocab, rows, 300 + rows, first=1)[0]
     assert torch.equal(alone[:, 0], draws[0][:, 0])
