@@ -94,34 +94,59 @@ def _select_bin(hist, k):
 @triton.jit
 def _chunk_ahead(base, ids, ahead, limit, BLOCK_V: tl.constexpr, other):
     """The chunk ``ahead`` chunks after ``ids`` (``other`` past ``limit``). A pass is a loop over chunks
-    that Triton does not pipeline, so each loop keeps the next two chunks' loads in flight while it
-    processes one: without that a program waited for every chunk (~1 us from L2, 37 times over a
+    that Triton does not pipeline, so each loop loads the next chunk (the top-p passes: the next two)
+    while it processes one: without that a program waited for every chunk (~1 us from L2, 37 times over a
     151,936-token row)."""
     return tl.load(base + ids + ahead * BLOCK_V, mask=ids + ahead * BLOCK_V < limit, other=other)
 
 
 @triton.jit
-def _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
-    """One digit of the top-k select: the keys whose bits from ``hi`` up are ``prefix`` are counted by their
-    next ``RADIX_BITS`` bits (fewer at the bottom). Returns the prefix extended by the digit holding the
-    ``k_rem``-th largest of them, that key's rank among the keys of the digit, the keys in the digit, and
-    the bit the new prefix starts at."""
+def _radix_step(hist, prefix, k_rem, hi, shift):
+    """The select's state after one digit (bits ``shift`` to ``hi``) counted in ``hist``: the prefix
+    extended by the digit holding the ``k_rem``-th largest key, that key's rank among the keys of the
+    digit, the keys in the digit, and the bit the new prefix starts at."""
+    b, above, count = _select_bin(hist, k_rem)
+    return (prefix << (hi - shift)) | b.to(tl.uint32), k_rem - above, count, shift
+
+
+@triton.jit
+def _first_radix_pass(base, vocab, offs, prefix, k_rem, hi, kept_ptr, BLOCK_V: tl.constexpr):
+    """The top-k select's second digit, over the row's logits: the keys whose bits from ``hi`` up are
+    ``prefix`` (the first digit's bin) are counted by their next ``RADIX_BITS`` bits, and kept, lane by
+    lane (lane j's i-th key at ``kept[i * BLOCK_V + j]``, no scan needed), since only they can match a
+    later digit's prefix. Returns the select's state and each lane's count of kept keys."""
     shift = tl.maximum(hi - RADIX_BITS, 0)
     digit_mask = ((1 << (hi - shift)) - 1).to(tl.uint32)
     hist = tl.zeros([RADIX_BINS], tl.int32)
-    skipped = 0
+    lane_kept = tl.zeros([BLOCK_V], tl.int32)
     logit = tl.load(base + offs, mask=offs < vocab, other=0.0)
-    after = _chunk_ahead(base, offs, 1, vocab, BLOCK_V, 0.0)
     for v0 in range(0, vocab, BLOCK_V):
         ids = v0 + offs
-        valid = ids < vocab
         key = _ordered_key(logit)
-        logit, after = after, _chunk_ahead(base, ids, 2, vocab, BLOCK_V, 0.0)
-        match = valid & ((key >> hi) == prefix)
-        hist += tl.histogram(tl.where(match, (key >> shift) & digit_mask, 0).to(tl.int32), RADIX_BINS)
-        skipped += tl.sum((~match).to(tl.int32), axis=0)  # counted in bin 0 above
-    b, above, count = _select_bin(hist - tl.where(tl.arange(0, RADIX_BINS) == 0, skipped, 0), k_rem)
-    return (prefix << (hi - shift)) | b.to(tl.uint32), k_rem - above, count, shift
+        logit = _chunk_ahead(base, ids, 1, vocab, BLOCK_V, 0.0)
+        match = (ids < vocab) & ((key >> hi) == prefix)
+        tl.store(kept_ptr + lane_kept * BLOCK_V + offs, key.to(tl.int32, bitcast=True), mask=match)
+        lane_kept += match.to(tl.int32)
+        hist += tl.histogram(((key >> shift) & digit_mask).to(tl.int32), RADIX_BINS, mask=match)
+    prefix, k_rem, count, hi = _radix_step(hist, prefix, k_rem, hi, shift)
+    return prefix, k_rem, count, hi, lane_kept
+
+
+@triton.jit
+def _kept_radix_pass(kept_ptr, lane_kept, rows, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
+    """One later digit of the top-k select, over the keys ``_first_radix_pass`` kept (``rows`` rows of
+    lanes): the same counts as a pass over the whole row, from a fraction of its reads."""
+    shift = tl.maximum(hi - RADIX_BITS, 0)
+    digit_mask = ((1 << (hi - shift)) - 1).to(tl.uint32)
+    hist = tl.zeros([RADIX_BINS], tl.int32)
+    key = tl.load(kept_ptr + offs, mask=lane_kept > 0, other=0)
+    for r in range(0, rows):
+        following = tl.load(kept_ptr + (r + 1) * BLOCK_V + offs, mask=lane_kept > r + 1, other=0)
+        bits = key.to(tl.uint32, bitcast=True)
+        match = (lane_kept > r) & ((bits >> hi) == prefix)
+        hist += tl.histogram(((bits >> shift) & digit_mask).to(tl.int32), RADIX_BINS, mask=match)
+        key = following
+    return _radix_step(hist, prefix, k_rem, hi, shift)
 
 
 @triton.jit(do_not_specialize=["chunk", "num_parts"])
@@ -163,7 +188,6 @@ def _race_kernel(
     lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_index = tl.zeros([BLOCK_V], tl.int32)
     logit = tl.load(base + start + offs, mask=start + offs < end, other=float("-inf"))
-    after = _chunk_ahead(base, start + offs, 1, end, BLOCK_V, float("-inf"))
     for v0 in range(start, end, BLOCK_V):
         ids = v0 + offs
         valid = ids < end
@@ -176,7 +200,7 @@ def _race_kernel(
             if count_digits:
                 digit = _ordered_key(logit) >> (32 - RADIX_BITS)
                 hist += tl.histogram(digit.to(tl.int32), RADIX_BINS, mask=valid)
-        logit, after = after, _chunk_ahead(base, ids, 2, end, BLOCK_V, float("-inf"))
+        logit = _chunk_ahead(base, ids, 1, end, BLOCK_V, float("-inf"))
     best, best_index = _first_best(lane_score, lane_index)
     slot = row.to(tl.int64) * num_parts + part
     tl.store(part_f_ptr + slot * 2, tl.max(m, axis=0))
@@ -188,7 +212,7 @@ def _race_kernel(
             tl.store(ints + 1 + tl.arange(0, RADIX_BINS), hist)
 
 
-@triton.jit(do_not_specialize=["num_parts"])
+@triton.jit(do_not_specialize=["stride_kept", "num_parts"])
 def _sample_kernel(
     logits_ptr,
     inv_temp_ptr,
@@ -199,9 +223,11 @@ def _sample_kernel(
     scores_ptr,
     part_f_ptr,
     part_i_ptr,
+    kept_ptr,
     out_ptr,
     vocab,
     stride_row,
+    stride_kept,
     num_parts,
     HAS_MIN_P: tl.constexpr,
     FILTERED: tl.constexpr,
@@ -250,8 +276,16 @@ def _sample_kernel(
             k_rem = top_k - above
             prefix = b.to(tl.uint32)
             hi = 32 - RADIX_BITS
-            while (hi > 0) & (count > k_rem):
-                prefix, k_rem, count, hi = _radix_pass(base, vocab, offs, prefix, k_rem, hi, BLOCK_V)
+            if count > k_rem:
+                row_kept = kept_ptr + row.to(tl.int64) * stride_kept
+                prefix, k_rem, count, hi, lane_kept = _first_radix_pass(
+                    base, vocab, offs, prefix, k_rem, hi, row_kept, BLOCK_V
+                )
+                rows = tl.max(lane_kept, axis=0)
+                while (hi > 0) & (count > k_rem):
+                    prefix, k_rem, count, hi = _kept_radix_pass(
+                        row_kept, lane_kept, rows, offs, prefix, k_rem, hi, BLOCK_V
+                    )
             lo = prefix << hi
     top_k_key = lo
 
@@ -358,6 +392,7 @@ def gumbel_sample_triton(
     inv_temp = (1.0 / temperatures.to(torch.float32)).contiguous()
     log_min_p = torch.log(min_p.to(torch.float32)).contiguous() if min_p is not None else inv_temp
     filtered = top_k is not None or top_p is not None
+    selects = top_k is not None  # the top-k select may run: it keeps keys in a [B, V] scratch
     if filtered:
         top_k = torch.full_like(inv_temp, vocab) if top_k is None else top_k
         top_p = torch.ones_like(inv_temp) if top_p is None else top_p
@@ -376,6 +411,12 @@ def gumbel_sample_triton(
     scores = torch.empty(batch, vocab, device=device) if cached else logits
     part_f = torch.empty(batch, parts, 2, device=device)
     part_i = torch.empty(batch, parts, PART_INTS, dtype=torch.int32, device=device)
+    block = CUDA_BLOCK_V if on_gpu else 64
+    kept = (
+        torch.empty(batch, triton.cdiv(vocab, block) * block, dtype=torch.int32, device=device)
+        if selects
+        else part_i
+    )
     keys = row_keys.contiguous()
     top_k_arg = top_k if filtered else inv_temp
     _race_kernel[(batch, parts)](
@@ -385,9 +426,9 @@ def gumbel_sample_triton(
     )  # fmt: skip
     _sample_kernel[(batch,)](
         logits, inv_temp, keys, log_min_p, top_k_arg, top_p if filtered else inv_temp, scores, part_f,
-        part_i, out, vocab, logits.stride(0), parts,
+        part_i, kept, out, vocab, logits.stride(0), kept.stride(0), parts,
         HAS_MIN_P=min_p is not None, FILTERED=filtered, CACHED=cached,
-        BLOCK_V=CUDA_BLOCK_V if on_gpu else 64, BLOCK_P=MAX_PARTS if on_gpu else 8,
+        BLOCK_V=block, BLOCK_P=MAX_PARTS if on_gpu else 8,
         num_warps=CUDA_NUM_WARPS if on_gpu else 1,
     )  # fmt: skip
     return out
