@@ -134,19 +134,26 @@ def _first_radix_pass(base, vocab, offs, prefix, k_rem, hi, kept_ptr, BLOCK_V: t
 
 @triton.jit
 def _kept_radix_pass(kept_ptr, lane_kept, rows, offs, prefix, k_rem, hi, BLOCK_V: tl.constexpr):
-    """One later digit of the top-k select, over the keys ``_first_radix_pass`` kept (``rows`` rows of
-    lanes): the same counts as a pass over the whole row, from a fraction of its reads."""
+    """One later digit of the top-k select, over the keys kept (``rows`` rows of lanes): the same counts as
+    a pass over the whole row, from a fraction of its reads. The keys it counts (those matching ``prefix``)
+    are kept again in place, lane by lane (a lane's i-th match goes to a row it has read, i <= r), so
+    each pass reads only the keys of the digit before its own. Returns the select's state, each lane's
+    count of keys now kept, and their rows."""
     shift = tl.maximum(hi - RADIX_BITS, 0)
     digit_mask = ((1 << (hi - shift)) - 1).to(tl.uint32)
     hist = tl.zeros([RADIX_BINS], tl.int32)
+    lane_now = tl.zeros([BLOCK_V], tl.int32)
     key = tl.load(kept_ptr + offs, mask=lane_kept > 0, other=0)
     for r in range(0, rows):
         following = tl.load(kept_ptr + (r + 1) * BLOCK_V + offs, mask=lane_kept > r + 1, other=0)
         bits = key.to(tl.uint32, bitcast=True)
         match = (lane_kept > r) & ((bits >> hi) == prefix)
         hist += tl.histogram(((bits >> shift) & digit_mask).to(tl.int32), RADIX_BINS, mask=match)
+        tl.store(kept_ptr + lane_now * BLOCK_V + offs, key, mask=match)
+        lane_now += match.to(tl.int32)
         key = following
-    return _radix_step(hist, prefix, k_rem, hi, shift)
+    prefix, k_rem, count, hi = _radix_step(hist, prefix, k_rem, hi, shift)
+    return prefix, k_rem, count, hi, lane_now, tl.max(lane_now, axis=0)
 
 
 @triton.jit(do_not_specialize=["chunk", "num_parts"])
@@ -283,7 +290,7 @@ def _sample_kernel(
                 )
                 rows = tl.max(lane_kept, axis=0)
                 while (hi > 0) & (count > k_rem):
-                    prefix, k_rem, count, hi = _kept_radix_pass(
+                    prefix, k_rem, count, hi, lane_kept, rows = _kept_radix_pass(
                         row_kept, lane_kept, rows, offs, prefix, k_rem, hi, BLOCK_V
                     )
             lo = prefix << hi
