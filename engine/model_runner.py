@@ -32,8 +32,9 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 # What warm_up samples, batch by batch: a plain row, a min-p row, a top-k + top-p row, then a min-p row
-# beside a top-k + top-p row: the four compiled variants of the sampler's Triton kernel (min-p or not, the
-# filters or not); without it, the torch race with and without a sort. Seeded, so the sampler's generator
+# beside a top-k + top-p row: the compiled variants of the sampler's Triton kernels (the row program's four,
+# min-p or not and the filters or not; the hashing pass's three); without them, the torch race with and
+# without a sort. Seeded, so the sampler's generator
 # does not move.
 _PLAIN = SamplingParams(temperature=1.0, seed=0)
 _MIN_P = SamplingParams(temperature=1.0, min_p=0.1, seed=0)

@@ -1,11 +1,15 @@
 """Sampling without a sort: the Gumbel-max form of ``kernels/sampling.py``'s race, with top-k, top-p and
-min-p, one program per row.
+min-p, in two kernels.
 
 The sampler draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` from a counter-based hash of (row key,
 token id). Since ``probs = softmax(logits / T)``, that is ``argmax(logits / T - log E)``: no softmax, no
-[B, V] intermediates. The program streams its row's logits in ``BLOCK_V`` chunks, computes the same
-splitmix64 hash as ``kernels.sampling.exponential_noise`` (uint64 arithmetic) and keeps the running
-argmax (the first index wins a tie). A row with temperature alone takes one pass.
+[B, V] probabilities. ``_race_kernel`` streams parts of each row (about two programs per SM in all), computes
+the same splitmix64 hash as ``kernels.sampling.exponential_noise`` (uint64 arithmetic), and reports each
+part's maximum, its race winner (the first index wins a tie) and, for top-k, its first-digit counts; for
+min-p and the filters it also keeps every token's race score. ``_sample_kernel``, one program per row,
+combines the parts and runs the filters' later passes on the kept scores. What a part reports is exact, so
+the tokens do not depend on how a row was split, nor on the batch. A row with temperature alone takes the
+one hashing pass.
 
 Top-k, top-p and min-p each keep an upper set of the row's logits (every token at or above some value),
 so the tokens kept are ``{l >= tau}`` for one threshold, and the winner of the race over them is found
@@ -15,7 +19,8 @@ without sorting:
   a 5-bit digit per pass, a histogram of the digit among the keys that match the digits chosen so far,
   and the bin where the count from the top reaches k. It stops as soon as every key of that bin is among
   the top k (a bin of one key, say): then the bin's lower edge is the threshold. The first digit shares
-  the race's pass. Tokens tied with the k-th logit are kept, as in the torch path.
+  the race's pass; the second digit's pass keeps the keys of the first digit's bin, and each later pass
+  reads only those still matching. Tokens tied with the k-th logit are kept, as in the torch path.
 - **Top-p** (applied after top-k, to the top-k set's renormalised probabilities) is a rejection: the race
   winner ``w`` among the tokens still allowed is kept iff the mass of the tokens strictly above it is
   below ``top_p`` of the top-k set's mass. If it is kept, it is the winner among the kept tokens, because
