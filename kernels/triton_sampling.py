@@ -347,9 +347,9 @@ def _sample_kernel(
 
 
 # Chunk width and warps of ``_sample_kernel``'s passes on a GPU (one program per row; the interpreter takes
-# 64 and 1). A pass that hashes a 128k row cost ~0.1 ms on one H200 SM whatever the shape: it is bound by
-# the hash and the two logarithms per token, not by memory. Six shapes from 1024 x 4 warps to 8192 x 16
-# were within noise of this one or slower (``sampler_bench.py --sweep-tiles``, docs/performance.md).
+# 64 and 1). Its passes no longer hash (they read the kept scores), and with the next chunks' loads in
+# flight 16 warps beat 8 at batches 1-64 (top-p 0.9: 47.5 against 59.3 us at batch 1; 4096 x 16 was the
+# best of five shapes, docs/performance.md, fifteenth run).
 CUDA_BLOCK_V = 4096
 CUDA_NUM_WARPS = 16
 # ``_race_kernel``'s parts: the hashing pass is split until the batch has about two programs per SM, a

@@ -1,0 +1,36 @@
+"""Options of the benchmark scripts that decide what they measure (``benchmarks/gpu_bench.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_gpu_bench():  # noqa: ANN201 (a module)
+    spec = importlib.util.spec_from_file_location(
+        "gpu_bench_under_test", ROOT / "benchmarks" / "gpu_bench.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_sampling_takes_sampling_params_fields() -> None:
+    """``--decode-sampling``: SamplingParams fields with numbers (top_k an int); anything else is refused
+    with the field named, and the summary's label says what the decode rows sampled with."""
+    gpu_bench = load_gpu_bench()
+    fields = gpu_bench.parse_sampling("temperature=0.6,top_k=20,top_p=0.95")
+    assert fields == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert isinstance(fields["top_k"], int)
+    assert gpu_bench.parse_sampling("") == {}
+    for bad in ("tempreature=0.8", "top_p", "top_p=", "seed"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad.split("=")[0]):
+            gpu_bench.parse_sampling(bad)
+    plan = gpu_bench.Plan(decode_sampling=fields)
+    assert gpu_bench.sampling_label(plan) == "temperature 0.6, top_k 20, top_p 0.95"
+    assert gpu_bench.sampling_label(gpu_bench.Plan()) == "greedy"
