@@ -83,6 +83,21 @@ def kernel_device_ms(logits: torch.Tensor, params: SamplingParams) -> float:
     figures are an upper bound on the kernel's device time."""
     from kernels.triton_sampling import gumbel_sample_triton
 
+    args = row_arguments(logits, params)
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gumbel_sample_triton(*args)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def row_arguments(logits: torch.Tensor, params: SamplingParams) -> tuple:
+    """``gumbel_sample``'s arguments for every row of ``logits`` sampled with ``params``."""
     batch, vocab = logits.shape
     device = logits.device
     temps = torch.full((batch,), params.temperature, device=device)
@@ -91,16 +106,7 @@ def kernel_device_ms(logits: torch.Tensor, params: SamplingParams) -> float:
     filtered = params.top_k > 0 or params.top_p < 1.0
     top_k = torch.full((batch,), params.top_k or vocab, device=device) if filtered else None
     top_p = torch.full((batch,), params.top_p, device=device) if filtered else None
-    times = []
-    for i in range(23):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        gumbel_sample_triton(logits, temps, keys, min_p, top_k, top_p)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return logits, temps, keys, min_p, top_k, top_p
 
 
 KERNEL_ROWS = {
@@ -112,14 +118,7 @@ KERNEL_ROWS = {
 
 def op_arguments(batch: int, vocab: int, params: SamplingParams, device: torch.device) -> tuple:
     """``gumbel_sample``'s arguments for ``batch`` rows of ``params`` on random logits x 3."""
-    logits = torch.randn(batch, vocab, device=device) * 3
-    temps = torch.full((batch,), params.temperature, device=device)
-    keys = torch.arange(batch, dtype=torch.int64, device=device) * 7919
-    min_p = torch.full((batch,), params.min_p, device=device) if params.min_p > 0 else None
-    filtered = params.top_k > 0 or params.top_p < 1.0
-    top_k = torch.full((batch,), params.top_k or vocab, device=device) if filtered else None
-    top_p = torch.full((batch,), params.top_p, device=device) if filtered else None
-    return logits, temps, keys, min_p, top_k, top_p
+    return row_arguments(torch.randn(batch, vocab, device=device) * 3, params)
 
 
 def graph_device_us(fn: Callable, args: tuple, calls: int = 10) -> float:
