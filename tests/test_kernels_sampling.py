@@ -172,16 +172,16 @@ def draw_with_parts(
     return draws
 
 
-@pytest.mark.parametrize("vocab", [100, 500])
+@pytest.mark.parametrize("vocab", [100, 300])
 def test_tokens_do_not_depend_on_how_the_hashing_pass_is_split(vocab: int) -> None:
     """The first pass runs in parts (``_race_kernel``) and the row's program combines them: a maximum, an
     argmax with the first token winning a tie, integer digit counts, scores kept per token. So one part or
     eight draw the same tokens, for every kind of row, and so does a row in a batch of any size."""
-    chunks = [64 * n for n in (1, 3, -(-vocab // 64))]  # 8 parts (or 2) down to one part
-    draws = draw_with_parts([*chunks, None], vocab, 24, vocab)
+    chunks = [64 * n for n in (1, 3, -(-vocab // 64))]  # one chunk a part (5 or 2 parts) down to one part
+    draws = draw_with_parts([*chunks, None], vocab, 16, vocab)
     for chunk, drawn in zip(chunks[1:] + [None], draws[1:], strict=True):
         assert torch.equal(drawn, draws[0]), f"tokens differ with {chunk} tokens per part"
-    alone = draw_with_parts([None], vocab, 24, vocab, first=1)[0]  # race_parts splits a batch of one the most
+    alone = draw_with_parts([None], vocab, 16, vocab, first=1)[0]  # race_parts splits a batch of one the most
     assert torch.equal(alone[:, 0], draws[0][:, 0])
 
 
