@@ -909,15 +909,22 @@ def sampling_label(plan: Plan) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in plan.decode_sampling.items()) or "greedy"
 
 
+# The SamplingParams fields ``--decode-sampling`` may set, with their types (the decode section sets
+# max_tokens and ignore_eos itself).
+SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int}
+
+
 def parse_sampling(text: str) -> dict[str, float]:
     """``temperature=0.8,top_p=0.9`` -> SamplingParams fields (numbers)."""
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
     out: dict[str, float] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        if key not in fields or not value:
-            raise argparse.ArgumentTypeError(f"not a SamplingParams field=value: {item!r}")
-        out[key] = int(value) if key == "top_k" else float(value)
+        try:
+            out[key] = SAMPLING_FIELDS[key](value)
+        except (KeyError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"not one of {', '.join(SAMPLING_FIELDS)} with a number: {item!r}"
+            ) from None
     return out
 
 

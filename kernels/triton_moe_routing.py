@@ -96,7 +96,7 @@ def _moe_route_kernel(
     key = tl.where(expert_mask[None, :], key, lowest)  # padding lanes and, below, taken experts: never max
 
     top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    top_p = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    top_phys = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
         taken = key == best[:, None]  # one expert per token: the index makes every key distinct
@@ -111,7 +111,7 @@ def _moe_route_kernel(
         value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the logit back, exactly
         prob = tl.exp(value - row_max) / denom
         top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
-        top_p = tl.where(slots[None, :] == j, physical_j[:, None], top_p)
+        top_phys = tl.where(slots[None, :] == j, physical_j[:, None], top_phys)
 
     pair_mask = token_mask[:, None] & (slots[None, :] < TOP_K)
     if RENORMALIZE:
@@ -119,7 +119,7 @@ def _moe_route_kernel(
     out_offs = tokens[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + out_offs, top_w.to(weights_ptr.dtype.element_ty), mask=pair_mask)
 
-    physical = top_p.to(tl.int64)
+    physical = top_phys.to(tl.int64)
     tl.store(ids_ptr + out_offs, physical, mask=pair_mask)
     ones = tl.full([BLOCK_T, BLOCK_K], 1, dtype=counts_ptr.dtype.element_ty)
     tl.atomic_add(counts_ptr + physical * stride_counts, ones, mask=pair_mask, sem="relaxed")

@@ -23,14 +23,17 @@ def load_gpu_bench():  # noqa: ANN201 (a module)
 
 
 def test_decode_sampling_takes_sampling_params_fields() -> None:
-    """``--decode-sampling``: SamplingParams fields with numbers (top_k an int); anything else is refused
-    with the field named, and the summary's label says what the decode rows sampled with."""
+    """``--decode-sampling``: the sampling fields of SamplingParams with numbers (top_k and seed ints);
+    anything else is refused with the item named, and the summary's label says what the decode rows
+    sampled with."""
     gpu_bench = load_gpu_bench()
     fields = gpu_bench.parse_sampling("temperature=0.6,top_k=20,top_p=0.95")
     assert fields == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
     assert isinstance(fields["top_k"], int)
     assert gpu_bench.parse_sampling("") == {}
-    for bad in ("tempreature=0.8", "top_p", "top_p=", "seed"):
+    assert gpu_bench.parse_sampling("seed=7") == {"seed": 7}
+    # Unknown fields, missing or non-numeric values, and the fields the decode section sets itself.
+    for bad in ("tempreature=0.8", "top_p", "top_p=", "top_k=2.5", "seed", "max_tokens=4", "ignore_eos=1"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad.split("=")[0]):
             gpu_bench.parse_sampling(bad)
     plan = gpu_bench.Plan(decode_sampling=fields)
