@@ -97,6 +97,28 @@ def _select_bin(hist, k):
 
 
 @triton.jit
+def _tile_kth_key(key, valid, k):
+    """The top-k select over a tile held in registers: the lowest key of the ``k`` largest keys where
+    ``valid`` (0 where there are no more than ``k``), or the lower edge of its radix bin once every key of
+    that bin is among the top ``k``. So exactly the keys ``>= `` it are kept, with ties at the k-th."""
+    lo = tl.zeros([], tl.uint32)
+    if tl.sum(valid.to(tl.int32), axis=0) > k:
+        hist = tl.histogram((key >> (32 - RADIX_BITS)).to(tl.int32), RADIX_BINS, mask=valid)
+        b, above, count = _select_bin(hist, k)
+        prefix = b.to(tl.uint32)
+        k_rem = k - above
+        hi = 32 - RADIX_BITS
+        while (hi > 0) & (count > k_rem):
+            shift = tl.maximum(hi - RADIX_BITS, 0)
+            digit_mask = ((1 << (hi - shift)) - 1).to(tl.uint32)
+            match = valid & ((key >> hi) == prefix)
+            hist = tl.histogram(((key >> shift) & digit_mask).to(tl.int32), RADIX_BINS, mask=match)
+            prefix, k_rem, count, hi = _radix_step(hist, prefix, k_rem, hi, shift)
+        lo = prefix << hi
+    return lo
+
+
+@triton.jit
 def _chunk_ahead(base, ids, ahead, limit, BLOCK_V: tl.constexpr, other):
     """The chunk ``ahead`` chunks after ``ids`` (``other`` past ``limit``). A pass is a loop over chunks
     that Triton does not pipeline, so each loop loads the next chunk (the top-p passes: the next two)
@@ -170,19 +192,27 @@ def _race_kernel(
     scores_ptr,
     part_f_ptr,
     part_i_ptr,
+    cand_f_ptr,
+    cand_i_ptr,
     vocab,
     stride_row,
     chunk,
     num_parts,
+    num_chunks,
     FILTERED: tl.constexpr,
     CACHE: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1 over one part of a row, ``chunk`` tokens from ``part * chunk``: the part's maximum, its race
     winner (score, then the smallest token id holding it), and where the row has top-k, the count of each
     first digit of the ordered keys. With CACHE each token's race score goes to ``scores`` [B, V], so the
-    row's later passes (``_sample_kernel``) read it instead of hashing again. What a part reports is exact
-    (a maximum, an argmax, integer counts), so the row's results do not depend on how it was split."""
+    row's later passes (``_sample_kernel``) read it instead of hashing again. With CANDIDATES, a row
+    whose top-k is at most SLOTS also reports each chunk's own top k (every token at or above the chunk's
+    k-th largest logit: its logit, race score and id, and how many there are), which hold the row's top k.
+    What a part reports is exact (a maximum, an argmax, integer counts, tokens), so the row's results do
+    not depend on how it was split."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -190,8 +220,13 @@ def _race_kernel(
     seed = tl.load(keys_ptr + row).to(tl.uint64) * 0x9E3779B97F4A7C15
     offs = tl.arange(0, BLOCK_V)
     count_digits = False
+    candidates = False
+    top_k = vocab
     if FILTERED:
-        count_digits = tl.load(top_k_ptr + row) < vocab
+        top_k = tl.load(top_k_ptr + row)
+        count_digits = top_k < vocab
+        if CANDIDATES:
+            candidates = (top_k <= SLOTS) & count_digits
     start = part * chunk
     end = tl.minimum(start + chunk, vocab)
     # Reductions across lanes wait for the end of the part: one per part, not one per chunk.
@@ -212,6 +247,17 @@ def _race_kernel(
             if count_digits:
                 digit = _ordered_key(logit) >> (32 - RADIX_BITS)
                 hist += tl.histogram(digit.to(tl.int32), RADIX_BINS, mask=valid)
+            if CANDIDATES:  # noqa: SIM102
+                if candidates:
+                    key = _ordered_key(logit)
+                    kept = valid & (key >= _tile_kth_key(key, valid, top_k))
+                    at = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                    cell = row.to(tl.int64) * num_chunks + v0 // BLOCK_V
+                    kept_slots = kept & (at < SLOTS)
+                    tl.store(cand_f_ptr + (cell * SLOTS + at) * 2, logit, mask=kept_slots)
+                    tl.store(cand_f_ptr + (cell * SLOTS + at) * 2 + 1, score, mask=kept_slots)
+                    tl.store(cand_i_ptr + cell * (SLOTS + 1) + 1 + at, ids, mask=kept_slots)
+                    tl.store(cand_i_ptr + cell * (SLOTS + 1), tl.sum(kept.to(tl.int32), axis=0))
         logit = _chunk_ahead(base, ids, 1, end, BLOCK_V, float("-inf"))
     best, best_index = _first_best(lane_score, lane_index)
     slot = row.to(tl.int64) * num_parts + part
@@ -235,21 +281,29 @@ def _sample_kernel(
     scores_ptr,
     part_f_ptr,
     part_i_ptr,
+    cand_f_ptr,
+    cand_i_ptr,
     kept_ptr,
     out_ptr,
     vocab,
     stride_row,
     stride_kept,
     num_parts,
+    num_chunks,
     HAS_MIN_P: tl.constexpr,
     FILTERED: tl.constexpr,
     CACHED: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """The rest of a row after ``_race_kernel``'s parts: their results combined, then the top-k select's
     later digits and the top-p / min-p rejection passes, one program per row. With CACHED (set where the
-    parts cached the scores: min-p or the filters) a pass reads the race scores instead of hashing again."""
+    parts cached the scores: min-p or the filters) a pass reads the race scores instead of hashing again.
+    With CANDIDATES, a row whose chunks reported their top k (``_race_kernel``) runs all of that on those
+    few tokens in registers instead (``_sample_candidates``); the passes remain for the others."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     inv_t = tl.load(inv_temp_ptr + row)
@@ -275,6 +329,106 @@ def _sample_kernel(
     part_index = tl.load(part_i_ptr + slots * PART_INTS, mask=in_row, other=2147483647)
     _, best_index = _first_best(part_best, part_index)
 
+    if CANDIDATES:
+        use_candidates = (top_k <= SLOTS) & (top_k < vocab)
+        if use_candidates:
+            cells = tl.arange(0, BLOCK_C)
+            cell_counts = cand_i_ptr + (row.to(tl.int64) * num_chunks + cells) * (SLOTS + 1)
+            counts = tl.load(cell_counts, mask=cells < num_chunks, other=0)
+            use_candidates = tl.max(counts, axis=0) <= SLOTS  # else ties at a chunk's k-th overflowed it
+            if use_candidates:
+                best_index = _sample_candidates(
+                    cand_f_ptr, cand_i_ptr, row, num_chunks, counts, row_max, inv_t, log_min_p, top_k, top_p,
+                    SLOTS, BLOCK_C,
+                )  # fmt: skip
+        if not use_candidates:
+            best_index = _sample_passes(
+                base, row, row_scores, kept_ptr, part_i_ptr, slots, in_row, best_index, row_max, inv_t, seed,
+                log_min_p, top_k, top_p, vocab, stride_kept, offs, FILTERED, CACHED, BLOCK_V,
+            )  # fmt: skip
+    else:
+        best_index = _sample_passes(
+            base, row, row_scores, kept_ptr, part_i_ptr, slots, in_row, best_index, row_max, inv_t, seed,
+            log_min_p, top_k, top_p, vocab, stride_kept, offs, FILTERED, CACHED, BLOCK_V,
+        )  # fmt: skip
+    tl.store(out_ptr + row, best_index)
+
+
+@triton.jit
+def _sample_candidates(
+    cand_f_ptr,
+    cand_i_ptr,
+    row,
+    num_chunks,
+    counts,
+    row_max,
+    inv_t,
+    log_min_p,
+    top_k,
+    top_p,
+    SLOTS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The row's draw from its chunks' top-k tokens (``counts`` per chunk), in registers: they hold every
+    token at or above the row's k-th largest logit, so the select, the top-k set's mass, the mass above a
+    token of that set and the race among it are those of the whole row. The same rejection as the passes
+    of ``_sample_passes``, on a tile of ``BLOCK_C * SLOTS`` tokens instead of the vocabulary."""
+    cells = tl.arange(0, BLOCK_C)
+    at = tl.arange(0, SLOTS)
+    cell = row.to(tl.int64) * num_chunks + cells
+    held = tl.reshape(at[None, :] < counts[:, None], [BLOCK_C * SLOTS])
+    flat = tl.reshape((cell * SLOTS)[:, None] + at[None, :], [BLOCK_C * SLOTS])
+    logit = tl.load(cand_f_ptr + flat * 2, mask=held, other=float("-inf"))
+    score = tl.load(cand_f_ptr + flat * 2 + 1, mask=held, other=float("-inf"))
+    ids = tl.load(
+        cand_i_ptr + tl.reshape((cell * (SLOTS + 1) + 1)[:, None] + at[None, :], [BLOCK_C * SLOTS]),
+        mask=held,
+        other=2147483647,
+    )
+    key = _ordered_key(logit)
+    lo = _tile_kth_key(key, held, top_k)
+    in_top_k = held & (key >= lo)
+    e = tl.where(held, tl.exp((logit - row_max) * inv_t), 0.0)
+    mass_top_k = tl.sum(tl.where(in_top_k, e, 0.0), axis=0)
+    allowed = in_top_k & ((logit - row_max) * inv_t >= log_min_p)
+    _, best_index = _first_best(tl.where(allowed, score, float("-inf")), ids)
+    w_key = tl.max(tl.where(ids == best_index, key, 0), axis=0)
+    done = top_p >= 1.0
+    while not done:
+        above = held & (key > w_key)
+        mass_above = tl.sum(tl.where(above, e, 0.0), axis=0)
+        next_score, next_index = _first_best(tl.where(allowed & above, score, float("-inf")), ids)
+        done = (mass_above < top_p * mass_top_k) | (next_score == float("-inf"))
+        best_index = tl.where(done, best_index, next_index)
+        w_key = tl.max(tl.where(ids == best_index, key, 0), axis=0)
+    return best_index
+
+
+@triton.jit
+def _sample_passes(
+    base,
+    row,
+    row_scores,
+    kept_ptr,
+    part_i_ptr,
+    slots,
+    in_row,
+    best_index,
+    row_max,
+    inv_t,
+    seed,
+    log_min_p,
+    top_k,
+    top_p,
+    vocab,
+    stride_kept,
+    offs,
+    FILTERED: tl.constexpr,
+    CACHED: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The row's draw by passes over its logits: the top-k select's later digits, then the rejection
+    passes, each reading the kept race scores (CACHED) or hashing again."""
     # Top-k: the rest of the radix select. ``lo`` becomes the lowest key kept (0: every token): the k-th
     # largest key, or the lower edge of its digit once every key of that digit is among the top k.
     lo = tl.zeros([], tl.uint32)
@@ -343,7 +497,7 @@ def _sample_kernel(
         best_index = tl.where(keep, best_index, next_index)
         w_key = _ordered_key(tl.load(base + best_index))
         allowed = True
-    tl.store(out_ptr + row, best_index)
+    return best_index
 
 
 # Chunk width and warps of ``_sample_kernel``'s passes on a GPU (one program per row; the interpreter takes
@@ -358,6 +512,12 @@ CUDA_NUM_WARPS = 16
 RACE_BLOCK_V = 4096
 RACE_NUM_WARPS = 8
 MAX_PARTS = 256
+# Rows with top-k at most CANDIDATE_SLOTS: each hashing chunk keeps its own top k (at most this many
+# tokens, else the row takes the passes), and the row's program draws from those, in one tile of at most
+# MAX_CANDIDATE_CHUNKS x CANDIDATE_SLOTS tokens (a vocabulary of up to 262,144 on a GPU). The interpreter:
+# 16 slots, up to 8 chunks of 64.
+CANDIDATE_SLOTS = 64
+MAX_CANDIDATE_CHUNKS = 64
 
 
 def race_parts(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
@@ -388,12 +548,14 @@ def gumbel_sample_triton(
     top_p: torch.Tensor | None = None,
     *,
     chunk: int | None = None,
+    candidates: bool = True,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (last dim contiguous); temperatures [B] > 0; row_keys [B] int64 (the sampler's
     per-row keys); min_p [B] in [0, 1] or None; top_k [B] (any dtype holding integers; the vocabulary size
     where off) or None; top_p [B] in (0, 1] (1 where off) or None. Returns the sampled token ids, [B]
     int64. ``chunk`` (tests): tokens per part of the hashing pass, a multiple of its chunk width, instead
-    of ``race_parts``'s; the tokens drawn do not depend on it."""
+    of ``race_parts``'s; the tokens drawn do not depend on it. ``candidates=False`` (tests): every row takes the
+    passes, as a row with a larger top-k does."""
     batch, vocab = logits.shape
     device = logits.device
     out = torch.empty(batch, dtype=torch.int64, device=device)
@@ -429,18 +591,28 @@ def gumbel_sample_triton(
         if selects
         else part_i
     )
+    # Each hashing chunk's top k, for rows with a small top-k (a filtered batch's variant: top-p rows
+    # compile the same kernels and skip it at run time).
+    race_block = RACE_BLOCK_V if on_gpu else 64
+    num_chunks = triton.cdiv(vocab, race_block)
+    slots = CANDIDATE_SLOTS if on_gpu else 16
+    candidates = candidates and filtered and num_chunks <= (MAX_CANDIDATE_CHUNKS if on_gpu else 8)
+    cand_cells = batch * num_chunks if candidates else 1
+    cand_f = torch.empty(cand_cells, slots, 2, device=device)
+    cand_i = torch.empty(cand_cells, slots + 1, dtype=torch.int32, device=device)
     keys = row_keys.contiguous()
     top_k_arg = top_k if filtered else inv_temp
     _race_kernel[(batch, parts)](
-        logits, inv_temp, keys, top_k_arg, scores, part_f, part_i, vocab, logits.stride(0), chunk, parts,
-        FILTERED=filtered, CACHE=cached, BLOCK_V=RACE_BLOCK_V if on_gpu else 64,
+        logits, inv_temp, keys, top_k_arg, scores, part_f, part_i, cand_f, cand_i, vocab, logits.stride(0),
+        chunk, parts, num_chunks,
+        FILTERED=filtered, CACHE=cached, CANDIDATES=candidates, SLOTS=slots, BLOCK_V=race_block,
         num_warps=RACE_NUM_WARPS if on_gpu else 1,
     )  # fmt: skip
     _sample_kernel[(batch,)](
         logits, inv_temp, keys, log_min_p, top_k_arg, top_p if filtered else inv_temp, scores, part_f,
-        part_i, kept, out, vocab, logits.stride(0), kept.stride(0), parts,
-        HAS_MIN_P=min_p is not None, FILTERED=filtered, CACHED=cached,
-        BLOCK_V=block, BLOCK_P=MAX_PARTS if on_gpu else 8,
+        part_i, cand_f, cand_i, kept, out, vocab, logits.stride(0), kept.stride(0), parts, num_chunks,
+        HAS_MIN_P=min_p is not None, FILTERED=filtered, CACHED=cached, CANDIDATES=candidates, SLOTS=slots,
+        BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_V=block, BLOCK_P=MAX_PARTS if on_gpu else 8,
         num_warps=CUDA_NUM_WARPS if on_gpu else 1,
     )  # fmt: skip
     return out

@@ -145,6 +145,43 @@ def test_top_k_keeps_ties_and_top_k_one_is_greedy() -> None:
     assert bool((logits.gather(1, tiny_p.unsqueeze(1)).squeeze(1) == logits.max(dim=1).values).all())
 
 
+def ones_k(rows: int, k: int) -> torch.Tensor:
+    return torch.full((rows,), k, device=DEVICE)
+
+
+def test_small_top_k_draws_from_each_chunks_top_k() -> None:
+    """Rows with top-k of at most the candidate slots (16 in the interpreter) draw from each chunk's own
+    top k instead of passes over the row: the same tokens as the passes and the sort-based race, with
+    top-p and min-p on top. Where ties at a chunk's k-th logit overflow its slots (the integer rows: a
+    chunk of 64 holds ~9 of each value), the row must fall back to the passes: a draw from the truncated
+    candidates would miss tokens of the top-k set."""
+    gen = torch.Generator().manual_seed(21)
+    rows, vocab = 24, 300  # five chunks of 64
+    logits = (torch.randn(rows, vocab, generator=gen) * 2.0).to(DEVICE)
+    logits[1::4] *= 0.05  # nearly flat: top-p rejects within the top k
+    logits[2::4] = torch.randint(-3, 4, (rows // 4, vocab), generator=gen).float().to(DEVICE)
+    logits[3::8, 200:] = float("-inf")  # masked tokens: the last chunks hold fewer than k finite logits
+    temps = (torch.rand(rows, generator=gen) * 1.5 + 0.3).to(DEVICE)
+    top_k = torch.randint(1, 17, (rows,), generator=gen).to(DEVICE)
+    top_p = (torch.rand(rows, generator=gen) * 0.9 + 0.1).to(DEVICE)
+    top_p[::3] = 1.0
+    top_p[2::4] = 1.0  # top-p over ties: the sort's order among tied tokens decides there (module docstring)
+    min_p = (torch.rand(rows, generator=gen) * 0.2).to(DEVICE)
+    keys = row_keys(21, rows)
+    for mp in (None, min_p):
+        got = gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p)
+        passes = gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p, candidates=False)
+        assert torch.equal(got, passes)
+        assert torch.equal(got, gumbel_sample_torch(logits, temps, keys, mp, top_k, top_p))
+    kth = logits.sort(dim=1, descending=True).values.gather(1, top_k.long().unsqueeze(1) - 1)
+    assert bool((logits.gather(1, got.unsqueeze(1)) >= kth).all())
+    # Every row tied: each chunk's k-th logit ties with all 64 of its tokens, so every chunk overflows.
+    flat, ones, small_k = torch.zeros(8, vocab, device=DEVICE), torch.ones(8, device=DEVICE), ones_k(8, 5)
+    tied = gumbel_sample_triton(flat, ones, keys[:8], None, small_k, None)
+    assert torch.equal(tied, gumbel_sample_torch(flat, ones, keys[:8], None, small_k, None))
+    assert len(set(tied.tolist())) > 4, "every tied token is in the top-k set: draws spread over the row"
+
+
 def draw_with_parts(
     chunks: list[int | None], vocab: int, rows: int, seed: int, first: int | None = None
 ) -> list[torch.Tensor]:
@@ -238,3 +275,26 @@ def test_gpu_tokens_do_not_depend_on_how_the_hashing_pass_is_split(rows: int) ->
     assert torch.equal(draws[1], draws[0]) and torch.equal(draws[2], draws[0])
     alone = draw_with_parts([None], vocab, rows, 300 + rows, first=1)[0]
     assert torch.equal(alone[:, 0], draws[0][:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_gpu_small_top_k_candidates_match_the_passes(rows: int) -> None:
+    """On Qwen3's 151,936-token vocabulary (38 chunks): rows with top-k 1-64 drawn from the chunks' top k
+    equal the passes over the row, with top-p and min-p, and bf16-rounded logits (ties) included."""
+    gen = torch.Generator().manual_seed(rows)
+    vocab = 151936
+    logits = (torch.randn(rows, vocab, generator=gen) * 3.0).to(DEVICE)
+    logits[1::3] = logits[1::3].bfloat16().float() * 0.1  # flat rows of bf16 values: many ties
+    temps = (torch.rand(rows, generator=gen) * 1.5 + 0.3).to(DEVICE)
+    top_k = torch.randint(1, 65, (rows,), generator=gen).to(DEVICE)
+    top_p = (torch.rand(rows, generator=gen) * 0.9 + 0.1).to(DEVICE)
+    top_p[::2] = 1.0
+    min_p = (torch.rand(rows, generator=gen) * 0.2).to(DEVICE)
+    keys = row_keys(rows, rows)
+    for mp in (None, min_p):
+        got = gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p)
+        assert torch.equal(got, gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p, candidates=False))
+    kth = logits.sort(dim=1, descending=True).values.gather(1, top_k.long().unsqueeze(1) - 1)
+    assert bool((logits.gather(1, got.unsqueeze(1)) >= kth).all())
