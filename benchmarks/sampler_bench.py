@@ -70,6 +70,7 @@ def time_call(
 
 FILTERED = {
     "temperature 0.8, top-k 50": SamplingParams(temperature=0.8, top_k=50),
+    "temperature 0.6, top-k 20, top-p 0.95 (Qwen3's)": SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
     "temperature 0.8, top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "temperature 1.0, top-k 1000, top-p 0.95": SamplingParams(temperature=1.0, top_k=1000, top_p=0.95),
     "temperature 1.0, top-p 0.95, min-p 0.05": SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05),
@@ -104,7 +105,7 @@ def row_arguments(logits: torch.Tensor, params: SamplingParams) -> tuple:
     keys = torch.arange(batch, dtype=torch.int64, device=device) * 7919
     min_p = torch.full((batch,), params.min_p, device=device) if params.min_p > 0 else None
     filtered = params.top_k > 0 or params.top_p < 1.0
-    top_k = torch.full((batch,), params.top_k or vocab, device=device) if filtered else None
+    top_k = torch.full((batch,), params.top_k, device=device) if params.top_k > 0 else None  # as Sampler
     top_p = torch.full((batch,), params.top_p, device=device) if filtered else None
     return logits, temps, keys, min_p, top_k, top_p
 

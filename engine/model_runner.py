@@ -31,14 +31,15 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-# What warm_up samples, batch by batch: a plain row, a min-p row, a top-k + top-p row, then a min-p row
-# beside a top-k + top-p row: the compiled variants of the sampler's Triton kernels (the row program's four,
-# min-p or not and the filters or not; the hashing pass's three); without them, the torch race with and
-# without a sort. Seeded, so the sampler's generator does not move.
+# What warm_up samples, batch by batch: a plain row, a min-p row, a top-k + top-p row, a top-p row, then a
+# min-p row beside each of the last two: the compiled variants of the sampler's Triton kernels (the row
+# program's six: min-p or not, and no filter, top-p alone or top-k; the hashing pass's four); without
+# them, the torch race with and without a sort. Seeded, so the sampler's generator does not move.
 _PLAIN = SamplingParams(temperature=1.0, seed=0)
 _MIN_P = SamplingParams(temperature=1.0, min_p=0.1, seed=0)
 _FILTERS = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=0)
-_WARM_UP_SAMPLES = ([_PLAIN], [_MIN_P], [_FILTERS], [_MIN_P, _FILTERS])
+_TOP_P = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+_WARM_UP_SAMPLES = ([_PLAIN], [_MIN_P], [_FILTERS], [_TOP_P], [_MIN_P, _FILTERS], [_MIN_P, _TOP_P])
 
 
 @dataclass

@@ -102,7 +102,8 @@ class Sampler:
             racing_index = None if len(racing) == batch else ints[batch:]
             min_p = rows[:, 1] if any(params[i].min_p > 0 for i in racing) else None
             # The kernel takes top-k and top-p together (the off values: vocabulary size, 1); without a
-            # top-k row it is given no top-k, so it sets no scratch aside for the select.
+            # top-k row it is given no top-k, so it sets no scratch aside for the select and takes the
+            # variant without the chunks' own top k.
             top_p = rows[:, 2] if sorting else None
             top_k = rows[:, 3] if any(params[i].top_k > 0 for i in sorting) else None
             drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p, top_k, top_p)

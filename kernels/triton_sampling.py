@@ -73,6 +73,20 @@ def _race_score(logit, ids, seed, inv_t):
 
 
 @triton.jit
+def _mass(logit, row_max, inv_t):
+    """A token's probability mass relative to the row's most likely token, ``exp((logit - max) / T)``, in
+    fixed point (units of 2**-40), so that sums of it are exact in any order: the passes and the
+    candidates (``_sample_candidates``) sum the same tokens in different orders and agree exactly."""
+    return (tl.exp((logit - row_max) * inv_t) * 1099511627776.0).to(tl.int64)
+
+
+@triton.jit
+def _within_top_p(mass_above, top_p, mass_top_k):
+    """Whether the mass strictly above a token is below ``top_p`` of the top-k set's (top-p keeps it)."""
+    return mass_above.to(tl.float64) < mass_top_k.to(tl.float64) * top_p
+
+
+@triton.jit
 def _lane_best(lane_score, lane_index, score, ids):
     """Each lane's running race winner: the higher score, the earlier token on a tie."""
     better = score > lane_score
@@ -227,6 +241,7 @@ def _race_kernel(
         count_digits = top_k < vocab
         if CANDIDATES:
             candidates = (top_k <= SLOTS) & count_digits
+    running = tl.zeros([], tl.uint32)
     start = part * chunk
     end = tl.minimum(start + chunk, vocab)
     # Reductions across lanes wait for the end of the part: one per part, not one per chunk.
@@ -249,8 +264,14 @@ def _race_kernel(
                 hist += tl.histogram(digit.to(tl.int32), RADIX_BINS, mask=valid)
             if CANDIDATES:  # noqa: SIM102
                 if candidates:
+                    # Only tokens at or above the part's running threshold can be in the row's top k: it
+                    # is the k-th largest of some of the row's tokens. A chunk with more than SLOTS of them
+                    # keeps its own top k of them and raises the threshold to its k-th largest.
                     key = _ordered_key(logit)
-                    kept = valid & (key >= _tile_kth_key(key, valid, top_k))
+                    kept = valid & (key >= running)
+                    if tl.sum(kept.to(tl.int32), axis=0) > SLOTS:
+                        running = _tile_kth_key(key, kept, top_k)
+                        kept = kept & (key >= running)
                     at = tl.cumsum(kept.to(tl.int32), axis=0) - 1
                     cell = row.to(tl.int64) * num_chunks + v0 // BLOCK_V
                     kept_slots = kept & (at < SLOTS)
@@ -388,17 +409,17 @@ def _sample_candidates(
     key = _ordered_key(logit)
     lo = _tile_kth_key(key, held, top_k)
     in_top_k = held & (key >= lo)
-    e = tl.where(held, tl.exp((logit - row_max) * inv_t), 0.0)
-    mass_top_k = tl.sum(tl.where(in_top_k, e, 0.0), axis=0)
+    e = _mass(logit, row_max, inv_t)
+    mass_top_k = tl.sum(tl.where(in_top_k, e, 0), axis=0)
     allowed = in_top_k & ((logit - row_max) * inv_t >= log_min_p)
     _, best_index = _first_best(tl.where(allowed, score, float("-inf")), ids)
     w_key = tl.max(tl.where(ids == best_index, key, 0), axis=0)
     done = top_p >= 1.0
     while not done:
         above = held & (key > w_key)
-        mass_above = tl.sum(tl.where(above, e, 0.0), axis=0)
+        mass_above = tl.sum(tl.where(above, e, 0), axis=0)
         next_score, next_index = _first_best(tl.where(allowed & above, score, float("-inf")), ids)
-        done = (mass_above < top_p * mass_top_k) | (next_score == float("-inf"))
+        done = _within_top_p(mass_above, top_p, mass_top_k) | (next_score == float("-inf"))
         best_index = tl.where(done, best_index, next_index)
         w_key = tl.max(tl.where(ids == best_index, key, 0), axis=0)
     return best_index
@@ -464,8 +485,8 @@ def _sample_passes(
     check_p = top_p < 1.0
     done = allowed & (not check_p)
     while not done:
-        lane_above = tl.zeros([BLOCK_V], tl.float32)
-        lane_top_k = tl.zeros([BLOCK_V], tl.float32)
+        lane_above = tl.zeros([BLOCK_V], tl.int64)
+        lane_top_k = tl.zeros([BLOCK_V], tl.int64)
         lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
         lane_index = tl.zeros([BLOCK_V], tl.int32)
         logit = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
@@ -476,9 +497,9 @@ def _sample_passes(
             key = _ordered_key(logit)
             above_w = valid & (key > w_key)
             if FILTERED:
-                e = tl.exp((logit - row_max) * inv_t)
-                lane_above += tl.where(above_w, e, 0.0)
-                lane_top_k += tl.where(valid & (key >= top_k_key), e, 0.0)
+                e = _mass(logit, row_max, inv_t)
+                lane_above += tl.where(above_w, e, 0)
+                lane_top_k += tl.where(valid & (key >= top_k_key), e, 0)
             racing = (
                 valid & (key >= lo) & ((logit - row_max) * inv_t >= log_min_p) & (above_w | (not allowed))
             )
@@ -491,7 +512,8 @@ def _sample_passes(
         mass_above = tl.sum(lane_above, axis=0)
         mass_top_k = tl.sum(lane_top_k, axis=0)
         next_score, next_index = _first_best(lane_score, lane_index)
-        keep = allowed & ((not check_p) | (mass_above < top_p * mass_top_k) | (next_score == float("-inf")))
+        within = _within_top_p(mass_above, top_p, mass_top_k)
+        keep = allowed & ((not check_p) | within | (next_score == float("-inf")))
         done = keep | ((not allowed) & (not check_p))
         lo = tl.where(allowed & (not keep), w_key + 1, lo)
         best_index = tl.where(keep, best_index, next_index)
@@ -591,12 +613,12 @@ def gumbel_sample_triton(
         if selects
         else part_i
     )
-    # Each hashing chunk's top k, for rows with a small top-k (a filtered batch's variant: top-p rows
-    # compile the same kernels and skip it at run time).
+    # Each hashing chunk's top k, for rows with a small top-k: the variant of a batch with top-k (its other
+    # rows skip it at run time); a batch with top-p alone compiles without it.
     race_block = RACE_BLOCK_V if on_gpu else 64
     num_chunks = triton.cdiv(vocab, race_block)
     slots = CANDIDATE_SLOTS if on_gpu else 16
-    candidates = candidates and filtered and num_chunks <= (MAX_CANDIDATE_CHUNKS if on_gpu else 8)
+    candidates = candidates and selects and num_chunks <= (MAX_CANDIDATE_CHUNKS if on_gpu else 8)
     cand_cells = batch * num_chunks if candidates else 1
     cand_f = torch.empty(cand_cells, slots, 2, device=device)
     cand_i = torch.empty(cand_cells, slots + 1, dtype=torch.int32, device=device)

@@ -1,8 +1,8 @@
 """The engine's start-up warm-up samples through each of the sampler's paths, and changes nothing.
 
 ``ModelRunner.warm_up`` runs one prefill forward per size class, then samples a plain row, a min-p row, a
-top-k/top-p row and both together (the Triton kernel's four variants; without it, the torch race without
-and with a sort), all seeded, so that no Triton compile waits for the first sampled request
+top-k/top-p row, a top-p row, and a min-p row beside each of the last two (the Triton kernels' six
+variants; without them, the torch race without and with a sort), all seeded, so that no Triton compile waits for the first sampled request
 and the sampler's generator does not move. The engine warms up where kernels compile: the Triton ops on a
 GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported) through the sampler's ``kernel_on_cpu`` option.
@@ -31,11 +31,11 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     sampler = Sampler(7, "triton", kernel_on_cpu=DEVICE == "cpu")
     state = sampler._unseeded.get_state()
     kernel = sampler._gumbel_sample
-    kernel_calls: list[tuple[bool, bool]] = []  # (min-p, filters): the kernel's compiled variants
+    kernel_calls: list[tuple[bool, bool, bool]] = []  # (min-p, top-k, top-p): the compiled variants
     noise_rows: list[int] = []  # rows of each torch race
 
     def counted_kernel(*args: torch.Tensor | None) -> torch.Tensor:
-        kernel_calls.append((args[3] is not None, args[4] is not None and args[5] is not None))
+        kernel_calls.append((args[3] is not None, args[4] is not None, args[5] is not None))
         return kernel(*args)
 
     def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -45,7 +45,9 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     sampler._gumbel_sample = counted_kernel
     monkeypatch.setattr(race_module, "exponential_noise", counted_noise)
     engine.runner.warm_up([1, 9], sampler)
-    assert kernel_calls == [(False, False), (True, False), (False, True), (True, True)]
+    no, yes = False, True
+    want = [(no, no, no), (yes, no, no), (no, yes, yes), (no, no, yes), (yes, yes, yes), (yes, no, yes)]
+    assert kernel_calls == want
     assert noise_rows == []  # no torch race: the kernel takes top-k and top-p too
     assert torch.equal(sampler._unseeded.get_state(), state)
     assert torch.equal(engine.kv_pool, pool)
@@ -55,7 +57,7 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     # Without a kernel every row takes the torch race: the rows without top-k/top-p apart, unsorted.
     noise_rows.clear()
     engine.runner.warm_up([], Sampler(7, "torch"))
-    assert noise_rows == [1, 1, 1, 1, 1]
+    assert noise_rows == [1] * 8  # the mixed batches race twice: the plain row apart
 
 
 def test_engine_warms_up_where_kernels_compile_with_or_without_graphs(
@@ -95,6 +97,8 @@ def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
         SamplingParams(max_tokens=4, temperature=0.8, min_p=0.05),
         SamplingParams(max_tokens=4, temperature=0.8, top_k=20),
         SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, min_p=0.05),
+        SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9),
+        SamplingParams(max_tokens=4, temperature=0.8, top_k=20, top_p=0.95, min_p=0.05),
     ]
     device = torch.cuda.current_device()
     for graphs in (True, False):
@@ -102,10 +106,11 @@ def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
         _race_kernel.device_caches.clear()
         llm = LLM("tiny-moe", device="cuda", kernel_backend="triton", num_kv_blocks=64, cuda_graphs=graphs)
         compiled = dict(_sample_kernel.device_caches[device][0])
-        assert len(compiled) == 4, compiled.keys()  # min-p or not, top-k/top-p or not
-        # The hashing pass: plain rows, min-p rows (scores kept), filtered rows (scores kept, digits counted).
+        assert len(compiled) == 6, compiled.keys()  # min-p or not; no filter, top-p alone, or top-k
+        # The hashing pass: plain rows, min-p rows (scores kept), top-p rows (scores kept), top-k rows (scores
+        # kept, digits counted, each chunk's top k).
         compiled_race = dict(_race_kernel.device_caches[device][0])
-        assert len(compiled_race) == 3, compiled_race.keys()
+        assert len(compiled_race) == 4, compiled_race.keys()
         for params in requests:
             llm.generate(prompts, params)
         assert _sample_kernel.device_caches[device][0].keys() == compiled.keys()
