@@ -74,16 +74,37 @@ def _race_score(logit, ids, seed, inv_t):
 
 @triton.jit
 def _mass(logit, row_max, inv_t):
-    """A token's probability mass relative to the row's most likely token, ``exp((logit - max) / T)``, in
-    fixed point (units of 2**-40), so that sums of it are exact in any order: the passes and the
-    candidates (``_sample_candidates``) sum the same tokens in different orders and agree exactly."""
-    return (tl.exp((logit - row_max) * inv_t) * 1099511627776.0).to(tl.int64)
+    """A token's probability relative to the row's most likely token, ``exp((logit - max) / T)``."""
+    return tl.exp((logit - row_max) * inv_t)
+
+
+@triton.jit
+def _fixed(mass):
+    """``mass`` in fixed point (units of 2**-40): integer sums of it are exact in any order."""
+    return (mass * 1099511627776.0).to(tl.int64)
 
 
 @triton.jit
 def _within_top_p(mass_above, top_p, mass_top_k):
-    """Whether the mass strictly above a token is below ``top_p`` of the top-k set's (top-p keeps it)."""
+    """Top-p's test of a token, on exact (fixed-point) sums: whether the mass strictly above it is below
+    ``top_p`` of the top-k set's. Both ways of drawing a row decide by it, so they agree exactly."""
     return mass_above.to(tl.float64) < mass_top_k.to(tl.float64) * top_p
+
+
+@triton.jit
+def _exact_masses(base, vocab, offs, w_key, top_k_key, row_max, inv_t, BLOCK_V: tl.constexpr):
+    """One pass over the row for the fixed-point mass above ``w_key`` and of the top-k set (keys at or
+    above ``top_k_key``). Run only where float sums leave top-p's test in doubt."""
+    lane_above = tl.zeros([BLOCK_V], tl.int64)
+    lane_top_k = tl.zeros([BLOCK_V], tl.int64)
+    for v0 in range(0, vocab, BLOCK_V):
+        ids = v0 + offs
+        logit = tl.load(base + ids, mask=ids < vocab, other=float("-inf"))
+        key = _ordered_key(logit)
+        e = _fixed(_mass(logit, row_max, inv_t))
+        lane_above += tl.where((ids < vocab) & (key > w_key), e, 0)
+        lane_top_k += tl.where((ids < vocab) & (key >= top_k_key), e, 0)
+    return tl.sum(lane_above, axis=0), tl.sum(lane_top_k, axis=0)
 
 
 @triton.jit
@@ -409,7 +430,7 @@ def _sample_candidates(
     key = _ordered_key(logit)
     lo = _tile_kth_key(key, held, top_k)
     in_top_k = held & (key >= lo)
-    e = _mass(logit, row_max, inv_t)
+    e = _fixed(_mass(logit, row_max, inv_t))
     mass_top_k = tl.sum(tl.where(in_top_k, e, 0), axis=0)
     allowed = in_top_k & ((logit - row_max) * inv_t >= log_min_p)
     _, best_index = _first_best(tl.where(allowed, score, float("-inf")), ids)
@@ -485,8 +506,8 @@ def _sample_passes(
     check_p = top_p < 1.0
     done = allowed & (not check_p)
     while not done:
-        lane_above = tl.zeros([BLOCK_V], tl.int64)
-        lane_top_k = tl.zeros([BLOCK_V], tl.int64)
+        lane_above = tl.zeros([BLOCK_V], tl.float32)
+        lane_top_k = tl.zeros([BLOCK_V], tl.float32)
         lane_score = tl.full([BLOCK_V], float("-inf"), tl.float32)
         lane_index = tl.zeros([BLOCK_V], tl.int32)
         logit = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
@@ -498,8 +519,8 @@ def _sample_passes(
             above_w = valid & (key > w_key)
             if FILTERED:
                 e = _mass(logit, row_max, inv_t)
-                lane_above += tl.where(above_w, e, 0)
-                lane_top_k += tl.where(valid & (key >= top_k_key), e, 0)
+                lane_above += tl.where(above_w, e, 0.0)
+                lane_top_k += tl.where(valid & (key >= top_k_key), e, 0.0)
             racing = (
                 valid & (key >= lo) & ((logit - row_max) * inv_t >= log_min_p) & (above_w | (not allowed))
             )
@@ -512,7 +533,19 @@ def _sample_passes(
         mass_above = tl.sum(lane_above, axis=0)
         mass_top_k = tl.sum(lane_top_k, axis=0)
         next_score, next_index = _first_best(lane_score, lane_index)
-        within = _within_top_p(mass_above, top_p, mass_top_k)
+        # Float sums of ~40 terms a lane, then a tree: within 2**-17 of the exact sum, far inside the margin
+        # of 2**-16 of the top-k mass (at least 1) below which the test is taken again on exact sums.
+        within = mass_above < top_p * mass_top_k
+        if FILTERED:  # noqa: SIM102
+            if (
+                check_p
+                & allowed
+                & (tl.abs(mass_above - top_p * mass_top_k) <= mass_top_k * 0.0000152587890625)
+            ):
+                exact_above, exact_top_k = _exact_masses(
+                    base, vocab, offs, w_key, top_k_key, row_max, inv_t, BLOCK_V
+                )
+                within = _within_top_p(exact_above, top_p, exact_top_k)
         keep = allowed & ((not check_p) | within | (next_score == float("-inf")))
         done = keep | ((not allowed) & (not check_p))
         lo = tl.where(allowed & (not keep), w_key + 1, lo)

@@ -182,6 +182,28 @@ def test_small_top_k_draws_from_each_chunks_top_k() -> None:
     assert len(set(tied.tolist())) > 4, "every tied token is in the top-k set: draws spread over the row"
 
 
+def test_top_p_at_the_edge_of_float_rounding_is_decided_on_exact_sums() -> None:
+    """Two tokens of note, logits 1 and 0 (the rest below -30), top-k 2, and top-p set to the larger one's share: when the race picks the smaller
+    token, the mass above it (1) against top-p of the top-k mass (1 + e**-1) is a tie up to float rounding.
+    The passes see it within their float sums' margin and take the test again on fixed-point sums, which
+    the candidates use throughout: both ways of drawing the row agree, whichever wins the rounding."""
+    rows, vocab = 32, 130
+    logits = -30.0 - torch.arange(vocab, device=DEVICE).repeat(rows, 1) * 0.01  # distinct: no tied chunk
+    logits[:, 70], logits[:, 71] = 1.0, 0.0  # in the second chunk of 64
+    ones = torch.ones(rows, device=DEVICE)
+    share = 1.0 / (1.0 + torch.exp(torch.tensor(-1.0))).item()
+    keys = row_keys(5, rows)
+    unfiltered = gumbel_sample_triton(logits, ones, keys, None)
+    assert 3 <= int((unfiltered == 71).sum()) <= 29, "the race should pick the smaller token in some rows"
+    for top_p in (share, share * (1 + 2**-20), share * (1 - 2**-20)):
+        p = torch.full((rows,), top_p, device=DEVICE)
+        candidates = gumbel_sample_triton(logits, ones, keys, None, ones_k(rows, 2), p)
+        passes = gumbel_sample_triton(logits, ones, keys, None, ones_k(rows, 2), p, candidates=False)
+        assert torch.equal(candidates, passes), top_p
+        assert bool(((candidates == 70) | (candidates == 71)).all())
+        assert bool((candidates[unfiltered == 70] == 70).all())  # nothing above the larger token
+
+
 def draw_with_parts(
     chunks: list[int | None], vocab: int, rows: int, seed: int, first: int | None = None
 ) -> list[torch.Tensor]:
