@@ -21,6 +21,12 @@ without sorting:
   the top k (a bin of one key, say): then the bin's lower edge is the threshold. The first digit shares
   the race's pass; the second digit's pass keeps the keys of the first digit's bin, and each later pass
   reads only those still matching. Tokens tied with the k-th logit are kept, as in the torch path.
+- **Small top-k** (at most ``CANDIDATE_SLOTS``, 64): each hashing chunk also stores the few tokens that can
+  be in the row's top k, and the row's program runs the select and the rejection below on those, in
+  registers, instead of passes over the row (a chunk whose ties at its k-th logit fill its slots sends
+  the row to the passes). The two ways decide top-p alike: the candidates sum masses in fixed point,
+  exact in any order, and the passes retake the test on fixed-point sums wherever their float sums leave
+  it in doubt, so neither the way nor the split changes a token.
 - **Top-p** (applied after top-k, to the top-k set's renormalised probabilities) is a rejection: the race
   winner ``w`` among the tokens still allowed is kept iff the mass of the tokens strictly above it is
   below ``top_p`` of the top-k set's mass. If it is kept, it is the winner among the kept tokens, because
@@ -135,7 +141,7 @@ def _select_bin(hist, k):
 def _tile_kth_key(key, valid, k):
     """The top-k select over a tile held in registers: the lowest key of the ``k`` largest keys where
     ``valid`` (0 where there are no more than ``k``), or the lower edge of its radix bin once every key of
-    that bin is among the top ``k``. So exactly the keys ``>= `` it are kept, with ties at the k-th."""
+    that bin is among the top ``k``: the keys at or above it are the top ``k``, with any ties at the k-th."""
     lo = tl.zeros([], tl.uint32)
     if tl.sum(valid.to(tl.int32), axis=0) > k:
         hist = tl.histogram((key >> (32 - RADIX_BITS)).to(tl.int32), RADIX_BINS, mask=valid)
@@ -244,9 +250,8 @@ def _race_kernel(
     winner (score, then the smallest token id holding it), and where the row has top-k, the count of each
     first digit of the ordered keys. With CACHE each token's race score goes to ``scores`` [B, V], so the
     row's later passes (``_sample_kernel``) read it instead of hashing again. With CANDIDATES, a row
-    whose top-k is at most SLOTS also reports each chunk's own top k (every token at or above the chunk's
-    k-th largest logit: its logit, race score and id, and how many there are), which hold the row's top k.
-    What a part reports is exact (a maximum, an argmax, integer counts, tokens), so the row's results do
+    whose top-k is at most SLOTS also reports, for each chunk, the tokens that can be in the row's top k
+    (its logit, race score and id, at most SLOTS of them, and how many there are). What a part reports is exact (a maximum, an argmax, integer counts, tokens), so the row's results do
     not depend on how it was split."""
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -290,16 +295,18 @@ def _race_kernel(
                     # keeps its own top k of them and raises the threshold to its k-th largest.
                     key = _ordered_key(logit)
                     kept = valid & (key >= running)
-                    if tl.sum(kept.to(tl.int32), axis=0) > SLOTS:
+                    num_kept = tl.sum(kept.to(tl.int32), axis=0)
+                    if num_kept > SLOTS:
                         running = _tile_kth_key(key, kept, top_k)
                         kept = kept & (key >= running)
+                        num_kept = tl.sum(kept.to(tl.int32), axis=0)  # above SLOTS only with ties at the k-th
                     at = tl.cumsum(kept.to(tl.int32), axis=0) - 1
                     cell = row.to(tl.int64) * num_chunks + v0 // BLOCK_V
                     kept_slots = kept & (at < SLOTS)
                     tl.store(cand_f_ptr + (cell * SLOTS + at) * 2, logit, mask=kept_slots)
                     tl.store(cand_f_ptr + (cell * SLOTS + at) * 2 + 1, score, mask=kept_slots)
                     tl.store(cand_i_ptr + cell * (SLOTS + 1) + 1 + at, ids, mask=kept_slots)
-                    tl.store(cand_i_ptr + cell * (SLOTS + 1), tl.sum(kept.to(tl.int32), axis=0))
+                    tl.store(cand_i_ptr + cell * (SLOTS + 1), num_kept)
         logit = _chunk_ahead(base, ids, 1, end, BLOCK_V, float("-inf"))
     best, best_index = _first_best(lane_score, lane_index)
     slot = row.to(tl.int64) * num_parts + part
