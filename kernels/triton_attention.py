@@ -122,6 +122,43 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
+@triton.jit
+def _attend_keys(
+    q,
+    acc,
+    l_i,
+    m_i,
+    k_base,
+    v_base,
+    page,
+    pos,
+    valid,
+    scale_log2,
+    stride_pool_block,
+    stride_pool_slot,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_attend_tile`` without the causal mask, for decode: the keys' pages are given (loaded a tile
+    ahead), and k and v are loaded together, so a tile waits for one memory round trip, not three."""
+    dims = tl.arange(0, BLOCK_D)
+    offs = page.to(tl.int64) * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
+    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,
@@ -195,12 +232,21 @@ def _decode_split_kernel(
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
+    # The pages of this split's first tile, for the fast path's sequence (the block table is a step input):
+    # after the wait the tile's keys are one round trip away, not two.
+    fast_kv_len = seq_total - (q_end - q_start) + (token - q_start) + 1
+    fast_split_len = tl.cdiv(tl.cdiv(fast_kv_len, num_splits), BLOCK_N) * BLOCK_N
+    fast_pos = split * fast_split_len + tl.arange(0, BLOCK_N)
+    fast_valid = fast_pos < tl.minimum(split * fast_split_len + fast_split_len, fast_kv_len)
+    fast_page_ptr = bt_ptr + token.to(tl.int64) * stride_bt + fast_pos // BLOCK_SIZE
+    page = tl.load(fast_page_ptr, mask=fast_valid, other=0)  # pre-wait: step input (the block table)
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
         q_start = tl.load(qsl_ptr + seq)
         q_end = tl.load(qsl_ptr + seq + 1)
         seq_total = tl.load(seq_lens_ptr + seq)
+        page = tl.zeros([BLOCK_N], tl.int32) - 1  # not the fast path's: loaded again below
     q_len = q_end - q_start
     kv_len = seq_total - q_len + (token - q_start) + 1
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -245,12 +291,19 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    if seq != token:
+        page = tl.load(bt_row_ptr + (start + keys) // BLOCK_SIZE, mask=start + keys < end, other=0)
     for n in range(start, end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, bt_row_ptr, n, end, m_i, scale_log2,
-            stride_pool_block, stride_pool_slot,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
+        key_pos = n + keys
+        # The next tile's pages load while this tile's keys do.
+        ahead = key_pos + BLOCK_N
+        next_page = tl.load(bt_row_ptr + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        acc, l_i, m_i = _attend_keys(
+            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, page, key_pos, key_pos < end, scale_log2,
+            stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION,
         )  # fmt: skip
+        page = next_page
     # An empty split (past the end of a short sequence) reports lse = -inf and output 0.
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
