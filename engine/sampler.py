@@ -103,10 +103,13 @@ class Sampler:
             min_p = rows[:, 1] if any(params[i].min_p > 0 for i in racing) else None
             # The kernel takes top-k and top-p together (the off values: vocabulary size, 1); without a
             # top-k row it is given no top-k, so it sets no scratch aside for the select and takes the
-            # variant without the chunks' own top k.
+            # variant without the chunks' own top k, which it also takes where the smallest top-k is large.
             top_p = rows[:, 2] if sorting else None
-            top_k = rows[:, 3] if any(params[i].top_k > 0 for i in sorting) else None
-            drawn = self._gumbel_sample(logits, rows[:, 0], row_keys, min_p, top_k, top_p)
+            top_ks = [params[i].top_k for i in sorting if params[i].top_k > 0]
+            top_k = rows[:, 3] if top_ks else None
+            drawn = self._gumbel_sample(
+                logits, rows[:, 0], row_keys, min_p, top_k, top_p, smallest_top_k=min(top_ks, default=None)
+            )
             return _put(tokens, racing_index, drawn if racing_index is None else drawn[racing_index])
         if plain:
             index = None if len(plain) == batch else ints[batch : batch + len(plain)]

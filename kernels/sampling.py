@@ -85,11 +85,15 @@ def gumbel_sample_torch(
     min_p: torch.Tensor | None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    *,
+    smallest_top_k: int | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32; temperatures [B] > 0; row_keys [B] int64; min_p [B] in [0, 1] or None; top_k
     [B] (the vocabulary size where off) or None; top_p [B] (1 where off) or None. Returns the sampled token
     ids, [B] int64: ``race`` over ``softmax(logits / T)``, filtered by ``top_k_top_p_probs`` when either is
-    given (a sort of the vocabulary)."""
+    given (a sort of the vocabulary). ``smallest_top_k``: the Triton op's hint (the smallest top-k of the
+    rows, from the host), unused here."""
+    del smallest_top_k
     scaled = logits / temperatures.unsqueeze(1)
     if top_k is None and top_p is None:
         return race(torch.softmax(scaled, dim=-1), row_keys, min_p)

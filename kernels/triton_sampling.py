@@ -611,13 +611,16 @@ def gumbel_sample_triton(
     *,
     chunk: int | None = None,
     candidates: bool = True,
+    smallest_top_k: int | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (last dim contiguous); temperatures [B] > 0; row_keys [B] int64 (the sampler's
     per-row keys); min_p [B] in [0, 1] or None; top_k [B] (any dtype holding integers; the vocabulary size
     where off) or None; top_p [B] in (0, 1] (1 where off) or None. Returns the sampled token ids, [B]
     int64. ``chunk`` (tests): tokens per part of the hashing pass, a multiple of its chunk width, instead
     of ``race_parts``'s; the tokens drawn do not depend on it. ``candidates=False`` (tests): every row takes the
-    passes, as a row with a larger top-k does."""
+    passes, as a row with a larger top-k does. ``smallest_top_k`` (the sampler's, from the host): the
+    smallest top-k of the rows; above ``CANDIDATE_SLOTS`` no row takes the chunks' top k, so the batch
+    takes the variant without them, whose hashing pass is lighter. Neither changes a token."""
     batch, vocab = logits.shape
     device = logits.device
     out = torch.empty(batch, dtype=torch.int64, device=device)
@@ -653,12 +656,13 @@ def gumbel_sample_triton(
         if selects
         else part_i
     )
-    # Each hashing chunk's top k, for rows with a small top-k: the variant of a batch with top-k (its other
-    # rows skip it at run time); a batch with top-p alone compiles without it.
+    # Each hashing chunk's top k, for rows with a small top-k: the variant of a batch with such a row (its
+    # other rows skip it at run time); a batch with top-p alone, or only larger top-k, runs without it.
     race_block = RACE_BLOCK_V if on_gpu else 64
     num_chunks = triton.cdiv(vocab, race_block)
     slots = CANDIDATE_SLOTS if on_gpu else 16
     candidates = candidates and selects and num_chunks <= (MAX_CANDIDATE_CHUNKS if on_gpu else 8)
+    candidates = candidates and (smallest_top_k is None or smallest_top_k <= slots)
     cand_cells = batch * num_chunks if candidates else 1
     cand_f = torch.empty(cand_cells, slots, 2, device=device)
     cand_i = torch.empty(cand_cells, slots + 1, dtype=torch.int32, device=device)

@@ -172,6 +172,9 @@ def test_small_top_k_draws_from_each_chunks_top_k() -> None:
         got = gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p)
         passes = gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p, candidates=False)
         assert torch.equal(got, passes)
+        # The sampler's hint of a smallest top-k above the slots: the variant without candidates, same draw.
+        hinted = gumbel_sample_triton(logits, temps, keys, mp, top_k, top_p, smallest_top_k=17)
+        assert torch.equal(got, hinted)
         assert torch.equal(got, gumbel_sample_torch(logits, temps, keys, mp, top_k, top_p))
     kth = logits.sort(dim=1, descending=True).values.gather(1, top_k.long().unsqueeze(1) - 1)
     assert bool((logits.gather(1, got.unsqueeze(1)) >= kth).all())
@@ -263,7 +266,7 @@ def test_gpu_sampler_uses_the_kernel_and_matches_the_torch_path() -> None:
     kernel_calls: list[int] = []
     kernel = fused._gumbel_sample
     assert kernel is gumbel_sample_triton
-    fused._gumbel_sample = lambda *args: kernel_calls.append(1) or kernel(*args)
+    fused._gumbel_sample = lambda *args, **hint: kernel_calls.append(1) or kernel(*args, **hint)
     a, _ = fused(logits, params, positions)
     assert kernel_calls == [1], "the Triton sampler did not take the kernel once"
     b, _ = reference(logits, params, positions)

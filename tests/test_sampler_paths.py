@@ -88,10 +88,12 @@ def test_each_path_runs_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None
     kernel = sampler._gumbel_sample
     kernel_rows: list[tuple[int, bool]] = []  # (rows, filters)
     noise_rows: list[int] = []
+    smallest: list[int | None] = []  # the host's hint: the smallest top-k of the rows
 
-    def counted_kernel(logits: torch.Tensor, *args: torch.Tensor | None) -> torch.Tensor:
+    def counted_kernel(logits: torch.Tensor, *args: torch.Tensor | None, **hint: int | None) -> torch.Tensor:
         kernel_rows.append((logits.shape[0], args[-1] is not None))
-        return kernel(logits, *args)
+        smallest.append(hint["smallest_top_k"])
+        return kernel(logits, *args, **hint)
 
     def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
         noise_rows.append(keys.shape[0])
@@ -106,6 +108,9 @@ def test_each_path_runs_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None
     greedy = SamplingParams(temperature=0.0)
     sampler.sample(logits, [plain, top_p, greedy, plain, top_p, top_p], list(range(6)))
     assert (kernel_rows, noise_rows) == ([(6, True)], [])
+    top_ks = [SamplingParams(temperature=0.8, top_k=k, seed=k) for k in (300, 40, 90)]
+    sampler.sample(logits[:4], [*top_ks, top_p], list(range(4)))
+    assert smallest == [None, 40]  # top-p alone: no hint; then the smallest top-k of the rows
     for batch, want in (
         ([top_p, greedy], ([(2, True)], [])),
         ([plain, greedy], ([(2, False)], [])),

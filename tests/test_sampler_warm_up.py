@@ -34,9 +34,9 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     kernel_calls: list[tuple[bool, bool, bool]] = []  # (min-p, top-k, top-p): the compiled variants
     noise_rows: list[int] = []  # rows of each torch race
 
-    def counted_kernel(*args: torch.Tensor | None) -> torch.Tensor:
+    def counted_kernel(*args: torch.Tensor | None, **hint: int | None) -> torch.Tensor:
         kernel_calls.append((args[3] is not None, args[4] is not None, args[5] is not None))
-        return kernel(*args)
+        return kernel(*args, **hint)
 
     def counted_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
         noise_rows.append(keys.shape[0])
@@ -99,6 +99,7 @@ def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
         SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, min_p=0.05),
         SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9),
         SamplingParams(max_tokens=4, temperature=0.8, top_k=20, top_p=0.95, min_p=0.05),
+        SamplingParams(max_tokens=4, temperature=0.8, top_k=100),  # above the slots: top-p's variant
     ]
     device = torch.cuda.current_device()
     for graphs in (True, False):
