@@ -609,9 +609,9 @@ def gumbel_sample_triton(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     *,
+    smallest_top_k: int | None = None,
     chunk: int | None = None,
     candidates: bool = True,
-    smallest_top_k: int | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (last dim contiguous); temperatures [B] > 0; row_keys [B] int64 (the sampler's
     per-row keys); min_p [B] in [0, 1] or None; top_k [B] (any dtype holding integers; the vocabulary size
@@ -620,7 +620,7 @@ def gumbel_sample_triton(
     of ``race_parts``'s; the tokens drawn do not depend on it. ``candidates=False`` (tests): every row takes the
     passes, as a row with a larger top-k does. ``smallest_top_k`` (the sampler's, from the host): the
     smallest top-k of the rows; above ``CANDIDATE_SLOTS`` no row takes the chunks' top k, so the batch
-    takes the variant without them, whose hashing pass is lighter. Neither changes a token."""
+    takes the variant without them, whose hashing pass is lighter. None of the three changes a token."""
     batch, vocab = logits.shape
     device = logits.device
     out = torch.empty(batch, dtype=torch.int64, device=device)
