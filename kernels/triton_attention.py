@@ -110,16 +110,31 @@ def _attend_tile(
     mask = valid[None, :]
     if CAUSAL:
         mask = mask & (pos[None, :] <= q_pos[:, None])
-    s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row with every key masked so far keeps m = -inf; exponentiate against 0 so it stays at p = 0.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    p, alpha, m_new = _softmax_step(tl.where(mask, s, float("-inf")), m_i)
     v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _softmax_step(s, m_i):
+    """The online softmax's step over masked scores ``s`` (base 2): their weights, the factor that rescales
+    what came before, and the new running maximum."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with every key masked so far keeps m = -inf; exponentiate against 0 so it stays at p = 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return tl.exp2(s - m_safe[:, None]), tl.exp2(m_i - m_safe), m_new
+
+
+@triton.jit
+def _split_keys(seq_total, q_start, q_end, token, split, num_splits, BLOCK_N: tl.constexpr):
+    """The keys [start, end) a decode split attends for query ``token`` of the sequence whose queries are
+    [q_start, q_end) and whose length is seq_total: its causal prefix cut into num_splits whole tiles."""
+    kv_len = seq_total - (q_end - q_start) + (token - q_start) + 1
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(start + split_len, kv_len)
 
 
 @triton.jit
@@ -149,11 +164,7 @@ def _attend_keys(
     k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    p, alpha, m_new = _softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, l_i, m_new
@@ -232,26 +243,24 @@ def _decode_split_kernel(
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
-    # The pages of this split's first tile, for the fast path's sequence (the block table is a step input):
-    # after the wait the tile's keys are one round trip away, not two.
-    fast_kv_len = seq_total - (q_end - q_start) + (token - q_start) + 1
-    fast_split_len = tl.cdiv(tl.cdiv(fast_kv_len, num_splits), BLOCK_N) * BLOCK_N
-    fast_pos = split * fast_split_len + tl.arange(0, BLOCK_N)
-    fast_valid = fast_pos < tl.minimum(split * fast_split_len + fast_split_len, fast_kv_len)
-    fast_page_ptr = bt_ptr + token.to(tl.int64) * stride_bt + fast_pos // BLOCK_SIZE
-    page = tl.load(fast_page_ptr, mask=fast_valid, other=0)  # pre-wait: step input (the block table)
+    # The split's keys, and the pages of its first tile (the block table is a step input too): after the
+    # wait the tile's keys are one round trip away, not two.
+    start, end = _split_keys(seq_total, q_start, q_end, token, split, num_splits, BLOCK_N)  # pre-wait: math
+    keys = tl.arange(0, BLOCK_N)
+    bt_row_ptr = bt_ptr + token.to(tl.int64) * stride_bt
+    first = start + keys
+    page = tl.load(bt_row_ptr + first // BLOCK_SIZE, mask=first < end, other=0)  # pre-wait: step input
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
         q_start = tl.load(qsl_ptr + seq)
         q_end = tl.load(qsl_ptr + seq + 1)
         seq_total = tl.load(seq_lens_ptr + seq)
-        page = tl.zeros([BLOCK_N], tl.int32) - 1  # not the fast path's: loaded again below
+        start, end = _split_keys(seq_total, q_start, q_end, token, split, num_splits, BLOCK_N)
+        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+        first = start + keys
+        page = tl.load(bt_row_ptr + first // BLOCK_SIZE, mask=first < end, other=0)
     q_len = q_end - q_start
-    kv_len = seq_total - q_len + (token - q_start) + 1
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, kv_len)
 
     heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
     head_mask = tl.arange(0, BLOCK_H) < GROUP
@@ -287,13 +296,9 @@ def _decode_split_kernel(
             other=0.0,
         )
     k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
-    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    keys = tl.arange(0, BLOCK_N)
-    if seq != token:
-        page = tl.load(bt_row_ptr + (start + keys) // BLOCK_SIZE, mask=start + keys < end, other=0)
     for n in range(start, end, BLOCK_N):
         key_pos = n + keys
         # The next tile's pages load while this tile's keys do.
