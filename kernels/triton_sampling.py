@@ -160,6 +160,12 @@ def _tile_kth_key(key, valid, k):
 
 
 @triton.jit
+def _small_top_k(top_k, vocab, SLOTS: tl.constexpr):
+    """Whether a row's top-k is on and at most SLOTS: its chunks keep their top k, and it is drawn from them."""
+    return (top_k <= SLOTS) & (top_k < vocab)
+
+
+@triton.jit
 def _chunk_ahead(base, ids, ahead, limit, BLOCK_V: tl.constexpr, other):
     """The chunk ``ahead`` chunks after ``ids`` (``other`` past ``limit``). A pass is a loop over chunks
     that Triton does not pipeline, so each loop loads the next chunk (the top-p passes: the next two)
@@ -266,7 +272,7 @@ def _race_kernel(
         top_k = tl.load(top_k_ptr + row)
         count_digits = top_k < vocab
         if CANDIDATES:
-            candidates = (top_k <= SLOTS) & count_digits
+            candidates = _small_top_k(top_k, vocab, SLOTS)
     running = tl.zeros([], tl.uint32)
     start = part * chunk
     end = tl.minimum(start + chunk, vocab)
@@ -379,7 +385,7 @@ def _sample_kernel(
     _, best_index = _first_best(part_best, part_index)
 
     if CANDIDATES:
-        use_candidates = (top_k <= SLOTS) & (top_k < vocab)
+        use_candidates = _small_top_k(top_k, vocab, SLOTS)
         if use_candidates:
             cells = tl.arange(0, BLOCK_C)
             cell_counts = cand_i_ptr + (row.to(tl.int64) * num_chunks + cells) * (SLOTS + 1)

@@ -185,9 +185,42 @@ def test_small_top_k_draws_from_each_chunks_top_k() -> None:
     assert len(set(tied.tolist())) > 4, "every tied token is in the top-k set: draws spread over the row"
 
 
+def test_only_a_batch_that_may_use_them_compiles_the_chunks_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op builds the chunks' top k into a batch's kernels only where a row may draw from them: given a
+    top-k tensor, and the sampler's smallest top-k (where it gives one) at most the slots (16 in the
+    interpreter). The draws do not depend on the variant."""
+    race = triton_sampling._race_kernel
+    variants: list[bool] = []
+
+    class Recorded:
+        def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204 (a launcher)
+            def launch(*args: object, **kwargs: object) -> None:
+                variants.append(bool(kwargs["CANDIDATES"]))
+                race[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_sampling, "_race_kernel", Recorded())
+    gen = torch.Generator().manual_seed(12)
+    rows, vocab = 4, 100
+    logits = (torch.randn(rows, vocab, generator=gen) * 2.0).to(DEVICE)
+    temps, keys = torch.ones(rows, device=DEVICE), row_keys(12, rows)
+    top_k, top_p = torch.tensor([3, 16, 40, 100], device=DEVICE), torch.full((rows,), 0.9, device=DEVICE)
+    draws = []
+    for k, hint, want in ((top_k, None, True), (top_k, 3, True), (top_k, 16, True), (top_k, 17, False)):
+        variants.clear()
+        draws.append(gumbel_sample_triton(logits, temps, keys, None, k, top_p, smallest_top_k=hint))
+        assert variants == [want], (hint, variants)
+    assert all(torch.equal(d, draws[0]) for d in draws)
+    variants.clear()
+    gumbel_sample_triton(logits, temps, keys, None, None, top_p)  # top-p alone
+    assert variants == [False]
+
+
 def test_top_p_at_the_edge_of_float_rounding_is_decided_on_exact_sums() -> None:
-    """Two tokens of note, logits 1 and 0 (the rest below -30), top-k 2, and top-p set to the larger one's share: when the race picks the smaller
-    token, the mass above it (1) against top-p of the top-k mass (1 + e**-1) is a tie up to float rounding.
+    """Two tokens of note, logits 1 and 0 (the rest below -30), top-k 2, and top-p set to the larger one's
+    share: when the race picks the smaller token, the mass above it (1) against top-p of the top-k mass
+    (1 + e**-1) is a tie up to float rounding.
     The passes see it within their float sums' margin and take the test again on fixed-point sums, which
     the candidates use throughout: both ways of drawing the row agree, whichever wins the rounding."""
     rows, vocab = 32, 130
