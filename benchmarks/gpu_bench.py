@@ -808,7 +808,7 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                             plan,
                             wb,
                             res,
-                            profile=profile and ctx == plan.contexts[0] and batch in (1, 64),
+                            profile=profile and ctx == plan.contexts[0] and batch in (1, 4, 16, 64),
                         )
                     except Exception as exc:
                         log.exception("decode %s batch %d ctx %d failed", shape, batch, ctx)

@@ -81,16 +81,120 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+# A few rows (decode batches of 2 to ``SKINNY_MAX_M``): ``_skinny_kernel`` reads every weight tile from
+# HBM once and multiplies it on tensor cores against up to 16 rows at once, with the weight rows as the
+# MMA's long side (out.T = w @ x.T), so the rows are padded to 16 and the weights not at all. One H200
+# (``tmp`` sweep of 2026-11-30, CUDA graphs over rotated weights; docs/performance.md, "Seventeenth run"):
+# at 2-16 rows it is within 0-7% of cuBLAS on Llama-3.1-8B's gate-up and down and 5-20% faster on its QKV
+# and o-proj, and it stays in the chain of programmatic dependent launches, where cuBLAS's split-K kernel
+# and its reduction kernel break it. From 32 rows cuBLAS's tiles win (gate-up at 64 rows: 65 against 104 us).
+SKINNY_MAX_M = 16
+SKINNY_BLOCK_M = 16  # token rows per MMA tile: the smallest tl.dot side, fixed so a row's sums never
+# depend on how many rows come with it
+
+
+def use_skinny(m: int, n: int, k: int) -> bool:
+    """Whether ``linear_triton`` runs the skinny kernel for x [m, k] @ w[n, k].T: 2 to SKINNY_MAX_M rows."""
+    return 2 <= m <= SKINNY_MAX_M and n > 0 and k > 0
+
+
+def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
+    """Tile of ``_skinny_kernel`` by the shape of ``w`` only (never by M, so results are batch-invariant):
+    ``block_n`` weight rows per program and ``block_k`` per step, from the sweep above. 64-row tiles in
+    128-wide steps; 256-wide for long rows (Llama's down, 14336); 16-row tiles where 64 would leave the
+    grid under 64 programs (Qwen3-30B-A3B's o-proj, 2048 rows: 128 programs of 16 rows took 9.4 us, 32 of
+    64 rows 11.0)."""
+    if device.type != "cuda":
+        return LinearConfig(16, 32, 4, 1)  # the interpreter: tiny shapes, several K steps, masked edges
+    if k > 4096:
+        return LinearConfig(64, 256, 4, 4)
+    if n < 64 * 64:
+        return LinearConfig(16, 256, 4, 4)
+    return LinearConfig(64, 128, 4, 4)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[m, n] = x[m] . w[n] for BLOCK_M rows m and BLOCK_N weight rows n, fp32 accumulation. The grid's
+    first axis is the M tiles, fastest, so the programs that share a weight tile run together and read
+    it from HBM once."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < K - k0
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        if UPCAST:  # the interpreter: its bf16 tl.dot is wrong (Triton 3.9); bf16 products are exact in fp32
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T for a few rows by ``_skinny_kernel`` (unit last strides); ``cfg`` overrides the
+    tile (benchmarks)."""
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = cfg or skinny_config(n, k, x.device)
+    grid = (triton.cdiv(m, SKINNY_BLOCK_M) * triton.cdiv(n, cfg.block_n),)
+    _skinny_kernel[grid](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type != "cuda",
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; w: [N, K], contiguous last dim -> x @ w.T, [M, N] in x's dtype. One GEMV launch where
-    ``use_gemv`` says so, cuBLAS otherwise."""
+    ``use_gemv`` says so (one row), one skinny launch where ``use_skinny`` does (2 to SKINNY_MAX_M rows),
+    cuBLAS otherwise."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     (m, k), n = x.shape, w.shape[0]
-    if not use_gemv(m, n, k) or w.stride(-1) != 1:
+    if w.stride(-1) != 1 or not (use_gemv(m, n, k) or use_skinny(m, n, k)):
         return x @ w.t()
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if m > 1:
+        return skinny_linear_triton(x, w)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     cfg = linear_config(n, k, x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

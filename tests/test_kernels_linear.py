@@ -60,6 +60,12 @@ def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, i
     yield record_launches(monkeypatch, "_gemv_kernel", 1)
 
 
+@pytest.fixture
+def skinny_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Records (N, K) of every skinny (2 to SKINNY_MAX_M rows) launch."""
+    yield record_launches(monkeypatch, "_skinny_kernel", 1)
+
+
 def make_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return randn(n, k, dtype=dtype, scale=k**-0.5)
 
@@ -72,15 +78,54 @@ def test_use_gemv_rule() -> None:
     assert not triton_linear.use_gemv(1, 0, 4096)  # empty weight: nothing to launch
 
 
+def test_use_skinny_rule() -> None:
+    """Two to SKINNY_MAX_M rows take the skinny kernel, one row the GEMV, more rows cuBLAS."""
+    top = triton_linear.SKINNY_MAX_M
+    for m in (2, 3, 8, top):
+        assert triton_linear.use_skinny(m, 2048, 4096) and not triton_linear.use_gemv(m, 2048, 4096), m
+    assert not triton_linear.use_skinny(1, 2048, 4096)  # one row: the GEMV
+    assert not triton_linear.use_skinny(top + 1, 2048, 4096)  # more rows: cuBLAS's tiles win
+    assert not triton_linear.use_skinny(4, 0, 4096)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 2, 3])
-def test_linear_matches_reference(m: int, dtype: torch.dtype, gemv_launches: list) -> None:
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17])
+def test_linear_matches_reference(
+    m: int, dtype: torch.dtype, gemv_launches: list, skinny_launches: list
+) -> None:
     torch.manual_seed(200 + m)
     x, w = randn(m, K, dtype=dtype), make_weight(N, K, dtype)
     out = TRITON_OPS.linear(x, w)
     assert out.dtype == dtype and out.shape == (m, N)
     assert_close(out, linear_torch(*up(x, w)), dtype, f"linear, M={m}")
     assert gemv_launches == ([(N, K)] if m == 1 else [])
+    assert skinny_launches == ([(N, K)] if 2 <= m <= triton_linear.SKINNY_MAX_M else [])
+
+
+def test_skinny_rows_do_not_depend_on_the_batch(skinny_launches: list) -> None:
+    """A row's result is the same bits whatever rows come with it (2 to SKINNY_MAX_M of them), so a
+    decode row rounds alike in any batch and in a padded CUDA-graph bucket."""
+    torch.manual_seed(230)
+    top = triton_linear.SKINNY_MAX_M
+    x, w = randn(top, K, dtype=torch.bfloat16), make_weight(N, K, torch.bfloat16)
+    full = TRITON_OPS.linear(x, w)
+    for m in (2, 5, top - 1):
+        assert torch.equal(TRITON_OPS.linear(x[:m].clone(), w), full[:m]), m
+        assert torch.equal(TRITON_OPS.linear(x[top - m :].clone(), w), full[top - m :]), m
+    assert len(skinny_launches) == 7
+
+
+def test_skinny_strided_rows_and_edges(skinny_launches: list) -> None:
+    """Rows with a stride over K, w a row slice of a wider matrix, K not a multiple of the step (and
+    below one step), N below one tile."""
+    torch.manual_seed(240)
+    x = randn(3, 2 * K)[:, 5 : 5 + K]
+    w = make_weight(N, K + 24, torch.float32)[:, 3 : 3 + K]
+    assert_close(TRITON_OPS.linear(x, w), linear_torch(x, w), torch.float32, "strided")
+    for n, k in ((1, 7), (3, 32), (17, 300)):
+        x, w = randn(4, k), make_weight(n, k, torch.float32)
+        assert_close(TRITON_OPS.linear(x, w), linear_torch(x, w), torch.float32, f"N={n}, K={k}")
+    assert skinny_launches == [(N, K), (1, 7), (3, 32), (17, 300)]
 
 
 def test_linear_strided_inputs(gemv_launches: list) -> None:
@@ -128,14 +173,32 @@ REAL_SHAPES = [(2048, 4096), (128, 2048), (151936, 2048), (128256, 4096), (5120,
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), REAL_SHAPES, ids=lambda v: str(v))
-def test_gpu_linear_real_shapes(n: int, k: int, gemv_launches: list) -> None:
+def test_gpu_linear_real_shapes(n: int, k: int, gemv_launches: list, skinny_launches: list) -> None:
     torch.manual_seed(400)
     dtype = torch.bfloat16
     w = make_weight(n, k, dtype)
-    for m in (1, 4):
+    for m in (1, 4, 16, 17):
         x = randn(m, k, dtype=dtype)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(*up(x, w)), dtype, f"linear {n}x{k}, M={m}")
-    assert gemv_launches == [(n, k)]  # the GEMV for one row, cuBLAS for four
+    assert gemv_launches == [(n, k)]  # the GEMV for one row, the skinny kernel for 4 and 16, cuBLAS for 17
+    assert skinny_launches == [(n, k), (n, k)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("n", "k"), [(2048, 4096), (6144, 4096), (4096, 14336)], ids=lambda v: str(v))
+def test_gpu_skinny_rows_do_not_depend_on_the_batch(n: int, k: int, skinny_launches: list) -> None:
+    """On tensor cores too, each of the tile shapes ``skinny_config`` picks: a row's bits do not depend on
+    the batch (2 to SKINNY_MAX_M rows, any position)."""
+    torch.manual_seed(410)
+    top = triton_linear.SKINNY_MAX_M
+    x, w = randn(top, k, dtype=torch.bfloat16), make_weight(n, k, torch.bfloat16)
+    full = TRITON_OPS.linear(x, w)
+    assert_close(full, linear_torch(*up(x, w)), torch.bfloat16, f"linear {n}x{k}, M={top}")
+    for m in (2, 3, 7, top - 1):
+        assert torch.equal(TRITON_OPS.linear(x[:m].clone(), w), full[:m]), m
+        assert torch.equal(TRITON_OPS.linear(x[top - m :].clone(), w), full[top - m :]), m
+    assert len(skinny_launches) == 9
 
 
 @gpu
@@ -161,22 +224,24 @@ def test_gpu_linear_in_cuda_graph_without_host_sync() -> None:
     """Capture once, replay with new inputs; no host synchronisation in the op."""
     torch.manual_seed(440)
     dtype = torch.bfloat16
-    x, w = randn(1, 4096, dtype=dtype), make_weight(2048, 4096, dtype)
-    TRITON_OPS.linear(x, w)  # compile outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        TRITON_OPS.linear(x, w)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = TRITON_OPS.linear(x, w)
-    for _ in range(3):
-        x.copy_(randn(1, 4096, dtype=dtype))
-        graph.replay()
+    w = make_weight(2048, 4096, dtype)
+    for m in (1, 4):  # the GEMV and the skinny kernel
+        x = randn(m, 4096, dtype=dtype)
+        TRITON_OPS.linear(x, w)  # compile outside the capture
         torch.cuda.synchronize()
-        assert_close(out, linear_torch(*up(x, w)), dtype, "graph: linear")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            TRITON_OPS.linear(x, w)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = TRITON_OPS.linear(x, w)
+        for _ in range(3):
+            x.copy_(randn(m, 4096, dtype=dtype))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_close(out, linear_torch(*up(x, w)), dtype, f"graph: linear, M={m}")
 
 
 # ---------------------------------------------------------------------------------------------------------
