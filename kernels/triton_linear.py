@@ -100,16 +100,17 @@ def use_skinny(m: int, n: int, k: int) -> bool:
 
 def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
     """Tile of ``_skinny_kernel`` by the shape of ``w`` only (never by M, so results are batch-invariant):
-    ``block_n`` weight rows per program and ``block_k`` per step, from the sweep above. 64-row tiles in
-    128-wide steps; 256-wide for long rows (Llama's down, 14336); 16-row tiles where 64 would leave the
-    grid under 64 programs (Qwen3-30B-A3B's o-proj, 2048 rows: 128 programs of 16 rows took 9.4 us, 32 of
-    64 rows 11.0)."""
+    ``block_n`` weight rows per program and ``block_k`` per step, from the sweeps above. 16-row tiles in
+    512-wide steps and 2 warps for long rows (Llama-3.1-8B's down, 14336: 31.2 against 32.3 us for 64-row
+    tiles) and where 64-row tiles would leave under 64 programs (Qwen3-30B-A3B's o-proj, 2048 rows: 8.8
+    against 11.0 us); 64-row tiles otherwise, 256-wide up to 4096 rows (Llama's o-proj: 11.3 against 12.5
+    us in 128-wide steps) and 128-wide above (QKV, gate-up)."""
     if device.type != "cuda":
         return LinearConfig(16, 32, 4, 1)  # the interpreter: tiny shapes, several K steps, masked edges
-    if k > 4096:
+    if k > 4096 or n < 64 * 64:
+        return LinearConfig(16, 512, 2, 4)
+    if n <= 4096:
         return LinearConfig(64, 256, 4, 4)
-    if n < 64 * 64:
-        return LinearConfig(16, 256, 4, 4)
     return LinearConfig(64, 128, 4, 4)
 
 
@@ -151,7 +152,7 @@ def _skinny_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)  # masked rows fetch nothing
         else:
             k_mask = offs_k < K - k0
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -166,11 +167,67 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
+# Weights of fewer rows than this (MoE routers: 128) leave too few 16-row tiles to keep HBM busy; such a
+# weight takes ``_skinny_rows_kernel``, one weight row per program on CUDA cores (Qwen3-30B-A3B's router at
+# 2-8 rows: 1.9-2.6 against 4.9 us).
+SKINNY_ROWS_MAX_N = 1024
+SKINNY_ROWS_BLOCK_M = 8  # x rows per program of that variant (fixed: batch-invariant rows)
+
+
+def use_skinny_rows(n: int, device: torch.device) -> bool:
+    """Whether a weight of ``n`` rows takes ``_skinny_rows_kernel`` (in the interpreter: under 24 rows, so
+    the tests' tiny shapes reach both kernels)."""
+    return n < (SKINNY_ROWS_MAX_N if device.type == "cuda" else 24)
+
+
+@triton.jit
+def _skinny_rows_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[m, n] = x[m] . w[n] for one weight row n and BLOCK_M rows m (grid: weight rows, then row tiles):
+    per-lane fp32 sums over K, reduced once at the end (the GEMV's scheme with the weight row shared by the
+    tile's x rows). The tile is fixed, so a row's sums do not depend on the batch."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    n = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + n.to(tl.int64) * stride_wn + offs_k
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    lanes = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        lanes += x * w[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(lanes, axis=1)
+    tl.store(out_ptr + offs_m.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=m_mask)
+
+
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T for a few rows by ``_skinny_kernel`` (unit last strides); ``cfg`` overrides the
     tile (benchmarks)."""
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if cfg is None and use_skinny_rows(n, x.device):
+        block_m, block_k = (SKINNY_ROWS_BLOCK_M, 1024) if x.device.type == "cuda" else (4, 32)
+        _skinny_rows_kernel[(n, triton.cdiv(m, block_m))](
+            x, w, out, m, k, x.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_K=block_k, **pdl_kwargs(x.device), num_warps=4, num_stages=2,
+        )  # fmt: skip
+        return out
     cfg = cfg or skinny_config(n, k, x.device)
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * triton.cdiv(n, cfg.block_n),)
     _skinny_kernel[grid](

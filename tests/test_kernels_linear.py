@@ -66,6 +66,12 @@ def skinny_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int,
     yield record_launches(monkeypatch, "_skinny_kernel", 1)
 
 
+@pytest.fixture
+def skinny_rows_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Records (N, K) of every launch of the skinny kernel's one-weight-row variant (few weight rows)."""
+    yield record_launches(monkeypatch, "_skinny_rows_kernel", 1)
+
+
 def make_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return randn(n, k, dtype=dtype, scale=k**-0.5)
 
@@ -122,10 +128,30 @@ def test_skinny_strided_rows_and_edges(skinny_launches: list) -> None:
     x = randn(3, 2 * K)[:, 5 : 5 + K]
     w = make_weight(N, K + 24, torch.float32)[:, 3 : 3 + K]
     assert_close(TRITON_OPS.linear(x, w), linear_torch(x, w), torch.float32, "strided")
-    for n, k in ((1, 7), (3, 32), (17, 300)):
+    for n, k in ((25, 7), (33, 32), (27, 300)):
         x, w = randn(4, k), make_weight(n, k, torch.float32)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(x, w), torch.float32, f"N={n}, K={k}")
-    assert skinny_launches == [(N, K), (1, 7), (3, 32), (17, 300)]
+    assert skinny_launches == [(N, K), (25, 7), (33, 32), (27, 300)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_skinny_few_weight_rows(
+    dtype: torch.dtype, skinny_rows_launches: list, skinny_launches: list
+) -> None:
+    """A weight of few rows (a MoE router) takes the one-weight-row variant: K below one step, several
+    steps with a masked edge, strided rows; its rows' bits do not depend on the batch either."""
+    torch.manual_seed(250)
+    for m, n, k in ((2, 1, 7), (5, 3, 32), (16, 17, 300), (3, 23, K)):
+        x, w = randn(m, k, dtype=dtype), make_weight(n, k, dtype)
+        assert_close(TRITON_OPS.linear(x, w), linear_torch(*up(x, w)), dtype, f"M={m}, N={n}, K={k}")
+    x = randn(16, 2 * K, dtype=dtype)[:, 3 : 3 + K]
+    w = make_weight(20, K, dtype)
+    full = TRITON_OPS.linear(x, w)
+    assert_close(full, linear_torch(*up(x, w)), dtype, "strided")
+    for m in (2, 9):
+        assert torch.equal(TRITON_OPS.linear(x[:m], w), full[:m]), m
+    assert skinny_rows_launches == [(1, 7), (3, 32), (17, 300), (23, K), (20, K), (20, K), (20, K)]
+    assert skinny_launches == []
 
 
 def test_linear_strided_inputs(gemv_launches: list) -> None:
@@ -173,7 +199,9 @@ REAL_SHAPES = [(2048, 4096), (128, 2048), (151936, 2048), (128256, 4096), (5120,
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), REAL_SHAPES, ids=lambda v: str(v))
-def test_gpu_linear_real_shapes(n: int, k: int, gemv_launches: list, skinny_launches: list) -> None:
+def test_gpu_linear_real_shapes(
+    n: int, k: int, gemv_launches: list, skinny_launches: list, skinny_rows_launches: list
+) -> None:
     torch.manual_seed(400)
     dtype = torch.bfloat16
     w = make_weight(n, k, dtype)
@@ -181,13 +209,19 @@ def test_gpu_linear_real_shapes(n: int, k: int, gemv_launches: list, skinny_laun
         x = randn(m, k, dtype=dtype)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(*up(x, w)), dtype, f"linear {n}x{k}, M={m}")
     assert gemv_launches == [(n, k)]  # the GEMV for one row, the skinny kernel for 4 and 16, cuBLAS for 17
-    assert skinny_launches == [(n, k), (n, k)]
+    few = triton_linear.use_skinny_rows(n, w.device)  # the router: its one-weight-row variant
+    assert (skinny_rows_launches if few else skinny_launches) == [(n, k), (n, k)]
+    assert (skinny_launches if few else skinny_rows_launches) == []
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize(("n", "k"), [(2048, 4096), (6144, 4096), (4096, 14336)], ids=lambda v: str(v))
-def test_gpu_skinny_rows_do_not_depend_on_the_batch(n: int, k: int, skinny_launches: list) -> None:
+@pytest.mark.parametrize(
+    ("n", "k"), [(2048, 4096), (6144, 4096), (4096, 14336), (128, 2048)], ids=lambda v: str(v)
+)
+def test_gpu_skinny_rows_do_not_depend_on_the_batch(
+    n: int, k: int, skinny_launches: list, skinny_rows_launches: list
+) -> None:
     """On tensor cores too, each of the tile shapes ``skinny_config`` picks: a row's bits do not depend on
     the batch (2 to SKINNY_MAX_M rows, any position)."""
     torch.manual_seed(410)
@@ -198,7 +232,8 @@ def test_gpu_skinny_rows_do_not_depend_on_the_batch(n: int, k: int, skinny_launc
     for m in (2, 3, 7, top - 1):
         assert torch.equal(TRITON_OPS.linear(x[:m].clone(), w), full[:m]), m
         assert torch.equal(TRITON_OPS.linear(x[top - m :].clone(), w), full[top - m :]), m
-    assert len(skinny_launches) == 9
+    assert len(skinny_launches) + len(skinny_rows_launches) == 9
+    assert (len(skinny_rows_launches) == 9) == triton_linear.use_skinny_rows(n, w.device)
 
 
 @gpu
