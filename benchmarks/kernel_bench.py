@@ -436,6 +436,36 @@ def linear_case(n: int, k: int) -> Row:
     return row
 
 
+def skinny_compare(copy_bw: float) -> None:
+    """The Triton ``linear`` at 2 to 17 rows (decode batches: the skinny kernel up to SKINNY_MAX_M rows,
+    cuBLAS above) against cuBLAS ``x @ w.t()`` and the copy-rate roofline of its bytes, per projection shape
+    of the two benchmark models (the LM heads left out), in CUDA graphs over rotated weights."""
+    print("\n## linear at a few rows: roofline / cuBLAS / Triton linear (us per call)")
+    print("| weight (N x K) | rows | roofline us | cuBLAS us | Triton us | kernel |")
+    print("|---|---:|---:|---:|---:|---|")
+    dev = torch.device("cuda")
+    for n, k in LINEAR_SHAPES:
+        if n > 100_000:
+            continue
+        ws = [torch.randn(n, k, device=dev, dtype=DTYPE) * k**-0.5 for _ in range(rotations(n * k * 2))]
+        for m in (2, 4, 8, 16, 17):
+            x = torch.randn(m, k, device=dev, dtype=DTYPE)
+            err = (TRITON_OPS.linear(x, ws[0]).float() - x.float() @ ws[0].float().t()).abs().max().item()
+            assert err < 0.05, (n, k, m, err)
+            roof = (n * k + m * k + m * n) * 2 / copy_bw * 1e6
+            cublas, _ = time_graph([lambda w=w, x=x: x @ w.t() for w in ws])
+            ours, _ = time_graph([lambda w=w, x=x: TRITON_OPS.linear(x, w) for w in ws])
+            if not triton_linear.use_skinny(m, n, k):
+                kernel = "cuBLAS"
+            elif triton_linear.use_skinny_rows(n, dev):
+                kernel = "one weight row per program"
+            else:
+                cfg = triton_linear.skinny_config(n, k, dev)
+                kernel = f"BN {cfg.block_n}, BK {cfg.block_k}, {cfg.num_warps} warps"
+            print(f"| {n} x {k} | {m} | {roof:.2f} | {cublas:.2f} | {ours:.2f} | {kernel} |", flush=True)
+        del ws
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Output
 
@@ -747,6 +777,9 @@ def main() -> None:
     parser.add_argument(
         "--norm-linear", action="store_true", help="only: the fused norm + GEMV against the two kernels"
     )
+    parser.add_argument(
+        "--skinny", action="store_true", help="only: linear at 2-17 rows against cuBLAS and the roofline"
+    )
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -763,6 +796,9 @@ def main() -> None:
         return
     if args.norm_linear:
         norm_linear_compare()
+        return
+    if args.skinny:
+        skinny_compare(copy_bw)
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:
