@@ -1,4 +1,4 @@
-"""Linear projection of one row (decode batch 1): the Triton version of ``kernels/linear.py``.
+"""Linear projections of decode batches (1 to 16 rows): the Triton version of ``kernels/linear.py``.
 
 At batch 1 a projection is a GEMV that streams its whole weight from HBM once. ``_gemv_kernel`` with one
 or two weight rows per program beats cuBLAS on every decode projection of the benchmark models: on an
@@ -7,9 +7,10 @@ programmatic dependent launch) Llama-3.1-8B QKV 14.0 against 16.6 us, o-proj 10.
 56.3 / 59.6, down (14336-long rows) 30.0 / 32.7, LM head 235.8 / 251.9; Qwen3-30B-A3B QKV 7.0 / 8.4,
 o-proj 6.0 / 9.7, router 1.4 / 4.9, LM head 145.2 / 153.2. Many small programs keep enough loads in
 flight on every SM, where cuBLAS splits K and reduces in a second kernel. With several rows cuBLAS's
-tensor-core kernels win by far (4 rows: the GEMV is 0.1-0.3x as fast), so ``use_gemv`` takes the GEMV for
-one row only. One launch per projection also keeps the layer's kernels in one chain of programmatic
-dependent launches (``kernels.triton_device``), which a cuBLAS kernel would break.
+tensor-core kernels beat the GEMV by far (4 rows: the GEMV is 0.1-0.3x as fast), so ``use_gemv`` takes the
+GEMV for one row only; 2 to 16 rows take ``_skinny_kernel`` (tensor cores, see below), more rows cuBLAS.
+One launch per projection also keeps the layer's kernels in one chain of programmatic dependent launches
+(``kernels.triton_device``), which a cuBLAS kernel would break.
 
 ``_gemv_kernel``: grid over N tiles; each program streams ``BLOCK_N`` rows of ``w`` in ``BLOCK_K`` chunks
 against the input row, keeps per-lane fp32 partial sums and reduces them once at the end. No host
@@ -84,10 +85,11 @@ def _gemv_kernel(
 # A few rows (decode batches of 2 to ``SKINNY_MAX_M``): ``_skinny_kernel`` reads every weight tile from
 # HBM once and multiplies it on tensor cores against up to 16 rows at once, with the weight rows as the
 # MMA's long side (out.T = w @ x.T), so the rows are padded to 16 and the weights not at all. One H200
-# (``tmp`` sweep of 2026-11-30, CUDA graphs over rotated weights; docs/performance.md, "Seventeenth run"):
-# at 2-16 rows it is within 0-7% of cuBLAS on Llama-3.1-8B's gate-up and down and 5-20% faster on its QKV
-# and o-proj, and it stays in the chain of programmatic dependent launches, where cuBLAS's split-K kernel
-# and its reduction kernel break it. From 32 rows cuBLAS's tiles win (gate-up at 64 rows: 65 against 104 us).
+# (``benchmarks/kernel_bench.py --skinny``, CUDA graphs over rotated weights; docs/performance.md,
+# "Seventeenth run"): at 2-16 rows it beats cuBLAS on every projection of the benchmark models (QKV 5-9%,
+# o-proj 6-21%, Llama-3.1-8B's gate-up 6-8% and down 2-7%), and it stays in the chain of programmatic
+# dependent launches, where cuBLAS's split-K kernels and their reduction kernels break it. From 32 rows
+# cuBLAS's tiles win (gate-up at 64 rows: 65 against 104 us).
 SKINNY_MAX_M = 16
 SKINNY_BLOCK_M = 16  # token rows per MMA tile: the smallest tl.dot side, fixed so a row's sums never
 # depend on how many rows come with it
@@ -157,7 +159,8 @@ def _skinny_kernel(
             k_mask = offs_k < K - k0
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        if UPCAST:  # the interpreter: its bf16 tl.dot is wrong (Triton 3.9); bf16 products are exact in fp32
+        # The interpreter's bf16 tl.dot is wrong (triton-lang/triton#11584); bf16 products are exact in fp32.
+        if UPCAST:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
