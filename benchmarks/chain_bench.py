@@ -204,7 +204,7 @@ def main() -> None:
     x, out_q = torch.randn(1, hidden, device=DEV, dtype=BF16), torch.empty(1, 5120, device=DEV, dtype=BF16)
     ids = torch.randperm(experts, device=DEV)[:top_k].view(1, top_k)
     weights = torch.softmax(torch.randn(1, top_k, device=DEV), -1).to(BF16)
-    cfg = triton_moe.moe_small_config(DEV, 1)
+    cfg = triton_moe.moe_small_config(DEV)
 
     def layer(i: int, pf: bool) -> None:
         spin(sink, 6, qkv[i] if pf else None)

@@ -185,7 +185,7 @@ def moe_case(tokens: int, reference: bool = True, path: str = "auto") -> Row:
     ref = time_eager(lambda: TORCH_OPS.fused_moe(xs[0], w13, w2, weights[0], ids[0])) if reference else None
     flops = 2 * tokens * top_k * 3 * hidden * inter
     if small:
-        sc = triton_moe.moe_small_config(xs[0].device, tokens)
+        sc = triton_moe.moe_small_config(xs[0].device)
         note = f"small, BN {sc.gate_up_block_n}/{sc.down_block_n}, BK {sc.gate_up_block_k}/{sc.down_block_k}"
     else:
         note = f"grouped, BM {triton_moe.moe_tile_config(tokens * top_k, experts, xs[0].device).block_m}"
@@ -607,7 +607,7 @@ def sweep_moe_small(narrow: bool = False) -> None:
     grids add one- and two-warp programs and (gate-up) whole-row K tiles; ``narrow`` times only those."""
     print("\n## sweep: MoE small path at 1 token (gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)")
     base = triton_moe.moe_small_config
-    current = base(torch.device("cuda"), 1)
+    current = base(torch.device("cuda"))
 
     def timed(cfg: triton_moe.MoeSmallConfig) -> float:
         triton_moe.moe_small_config = lambda *_a: cfg

@@ -462,7 +462,7 @@ class MoeSmallConfig:
     down_num_stages: int = 3
 
 
-def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfig:
+def moe_small_config(device: torch.device) -> MoeSmallConfig:
     """Block sizes for the small path, reasoned as below and then swept on one H200 (each kernel alone,
     CUDA-graph replay, weights rotated so L2 holds none).
 
@@ -479,16 +479,15 @@ def moe_small_config(device: torch.device, num_tokens: int = 1) -> MoeSmallConfi
       programs (``--sweep-moe-small --narrow``, 2026-11-29 18:23 UTC): gate-up 1 x 1024 in one warp took
       the pair to 22.3 us against 23.6 for 1 x 256 in four (1 x 2048 in two warps: 22.4); it is used now.
       Down kernels of one or two warps were no faster (24.4-25.1 us against the 23.6 us pair).
-    - More tokens (up to 8, 64 pairs; 2026-11-29 13:50 UTC): gate-up BLOCK_N 16 x BLOCK_K 256, 4 warps
-      (8 pairs x 768/16 = 384 programs at one token; 2.9 TB/s for every BLOCK_N 8-32 x BLOCK_K 256-512 x
-      4-8 warps x 2-4 stages tried); down BLOCK_N 8 x BLOCK_K 256 loads one [top-k, 8, 256] tile of all
-      the token's experts per step (9.3 us per layer against 12.4 with a loop over the experts).
+    - More tokens (up to 8, 64 pairs): the same tiles. Until 2026-11-30 they had their own (gate-up
+      BLOCK_N 16 x BLOCK_K 256 in 4 warps, down 8 x 256), chosen on 2026-11-29 before one-row tiles were
+      tried; a sweep at 2, 4 and 8 tokens (docs/performance.md, "Seventeenth run") found the one-token
+      tiles best of 8 gate-up and 7 down tiles: the pair took 39.0 / 69.2 / 120.9 us against 46.8 / 77.7
+      / 136.3. One tile for every token count also keeps a pair's result independent of the batch.
     """
     if device.type != "cuda":
         return MoeSmallConfig(16, 32, 4, 16, 32, 4)  # the interpreter: tiny shapes, few masked lanes
-    if num_tokens == 1:
-        return MoeSmallConfig(1, 1024, 1, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
-    return MoeSmallConfig(16, 256, 4, 8, 256, 4)
+    return MoeSmallConfig(1, 1024, 1, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
 
 
 @triton.jit
@@ -658,9 +657,7 @@ def fused_moe_triton(
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
     if use_small_path(num_pairs, num_experts):
-        return _fused_moe_small(
-            x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device, x.shape[0])
-        )
+        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device))
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
     sorted_ids, expert_ids, num_rows_padded = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
 
