@@ -602,17 +602,20 @@ def sweep_linear() -> None:
         print(f"{n} x {k} ({n * k * 2 / 1e6:.0f} MB): cuBLAS {ref:.1f} us; GEMV {best}", flush=True)
 
 
-def sweep_moe_small(narrow: bool = False) -> None:
-    """The small MoE path at batch 1: gate-up tiles with the down kernel fixed, then down tiles. Both
-    grids add one- and two-warp programs and (gate-up) whole-row K tiles; ``narrow`` times only those."""
-    print("\n## sweep: MoE small path at 1 token (gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)")
+def sweep_moe_small(narrow: bool = False, tokens: tuple[int, ...] = (1,)) -> None:
+    """The small MoE path: gate-up tiles with the down kernel fixed, then down tiles, each timed as the sum
+    over ``tokens`` (one tile serves every token count). Both grids add one- and two-warp programs and
+    (gate-up) whole-row K tiles; ``narrow`` times only those."""
+    print(
+        f"\n## sweep: MoE small path at {tokens} tokens, us summed (gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)"
+    )
     base = triton_moe.moe_small_config
     current = base(torch.device("cuda"))
 
     def timed(cfg: triton_moe.MoeSmallConfig) -> float:
         triton_moe.moe_small_config = lambda *_a: cfg
         try:
-            return moe_case(1, reference=False, path="small").triton_us
+            return sum(moe_case(t, reference=False, path="small").triton_us for t in tokens)
         except Exception as exc:  # a config that does not compile
             print(f"  {cfg}: {type(exc).__name__}")
             return float("inf")
@@ -772,6 +775,11 @@ def main() -> None:
         "--narrow", action="store_true", help="with --sweep-moe-small: only the one- and two-warp additions"
     )
     parser.add_argument(
+        "--moe-tokens",
+        default="1",
+        help="with --sweep-moe-small: comma-separated token counts, each tile timed as the sum over them",
+    )
+    parser.add_argument(
         "--moe-align", action="store_true", help="only: the three MoE alignments side by side per size"
     )
     parser.add_argument(
@@ -804,7 +812,7 @@ def main() -> None:
         if args.sweep_moe_prefill:
             sweep_moe_prefill()
         if args.sweep_moe_small:
-            sweep_moe_small(narrow=args.narrow)
+            sweep_moe_small(narrow=args.narrow, tokens=tuple(int(t) for t in args.moe_tokens.split(",")))
         if args.pdl:
             pdl_compare()
         if args.sweep_linear:
