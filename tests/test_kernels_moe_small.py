@@ -184,6 +184,29 @@ def test_both_sides_of_threshold(
     run_and_check(x, w13, w2, weights, ids, "small" if small else "grouped")
 
 
+def check_tokens_do_not_depend_on_the_batch(
+    experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype
+) -> None:
+    """Each token's output is the same bits alone, in any smaller batch, and in the whole batch of 8 (the
+    small path's tiles do not change with the token count)."""
+    w13, w2 = make_weights(experts, hidden, inter, dtype)
+    x = randn(8, hidden, dtype=dtype)
+    weights = torch.rand(8, top_k, device=DEVICE).softmax(-1)
+    ids = random_ids(8, top_k, experts)
+    ids[1, : top_k // 2] = ids[0, top_k - top_k // 2 :]  # experts shared between tokens
+    full = run_and_check(x, w13, w2, weights, ids, "8 tokens")
+    for rows in (slice(0, 1), slice(0, 2), slice(3, 7), slice(7, 8)):
+        part = TRITON_OPS.fused_moe(x[rows].clone(), w13, w2, weights[rows].clone(), ids[rows].clone())
+        assert torch.equal(part, full[rows]), rows
+
+
+@pytest.mark.usefixtures("small_path_only")
+def test_small_path_tokens_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(125)
+    # float32: a changed summation order shows in the bits (bf16 rounding would hide most of it here)
+    check_tokens_do_not_depend_on_the_batch(32, HIDDEN, INTER, 4, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: the real shape and CUDA graphs
 
@@ -205,6 +228,19 @@ def test_gpu_small_path_qwen3_30b_a3b(tokens: int) -> None:
     if tokens > 1:
         ids[1, :4] = ids[0, 4:]  # experts shared between tokens
     run_and_check(x, w13, w2, weights, ids, f"qwen3-30b-a3b, {tokens} tokens")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.usefixtures("small_path_only")
+def test_gpu_small_path_tokens_do_not_depend_on_the_batch() -> None:
+    """At the Qwen3-30B-A3B shape, on the GPU's tiles (one tile for every token count since the
+    seventeenth run)."""
+    torch.manual_seed(126)
+    shape = QWEN3_30B_A3B
+    check_tokens_do_not_depend_on_the_batch(
+        shape["experts"], shape["hidden"], shape["inter"], shape["top_k"], torch.bfloat16
+    )
 
 
 @gpu
