@@ -607,7 +607,8 @@ def sweep_moe_small(narrow: bool = False, tokens: tuple[int, ...] = (1,)) -> Non
     over ``tokens`` (one tile serves every token count). Both grids add one- and two-warp programs and
     (gate-up) whole-row K tiles; ``narrow`` times only those."""
     print(
-        f"\n## sweep: MoE small path at {tokens} tokens, us summed (gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)"
+        f"\n## sweep: MoE small path at {', '.join(map(str, tokens))} tokens, us summed over them "
+        "(gate-up, then down: BLOCK_N/BLOCK_K/warps/stages)"
     )
     base = triton_moe.moe_small_config
     current = base(torch.device("cuda"))

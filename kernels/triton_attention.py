@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import check_out
-from kernels.triton_device import pdl_kwargs, pdl_wait, sm_count
+from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
 from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
 
@@ -496,17 +496,13 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), *pool_strides(kv_pool), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // kv_pool.shape[4], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_D=_block_d(head_dim),
-        DOT_PRECISION=_precision(q.dtype), num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,
     )  # fmt: skip
     return out
 
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @dataclass(frozen=True)
@@ -567,7 +563,7 @@ def _decode(
         qkv, pos, slots, cache, q_norm, k_norm, num_heads, num_kv_heads, stride_qkv, stride_cache, eps,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
-        DOT_PRECISION=_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
+        DOT_PRECISION=dot_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
         **pdl_kwargs(out.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](

@@ -47,6 +47,12 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     return {"USE_PDL": True, "launch_pdl": True}
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for operands of ``dtype``: exact products for float32 ("ieee"), the
+    tensor cores' own for 16-bit types (where "tf32" changes nothing)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
     """Wait until the previous kernel in the stream has finished and its writes are visible

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import pdl_kwargs, pdl_wait
+from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 
@@ -132,7 +132,6 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[m, n] = x[m] . w[n] for BLOCK_M rows m and BLOCK_N weight rows n, fp32 accumulation. The grid's
@@ -159,11 +158,7 @@ def _skinny_kernel(
             k_mask = offs_k < K - k0
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        # The interpreter's bf16 tl.dot is wrong (triton-lang/triton#11584); bf16 products are exact in fp32.
-        if UPCAST:
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -219,24 +214,24 @@ def _skinny_rows_kernel(
     tl.store(out_ptr + offs_m.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T for a few rows by ``_skinny_kernel`` (unit last strides); ``cfg`` overrides the
-    tile (benchmarks)."""
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T for a few rows (unit last strides): ``_skinny_rows_kernel`` for weights of few
+    rows, ``_skinny_kernel`` otherwise."""
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if cfg is None and use_skinny_rows(n, x.device):
+    if use_skinny_rows(n, x.device):
         block_m, block_k = (SKINNY_ROWS_BLOCK_M, 1024) if x.device.type == "cuda" else (4, 32)
         _skinny_rows_kernel[(n, triton.cdiv(m, block_m))](
             x, w, out, m, k, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_K=block_k, **pdl_kwargs(x.device), num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
-    cfg = cfg or skinny_config(n, k, x.device)
+    cfg = skinny_config(n, k, x.device)
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * triton.cdiv(n, cfg.block_n),)
     _skinny_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type != "cuda",
+        DOT_PRECISION=dot_precision(x.dtype),
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_device import pdl_kwargs, pdl_wait
+from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -425,7 +425,7 @@ def _grouped_gemm(
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTING_WEIGHT=mul_routing_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(a.dtype),
         **pdl_kwargs(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
