@@ -466,6 +466,47 @@ def skinny_compare(copy_bw: float) -> None:
         del ws
 
 
+def sweep_skinny() -> None:
+    """Every projection shape of 1024 weight rows or more (the LM heads left out) at 2 and 16 rows against a
+    grid of skinny tiles with and without split K (BLOCK_N, BLOCK_K, warps, stages, split), best first, each
+    output checked against cuBLAS; in CUDA graphs over rotated weights."""
+    print("\n## sweep: skinny tiles per shape (BLOCK_N/BLOCK_K/warps/stages/split K), us per call, best 5")
+    base = triton_linear.skinny_config
+    grid = [
+        triton_linear.LinearConfig(bn, bk, w, st, sk)
+        for bn, bk, w in ((16, 512, 2), (16, 256, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4))
+        for st in (4,)
+        for sk in (1, 2, 4)
+    ]
+    dev = torch.device("cuda")
+    for n, k in LINEAR_SHAPES:
+        if n > 100_000 or triton_linear.use_skinny_rows(n, dev):
+            continue
+        ws = [torch.randn(n, k, device=dev, dtype=DTYPE) * k**-0.5 for _ in range(rotations(n * k * 2))]
+        for m in (2, 16):
+            x = torch.randn(m, k, device=dev, dtype=DTYPE)
+            ref = x.float() @ ws[0].float().t()
+            timed = []
+            for cfg in grid:
+                triton_linear.skinny_config = lambda *_a, cfg=cfg: cfg
+                try:
+                    err = (TRITON_OPS.linear(x, ws[0]).float() - ref).abs().max().item()
+                    assert err < 0.05, (n, k, m, cfg, err)
+                    us, _ = time_graph([lambda w=w, x=x: TRITON_OPS.linear(x, w) for w in ws])
+                    timed.append((us, cfg))
+                except Exception as exc:  # a tile that does not compile (registers, shared memory)
+                    print(f"  {n} x {k} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+            triton_linear.skinny_config = base
+            timed.sort(key=lambda t: t[0])
+            now = next((us for us, c in timed if c == base(n, k, dev)), float("nan"))
+            best = ", ".join(
+                f"{us:.2f} {c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}/{c.split_k}"
+                for us, c in timed[:5]
+            )
+            print(f"| {n} x {k} | {m} | now {now:.2f} | {best} |", flush=True)
+        del ws
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Output
 
@@ -789,6 +830,9 @@ def main() -> None:
     parser.add_argument(
         "--skinny", action="store_true", help="only: linear at 2-17 rows against cuBLAS and the roofline"
     )
+    parser.add_argument(
+        "--sweep-skinny", action="store_true", help="only: skinny tiles and split K per shape"
+    )
     args = parser.parse_args()
     failed = False
     if not torch.cuda.is_available():
@@ -808,6 +852,9 @@ def main() -> None:
         return
     if args.skinny:
         skinny_compare(copy_bw)
+        return
+    if args.sweep_skinny:
+        sweep_skinny()
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:

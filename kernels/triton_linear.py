@@ -40,6 +40,7 @@ class LinearConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # the skinny kernel only: K cut into this many parts, summed by a second launch
 
 
 def linear_config(n: int, k: int, device: torch.device) -> LinearConfig:
@@ -107,8 +108,8 @@ def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
     tiles) and where 64-row tiles would leave under 64 programs (Qwen3-30B-A3B's o-proj, 2048 rows: 8.8
     against 11.0 us); 64-row tiles otherwise, 256-wide up to 4096 rows (Llama's o-proj: 11.3 against 12.5
     us in 128-wide steps) and 128-wide above (QKV, gate-up)."""
-    if device.type != "cuda":
-        return LinearConfig(16, 32, 4, 1)  # the interpreter: tiny shapes, several K steps, masked edges
+    if device.type != "cuda":  # the interpreter: tiny shapes, several K steps, masked edges, split K
+        return LinearConfig(16, 32, 4, 1, split_k=2 if k > 64 else 1)
     if k > 4096 or n < 64 * 64:
         return LinearConfig(16, 512, 2, 4)
     if n <= 4096:
@@ -124,45 +125,78 @@ def _skinny_kernel(
     M,
     N,
     K,
+    k_split,
     stride_xm,
     stride_wn,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[m, n] = x[m] . w[n] for BLOCK_M rows m and BLOCK_N weight rows n, fp32 accumulation. The grid's
     first axis is the M tiles, fastest, so the programs that share a weight tile run together and read
-    it from HBM once."""
+    it from HBM once. With SPLIT_K > 1 each program takes ``k_split`` of K (a multiple of BLOCK_K) and
+    writes its fp32 sums to ``out_ptr`` as [SPLIT_K, M, N] partials, which ``_sum_splits_kernel`` adds."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid_n = pid // num_m // SPLIT_K
+    split = pid // num_m % SPLIT_K
+    k_start = split * k_split
+    k_end = tl.minimum(K, k_start + k_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + k_start + offs_k[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)  # masked rows fetch nothing
         else:
-            k_mask = offs_k < K - k0
+            k_mask = offs_k < k_end - k0
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_ptrs = out_ptr + (split * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(part_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[m, n] = the [SPLIT_K, M, N] fp32 partials summed in split order (a fixed order, so the result
+    does not depend on which split finished first), rounded once to out's dtype."""
+    pdl_wait(USE_PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs // N * stride_om + offs % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Weights of fewer rows than this (MoE routers: 128) leave too few 16-row tiles to keep HBM busy; such a
@@ -227,13 +261,21 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         )  # fmt: skip
         return out
     cfg = skinny_config(n, k, x.device)
-    grid = (triton.cdiv(m, SKINNY_BLOCK_M) * triton.cdiv(n, cfg.block_n),)
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # by K only: batch-invariant
+    k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
+    dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
     _skinny_kernel[grid](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION=dot_precision(x.dtype),
+        x, w, dest, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split_k > 1:
+        block = 1024 if x.device.type == "cuda" else 64
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            dest, out, m, n, out.stride(0), SPLIT_K=split_k, BLOCK=block, **pdl_kwargs(x.device), num_warps=4,
+        )  # fmt: skip
     return out
 
 
