@@ -476,7 +476,7 @@ def sweep_skinny() -> None:
         triton_linear.LinearConfig(bn, bk, w, st, sk)
         for bn, bk, w in ((16, 512, 2), (16, 256, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4))
         for st in (4,)
-        for sk in (1, 2, 4)
+        for sk in (1, 2, 4, 8)
     ]
     dev = torch.device("cuda")
     for n, k in LINEAR_SHAPES:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
+from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 
@@ -103,18 +103,17 @@ def use_skinny(m: int, n: int, k: int) -> bool:
 
 def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
     """Tile of ``_skinny_kernel`` by the shape of ``w`` only (never by M, so results are batch-invariant):
-    ``block_n`` weight rows per program and ``block_k`` per step, from the sweeps above. 16-row tiles in
-    512-wide steps and 2 warps for long rows (Llama-3.1-8B's down, 14336: 31.2 against 32.3 us for 64-row
-    tiles) and where 64-row tiles would leave under 64 programs (Qwen3-30B-A3B's o-proj, 2048 rows: 8.8
-    against 11.0 us); 64-row tiles otherwise, 256-wide up to 4096 rows (Llama's o-proj: 11.3 against 12.5
-    us in 128-wide steps) and 128-wide above (QKV, gate-up)."""
+    64 weight rows per program in 128-wide steps, with K split where the tiles alone would leave SMs idle:
+    into as many parts as make about one program per SM (at most 4, each at least 1024 long), and into 4
+    for rows longer than 4096. From ``kernel_bench.py --sweep-skinny`` (one H200, 2026-11-30 13:20 UTC,
+    us per call at 2 / 16 rows): Qwen3-30B-A3B's o-proj (2048 x 4096, 4 parts) 6.8 / 6.7 against 9.1 /
+    8.0 for the 16-row tile unsplit; Llama-3.1-8B's o-proj (4096 x 4096, 2 parts) 10.7 / 10.8 against
+    11.5 / 11.5 for 64 x 256 unsplit, its down (4096 x 14336, 4 parts) 30.3 / 31.1 against 30.9 / 31.8;
+    QKV and gate-up (80 tiles and more) unsplit, where splitting was 0-7% slower."""
     if device.type != "cuda":  # the interpreter: tiny shapes, several K steps, masked edges, split K
         return LinearConfig(16, 32, 4, 1, split_k=2 if k > 64 else 1)
-    if k > 4096 or n < 64 * 64:
-        return LinearConfig(16, 512, 2, 4)
-    if n <= 4096:
-        return LinearConfig(64, 256, 4, 4)
-    return LinearConfig(64, 128, 4, 4)
+    split = 4 if k > 4096 else max(1, min(4, sm_count(device) // triton.cdiv(n, 64), k // 1024))
+    return LinearConfig(64, 128, 4, 4, split_k=split)
 
 
 @triton.jit

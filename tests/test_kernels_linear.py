@@ -67,6 +67,12 @@ def skinny_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int,
 
 
 @pytest.fixture
+def sum_splits_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Records the [SPLIT_K, M, N] shape of the partials of every split-K sum launch."""
+    yield record_launches(monkeypatch, "_sum_splits_kernel", 0)
+
+
+@pytest.fixture
 def skinny_rows_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
     """Records (N, K) of every launch of the skinny kernel's one-weight-row variant (few weight rows)."""
     yield record_launches(monkeypatch, "_skinny_rows_kernel", 1)
@@ -122,9 +128,10 @@ def test_skinny_rows_do_not_depend_on_the_batch(skinny_launches: list) -> None:
     assert len(skinny_launches) == 7
 
 
-def test_skinny_strided_rows_and_edges(skinny_launches: list) -> None:
+def test_skinny_strided_rows_and_edges(skinny_launches: list, sum_splits_launches: list) -> None:
     """Rows with a stride over K, w a row slice of a wider matrix, K not a multiple of the step (and
-    below one step), N below one tile."""
+    below one step), N below one tile; K split in two parts where it is longer than two steps (the
+    interpreter's tile), the second part shorter than the first."""
     torch.manual_seed(240)
     x = randn(3, 2 * K)[:, 5 : 5 + K]
     w = make_weight(N, K + 24, torch.float32)[:, 3 : 3 + K]
@@ -133,6 +140,7 @@ def test_skinny_strided_rows_and_edges(skinny_launches: list) -> None:
         x, w = randn(4, k), make_weight(n, k, torch.float32)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(x, w), torch.float32, f"N={n}, K={k}")
     assert skinny_launches == [(N, K), (25, 7), (33, 32), (27, 300)]
+    assert sum_splits_launches == [(2, 3, N), (2, 4, 27)]  # K 72 and 300 split; 7 and 32 not
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -218,13 +226,14 @@ def test_gpu_linear_real_shapes(
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    ("n", "k"), [(2048, 4096), (6144, 4096), (4096, 14336), (128, 2048)], ids=lambda v: str(v)
+    ("n", "k"), [(2048, 4096), (4096, 4096), (6144, 4096), (4096, 14336), (128, 2048)], ids=lambda v: str(v)
 )
 def test_gpu_skinny_rows_do_not_depend_on_the_batch(
     n: int, k: int, skinny_launches: list, skinny_rows_launches: list
 ) -> None:
-    """On tensor cores too, each of the tile shapes ``skinny_config`` picks: a row's bits do not depend on
-    the batch (2 to SKINNY_MAX_M rows, any position)."""
+    """On tensor cores too, each of the tile shapes ``skinny_config`` picks (K in 4 parts, 2 parts, whole,
+    and the router's variant): a row's bits do not depend on the batch (2 to SKINNY_MAX_M rows, any
+    position)."""
     torch.manual_seed(410)
     top = triton_linear.SKINNY_MAX_M
     x, w = randn(top, k, dtype=torch.bfloat16), make_weight(n, k, torch.bfloat16)
