@@ -728,46 +728,6 @@ def sweep_moe_prefill() -> None:
 NORM_LINEAR_SHAPES = [(5120, 2048), (128, 2048), (6144, 4096), (28672, 4096), (151936, 2048)]
 
 
-def norm_skinny_compare() -> None:
-    """Add + RMSNorm + projection at 2-16 rows: normalised inside the skinny kernel against the norm kernel
-    then the skinny kernel, per shape that reads a norm (Llama-3.1-8B's gate-up forced fused, which
-    ``use_skinny_norm`` leaves unfused), in CUDA graphs over rotated weights (us per call)."""
-    print("\n## add + RMSNorm + projection at a few rows: fused in the skinny kernel / norm then skinny (us)")
-    print("| weight (N x K) | rows | fused us | norm + skinny us | fused by default |")
-    print("|---|---:|---:|---:|---|")
-    base_tiles = triton_linear.SKINNY_NORM_MAX_TILES
-    dev = torch.device("cuda")
-    for n, k in ((5120, 2048), (128, 2048), (6144, 4096), (28672, 4096)):
-        g = torch.randn(k, device=dev, dtype=DTYPE)
-        ws = [torch.randn(n, k, device=dev, dtype=DTYPE) * k**-0.5 for _ in range(rotations(n * k * 2))]
-        for m in (2, 4, 8, 16):
-            x, r = (torch.randn(m, k, device=dev, dtype=DTYPE) for _ in range(2))
-            default = triton_linear.use_skinny_norm(m, n, k, dev)
-            triton_linear.SKINNY_NORM_MAX_TILES = 1 << 20
-            fused, _ = time_graph(
-                [
-                    lambda w=w, x=x, r=r, g=g: TRITON_OPS.add_rms_norm_linear(x, r, g, 1e-6, w, True)
-                    for w in ws
-                ]
-            )
-            want = TRITON_OPS.add_rms_norm_linear(x, r, g, 1e-6, ws[0], True)
-            triton_linear.SKINNY_NORM_MAX_TILES = 0
-            h, summed = TRITON_OPS.fused_add_rms_norm(x, r, g, 1e-6)
-            err = (TRITON_OPS.linear(h, ws[0]).float() - want[0].float()).abs().max().item()
-            assert err < 0.05 and torch.equal(summed, want[2]), (n, k, m, err)
-            split, _ = time_graph(
-                [
-                    lambda w=w, x=x, r=r, g=g: TRITON_OPS.linear(
-                        TRITON_OPS.fused_add_rms_norm(x, r, g, 1e-6)[0], w
-                    )
-                    for w in ws
-                ]
-            )
-            triton_linear.SKINNY_NORM_MAX_TILES = base_tiles
-            print(f"| {n} x {k} | {m} | {fused:.2f} | {split:.2f} | {default} |", flush=True)
-        del ws
-
-
 def norm_linear_compare() -> None:
     """The fused add + RMSNorm + GEMV (``add_rms_norm_linear`` at one row) against the norm kernel then the
     GEMV, per batch-1 shape that reads a norm, in CUDA graphs over rotated weights; then a grid of the
@@ -871,9 +831,6 @@ def main() -> None:
         "--skinny", action="store_true", help="only: linear at 2-17 rows against cuBLAS and the roofline"
     )
     parser.add_argument(
-        "--norm-skinny", action="store_true", help="only: norm + projection at 2-16 rows, fused or not"
-    )
-    parser.add_argument(
         "--sweep-skinny", action="store_true", help="only: skinny tiles and split K per shape"
     )
     args = parser.parse_args()
@@ -898,9 +855,6 @@ def main() -> None:
         return
     if args.sweep_skinny:
         sweep_skinny()
-        return
-    if args.norm_skinny:
-        norm_skinny_compare()
         return
     if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
         if args.sweep_moe_prefill:

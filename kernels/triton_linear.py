@@ -117,53 +117,10 @@ def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
 
 
 @triton.jit
-def _rows_inv_rms(
-    x_ptr, res_ptr, sum_ptr, row_offs, row_mask, offs_k, K, eps, ss,
-    BLOCK_K: tl.constexpr, AXIS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    """1 / rms of each row of x (+ res, rounded to the sum's dtype first, as the reference does), in one
-    pass over K in BLOCK_K steps; ``row_offs`` holds the rows' first step, K along AXIS, and ``ss``
-    (zeros) the rows' shape."""
-    for k0 in range(0, K, BLOCK_K):
-        mask = row_mask & (offs_k < K - k0)
-        s = tl.load(x_ptr + row_offs + k0, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row_offs + k0, mask=mask, other=0.0).to(tl.float32)
-            s = (s + r).to(sum_ptr.dtype.element_ty).to(tl.float32)
-        ss += tl.sum(s * s, axis=AXIS)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _norm_slice(
-    x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, row_offs, k_idx, K, mask, write_mask, inv_rms,
-    HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr,
-):  # fmt: skip
-    """One step's slice of rms_norm(x + res) * g with the reference's roundings (``_norm_gemv_kernel``);
-    the sum and the normalised values are stored where ``write_mask``."""
-    s = tl.load(x_ptr + row_offs, mask=mask, other=0.0)
-    in_dtype = x_ptr.dtype.element_ty
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row_offs, mask=mask, other=0.0)
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row_offs, s, mask=write_mask)
-        in_dtype = sum_ptr.dtype.element_ty
-    g = tl.load(g_ptr + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
-    h = (g * (s.to(tl.float32) * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
-    if WRITE_NORMED:
-        tl.store(normed_ptr + row_offs, h, mask=write_mask)
-    return h
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    res_ptr,
-    g_ptr,
-    sum_ptr,
-    normed_ptr,
     M,
     N,
     K,
@@ -171,27 +128,18 @@ def _skinny_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[m, n] = x[m] . w[n] for BLOCK_M rows m and BLOCK_N weight rows n, fp32 accumulation. The grid's
     first axis is the M tiles, fastest, so the programs that share a weight tile run together and read
     it from HBM once. With SPLIT_K > 1 each program takes ``k_split`` of K (a multiple of BLOCK_K) and
-    writes its fp32 sums to ``out_ptr`` as [SPLIT_K, M, N] partials, which ``_sum_splits_kernel`` adds.
-
-    With NORM (SPLIT_K 1) the rows are rms_norm(x + res) * g, as in ``_norm_gemv_kernel``: a first pass
-    over the rows (from L2) sums their squares, the main loop normalises each step's slice before the
-    dot, and the programs of the first weight tile write the sum (HAS_RESIDUAL) and the normalised rows
-    (WRITE_NORMED)."""
+    writes its fp32 sums to ``out_ptr`` as [SPLIT_K, M, N] partials, which ``_sum_splits_kernel`` adds."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -206,28 +154,19 @@ def _skinny_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
-    row_offs = offs_m.to(tl.int64)[None, :] * stride_xm + k_start + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
-    if NORM:
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        inv_rms = _rows_inv_rms(x_ptr, res_ptr, sum_ptr, row_offs, m_mask[None, :], offs_k[:, None], K, eps, ss,
-                                BLOCK_K, 0, HAS_RESIDUAL)[None, :]  # fmt: skip
-        first = (offs_m < tl.where(pid_n == 0, M, 0))[None, :]  # the first weight tile's programs write rows
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + k_start + offs_k[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            x_mask = m_mask[None, :]
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)  # masked rows fetch nothing
         else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_end - k0), other=0.0)
-            x_mask = m_mask[None, :] & (offs_k[:, None] < k_end - k0)
-        if NORM:
-            xt = _norm_slice(x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, row_offs, k0 + offs_k[:, None], K,
-                             x_mask, first & x_mask, inv_rms, HAS_RESIDUAL, WRITE_NORMED)  # fmt: skip
-        else:
-            xt = tl.load(x_ptr + row_offs, mask=x_mask, other=0.0)  # masked rows fetch nothing
+            k_mask = offs_k < k_end - k0
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
-        row_offs += BLOCK_K
+        x_ptrs += BLOCK_K
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
         out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -277,119 +216,59 @@ def _skinny_rows_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    res_ptr,
-    g_ptr,
-    sum_ptr,
-    normed_ptr,
     M,
     K,
     stride_xm,
     stride_wn,
     stride_om,
-    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[m, n] = x[m] . w[n] for one weight row n and BLOCK_M rows m (grid: weight rows, then row tiles):
     per-lane fp32 sums over K, reduced once at the end (the GEMV's scheme with the weight row shared by the
-    tile's x rows). The tile is fixed, so a row's sums do not depend on the batch. NORM as in
-    ``_skinny_kernel`` (weight row 0's programs write the row outputs)."""
+    tile's x rows). The tile is fixed, so a row's sums do not depend on the batch."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     n = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     w_ptrs = w_ptr + n.to(tl.int64) * stride_wn + offs_k
-    row_offs = offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    if NORM:
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        inv_rms = _rows_inv_rms(x_ptr, res_ptr, sum_ptr, row_offs, m_mask[:, None], offs_k[None, :], K, eps, ss,
-                                BLOCK_K, 1, HAS_RESIDUAL)[:, None]  # fmt: skip
-        first = (offs_m < tl.where(n == 0, M, 0))[:, None]  # weight row 0's programs write the rows
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     lanes = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         w = tl.load(w_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        if NORM:
-            x = _norm_slice(x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, row_offs, k0 + offs_k[None, :], K,
-                            x_mask, first & x_mask, inv_rms, HAS_RESIDUAL, WRITE_NORMED)  # fmt: skip
-        else:
-            x = tl.load(x_ptr + row_offs, mask=x_mask, other=0.0)
-        lanes += x.to(tl.float32) * w[None, :]
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        lanes += x * w[None, :]
         w_ptrs += BLOCK_K
-        row_offs += BLOCK_K
+        x_ptrs += BLOCK_K
     out = tl.sum(lanes, axis=1)
     tl.store(out_ptr + offs_m.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-@dataclass(frozen=True)
-class _SkinnyNorm:
-    """What the skinny kernels need to normalise their rows (``add_rms_norm_linear_triton``)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    summed: torch.Tensor
-    normed: torch.Tensor
-    has_residual: bool
-    write_normed: bool
-
-
-def use_skinny_norm(m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether ``add_rms_norm_linear_triton`` normalises the rows inside the skinny kernel: 2 to
-    SKINNY_MAX_M rows (``use_skinny``), K whole (no split), and few enough programs that their re-reads of
-    the rows (two passes from L2 each) stay small against the weight: the one-weight-row variant (the
-    routers), and 64-row tiles up to ``SKINNY_NORM_MAX_TILES`` (QKV; not Llama-3.1-8B's gate-up, 448
-    tiles). By the weight's shape only, so a row's result does not depend on the batch."""
-    if not use_skinny(m, n, k):
-        return False
-    if use_skinny_rows(n, device):
-        return True
-    cfg = skinny_config(n, k, device)
-    return cfg.split_k == 1 and triton.cdiv(n, cfg.block_n) <= SKINNY_NORM_MAX_TILES
-
-
-SKINNY_NORM_MAX_TILES = 128
-
-
-def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, norm: _SkinnyNorm | None = None) -> torch.Tensor:
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T for a few rows (unit last strides): ``_skinny_rows_kernel`` for weights of few
-    rows, ``_skinny_kernel`` otherwise. With ``norm`` the rows are first normalised inside the kernel (x
-    and the residual contiguous; ``use_skinny_norm`` says where)."""
+    rows, ``_skinny_kernel`` otherwise."""
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    nk = (
-        dict(res_ptr=norm.residual, g_ptr=norm.weight, sum_ptr=norm.summed, normed_ptr=norm.normed, eps=norm.eps,
-             NORM=True, HAS_RESIDUAL=norm.has_residual, WRITE_NORMED=norm.write_normed)
-        if norm is not None
-        else dict(res_ptr=x, g_ptr=x, sum_ptr=x, normed_ptr=x, eps=0.0, NORM=False, HAS_RESIDUAL=False,
-                  WRITE_NORMED=False)
-    )  # fmt: skip
     if use_skinny_rows(n, x.device):
         block_m, block_k = (SKINNY_ROWS_BLOCK_M, 1024) if x.device.type == "cuda" else (4, 32)
         _skinny_rows_kernel[(n, triton.cdiv(m, block_m))](
-            x, w, out, M=m, K=k, stride_xm=x.stride(0), stride_wn=w.stride(0),
-            stride_om=out.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, **nk, **pdl_kwargs(x.device),
-            num_warps=4, num_stages=2,
+            x, w, out, m, k, x.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_K=block_k, **pdl_kwargs(x.device), num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
     cfg = skinny_config(n, k, x.device)
     split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # by K only: batch-invariant
-    if norm is not None and split_k > 1:
-        raise ValueError("the skinny kernel normalises rows only with K whole (use_skinny_norm)")
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
     _skinny_kernel[grid](
-        x, w, dest, M=m, N=n, K=k, k_split=k_split, stride_xm=x.stride(0),
-        stride_wn=w.stride(0), stride_om=out.stride(0), BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
-        **nk, **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x, w, dest, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split_k > 1:
         block = 1024 if x.device.type == "cuda" else 64
@@ -515,9 +394,8 @@ def add_rms_norm_linear_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``kernels.linear.add_rms_norm_linear_torch`` on the GPU: (linear(h, w), h if need_normed,
     x + residual) with h = rms_norm(x + residual) * norm_weight (no add where residual is None, and the sum
-    is x itself). One fused launch where the rows are plain (same dtypes, unit last strides; contiguous
-    for several rows) and ``use_norm_gemv`` (one row) or ``use_skinny_norm`` (2 to SKINNY_MAX_M rows) says
-    so; otherwise the norm kernel, then ``linear_triton``."""
+    is x itself). One fused launch where ``use_norm_gemv`` says so and the rows are plain (same dtypes,
+    unit last strides); otherwise the norm kernel, then ``linear_triton``."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     (m, k), n = x.shape, w.shape[0]
@@ -528,13 +406,6 @@ def add_rms_norm_linear_triton(
         and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
         and norm_weight.dtype == x.dtype == w.dtype
     )
-    rows_plain = plain and x.is_contiguous() and (residual is None or residual.is_contiguous())
-    if rows_plain and use_skinny_norm(m, n, k, x.device):
-        summed = torch.empty_like(x) if residual is not None else x
-        normed = torch.empty_like(x) if need_normed else x  # x only lends its dtype when nothing is written
-        norm = _SkinnyNorm(residual if residual is not None else x, norm_weight, eps, summed, normed,
-                           has_residual=residual is not None, write_normed=need_normed)  # fmt: skip
-        return skinny_linear_triton(x, w, norm), (normed if need_normed else None), summed
     if not (plain and use_norm_gemv(m, n, k)):
         if residual is None:
             h, summed = rms_norm_triton(x, norm_weight, eps), x

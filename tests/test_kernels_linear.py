@@ -358,84 +358,6 @@ def test_add_rms_norm_linear_mixed_dtypes_fall_back(norm_gemv_launches: list) ->
     assert norm_gemv_launches == []
 
 
-@pytest.fixture
-def skinny_norm_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int, int]]]:
-    """Records (kernel, N, K) of every skinny launch that normalises its rows (NORM on)."""
-    launched: list[tuple[str, int, int]] = []
-    for name in ("_skinny_kernel", "_skinny_rows_kernel"):
-        kernel = getattr(triton_linear, name)
-
-        class Recording:
-            def __init__(self, name: str, kernel: object) -> None:
-                self.name, self.kernel = name, kernel
-
-            def __getitem__(self, grid: tuple) -> object:
-                def launch(*args: torch.Tensor, **kwargs: object) -> None:
-                    if kwargs["NORM"]:
-                        launched.append((self.name, *args[1].shape))
-                    self.kernel[grid](*args, **kwargs)
-
-                return launch
-
-        monkeypatch.setattr(triton_linear, name, Recording(name, kernel))
-    yield launched
-
-
-# (N, K) in the interpreter: its 16-row tiles, K whole (not split: at most 64) in
-# two steps, the last one short; and a weight of few rows (the routers' one-weight-row variant).
-SKINNY_NORM_SHAPES = [(N + 1, 60), (20, 60)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [2, 5, 16])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
-def test_skinny_norm_linear_matches_reference(
-    m: int, dtype: torch.dtype, with_residual: bool, skinny_norm_launches: list
-) -> None:
-    """2 to SKINNY_MAX_M rows normalised inside the skinny kernels, with and without the normalised rows
-    written, against the reference."""
-    torch.manual_seed(560 + m)
-    for n, k in SKINNY_NORM_SHAPES:
-        assert triton_linear.use_skinny_norm(m, n, k, torch.device(DEVICE))
-        for need_normed in (True, False):
-            _check_norm_linear(
-                m, n, k, dtype, with_residual, need_normed, f"{n}x{k}, M={m}, normed={need_normed}"
-            )
-    assert skinny_norm_launches == [("_skinny_kernel", N + 1, 60)] * 2 + [("_skinny_rows_kernel", 20, 60)] * 2
-
-
-def test_skinny_norm_rows_do_not_depend_on_the_batch(skinny_norm_launches: list) -> None:
-    """In float32 (where a changed order of the sums shows in the bits): each row's output, sum and
-    normalised values are the same bits whatever rows come with it."""
-    torch.manual_seed(580)
-    top = triton_linear.SKINNY_MAX_M
-    for n, k in SKINNY_NORM_SHAPES:
-        x, res, g, w = randn(top, k), randn(top, k), 1 + 0.2 * randn(k), make_weight(n, k, torch.float32)
-        full = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)
-        for rows in (slice(0, 2), slice(top - 5, top), slice(3, top)):
-            part = TRITON_OPS.add_rms_norm_linear(x[rows].clone(), res[rows].clone(), g, 1e-6, w, True)
-            for got, want, what in zip(part, full, ("out", "normed", "sum"), strict=True):
-                assert torch.equal(got, want[rows]), (n, k, rows, what)
-    assert len(skinny_norm_launches) == 8
-
-
-def test_skinny_norm_falls_back(skinny_norm_launches: list, skinny_launches: list) -> None:
-    """Rows with a stride (not contiguous), a K the interpreter's tile splits, and 17 rows take the norm
-    kernel and then the plain projection, and stay exact."""
-    torch.manual_seed(590)
-    x, res = randn(3, 2 * 60)[:, :60], randn(3, 60)
-    g, w = 1 + 0.2 * randn(60), make_weight(N, 60, torch.float32)
-    out, normed, summed = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)
-    ref = add_rms_norm_linear_torch(x, res, g, 1e-6, w, True)
-    for got, want, what in zip((out, normed, summed), ref, ("out", "normed", "sum"), strict=True):
-        assert_close(got, want, torch.float32, f"strided rows: {what}")
-    assert not triton_linear.use_skinny_norm(4, N, K, torch.device(DEVICE))  # split K
-    _check_norm_linear(4, N, K, torch.float32, True, True, "split K")
-    _check_norm_linear(17, N, 60, torch.float32, True, True, "17 rows")
-    assert skinny_norm_launches == []
-    assert skinny_launches == [(N, 60), (N, K)]
-
-
 # (N, K): Qwen3-30B-A3B QKV, router, LM head; Llama-3.1-8B QKV, gate-up.
 NORM_REAL_SHAPES = [(5120, 2048), (128, 2048), (151936, 2048), (6144, 4096), (28672, 4096)]
 
@@ -448,30 +370,6 @@ def test_gpu_add_rms_norm_linear_real_shapes(n: int, k: int, norm_gemv_launches:
     for with_residual in (True, False):
         _check_norm_linear(1, n, k, torch.bfloat16, with_residual, True, f"{n}x{k}")
     assert norm_gemv_launches == [(n, k)] * 2
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize(("n", "k"), [(5120, 2048), (128, 2048), (6144, 4096), (28672, 4096)], ids=str)
-def test_gpu_skinny_norm_real_shapes(n: int, k: int, skinny_norm_launches: list) -> None:
-    """2 and 16 rows: the QKV shapes and the router normalise inside the skinny kernels, Llama-3.1-8B's
-    gate-up (448 tiles) does not; against the reference, and a row's bits do not depend on the batch."""
-    torch.manual_seed(595)
-    dtype, dev = torch.bfloat16, torch.device(DEVICE)
-    fused = triton_linear.use_skinny_norm(4, n, k, dev)
-    assert fused == (n != 28672)
-    for m in (2, 16):
-        for with_residual in (True, False):
-            _check_norm_linear(m, n, k, dtype, with_residual, True, f"{n}x{k}, M={m}")
-    assert len(skinny_norm_launches) == (4 if fused else 0)
-    top = triton_linear.SKINNY_MAX_M
-    x, res = randn(top, k, dtype=dtype), randn(top, k, dtype=dtype)
-    g, w = (1 + 0.2 * randn(k)).to(dtype), make_weight(n, k, dtype)
-    full = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)
-    for rows in (slice(0, 2), slice(top - 7, top)):
-        part = TRITON_OPS.add_rms_norm_linear(x[rows].clone(), res[rows].clone(), g, 1e-6, w, True)
-        for got, want, what in zip(part, full, ("out", "normed", "sum"), strict=True):
-            assert torch.equal(got, want[rows]), (rows, what)
 
 
 @gpu
