@@ -28,18 +28,3 @@ def add_rms_norm_linear_torch(
     else:
         h, summed = fused_add_rms_norm_torch(x, residual, norm_weight, eps)
     return linear_torch(h, w), (h if need_normed else None), summed
-
-
-def linear_add_rms_norm_linear_torch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w_next: torch.Tensor,
-    need_normed: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """A projection, then the norm after it (adding the residual) with the projection that reads the norm
-    (a layer's attention output projection, post-attention norm and router or gate-up), as one op so that
-    a backend can fuse across them: ``add_rms_norm_linear(x @ w.T, residual, ...)``."""
-    return add_rms_norm_linear_torch(linear_torch(x, w), residual, norm_weight, eps, w_next, need_normed)

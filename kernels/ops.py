@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
-from kernels.linear import add_rms_norm_linear_torch, linear_add_rms_norm_linear_torch, linear_torch
+from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -34,7 +34,6 @@ class Ops:
     qkv_attention: Callable  # the prologue and attention as one op (folded into one kernel in decode)
     linear: Callable
     add_rms_norm_linear: Callable  # a layer's norm and the projection that reads it (fused at batch 1)
-    linear_add_rms_norm_linear: Callable  # a projection, then add_rms_norm_linear (fused at 2-16 rows)
     gumbel_sample: (
         Callable  # the sampling race, with top-k, top-p and min-p (engine/sampler.py picks the rows)
     )
@@ -54,7 +53,6 @@ TORCH_OPS = Ops(
     qkv_attention=qkv_attention_torch,
     linear=linear_torch,
     add_rms_norm_linear=add_rms_norm_linear_torch,
-    linear_add_rms_norm_linear=linear_add_rms_norm_linear_torch,
     gumbel_sample=gumbel_sample_torch,
 )
 

@@ -259,39 +259,23 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             BLOCK_M=block_m, BLOCK_K=block_k, **pdl_kwargs(x.device), num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
-    split_k = skinny_split_k(n, k, x.device)
+    cfg = skinny_config(n, k, x.device)
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # by K only: batch-invariant
+    k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    _launch_skinny(x, w, dest, out.stride(0), split_k)
+    grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
+    _skinny_kernel[grid](
+        x, w, dest, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if split_k > 1:
         block = 1024 if x.device.type == "cuda" else 64
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             dest, out, m, n, out.stride(0), SPLIT_K=split_k, BLOCK=block, **pdl_kwargs(x.device), num_warps=4,
         )  # fmt: skip
     return out
-
-
-def skinny_split_k(n: int, k: int, device: torch.device) -> int:
-    """The parts ``_skinny_kernel`` cuts K into for a weight [n, k] (``skinny_config``, at most one per
-    step of K): by the weight's shape only, so a row's sums do not depend on the batch."""
-    cfg = skinny_config(n, k, device)
-    return max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-
-
-def _launch_skinny(
-    x: torch.Tensor, w: torch.Tensor, dest: torch.Tensor, stride_om: int, split_k: int
-) -> None:
-    """``_skinny_kernel`` into ``dest``: the output rows (stride ``stride_om``) where split_k is 1, else
-    the [split_k, M, N] fp32 partials."""
-    (m, k), n = x.shape, w.shape[0]
-    cfg = skinny_config(n, k, x.device)
-    k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
-    grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
-    _skinny_kernel[grid](
-        x, w, dest, m, n, k, k_split, x.stride(0), w.stride(0), stride_om,
-        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
-        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -438,97 +422,3 @@ def add_rms_norm_linear_triton(
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, (normed if need_normed else None), summed
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The attention's output projection, the post-attention norm and the projection that reads it
-
-# Rows up to this long are normalised in the program that sums their split-K partials.
-SPLIT_NORM_MAX_N = 8192
-
-
-def use_split_norm(m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether ``linear_add_rms_norm_linear_triton`` adds the residual and normalises in the kernel that
-    sums the first projection's split-K partials (x [m, k] @ w [n, k].T): where that projection runs the
-    skinny kernel with K split (``skinny_split_k``), and its rows are at most ``SPLIT_NORM_MAX_N`` long."""
-    return (
-        use_skinny(m, n, k)
-        and not use_skinny_rows(n, device)
-        and n <= SPLIT_NORM_MAX_N
-        and skinny_split_k(n, k, device) > 1
-    )
-
-
-@triton.jit
-def _sum_splits_norm_kernel(
-    part_ptr,
-    res_ptr,
-    g_ptr,
-    sum_ptr,
-    normed_ptr,
-    M,
-    N,
-    eps,
-    SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One row: the projection's [SPLIT_K, M, N] fp32 partials summed in split order and rounded to the
-    row's dtype (what ``_sum_splits_kernel`` writes), then the residual added and the row normalised with
-    the reference's roundings (``_norm_gemv_kernel``): writes the sum and the normalised row."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_N)
-    mask = offs < N
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # pre-wait: a weight, no kernel writes it
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    acc = tl.load(part_ptr + row * N + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
-    r = tl.load(res_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-    summed = (acc.to(sum_ptr.dtype.element_ty).to(tl.float32) + r).to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + row * N + offs, summed, mask=mask)
-    s_f = summed.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(s_f * s_f, axis=0) / N + eps)
-    h = (g * (s_f * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)).to(normed_ptr.dtype.element_ty)
-    tl.store(normed_ptr + row * N + offs, h, mask=mask)
-
-
-def linear_add_rms_norm_linear_triton(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w_next: torch.Tensor,
-    need_normed: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``kernels.linear.linear_add_rms_norm_linear_torch`` on the GPU: add_rms_norm_linear(x @ w.T, residual,
-    norm_weight, eps, w_next, need_normed). Where ``use_split_norm`` says so and the rows are plain (one
-    dtype, contiguous), the residual add and the norm run in the kernel that sums the first projection's
-    split-K partials (``_sum_splits_norm_kernel``), one launch instead of two; otherwise ``linear_triton``,
-    then ``add_rms_norm_linear_triton``."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
-    (m, k), n = x.shape, w.shape[0]
-    plain = (
-        x.stride(-1) == 1
-        and w.stride(-1) == 1
-        and residual.shape == (m, n)
-        and residual.is_contiguous()
-        and norm_weight.is_contiguous()
-        and residual.dtype == norm_weight.dtype == x.dtype == w.dtype
-    )
-    if not (plain and use_split_norm(m, n, k, x.device)):
-        return add_rms_norm_linear_triton(
-            linear_triton(x, w), residual, norm_weight, eps, w_next, need_normed
-        )
-    split_k = skinny_split_k(n, k, x.device)
-    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    _launch_skinny(x, w, partials, n, split_k)
-    summed, normed = torch.empty_like(residual), torch.empty_like(residual)
-    block_n = triton.next_power_of_2(n)
-    _sum_splits_norm_kernel[(m,)](
-        partials, residual, norm_weight, summed, normed, m, n, eps, SPLIT_K=split_k, BLOCK_N=block_n,
-        **pdl_kwargs(x.device), num_warps=max(4, min(16, block_n // 512)),
-    )  # fmt: skip
-    return linear_triton(normed, w_next), (normed if need_normed else None), summed

@@ -9,7 +9,7 @@ from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
-from kernels.triton_linear import add_rms_norm_linear_triton, linear_add_rms_norm_linear_triton, linear_triton
+from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
@@ -31,6 +31,5 @@ TRITON_OPS = Ops(
     qkv_attention=qkv_attention_triton,
     linear=linear_triton,
     add_rms_norm_linear=add_rms_norm_linear_triton,
-    linear_add_rms_norm_linear=linear_add_rms_norm_linear_triton,
     gumbel_sample=gumbel_sample_triton,
 )

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels import triton_linear
-from kernels.linear import add_rms_norm_linear_torch, linear_add_rms_norm_linear_torch, linear_torch
+from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
     DEVICE,
@@ -356,114 +356,6 @@ def test_add_rms_norm_linear_mixed_dtypes_fall_back(norm_gemv_launches: list) ->
     assert normed is not None and normed.dtype == ref[1].dtype == torch.float32
     assert_close(out, ref[0].to(torch.bfloat16), torch.bfloat16, "mixed: out")
     assert norm_gemv_launches == []
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A projection, then the norm after it with the projection that reads it (``linear_add_rms_norm_linear``)
-
-
-@pytest.fixture
-def split_norm_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
-    """Records the [SPLIT_K, M, N] shape of the partials of every split-K sum that also normalises."""
-    yield record_launches(monkeypatch, "_sum_splits_norm_kernel", 0)
-
-
-def _check_split_norm(m: int, k: int, n: int, n_next: int, dtype: torch.dtype, need_normed: bool) -> tuple:
-    x, w = randn(m, k, dtype=dtype), make_weight(n, k, dtype)
-    res, g = randn(m, n, dtype=dtype), (1 + 0.2 * randn(n)).to(dtype)
-    w_next = make_weight(n_next, n, dtype)
-    got = TRITON_OPS.linear_add_rms_norm_linear(x, w, res, g, 1e-6, w_next, need_normed)
-    # The reference from the same inputs in float32, with the first projection rounded to the dtype as
-    # the op's contract has it (linear, then add_rms_norm_linear).
-    o = linear_torch(*up(x, w)).to(dtype).float()
-    ref = add_rms_norm_linear_torch(o, res.float(), g.float(), 1e-6, w_next.float(), True)
-    what = f"M={m}, {n}x{k} -> {n_next}, normed={need_normed}"
-    assert_close(got[0], ref[0], dtype, f"{what}: out")
-    assert_close(got[2], ref[2], dtype, f"{what}: sum")
-    if need_normed:
-        assert_close(got[1], ref[1], dtype, f"{what}: normed")
-    else:
-        assert got[1] is None
-    return got
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 17])
-def test_linear_add_rms_norm_linear_matches_reference(
-    m: int, dtype: torch.dtype, split_norm_launches: list
-) -> None:
-    """2 to SKINNY_MAX_M rows whose first projection splits K (K 72 in the interpreter) add the residual
-    and normalise in the kernel that sums the partials, then the next projection (a 16-row-tile weight
-    and a one-weight-row one); one row and 17 rows run the projection, then add_rms_norm_linear."""
-    torch.manual_seed(600 + m)
-    for n_next in (N - 7, 20):
-        for need_normed in (True, False):
-            _check_split_norm(m, K, N, n_next, dtype, need_normed)
-    fused = 2 <= m <= triton_linear.SKINNY_MAX_M
-    assert triton_linear.use_split_norm(m, N, K, torch.device(DEVICE)) == fused
-    assert split_norm_launches == ([(2, m, N)] * 4 if fused else [])
-
-
-def test_linear_add_rms_norm_linear_falls_back(split_norm_launches: list, skinny_launches: list) -> None:
-    """A first projection with K whole (32: one step in the interpreter), and a residual that is not
-    contiguous, take the plain projection then add_rms_norm_linear, and stay exact."""
-    torch.manual_seed(620)
-    _check_split_norm(4, 32, N, 20, torch.float32, True)
-    x, w, g = randn(3, K), make_weight(N, K, torch.float32), 1 + 0.2 * randn(N)
-    res, w_next = randn(3, 2 * N)[:, :N], make_weight(N - 7, N, torch.float32)
-    got = TRITON_OPS.linear_add_rms_norm_linear(x, w, res, g, 1e-6, w_next, True)
-    ref = linear_add_rms_norm_linear_torch(x, w, res, g, 1e-6, w_next, True)
-    for a, b, what in zip(got, ref, ("out", "normed", "sum"), strict=True):
-        assert_close(a, b, torch.float32, f"strided residual: {what}")
-    assert split_norm_launches == []
-    assert skinny_launches == [(N, 32), (N, K), (N - 7, N)]  # 20 rows of w_next take the one-row variant
-
-
-def test_linear_add_rms_norm_linear_rows_do_not_depend_on_the_batch(split_norm_launches: list) -> None:
-    """In float32: each row's output, sum and normalised values are the same bits whatever rows come with
-    it."""
-    torch.manual_seed(630)
-    top = triton_linear.SKINNY_MAX_M
-    x, w, res = randn(top, K), make_weight(N, K, torch.float32), randn(top, N)
-    g, w_next = 1 + 0.2 * randn(N), make_weight(N - 7, N, torch.float32)
-    full = TRITON_OPS.linear_add_rms_norm_linear(x, w, res, g, 1e-6, w_next, True)
-    for rows in (slice(0, 2), slice(top - 5, top), slice(3, top)):
-        part = TRITON_OPS.linear_add_rms_norm_linear(
-            x[rows].clone(), w, res[rows].clone(), g, 1e-6, w_next, True
-        )
-        for got, want, what in zip(part, full, ("out", "normed", "sum"), strict=True):
-            assert torch.equal(got, want[rows]), (rows, what)
-    assert len(split_norm_launches) == 4
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    ("n", "k", "n_next"), [(2048, 4096, 128), (4096, 4096, 28672), (5120, 2048, 2048)], ids=str
-)
-def test_gpu_linear_add_rms_norm_linear_real_shapes(
-    n: int, k: int, n_next: int, split_norm_launches: list
-) -> None:
-    """Qwen3-30B-A3B's o-proj then router, Llama-3.1-8B's o-proj then gate-up (both with K split: fused at
-    2-16 rows), and a first projection with K whole (not fused); against the reference, and a row's bits do
-    not depend on the batch."""
-    torch.manual_seed(640)
-    dtype, dev = torch.bfloat16, torch.device(DEVICE)
-    fused = triton_linear.use_split_norm(4, n, k, dev)
-    assert fused == (n != 5120)
-    for m in (1, 2, 16):
-        _check_split_norm(m, k, n, n_next, dtype, True)
-    assert len(split_norm_launches) == (2 if fused else 0)
-    top = triton_linear.SKINNY_MAX_M
-    x, w, res = randn(top, k, dtype=dtype), make_weight(n, k, dtype), randn(top, n, dtype=dtype)
-    g, w_next = (1 + 0.2 * randn(n)).to(dtype), make_weight(n_next, n, dtype)
-    full = TRITON_OPS.linear_add_rms_norm_linear(x, w, res, g, 1e-6, w_next, True)
-    for rows in (slice(0, 2), slice(top - 7, top)):
-        part = TRITON_OPS.linear_add_rms_norm_linear(
-            x[rows].clone(), w, res[rows].clone(), g, 1e-6, w_next, True
-        )
-        for got, want, what in zip(part, full, ("out", "normed", "sum"), strict=True):
-            assert torch.equal(got, want[rows]), (rows, what)
 
 
 # (N, K): Qwen3-30B-A3B QKV, router, LM head; Llama-3.1-8B QKV, gate-up.

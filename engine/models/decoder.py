@@ -111,6 +111,10 @@ class Attention(nn.Module):
             out=out,
         )
 
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result [T, heads, head_dim] (or [T, heads * head_dim])."""
+        return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj)
+
 
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
@@ -201,18 +205,17 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping, q_out), residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after attention (o: [T, heads, head_dim] or [T, heads * head_dim]): the output
-        projection, the post-attention norm with the projection that reads it (the router, or the dense
-        MLP's gate-up), as one op, and the MLP. Returns the layer's output and the residual."""
-        o = o.reshape(-1, self.self_attn.q_size)
-        o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
+        """The layer after attention: the output projection, the post-attention norm with the projection
+        that reads it (the router, or the dense MLP's gate-up), and the MLP. Returns the layer's output and
+        the residual."""
+        o = self.self_attn.output(o)
         if isinstance(self.mlp, MoEBlock):
-            logits, h, residual = self.ops.linear_add_rms_norm_linear(
-                o, o_proj, residual, norm, self.eps, self.mlp.gate, True
+            logits, h, residual = self.ops.add_rms_norm_linear(
+                o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True
             )
             return self.mlp(h, logits), residual
-        gate_up, _, residual = self.ops.linear_add_rms_norm_linear(
-            o, o_proj, residual, norm, self.eps, self.mlp.gate_up_proj, False
+        gate_up, _, residual = self.ops.add_rms_norm_linear(
+            o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate_up_proj, False
         )
         return self.mlp.down(gate_up), residual
 
