@@ -115,8 +115,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     n, k = w.shape
     cfg = linear_config(n, k, DEV)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, out, n, k, w.stride(0), x.stride(0), out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TWO_ROWS=False, USE_PDL=True,
+        x, w, out, n, k, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=True,
         launch_pdl=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

@@ -8,8 +8,7 @@ programmatic dependent launch) Llama-3.1-8B QKV 14.0 against 16.6 us, o-proj 10.
 o-proj 6.0 / 9.7, router 1.4 / 4.9, LM head 145.2 / 153.2. Many small programs keep enough loads in
 flight on every SM, where cuBLAS splits K and reduces in a second kernel. With several rows cuBLAS's
 tensor-core kernels beat the GEMV by far (4 rows: the GEMV is 0.1-0.3x as fast), so ``use_gemv`` takes the
-GEMV for one and two rows only (each row with its own sums, so a row's bits are the same alone or in a
-pair); 3 to 16 rows take ``_skinny_kernel`` (tensor cores, see below), more rows cuBLAS.
+GEMV for one row only; 2 to 16 rows take ``_skinny_kernel`` (tensor cores, see below), more rows cuBLAS.
 One launch per projection also keeps the layer's kernels in one chain of programmatic dependent launches
 (``kernels.triton_device``), which a cuBLAS kernel would break.
 
@@ -29,14 +28,10 @@ import triton.language as tl
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
-# Rows the GEMV kernels take (each row with its own sums, in the one-row order, so a row's bits are the same
-# alone or with a second row): decode batches of 1 and 2.
-GEMV_MAX_M = 2
-
 
 def use_gemv(m: int, n: int, k: int) -> bool:
     """Whether ``linear_triton`` runs the GEMV kernel for x [m, k] @ w[n, k].T (see the module docstring)."""
-    return 1 <= m <= GEMV_MAX_M and n > 0 and k > 0
+    return m == 1 and n > 0 and k > 0
 
 
 @dataclass(frozen=True)
@@ -67,37 +62,25 @@ def _gemv_kernel(
     N,
     K,
     stride_wn,
-    stride_xm,
-    stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TWO_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[m, n] = x[m] . w[n] for BLOCK_N rows n and one row m (two where TWO_ROWS, each with its own
-    lanes, so a row's sums are the one-row kernel's), fp32 accumulation."""
+    """out[n] = x . w[n] for BLOCK_N rows n, fp32 accumulation."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if TWO_ROWS:
-        lanes1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         xk = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         lanes += w * xk[None, :]
-        if TWO_ROWS:
-            xk1 = tl.load(x_ptr + stride_xm + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            lanes1 += w * xk1[None, :]
         w_ptrs += BLOCK_K
     out = tl.sum(lanes, axis=1)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-    if TWO_ROWS:
-        out1 = tl.sum(lanes1, axis=1)
-        tl.store(out_ptr + stride_om + offs_n, out1.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 # A few rows (decode batches of 2 to ``SKINNY_MAX_M``): ``_skinny_kernel`` reads every weight tile from
@@ -114,9 +97,8 @@ SKINNY_BLOCK_M = 16  # token rows per MMA tile: the smallest tl.dot side, fixed 
 
 
 def use_skinny(m: int, n: int, k: int) -> bool:
-    """Whether ``linear_triton`` runs the skinny kernel for x [m, k] @ w[n, k].T: more rows than the GEMV
-    takes (``GEMV_MAX_M``), up to SKINNY_MAX_M."""
-    return GEMV_MAX_M < m <= SKINNY_MAX_M and n > 0 and k > 0
+    """Whether ``linear_triton`` runs the skinny kernel for x [m, k] @ w[n, k].T: 2 to SKINNY_MAX_M rows."""
+    return 2 <= m <= SKINNY_MAX_M and n > 0 and k > 0
 
 
 def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
@@ -298,8 +280,8 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; w: [N, K], contiguous last dim -> x @ w.T, [M, N] in x's dtype. One GEMV launch where
-    ``use_gemv`` says so (one or two rows), one skinny launch where ``use_skinny`` does (3 to SKINNY_MAX_M
-    rows), cuBLAS otherwise."""
+    ``use_gemv`` says so (one row), one skinny launch where ``use_skinny`` does (2 to SKINNY_MAX_M rows),
+    cuBLAS otherwise."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     (m, k), n = x.shape, w.shape[0]
@@ -307,13 +289,13 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x @ w.t()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not use_gemv(m, n, k):
+    if m > 1:
         return skinny_linear_triton(x, w)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     cfg = linear_config(n, k, x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, out, n, k, w.stride(0), x.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TWO_ROWS=m == 2,
+        x, w, out, n, k, w.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -328,8 +310,8 @@ NORM_GEMV_MAX_K = 8192
 
 
 def use_norm_gemv(m: int, n: int, k: int) -> bool:
-    """Whether ``add_rms_norm_linear_triton`` runs the fused kernel: one or two rows, as ``use_gemv``, of at
-    most ``NORM_GEMV_MAX_K`` (each program holds its weight rows and the whole input rows at once)."""
+    """Whether ``add_rms_norm_linear_triton`` runs the fused kernel: one row, as ``use_gemv``, and a row of
+    at most ``NORM_GEMV_MAX_K`` (each program holds its weight rows and the whole input row at once)."""
     return use_gemv(m, n, k) and k <= NORM_GEMV_MAX_K
 
 
@@ -359,20 +341,15 @@ def _norm_gemv_kernel(
     N,
     K,
     stride_wn,
-    stride_xm,
-    stride_rm,
-    stride_om,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TWO_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[m, n] = w[n] . rms_norm(x[m] + res[m]) * g for BLOCK_N rows n and one row m (two where
-    TWO_ROWS, each as the one-row kernel computes it); program 0 also writes x + res (and the normalised
-    rows where WRITE_NORMED; both [M, K] contiguous).
+    """out[n] = w[n] . rms_norm(x + res) * g for BLOCK_N rows n; program 0 also writes x + res (and the
+    normalised row where WRITE_NORMED).
 
     Every program normalises the row itself (it is read from L2, a few KB), so the norm needs no launch
     of its own and no second pass over HBM; the weight rows are loaded first, so their HBM reads are in
@@ -388,24 +365,8 @@ def _norm_gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
-    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
-    out = _norm_row_dot(x_ptr, res_ptr, sum_ptr, normed_ptr, g, w, offs_k, k_mask, first, K, eps,
-                        HAS_RESIDUAL, WRITE_NORMED)  # fmt: skip
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-    if TWO_ROWS:
-        out1 = _norm_row_dot(x_ptr + stride_xm, res_ptr + stride_rm, sum_ptr + K, normed_ptr + K, g, w, offs_k,
-                             k_mask, first, K, eps, HAS_RESIDUAL, WRITE_NORMED)  # fmt: skip
-        tl.store(out_ptr + stride_om + offs_n, out1.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _norm_row_dot(
-    x_ptr, res_ptr, sum_ptr, normed_ptr, g, w, offs_k, k_mask, first, K, eps,
-    HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr,
-):  # fmt: skip
-    """One row of ``_norm_gemv_kernel``: x (+ res, stored where ``first``), normalised (stored where
-    ``first`` and WRITE_NORMED), dotted with each weight row of ``w``; fp32 [BLOCK_N]."""
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # before the reduction, in flight
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         summed = (x + r).to(sum_ptr.dtype.element_ty)
@@ -419,7 +380,8 @@ def _norm_row_dot(
     h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
     if WRITE_NORMED:
         tl.store(normed_ptr + offs_k, h, mask=first)
-    return tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    out = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def add_rms_norm_linear_triton(
@@ -450,15 +412,13 @@ def add_rms_norm_linear_triton(
         else:
             h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
         return linear_triton(h, w), (h if need_normed else None), summed
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x
-    normed = torch.empty((m, k), dtype=x.dtype, device=x.device) if need_normed else out  # else: a dtype only
-    res = residual if residual is not None else x
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else x
+    normed = torch.empty_like(x) if need_normed else out  # `out` only lends its dtype when nothing is written
     cfg = norm_gemv_config(n, k, x.device)
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, res, norm_weight, w, out, summed, normed, n, k, w.stride(0), x.stride(0), res.stride(0), out.stride(0),
-        eps, HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, TWO_ROWS=m == 2, **pdl_kwargs(x.device), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        x, residual if residual is not None else x, norm_weight, w, out, summed, normed, n, k, w.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, (normed if need_normed else None), summed

@@ -83,19 +83,19 @@ def make_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_use_gemv_rule() -> None:
-    """Every projection of one or two rows runs the GEMV; more rows go to the skinny kernel or cuBLAS."""
+    """Every projection of one row runs the GEMV; several rows go to cuBLAS."""
     for n, k in ((2048, 4096), (128, 2048), (151936, 2048), (5120, 2048), (4096, 14336), (28672, 4096)):
-        assert triton_linear.use_gemv(1, n, k) and triton_linear.use_gemv(2, n, k), (n, k)
-    assert not triton_linear.use_gemv(3, 2048, 4096)  # three rows: the skinny kernel
+        assert triton_linear.use_gemv(1, n, k), (n, k)
+    assert not triton_linear.use_gemv(2, 2048, 4096)  # several rows: cuBLAS
     assert not triton_linear.use_gemv(1, 0, 4096)  # empty weight: nothing to launch
 
 
 def test_use_skinny_rule() -> None:
-    """Three to SKINNY_MAX_M rows take the skinny kernel, one or two rows the GEMV, more rows cuBLAS."""
+    """Two to SKINNY_MAX_M rows take the skinny kernel, one row the GEMV, more rows cuBLAS."""
     top = triton_linear.SKINNY_MAX_M
-    for m in (3, 8, top):
+    for m in (2, 3, 8, top):
         assert triton_linear.use_skinny(m, 2048, 4096) and not triton_linear.use_gemv(m, 2048, 4096), m
-    assert not triton_linear.use_skinny(1, 2048, 4096) and not triton_linear.use_skinny(2, 2048, 4096)
+    assert not triton_linear.use_skinny(1, 2048, 4096)  # one row: the GEMV
     assert not triton_linear.use_skinny(top + 1, 2048, 4096)  # more rows: cuBLAS's tiles win
     assert not triton_linear.use_skinny(4, 0, 4096)
 
@@ -110,8 +110,8 @@ def test_linear_matches_reference(
     out = TRITON_OPS.linear(x, w)
     assert out.dtype == dtype and out.shape == (m, N)
     assert_close(out, linear_torch(*up(x, w)), dtype, f"linear, M={m}")
-    assert gemv_launches == ([(N, K)] if m <= 2 else [])
-    assert skinny_launches == ([(N, K)] if 3 <= m <= triton_linear.SKINNY_MAX_M else [])
+    assert gemv_launches == ([(N, K)] if m == 1 else [])
+    assert skinny_launches == ([(N, K)] if 2 <= m <= triton_linear.SKINNY_MAX_M else [])
 
 
 def test_skinny_rows_do_not_depend_on_the_batch(skinny_launches: list) -> None:
@@ -122,7 +122,7 @@ def test_skinny_rows_do_not_depend_on_the_batch(skinny_launches: list) -> None:
     # float32: a changed summation order shows in the bits (bf16 rounding would hide most of it here)
     x, w = randn(top, K), make_weight(N, K, torch.float32)
     full = TRITON_OPS.linear(x, w)
-    for m in (3, 5, top - 1):
+    for m in (2, 5, top - 1):
         assert torch.equal(TRITON_OPS.linear(x[:m].clone(), w), full[:m]), m
         assert torch.equal(TRITON_OPS.linear(x[top - m :].clone(), w), full[top - m :]), m
     assert len(skinny_launches) == 7
@@ -150,34 +150,17 @@ def test_skinny_few_weight_rows(
     """A weight of few rows (a MoE router) takes the one-weight-row variant: K below one step, several
     steps with a masked edge, strided rows; its rows' bits do not depend on the batch either."""
     torch.manual_seed(250)
-    for m, n, k in ((3, 1, 7), (5, 3, 32), (16, 17, 300), (3, 23, K)):
+    for m, n, k in ((2, 1, 7), (5, 3, 32), (16, 17, 300), (3, 23, K)):
         x, w = randn(m, k, dtype=dtype), make_weight(n, k, dtype)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(*up(x, w)), dtype, f"M={m}, N={n}, K={k}")
     x = randn(16, 2 * K, dtype=dtype)[:, 3 : 3 + K]
     w = make_weight(20, K, dtype)
     full = TRITON_OPS.linear(x, w)
     assert_close(full, linear_torch(*up(x, w)), dtype, "strided")
-    for m in (3, 9):
+    for m in (2, 9):
         assert torch.equal(TRITON_OPS.linear(x[:m], w), full[:m]), m
     assert skinny_rows_launches == [(1, 7), (3, 32), (17, 300), (23, K), (20, K), (20, K), (20, K)]
     assert skinny_launches == []
-
-
-def test_two_gemv_rows_are_each_one_row(gemv_launches: list, norm_gemv_launches: list) -> None:
-    """In float32 (where another order of the sums shows in the bits): the GEMVs' two-row results, norms
-    and sums included, are each row's one-row result, so a decode row rounds the same at batch 1 and 2."""
-    torch.manual_seed(205)
-    x, res = randn(2, 3 * K)[:, 4 : 4 + K], randn(2, K)
-    g, w = 1 + 0.2 * randn(K), make_weight(N, K, torch.float32)
-    pair = TRITON_OPS.linear(x, w)
-    for i in range(2):
-        assert torch.equal(TRITON_OPS.linear(x[i : i + 1], w), pair[i : i + 1]), i
-    pair = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)
-    for i in range(2):
-        one = TRITON_OPS.add_rms_norm_linear(x[i : i + 1], res[i : i + 1], g, 1e-6, w, True)
-        for got, want, what in zip(one, pair, ("out", "normed", "sum"), strict=True):
-            assert torch.equal(got, want[i : i + 1]), (i, what)
-    assert len(gemv_launches) == 3 and len(norm_gemv_launches) == 3
 
 
 def test_linear_strided_inputs(gemv_launches: list) -> None:
@@ -231,12 +214,10 @@ def test_gpu_linear_real_shapes(
     torch.manual_seed(400)
     dtype = torch.bfloat16
     w = make_weight(n, k, dtype)
-    for m in (1, 2, 4, 16, 17):
+    for m in (1, 4, 16, 17):
         x = randn(m, k, dtype=dtype)
         assert_close(TRITON_OPS.linear(x, w), linear_torch(*up(x, w)), dtype, f"linear {n}x{k}, M={m}")
-    assert (
-        gemv_launches == [(n, k)] * 2
-    )  # the GEMV for 1 and 2 rows, the skinny kernel for 4 and 16, cuBLAS 17
+    assert gemv_launches == [(n, k)]  # the GEMV for one row, the skinny kernel for 4 and 16, cuBLAS for 17
     few = triton_linear.use_skinny_rows(n, w.device)  # the router: its one-weight-row variant
     assert (skinny_rows_launches if few else skinny_launches) == [(n, k), (n, k)]
     assert (skinny_launches if few else skinny_rows_launches) == []
@@ -251,18 +232,18 @@ def test_gpu_skinny_rows_do_not_depend_on_the_batch(
     n: int, k: int, skinny_launches: list, skinny_rows_launches: list
 ) -> None:
     """On tensor cores too, each of the tile shapes ``skinny_config`` picks (K in 4 parts, 2 parts, whole,
-    and the router's variant): a row's bits do not depend on the batch (3 to SKINNY_MAX_M rows, any
+    and the router's variant): a row's bits do not depend on the batch (2 to SKINNY_MAX_M rows, any
     position)."""
     torch.manual_seed(410)
     top = triton_linear.SKINNY_MAX_M
     x, w = randn(top, k, dtype=torch.bfloat16), make_weight(n, k, torch.bfloat16)
     full = TRITON_OPS.linear(x, w)
     assert_close(full, linear_torch(*up(x, w)), torch.bfloat16, f"linear {n}x{k}, M={top}")
-    for m in (3, 7, top - 1):
+    for m in (2, 3, 7, top - 1):
         assert torch.equal(TRITON_OPS.linear(x[:m].clone(), w), full[:m]), m
         assert torch.equal(TRITON_OPS.linear(x[top - m :].clone(), w), full[top - m :]), m
-    assert len(skinny_launches) + len(skinny_rows_launches) == 7
-    assert (len(skinny_rows_launches) == 7) == triton_linear.use_skinny_rows(n, w.device)
+    assert len(skinny_launches) + len(skinny_rows_launches) == 9
+    assert (len(skinny_rows_launches) == 9) == triton_linear.use_skinny_rows(n, w.device)
 
 
 @gpu
@@ -289,7 +270,7 @@ def test_gpu_linear_in_cuda_graph_without_host_sync() -> None:
     torch.manual_seed(440)
     dtype = torch.bfloat16
     w = make_weight(2048, 4096, dtype)
-    for m in (1, 2, 4):  # the GEMV for one and two rows, and the skinny kernel
+    for m in (1, 4):  # the GEMV and the skinny kernel
         x = randn(m, 4096, dtype=dtype)
         TRITON_OPS.linear(x, w)  # compile outside the capture
         torch.cuda.synchronize()
@@ -342,18 +323,17 @@ def _check_norm_linear(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 def test_add_rms_norm_linear_matches_reference(
     m: int, dtype: torch.dtype, with_residual: bool, norm_gemv_launches: list
 ) -> None:
-    """One and two rows run the fused kernel (N not a multiple of its rows, K not a power of two); more
-    rows run the norm kernel and the matmul. Both against the reference, with and without the normalised
-    rows."""
+    """One row runs the fused kernel (N not a multiple of its rows, K not a power of two); more rows run
+    the norm kernel and the matmul. Both against the reference, with and without the normalised row."""
     torch.manual_seed(500 + m)
     for need_normed in (True, False):
         _check_norm_linear(m, N + 1, K, dtype, with_residual, need_normed, f"M={m}, normed={need_normed}")
-    assert norm_gemv_launches == ([(N + 1, K)] * 2 if m <= 2 else [])
+    assert norm_gemv_launches == ([(N + 1, K)] * 2 if m == 1 else [])
 
 
 def test_add_rms_norm_linear_long_row_falls_back(
