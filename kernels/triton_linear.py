@@ -247,6 +247,13 @@ def _skinny_rows_kernel(
     tl.store(out_ptr + offs_m.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
+def skinny_split_k(n: int, k: int, device: torch.device) -> int:
+    """The parts ``_skinny_kernel`` cuts K into for a weight [n, k] (``skinny_config``'s, at most one per
+    step): by the weight's shape only, so a row's sums do not depend on the batch."""
+    cfg = skinny_config(n, k, device)
+    return max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+
+
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T for a few rows (unit last strides): ``_skinny_rows_kernel`` for weights of few
     rows, ``_skinny_kernel`` otherwise."""
@@ -260,7 +267,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         )  # fmt: skip
         return out
     cfg = skinny_config(n, k, x.device)
-    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # by K only: batch-invariant
+    split_k = skinny_split_k(n, k, x.device)
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
