@@ -102,8 +102,8 @@ def use_skinny(m: int, n: int, k: int) -> bool:
 
 
 def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
-    """Tile of ``_skinny_kernel`` by the shape of ``w`` only (never by M, so results are batch-invariant):
-    64 weight rows per program in 128-wide steps, with K split where the tiles alone would leave SMs idle:
+    """Tile of ``_skinny_kernel`` by the shape of ``w`` and the device only (never by M, so results are
+    batch-invariant): 64 weight rows per program in 128-wide steps, with K split where the tiles alone would leave SMs idle:
     into as many parts as make about one program per SM (at most 4, each at least 1024 long), and into 4
     for rows longer than 4096. From ``kernel_bench.py --sweep-skinny`` (one H200, 2026-11-30 13:20 UTC,
     us per call at 2 / 16 rows): Qwen3-30B-A3B's o-proj (2048 x 4096, 4 parts) 6.8 / 6.7 against 9.1 /
@@ -189,7 +189,7 @@ def _sum_splits_kernel(
 ):
     """out[m, n] = the [SPLIT_K, M, N] fp32 partials summed in split order (a fixed order, so the result
     does not depend on which split finished first), rounded once to out's dtype."""
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)

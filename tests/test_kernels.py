@@ -591,7 +591,8 @@ def test_every_pdl_kernel_waits_before_its_first_load() -> None:
                 f"{module.__name__}.{match.group(1)} reads or writes before pdl_wait"
             )
             checked += 1
-    # Every kernel that declares the switch was found: norm, SiLU, attention x2, GEMV, norm + GEMV,
-    # prologue, routing, MoE x6 (a kernel whose signature the pattern misses would otherwise go unchecked).
+    # Every kernel that declares the switch was found: norm, SiLU, attention x2, GEMV, norm + GEMV, the
+    # skinny kernel, its one-weight-row variant and its split-K sum, prologue, routing, MoE x6 (a kernel
+    # whose signature the pattern misses would otherwise go unchecked).
     declared = sum(inspect.getsource(m).count("USE_PDL: tl.constexpr") for m in modules)
     assert checked == declared == 17
