@@ -462,8 +462,7 @@ def skinny_compare(copy_bw: float) -> None:
             else:
                 cfg = triton_linear.skinny_config(n, k, dev)
                 kernel = f"BN {cfg.block_n}, BK {cfg.block_k}, {cfg.num_warps} warps"
-                split = triton_linear.skinny_split_k(n, k, dev)
-                kernel += f", K in {split} parts" if split > 1 else ""
+                kernel += f", K in {cfg.split_k} parts" if cfg.split_k > 1 else ""
             print(f"| {n} x {k} | {m} | {roof:.2f} | {cublas:.2f} | {ours:.2f} | {kernel} |", flush=True)
         del ws
 

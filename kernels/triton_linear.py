@@ -103,13 +103,14 @@ def use_skinny(m: int, n: int, k: int) -> bool:
 
 def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
     """Tile of ``_skinny_kernel`` by the shape of ``w`` and the device only (never by M, so results are
-    batch-invariant): 64 weight rows per program in 128-wide steps, with K split where the tiles alone would leave SMs idle:
-    into as many parts as make about one program per SM (at most 4, each at least 1024 long), and into 4
-    for rows longer than 4096. From ``kernel_bench.py --sweep-skinny`` (one H200, 2026-11-30 13:20 UTC,
-    us per call at 2 / 16 rows): Qwen3-30B-A3B's o-proj (2048 x 4096, 4 parts) 6.8 / 6.7 against 9.1 /
-    8.0 for the 16-row tile unsplit; Llama-3.1-8B's o-proj (4096 x 4096, 2 parts) 10.7 / 10.8 against
-    11.5 / 11.5 for 64 x 256 unsplit, its down (4096 x 14336, 4 parts) 30.3 / 31.1 against 30.9 / 31.8;
-    QKV and gate-up (80 tiles and more) unsplit, where splitting was 0-7% slower."""
+    batch-invariant): 64 weight rows per program in 128-wide steps, with K split where the tiles alone
+    would leave SMs idle: into as many parts as make about one program per SM (at most 4, each at least
+    1024 long), and into 4 for rows longer than 4096. From ``kernel_bench.py --sweep-skinny`` (one H200,
+    2026-11-30 13:20 UTC, us per call at 2 / 16 rows): Qwen3-30B-A3B's o-proj (2048 x 4096, 4 parts) 6.8 /
+    6.7 against 9.1 / 8.0 for the 16-row tile unsplit; Llama-3.1-8B's o-proj (4096 x 4096, 2 parts) 10.7 /
+    10.8 against 11.5 / 11.5 for 64 x 256 unsplit, its down (4096 x 14336, 4 parts) 30.3 / 31.1 against
+    30.9 / 31.8; QKV and gate-up (80 tiles and more) unsplit, where splitting was 0-7% slower. A part past
+    the end of K (more parts than steps) adds zeros."""
     if device.type != "cuda":  # the interpreter: tiny shapes, several K steps, masked edges, split K
         return LinearConfig(16, 32, 4, 1, split_k=2 if k > 64 else 1)
     split = 4 if k > 4096 else max(1, min(4, sm_count(device) // triton.cdiv(n, 64), k // 1024))
@@ -247,13 +248,6 @@ def _skinny_rows_kernel(
     tl.store(out_ptr + offs_m.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-def skinny_split_k(n: int, k: int, device: torch.device) -> int:
-    """The parts ``_skinny_kernel`` cuts K into for a weight [n, k] (``skinny_config``'s, at most one per
-    step): by the weight's shape only, so a row's sums do not depend on the batch."""
-    cfg = skinny_config(n, k, device)
-    return max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-
-
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T for a few rows (unit last strides): ``_skinny_rows_kernel`` for weights of few
     rows, ``_skinny_kernel`` otherwise."""
@@ -267,7 +261,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         )  # fmt: skip
         return out
     cfg = skinny_config(n, k, x.device)
-    split_k = skinny_split_k(n, k, x.device)
+    split_k = cfg.split_k  # by the weight's shape and the device: a row's sums do not depend on the batch
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)

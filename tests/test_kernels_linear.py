@@ -229,7 +229,7 @@ def test_gpu_linear_real_shapes(
     ("n", "k"), [(2048, 4096), (4096, 4096), (6144, 4096), (4096, 14336), (128, 2048)], ids=lambda v: str(v)
 )
 def test_gpu_skinny_rows_do_not_depend_on_the_batch(
-    n: int, k: int, skinny_launches: list, skinny_rows_launches: list
+    n: int, k: int, skinny_launches: list, skinny_rows_launches: list, sum_splits_launches: list
 ) -> None:
     """On tensor cores too, each of the tile shapes ``skinny_config`` picks (K in 4 parts, 2 parts, whole,
     and the router's variant): a row's bits do not depend on the batch (2 to SKINNY_MAX_M rows, any
@@ -244,6 +244,8 @@ def test_gpu_skinny_rows_do_not_depend_on_the_batch(
         assert torch.equal(TRITON_OPS.linear(x[top - m :].clone(), w), full[top - m :]), m
     assert len(skinny_launches) + len(skinny_rows_launches) == 9
     assert (len(skinny_rows_launches) == 9) == triton_linear.use_skinny_rows(n, w.device)
+    split = 1 if skinny_rows_launches else triton_linear.skinny_config(n, k, w.device).split_k
+    assert [p[0] for p in sum_splits_launches] == ([split] * 9 if split > 1 else [])  # the parts were summed
 
 
 @gpu

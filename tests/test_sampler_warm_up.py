@@ -3,8 +3,8 @@
 ``ModelRunner.warm_up`` runs one prefill forward per size class, then samples a plain row, a min-p row, a
 top-k/top-p row, a top-p row, and a min-p row beside each of the last two (the Triton kernels' six
 variants; without them, the torch race without and with a sort), all seeded, so that no Triton compile
-waits for the first sampled request and the sampler's generator does not move. The engine warms up where kernels compile: the Triton ops on a
-GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton interpreter
+waits for the first sampled request and the sampler's generator does not move. The engine warms up where
+kernels compile: the Triton ops on a GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported) through the sampler's ``kernel_on_cpu`` option.
 """
 
