@@ -243,7 +243,6 @@ def _decode_split_kernel(
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
-        own_slot = tl.load(slot_ptr + token).to(tl.int64)  # pre-wait: step input
     # The split's keys, and the pages of its first tile (the block table is a step input too): after the
     # wait the tile's keys are one round trip away, not two.
     start, end = _split_keys(seq_total, q_start, q_end, token, split, num_splits, BLOCK_N)  # pre-wait: math
@@ -278,20 +277,13 @@ def _decode_split_kernel(
         q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # halves side by side
         # The new tokens of this sequence whose positions fall in this split: k and v into the pool.
         first_new = seq_total - q_len
-        # A decode token (this program's own) takes its slot, cos and sin as read before the wait: in
-        # the program that writes it, that is three dependent round trips less before its keys.
         for i in range(tl.maximum(start, first_new) - first_new, tl.minimum(end, seq_total) - first_new):
             new_token = (q_start + i).to(tl.int64)
-            if new_token == token:
-                slot = own_slot
-                new_cos = cos
-                new_sin = sin
-            else:
-                slot = tl.load(slot_ptr + new_token).to(tl.int64)
+            slot = tl.load(slot_ptr + new_token).to(tl.int64)
+            if slot >= 0:  # a negative slot is padding: nothing is written
                 new_pos = tl.load(pos_ptr + new_token).to(tl.int64)
                 new_cos = tl.load(cache_ptr + new_pos * stride_cache + half_dims)[None, :]
                 new_sin = tl.load(cache_ptr + new_pos * stride_cache + HALF + half_dims)[None, :]
-            if slot >= 0:  # a negative slot is padding: nothing is written
                 _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
                           kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
                           stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head,
