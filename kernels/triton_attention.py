@@ -266,39 +266,48 @@ def _decode_split_kernel(
     head_mask = tl.arange(0, BLOCK_H) < GROUP
     dims = tl.arange(0, BLOCK_D)
     q_mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    if FROM_QKV:
-        q_dtype = qkv_ptr.dtype.element_ty
-        row = qkv_ptr + token.to(tl.int64) * stride_qkv_t
-        src = row + heads[:, None] * HEAD_DIM + half_dims[None, :]
-        x1 = tl.load(src, mask=head_mask[:, None], other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
-        o1, o2 = _norm_rotate(x1, x2, q_norm_ptr, half_dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM,
-                              q_dtype, q_dtype)  # fmt: skip
-        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # halves side by side
-        # The new tokens of this sequence whose positions fall in this split: k and v into the pool.
-        first_new = seq_total - q_len
-        for i in range(tl.maximum(start, first_new) - first_new, tl.minimum(end, seq_total) - first_new):
-            new_token = (q_start + i).to(tl.int64)
-            slot = tl.load(slot_ptr + new_token).to(tl.int64)
-            if slot >= 0:  # a negative slot is padding: nothing is written
-                new_pos = tl.load(pos_ptr + new_token).to(tl.int64)
-                new_cos = tl.load(cache_ptr + new_pos * stride_cache + half_dims)[None, :]
-                new_sin = tl.load(cache_ptr + new_pos * stride_cache + HALF + half_dims)[None, :]
-                _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
-                          kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
-                          stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head,
-                          half_dims, new_cos, new_sin, eps, HEAD_DIM, HALF, BLOCK_SIZE, HAS_NORM, q_dtype)  # fmt: skip
-        tl.debug_barrier()  # this block's pool writes are visible to its own reads below
-    else:
-        q = tl.load(
-            q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-            mask=q_mask,
-            other=0.0,
-        )
     k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    # A split past the end of a short sequence (the split count follows the longest possible context, so
+    # at short ones most are) reads and writes nothing but its lse of -inf: no q, no keys (its loop is
+    # empty), no partial output (the merge does not read it). It holds none of the new tokens, which all
+    # lie below kv_len.
+    if FROM_QKV:
+        q = tl.zeros([BLOCK_H, BLOCK_D], dtype=qkv_ptr.dtype.element_ty)
+    else:
+        q = tl.zeros([BLOCK_H, BLOCK_D], dtype=q_ptr.dtype.element_ty)
+    if start < end:
+        if FROM_QKV:
+            q_dtype = qkv_ptr.dtype.element_ty
+            row = qkv_ptr + token.to(tl.int64) * stride_qkv_t
+            src = row + heads[:, None] * HEAD_DIM + half_dims[None, :]
+            x1 = tl.load(src, mask=head_mask[:, None], other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
+            o1, o2 = _norm_rotate(x1, x2, q_norm_ptr, half_dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM,
+                                  q_dtype, q_dtype)  # fmt: skip
+            q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # halves side by side
+            # The new tokens of this sequence whose positions fall in this split: k and v into the pool.
+            first_new = seq_total - q_len
+            for i in range(tl.maximum(start, first_new) - first_new, tl.minimum(end, seq_total) - first_new):
+                new_token = (q_start + i).to(tl.int64)
+                slot = tl.load(slot_ptr + new_token).to(tl.int64)
+                if slot >= 0:  # a negative slot is padding: nothing is written
+                    new_pos = tl.load(pos_ptr + new_token).to(tl.int64)
+                    new_cos = tl.load(cache_ptr + new_pos * stride_cache + half_dims)[None, :]
+                    new_sin = tl.load(cache_ptr + new_pos * stride_cache + HALF + half_dims)[None, :]
+                    _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
+                              kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
+                              stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head,
+                              half_dims, new_cos, new_sin, eps, HEAD_DIM, HALF, BLOCK_SIZE, HAS_NORM, q_dtype)  # fmt: skip
+            tl.debug_barrier()  # this block's pool writes are visible to its own reads below
+        else:
+            q = tl.load(
+                q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=q_mask,
+                other=0.0,
+            )
     for n in range(start, end, BLOCK_N):
         key_pos = n + keys
         # The next tile's pages load while this tile's keys do.
@@ -309,12 +318,14 @@ def _decode_split_kernel(
             stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION,
         )  # fmt: skip
         page = next_page
-    # An empty split (past the end of a short sequence) reports lse = -inf and output 0.
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     mo = mid_o_ptr + token.to(tl.int64) * stride_mo_t + split * stride_mo_s
-    tl.store(mo + heads[:, None] * stride_mo_h + dims[None, :], out, mask=q_mask)
+    written = head_mask[:, None] & (
+        dims[None, :] < tl.where(start < end, HEAD_DIM, 0)
+    )  # not by an empty split
+    tl.store(mo + heads[:, None] * stride_mo_h + dims[None, :], out, mask=written)
     ml = mid_lse_ptr + token.to(tl.int64) * stride_ml_t + split
     tl.store(ml + heads * stride_ml_h, lse, mask=head_mask)
 
@@ -349,9 +360,10 @@ def _decode_merge_kernel(
     )
     m = tl.max(lse, axis=0)
     weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    # An empty split wrote lse = -inf and no output: its rows are not read (weight 0, and no garbage).
     o = tl.load(
         mid_o_ptr + token * stride_mo_t + head * stride_mo_h + splits[:, None] * stride_mo_s + dims[None, :],
-        mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM),
+        mask=(lse > float("-inf"))[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
     total = tl.sum(weights, axis=0)
@@ -505,6 +517,12 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _split_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The split kernel's fp32 partials (module-level so that a test can poison them: an empty split writes
+    no partial output, and the merge must not read it)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 @dataclass(frozen=True)
 class _Prologue:
     """What the split kernel needs to fold the QKV prologue in (``qkv_attention_triton``)."""
@@ -539,8 +557,8 @@ def _decode(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     splits = num_kv_splits(num_tokens, num_kv_heads, max_seq_len, out.device)
-    mid_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=out.device)
-    mid_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=out.device)
+    mid_o = _split_scratch((num_tokens, num_heads, splits, head_dim), out.device)
+    mid_lse = _split_scratch((num_tokens, num_heads, splits), out.device)
     if prologue is None:
         assert q is not None
         qkv = cache = pos = slots = q  # never read without FROM_QKV

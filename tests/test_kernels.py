@@ -212,6 +212,19 @@ def test_decode_attention_long_and_short(layout: tuple, monkeypatch: pytest.Monk
     check_attention([1] * 4, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
 
 
+def test_decode_merge_never_reads_an_empty_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits past a short sequence's end write only their lse (-inf), not a partial output: with the
+    partials' scratch poisoned with NaN, the merged output must still be exact (0 * NaN would show)."""
+    torch.manual_seed(61)
+    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_: 8)
+    monkeypatch.setattr(
+        triton_attention,
+        "_split_scratch",
+        lambda shape, device: torch.full(shape, float("nan"), dtype=torch.float32, device=device),
+    )
+    check_attention([1] * 4, [1, 7, 33, 130], 4, 2, 32, 16, torch.float32)  # 1 to 8 splits hold keys
+
+
 @pytest.mark.parametrize(
     "layout", ATTN_LAYOUTS[:3], ids=lambda p: f"h{p[0]}-kv{p[1]}-d{p[2]}-bs{p[3]}-{p[4]}"
 )
