@@ -322,9 +322,8 @@ def _decode_split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     mo = mid_o_ptr + token.to(tl.int64) * stride_mo_t + split * stride_mo_s
-    written = head_mask[:, None] & (
-        dims[None, :] < tl.where(start < end, HEAD_DIM, 0)
-    )  # not by an empty split
+    # An empty split writes no partial output (the interpreter takes no scalar in a mask: hence the where).
+    written = head_mask[:, None] & (dims[None, :] < tl.where(start < end, HEAD_DIM, 0))
     tl.store(mo + heads[:, None] * stride_mo_h + dims[None, :], out, mask=written)
     ml = mid_lse_ptr + token.to(tl.int64) * stride_ml_t + split
     tl.store(ml + heads * stride_ml_h, lse, mask=head_mask)
