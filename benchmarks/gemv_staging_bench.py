@@ -23,6 +23,7 @@ Needs an NVIDIA GPU of compute capability 9.0 (TMA) and Triton 3.6's Gluon.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ def _gemv_tma_kernel(
     tl.store(out_ptr + offs_n, tl.sum(lanes, axis=1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+@functools.cache
 def _gluon_kernel() -> Callable:
     """The Gluon GEMV, built on first use (Gluon is experimental and only needed here)."""
     from triton.experimental import gluon
@@ -132,13 +134,12 @@ def gluon_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: tuple) 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     desc = TensorDescriptor.from_tensor(w, [bn, bk], layout)
     n, k = w.shape
-    kernel, grid = GLUON[0], (triton.cdiv(n, bn),)
+    kernel, grid = _gluon_kernel(), (triton.cdiv(n, bn),)
     return lambda: kernel[grid](
         x, desc, out, n, k, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=bufs, PRE_WAIT=pre, num_warps=4, launch_pdl=True
     )
 
 
-GLUON: list[Callable] = []
 TRITON_TMA_CFGS = [
     (bn, bk, st, 4) for bn in (4, 8, 16, 32) for bk in (128, 256) for st in (3, 4, 6) if bn * bk <= 8192
 ]
@@ -204,7 +205,6 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit("needs an NVIDIA GPU of compute capability 9.0 or newer")
-    GLUON.append(_gluon_kernel())
     unit = "us per (norm + GEMV)" if args.with_norm else "us per GEMV"
     print(f"# batch-1 GEMV, weights through registers (engine) or shared memory (TMA); {unit}")
     for n, k in SHAPES:

@@ -216,13 +216,25 @@ def test_decode_merge_never_reads_an_empty_split(monkeypatch: pytest.MonkeyPatch
     """Splits past a short sequence's end write only their lse (-inf), not a partial output: with the
     partials' scratch poisoned with NaN, the merged output must still be exact (0 * NaN would show)."""
     torch.manual_seed(61)
-    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_: 8)
-    monkeypatch.setattr(
-        triton_attention,
-        "_split_scratch",
-        lambda shape, device: torch.full(shape, float("nan"), dtype=torch.float32, device=device),
-    )
-    check_attention([1] * 4, [1, 7, 33, 130], 4, 2, 32, 16, torch.float32)  # 1 to 8 splits hold keys
+    splits, seq_lens = 8, [1, 7, 33, 130]
+    scratch: list[torch.Tensor] = []
+
+    def poisoned(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        scratch.append(torch.full(shape, float("nan"), dtype=torch.float32, device=device))
+        return scratch[-1]
+
+    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_: splits)
+    monkeypatch.setattr(triton_attention, "_split_scratch", poisoned)
+    check_attention([1] * 4, seq_lens, 4, 2, 32, 16, torch.float32)
+    mid_o = scratch[0]  # [T, heads, splits, head_dim]; the second is the lse, written by every split
+    block_n = triton_attention.DECODE_CONFIG.block_n
+    for t, length in enumerate(seq_lens):
+        per_split = (length + splits - 1) // splits
+        split_len = (per_split + block_n - 1) // block_n * block_n  # as _split_keys: whole tiles
+        for s in range(splits):
+            written = ~torch.isnan(mid_o[t, :, s])
+            # a split with keys writes its partial; an empty one (past the end) writes nothing
+            assert bool(written.all() if s * split_len < length else not written.any()), (t, s)
 
 
 @pytest.mark.parametrize(
