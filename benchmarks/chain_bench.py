@@ -208,7 +208,7 @@ def main() -> None:
 
     def layer(i: int, pf: bool) -> None:
         spin(sink, 6, qkv[i] if pf else None)
-        triton_moe._fused_moe_small(x, w13[i], w2[i], top_k, cfg, weights, ids)
+        triton_moe._fused_moe_small(x, w13[i], w2[i], weights, ids, cfg)
         spin(sink, 2)
         gemv(x, qkv[i], out_q)
 

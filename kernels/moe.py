@@ -1,16 +1,13 @@
 """Mixture-of-experts expert computation over physical experts: PyTorch reference.
 
 Routing (softmax, top-k, renormalisation, logical-to-physical mapping) happens in the model's MoE layer;
-``fused_moe_torch`` only runs the chosen experts and combines their outputs with the routing weights;
-``moe_block_torch`` is routing and experts together (one op, so that a backend may fuse them).
+this op only runs the chosen experts and combines their outputs with the routing weights.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels.moe_routing import moe_route_torch
 
 
 def fused_moe_torch(
@@ -44,25 +41,3 @@ def fused_moe_torch(
         y = (act @ w2[expert].t()) * flat_w[sel].unsqueeze(1).to(x.dtype)
         out.index_add_(0, tokens, y)
     return out
-
-
-def moe_block_torch(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    logical_to_physical: torch.Tensor,
-    replica_counts: torch.Tensor,
-    expert_counts: torch.Tensor,
-    physical_by_token: torch.Tensor,
-) -> torch.Tensor:
-    """Routing and experts of one MoE block on one rank: ``moe_route_torch`` (its weights in x's dtype)
-    then ``fused_moe_torch``. ``physical_by_token`` [S, E] int32 tabulates the same replica choice for the
-    first S tokens (row t: ``logical_to_physical[e, t % replica_counts[e]]``); the Triton op routes from
-    it inside its expert kernels, and this reference reads the two tables it was built from."""
-    weights, ids = moe_route_torch(
-        router_logits, top_k, renormalize, logical_to_physical, replica_counts, expert_counts, x.dtype
-    )
-    return fused_moe_torch(x, w13, w2, weights, ids)

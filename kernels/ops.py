@@ -9,7 +9,7 @@ from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
-from kernels.moe import fused_moe_torch, moe_block_torch
+from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.qkv_prologue import qkv_attention_torch, qkv_prologue_torch
@@ -30,7 +30,6 @@ class Ops:
     paged_attention: Callable
     fused_moe: Callable
     moe_route: Callable
-    moe_block: Callable  # routing and experts on one rank (the routing folded into the experts at decode)
     qkv_prologue: Callable
     qkv_attention: Callable  # the prologue and attention as one op (folded into one kernel in decode)
     linear: Callable
@@ -50,7 +49,6 @@ TORCH_OPS = Ops(
     paged_attention=paged_attention_torch,
     fused_moe=fused_moe_torch,
     moe_route=moe_route_torch,
-    moe_block=moe_block_torch,
     qkv_prologue=qkv_prologue_torch,
     qkv_attention=qkv_attention_torch,
     linear=linear_torch,

@@ -41,7 +41,6 @@ import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
-from kernels.triton_moe_routing import _needs_64_bit_keys, moe_route_triton, route_rows, routed_choice
 
 
 @dataclass(frozen=True)
@@ -497,53 +496,23 @@ def _moe_small_gate_up_kernel(
     w13_ptr,
     act_ptr,
     topk_ids_ptr,
-    logits_ptr,
-    phys_ptr,
-    counts_ptr,
     inter,
     hidden,
-    num_experts,
     stride_xm,
     stride_we,
     stride_wn,
     up_offset,
     stride_am,
-    stride_lt,
-    stride_le,
-    stride_pt,
-    stride_counts,
     TOP_K: tl.constexpr,
-    ROUTED: tl.constexpr,
-    KEY64: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n.
-
-    ROUTED: the pair's expert is not read from ``topk_ids`` but chosen here, from the token's router
-    logits (``routed_choice``: the pair's slot j is its rank among the logits), and the program of the
-    pair's first tile counts it in ``counts``. Every program of the pair routes alike, so no routing
-    kernel (and no kernel boundary) sits between the router and this kernel."""
+    """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pair = tl.program_id(0)
     token = pair // TOP_K
-    if ROUTED:
-        experts_row = tl.arange(0, BLOCK_E)[None, :]
-        expert_mask = experts_row < num_experts
-        phys_ptrs = phys_ptr + token * stride_pt + experts_row
-        physical_of = tl.load(phys_ptrs, mask=expert_mask, other=0)  # pre-wait: the placement, a step input
-        pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible next
-        logits_ptrs = logits_ptr + token * stride_lt + experts_row * stride_le
-        logits = tl.load(logits_ptrs, mask=expert_mask, other=0.0).to(tl.float32)
-        logits = tl.where(expert_mask, logits, float("-inf"))
-        physical = routed_choice(logits, expert_mask, physical_of, pair % TOP_K, BLOCK_E, KEY64)
-        if tl.program_id(1) == 0:
-            tl.atomic_add(counts_ptr + physical.to(tl.int64) * stride_counts, 1, sem="relaxed")
-        expert = physical.to(tl.int64)
-    else:
-        pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible next
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -577,23 +546,13 @@ def _moe_small_down_kernel(
     out_ptr,
     topk_weights_ptr,
     topk_ids_ptr,
-    logits_ptr,
-    phys_ptr,
     hidden,
     inter,
-    num_experts,
     stride_am,
     stride_we,
     stride_wn,
     stride_om,
-    stride_lt,
-    stride_le,
-    stride_pt,
     TOP_K: tl.constexpr,
-    ROUTED: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    KEY64: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -605,35 +564,17 @@ def _moe_small_down_kernel(
     [top-k, BLOCK_N, BLOCK_K] tile of all its experts' rows: no load waits on an id loaded in the loop
     (16.6 -> 9.3 us per Qwen3-30B-A3B layer at batch 1 on the H200 against a loop over the experts).
 
-    The ids and weights (ROUTED: the router logits they come from) are also inputs of the gate-up kernel
-    launched just before this one, so they were complete before that kernel passed its own PDL wait,
-    which it did before this kernel could start: they are read before this kernel's wait, and only ``act``
-    after it. ROUTED: the token is routed here as the routing kernel routes it (``route_rows``), its
-    weights rounded to ``out``'s dtype as that kernel stores them."""
+    The ids and weights are also inputs of the gate-up kernel launched just before this one, so they were
+    complete before that kernel passed its own PDL wait, which it did before this kernel could start:
+    they are read before this kernel's wait, and only ``act`` after it."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     js = tl.arange(0, BLOCK_J)
     j_mask = js < TOP_K
     pairs = token * TOP_K + js
-    if ROUTED:
-        experts_row = tl.arange(0, BLOCK_E)[None, :]
-        expert_mask = experts_row < num_experts
-        phys_ptrs = phys_ptr + token * stride_pt + experts_row
-        logits_ptrs = logits_ptr + token * stride_lt + experts_row * stride_le
-        physical_of = tl.load(phys_ptrs, mask=expert_mask, other=0)  # pre-wait: the placement, a step input
-        logits = tl.load(logits_ptrs, mask=expert_mask, other=0.0).to(tl.float32)  # pre-wait: gate-up's input
-        logits = tl.where(expert_mask, logits, float("-inf"))
-        top_w, top_phys = route_rows(
-            logits, expert_mask, physical_of, TOP_K, RENORMALIZE, KEY64, 1, BLOCK_E, BLOCK_J
-        )
-        experts = tl.sum(top_phys, axis=0).to(tl.int64)  # [1, BLOCK_J] -> [BLOCK_J]
-        weights = tl.sum(top_w, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: see above
-        weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(
-            tl.float32
-        )  # pre-wait: see above
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
+    weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
@@ -656,63 +597,33 @@ def _moe_small_down_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@dataclass(frozen=True)
-class _Routing:
-    """What the small path needs to route inside its kernels (``moe_block_triton``)."""
-
-    logits: torch.Tensor  # [T, E logical]
-    physical_by_token: torch.Tensor  # [>= T, E] int32: token t's replica of each expert
-    counts: torch.Tensor  # [P] int64, += 1 per pair
-    renormalize: bool
-
-
 def _fused_moe_small(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    top_k: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     cfg: MoeSmallConfig,
-    topk_weights: torch.Tensor | None = None,
-    topk_ids: torch.Tensor | None = None,
-    routing: _Routing | None = None,
 ) -> torch.Tensor:
-    """The small path, given either the routing (``topk_weights`` and ``topk_ids``, contiguous in their
-    last dimension: checked by the caller) or, in ``routing``, what the kernels route from themselves."""
+    """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller)."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    if routing is None:
-        assert topk_weights is not None and topk_ids is not None
-        logits = table = counts = topk_ids  # not read: the kernels take ROUTED=False
-        renormalize, num_experts, block_e, key64 = False, 0, 1, False
-        stride_lt = stride_le = stride_pt = stride_counts = 0
-    else:
-        logits, table, counts = routing.logits, routing.physical_by_token, routing.counts
-        topk_weights = topk_ids = counts  # not read: the kernels take ROUTED=True
-        renormalize = routing.renormalize
-        num_experts = logits.shape[1]
-        block_e = triton.next_power_of_2(num_experts)
-        key64 = _needs_64_bit_keys(logits.dtype, block_e)
-        stride_lt, stride_le = logits.stride()
-        stride_pt, stride_counts = table.stride(0), counts.stride(0)
-    routed = routing is not None
     # Pair (token) is grid axis 0, the fastest: pairs sharing an expert read its tile at about the same time.
     grid_a = (num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_block_n))
     _moe_small_gate_up_kernel[grid_a](
-        x, w13, act, topk_ids, logits, table, counts, inter, hidden, num_experts,
+        x, w13, act, topk_ids, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
-        stride_lt, stride_le, stride_pt, stride_counts,
-        TOP_K=top_k, ROUTED=routed, KEY64=key64, BLOCK_E=block_e,
-        BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
+        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
         **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
     )  # fmt: skip
     grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
     _moe_small_down_kernel[grid_b](
-        act, w2, out, topk_weights, topk_ids, logits, table, hidden, inter, num_experts,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), stride_lt, stride_le, stride_pt,
-        TOP_K=top_k, ROUTED=routed, RENORMALIZE=renormalize, KEY64=key64, BLOCK_E=block_e,
-        BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        act, w2, out, topk_weights, topk_ids, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
@@ -746,8 +657,7 @@ def fused_moe_triton(
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
     if use_small_path(num_pairs, num_experts):
-        cfg = moe_small_config(x.device)
-        return _fused_moe_small(x, w13, w2, top_k, cfg, topk_weights, topk_ids.contiguous())
+        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device))
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
     sorted_ids, expert_ids, num_rows_padded = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
 
@@ -757,40 +667,3 @@ def fused_moe_triton(
     down = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, topk_weights, sorted_ids, expert_ids, num_rows_padded, 1, True, cfg)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
-
-
-def moe_block_triton(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    logical_to_physical: torch.Tensor,
-    replica_counts: torch.Tensor,
-    expert_counts: torch.Tensor,
-    physical_by_token: torch.Tensor,
-) -> torch.Tensor:
-    """Routing and experts of one MoE block on one rank: ``moe_block_torch``'s semantics.
-
-    On the small path (``use_small_path``, and no more tokens than ``physical_by_token`` has rows) the
-    two expert kernels route the tokens themselves, from the router logits: the gate-up kernel picks each
-    pair's expert, the down kernel the token's k experts and weights, both as ``moe_route_triton`` does.
-    That takes the routing launch, and its kernel boundary on the step's dependent chain, out of a
-    decode step's MoE layer. Elsewhere it is ``moe_route_triton`` then ``fused_moe_triton``."""
-    num_tokens, num_logical = router_logits.shape
-    if not 0 < top_k <= num_logical:
-        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_logical})")
-    num_pairs = num_tokens * top_k
-    small = use_small_path(num_pairs, w13.shape[0]) and num_tokens <= physical_by_token.shape[0]
-    if not small or num_pairs == 0 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        weights, ids = moe_route_triton(
-            router_logits, top_k, renormalize, logical_to_physical, replica_counts, expert_counts, x.dtype
-        )
-        return fused_moe_triton(x, w13, w2, weights, ids)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if physical_by_token.stride(-1) != 1:
-        physical_by_token = physical_by_token.contiguous()
-    routing = _Routing(router_logits, physical_by_token, expert_counts, renormalize)
-    return _fused_moe_small(x, w13, w2, top_k, moe_small_config(x.device), routing=routing)

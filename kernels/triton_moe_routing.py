@@ -36,92 +36,6 @@ _TILE_ELEMENTS = 2048
 _TARGET_PROGRAMS = 128
 
 
-@triton.jit
-def _exclude(key, taken, KEY64: tl.constexpr):
-    """``key`` with the ``taken`` lanes set to the lowest key, which no max-reduction picks."""
-    if KEY64:
-        out = tl.where(taken, -9223372036854775807 - 1, key)
-    else:
-        out = tl.where(taken, -2147483647 - 1, key)
-    return out
-
-
-@triton.jit
-def selection_keys(logits, expert_mask, BLOCK_E: tl.constexpr, KEY64: tl.constexpr):
-    """One integer key per logit ([rows, BLOCK_E] float32) that orders like the logit, with ties broken
-    towards the lowest expert index, so each round of a top-k is one max-reduction (argmax-and-exclude
-    in one step). Lanes outside ``expert_mask`` get the lowest key."""
-    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: the keys below order the zeros alike
-    bits = logits.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip a negative's magnitude bits: sign-magnitude order
-    rank = BLOCK_E - 1 - tl.arange(0, BLOCK_E)
-    if KEY64:
-        key = (ordered.to(tl.int64) << 32) | rank.to(tl.int64)[None, :]
-    else:
-        # A 16-bit float widened to float32 has at least 13 zero mantissa bits at the bottom (ones, once a
-        # negative's are flipped), so the index fits there without changing the order of distinct logits.
-        key = (ordered & ~(BLOCK_E - 1)) | rank[None, :]
-    return _exclude(key, ~expert_mask, KEY64)
-
-
-@triton.jit
-def _key_logit(best, BLOCK_E: tl.constexpr, KEY64: tl.constexpr):
-    """The float32 logit a selection key was made from, exactly."""
-    if KEY64:
-        high = (best >> 32).to(tl.int32)
-    else:
-        high = best & ~(BLOCK_E - 1)
-        high = high | ((high >> 31) & (BLOCK_E - 1))  # a negative's low bits were ones before the index
-    return (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def route_rows(
-    logits,
-    expert_mask,
-    physical_of,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    KEY64: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Route ``BLOCK_T`` tokens: logits [BLOCK_T, BLOCK_E] float32 (-inf outside ``expert_mask``),
-    ``physical_of`` [BLOCK_T, BLOCK_E] each expert's physical replica for the token. Returns the k
-    weights (float32, renormalised if asked) and physical ids (int32), [BLOCK_T, BLOCK_K], in descending
-    weight; slots past k hold zeros."""
-    slots = tl.arange(0, BLOCK_K)
-    row_max = tl.max(logits, axis=1)
-    denom = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
-    key = selection_keys(logits, expert_mask, BLOCK_E, KEY64)
-    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    top_phys = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        taken = key == best[:, None]  # one expert per token: the index makes every key distinct
-        key = _exclude(key, taken, KEY64)
-        # Its physical id; an out-of-range choice (only if k exceeded the experts) finds none: -1 -> 0.
-        physical_j = tl.maximum(tl.max(tl.where(taken & expert_mask, physical_of, -1), axis=1), 0)
-        prob = tl.exp(_key_logit(best, BLOCK_E, KEY64) - row_max) / denom
-        top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
-        top_phys = tl.where(slots[None, :] == j, physical_j[:, None], top_phys)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    return top_w, top_phys
-
-
-@triton.jit
-def routed_choice(logits, expert_mask, physical_of, choice, BLOCK_E: tl.constexpr, KEY64: tl.constexpr):
-    """The physical expert of one token's ``choice``-th pick (0: the highest logit), by ``choice`` rounds
-    of argmax-and-exclude and one more max: the order ``route_rows`` picks in. logits and physical_of:
-    [1, BLOCK_E]; ``choice`` may be a runtime value. Returns a scalar (int32)."""
-    key = selection_keys(logits, expert_mask, BLOCK_E, KEY64)
-    for _ in range(choice):
-        key = _exclude(key, key == tl.max(key), KEY64)
-    return tl.max(tl.where(key == tl.max(key), physical_of, -1))
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_route_kernel(
     logits_ptr,
@@ -162,11 +76,46 @@ def _moe_route_kernel(
     ptrs = logits_ptr + tokens[:, None] * stride_lt + experts[None, :] * stride_le
     logits = tl.load(ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     logits = tl.where(expert_mask[None, :], logits, float("-inf"))
-    top_w, top_phys = route_rows(
-        logits, expert_mask[None, :], physical_of, TOP_K, RENORMALIZE, KEY64, BLOCK_T, BLOCK_E, BLOCK_K
-    )
+    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: the keys below order the zeros alike
+    row_max = tl.max(logits, axis=1)
+    denom = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
+
+    # One integer key per logit that orders like the logit, with ties broken towards the lowest index,
+    # so each of the k rounds below is one max-reduction (argmax-and-exclude in one step).
+    bits = logits.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip a negative's magnitude bits: sign-magnitude order
+    rank = BLOCK_E - 1 - experts
+    if KEY64:
+        key = (ordered.to(tl.int64) << 32) | rank.to(tl.int64)[None, :]
+        lowest = -9223372036854775807 - 1
+    else:
+        # A 16-bit float widened to float32 has at least 13 zero mantissa bits at the bottom (ones, once a
+        # negative's are flipped), so the index fits there without changing the order of distinct logits.
+        key = (ordered & ~(BLOCK_E - 1)) | rank[None, :]
+        lowest = -2147483647 - 1
+    key = tl.where(expert_mask[None, :], key, lowest)  # padding lanes and, below, taken experts: never max
+
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    top_phys = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)
+        taken = key == best[:, None]  # one expert per token: the index makes every key distinct
+        key = tl.where(taken, lowest, key)
+        # Its physical id; an out-of-range choice (only if k exceeded the experts) finds none: -1 -> 0.
+        physical_j = tl.maximum(tl.max(tl.where(taken & expert_mask[None, :], physical_of, -1), axis=1), 0)
+        if KEY64:
+            high = (best >> 32).to(tl.int32)
+        else:
+            high = best & ~(BLOCK_E - 1)
+            high = high | ((high >> 31) & (BLOCK_E - 1))  # a negative's low bits were ones before the index
+        value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the logit back, exactly
+        prob = tl.exp(value - row_max) / denom
+        top_w = tl.where(slots[None, :] == j, prob[:, None], top_w)
+        top_phys = tl.where(slots[None, :] == j, physical_j[:, None], top_phys)
 
     pair_mask = token_mask[:, None] & (slots[None, :] < TOP_K)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     out_offs = tokens[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + out_offs, top_w.to(weights_ptr.dtype.element_ty), mask=pair_mask)
 

@@ -10,7 +10,7 @@ from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
-from kernels.triton_moe import fused_moe_triton, moe_block_triton
+from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 from kernels.triton_prologue import qkv_prologue_triton
@@ -27,7 +27,6 @@ TRITON_OPS = Ops(
     paged_attention=paged_attention_triton,
     fused_moe=fused_moe_triton,
     moe_route=moe_route_triton,
-    moe_block=moe_block_triton,
     qkv_prologue=qkv_prologue_triton,
     qkv_attention=qkv_attention_triton,
     linear=linear_triton,

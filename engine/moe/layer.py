@@ -13,15 +13,10 @@ from torch import nn
 from engine.moe.dispatch import SingleRankDispatcher, TokenDispatcher
 from kernels import Ops
 
-# Rows of ``ExpertPlacement.physical_by_token``: the MoE block's Triton op routes inside its expert kernels
-# for batches of up to this many tokens (its small path never takes more than 64 pairs).
-PLACEMENT_TOKEN_ROWS = 64
-
 
 class ExpertPlacement:
     """Physical-to-logical map of one layer and the logical-to-physical replica table derived from it
-    (the routing op picks replica ``token % replica_counts[expert]`` of each chosen expert), also
-    tabulated per token for the first ``PLACEMENT_TOKEN_ROWS`` tokens (``physical_by_token``, int32)."""
+    (the routing op picks replica ``token % replica_counts[expert]`` of each chosen expert)."""
 
     def __init__(self, physical_to_logical: list[int], num_logical: int, device: torch.device) -> None:
         self.physical_to_logical = torch.tensor(physical_to_logical, dtype=torch.int64, device=device)
@@ -35,10 +30,6 @@ class ExpertPlacement:
         table = [r + [-1] * (max_rep - len(r)) for r in replicas]
         self.logical_to_physical = torch.tensor(table, dtype=torch.int64, device=device)
         self.replica_counts = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
-        token = torch.arange(PLACEMENT_TOKEN_ROWS, device=device)[:, None]
-        logical = torch.arange(num_logical, device=device)[None, :]
-        replica = token % self.replica_counts[None, :]
-        self.physical_by_token = self.logical_to_physical[logical, replica].to(torch.int32)
 
 
 class MoEBlock(nn.Module):
@@ -86,11 +77,6 @@ class MoEBlock(nn.Module):
         if router_logits is None:
             router_logits = self.ops.linear(x, self.gate)
         p = self.placement
-        if self.dispatcher.ep_size == 1:
-            return self.ops.moe_block(
-                x, router_logits, self.w13, self.w2, self.top_k, self.norm_topk_prob,
-                p.logical_to_physical, p.replica_counts, self.expert_counts, p.physical_by_token,
-            )  # fmt: skip
         topk_w, topk_phys = self.ops.moe_route(
             router_logits,
             self.top_k,
