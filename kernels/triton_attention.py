@@ -138,31 +138,31 @@ def _split_keys(seq_total, q_start, q_end, token, split, num_splits, BLOCK_N: tl
 
 
 @triton.jit
-def _kv_tile(
+def _attend_keys(
+    q,
+    acc,
+    l_i,
+    m_i,
     k_base,
+    v_base,
     page,
     pos,
-    rows,
-    stride_pool_kv,
+    valid,
+    scale_log2,
     stride_pool_block,
     stride_pool_slot,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """The k and v of keys ``pos`` (in pages ``page``) for the ``rows`` that are set; zeros elsewhere. k and
-    v are loaded together, so a tile waits for one memory round trip, not two."""
+    """``_attend_tile`` without the causal mask, for decode: the keys' pages are given (loaded a tile
+    ahead), and k and v are loaded together, so a tile waits for one memory round trip, not three."""
     dims = tl.arange(0, BLOCK_D)
     offs = page.to(tl.int64) * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
-    kv_mask = rows[:, None] & (dims[None, :] < HEAD_DIM)
+    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
     k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(k_base + stride_pool_kv + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_kv(q, acc, l_i, m_i, k, v, valid, scale_log2, DOT_PRECISION: tl.constexpr):
-    """``_attend_tile`` without the causal mask, for decode, on a loaded tile of keys (``valid`` rows)."""
+    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
     p, alpha, m_new = _softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -243,18 +243,13 @@ def _decode_split_kernel(
         pos = tl.load(pos_ptr + token).to(tl.int64)  # pre-wait: step input
         cos = tl.load(cache_ptr + pos * stride_cache + half_dims)[None, :]  # pre-wait: table
         sin = tl.load(cache_ptr + pos * stride_cache + HALF + half_dims)[None, :]  # pre-wait: table
-    # The split's keys, the pages of its first tile (the block table is a step input too), and that tile's
-    # keys that precede the sequence's new tokens: the pool holds them since an earlier step, and only this
-    # step's new tokens are written now (by the previous kernel, or by this one with FROM_QKV). After the
-    # wait no split waits for its first tile's keys from HBM; the new ones are loaded then (from L2).
+    # The split's keys, and the pages of its first tile (the block table is a step input too): after the
+    # wait the tile's keys are one round trip away, not two.
     start, end = _split_keys(seq_total, q_start, q_end, token, split, num_splits, BLOCK_N)  # pre-wait: math
     keys = tl.arange(0, BLOCK_N)
     bt_row_ptr = bt_ptr + token.to(tl.int64) * stride_bt
-    k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
     first = start + keys
     page = tl.load(bt_row_ptr + first // BLOCK_SIZE, mask=first < end, other=0)  # pre-wait: step input
-    earlier = first < tl.minimum(end, seq_total - (q_end - q_start))
-    k_pre, v_pre = _kv_tile(k_base, page, first, earlier, stride_pool_kv, stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D)  # pre-wait: earlier steps wrote them  # fmt: skip
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     if (q_start > token) | (q_end <= token):
         seq = _find_seq(qsl_ptr, token, num_seqs, 1)
@@ -265,15 +260,13 @@ def _decode_split_kernel(
         bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
         first = start + keys
         page = tl.load(bt_row_ptr + first // BLOCK_SIZE, mask=first < end, other=0)
-        earlier = first < tl.minimum(end, seq_total - (q_end - q_start))
-        k_pre, v_pre = _kv_tile(k_base, page, first, earlier, stride_pool_kv, stride_pool_block,
-                                stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D)  # fmt: skip
     q_len = q_end - q_start
 
     heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
     head_mask = tl.arange(0, BLOCK_H) < GROUP
     dims = tl.arange(0, BLOCK_D)
     q_mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    k_base = pool_ptr + layer * stride_pool_layer + kv_head * stride_pool_head
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -315,26 +308,15 @@ def _decode_split_kernel(
                 mask=q_mask,
                 other=0.0,
             )
-        # The first tile: its earlier keys came before the wait, its new ones (written above, or by the
-        # previous kernel) load now. The next tile's pages load while they do.
-        ahead = first + BLOCK_N
-        next_page = tl.load(bt_row_ptr + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        valid = first < end
-        new = valid & ~earlier
-        k_new, v_new = _kv_tile(k_base, page, first, new, stride_pool_kv, stride_pool_block, stride_pool_slot,
-                                BLOCK_SIZE, HEAD_DIM, BLOCK_D)  # fmt: skip
-        k = tl.where(new[:, None], k_new, k_pre)
-        v = tl.where(new[:, None], v_new, v_pre)
-        acc, l_i, m_i = _attend_kv(q, acc, l_i, m_i, k, v, valid, scale_log2, DOT_PRECISION)
-        page = next_page
-    for n in range(start + BLOCK_N, end, BLOCK_N):
+    for n in range(start, end, BLOCK_N):
         key_pos = n + keys
+        # The next tile's pages load while this tile's keys do.
         ahead = key_pos + BLOCK_N
         next_page = tl.load(bt_row_ptr + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        valid = key_pos < end
-        k, v = _kv_tile(k_base, page, key_pos, valid, stride_pool_kv, stride_pool_block, stride_pool_slot,
-                        BLOCK_SIZE, HEAD_DIM, BLOCK_D)  # fmt: skip
-        acc, l_i, m_i = _attend_kv(q, acc, l_i, m_i, k, v, valid, scale_log2, DOT_PRECISION)
+        acc, l_i, m_i = _attend_keys(
+            q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, page, key_pos, key_pos < end, scale_log2,
+            stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        )  # fmt: skip
         page = next_page
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
