@@ -115,7 +115,8 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode graphs for batches up to ``min(max_num_seqs, 256)``; returns whether decode
-        now runs as graphs (only on CUDA devices with the Triton ops). Calling it again is a no-op."""
+        now runs as graphs (only on CUDA devices with the Triton ops and one expert-parallel rank). Calling
+        it again is a no-op."""
         if self.graphs is not None:
             return True
         if self.device.type != "cuda":
@@ -125,6 +126,12 @@ class ModelRunner:
                 "CUDA graphs need kernel_backend='triton' (the torch ops read device values on the host); "
                 "decode runs eagerly"
             )
+            return False
+        dispatcher = self.model.dispatcher
+        if dispatcher is not None and not isinstance(dispatcher, SingleRankDispatcher):
+            # Its first MoE layer of each pass reads the ranks' token counts on the host, which a capture
+            # cannot hold (and a graph would fix every rank's batch at capture).
+            log.info("decode CUDA graphs need one expert-parallel rank; decode runs eagerly")
             return False
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
         graphs = DecodeGraphs(

@@ -18,7 +18,14 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 64, 12, 200], [200, 12, 64, 7, 250, 3, 99, 17,
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _rank_main(rank: int, world: int, port: int, prompts: list[list[int]], out: dict) -> None:
+# The GPU variant's engines: the Triton ops (with CUDA graphs where they apply), float32 so that the
+# ranks' partial expert sums cannot round a token differently from the single rank's.
+GPU_ENGINE = {"device": "cuda", "kernel_backend": "triton", "dtype": "float32"}
+
+
+def _rank_main(
+    rank: int, world: int, port: int, prompts: list[list[int]], out: dict, engine_kw: dict | None = None
+) -> None:
     import torch.distributed as dist
 
     from engine import EngineConfig, LLMEngine
@@ -26,12 +33,19 @@ def _rank_main(rank: int, world: int, port: int, prompts: list[list[int]], out: 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if engine_kw:  # one GPU per rank, over NCCL
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         dispatcher = AllGatherDispatcher()
-        engine = LLMEngine(EngineConfig(model="tiny-moe", num_kv_blocks=64), dispatcher=dispatcher)
+        config = EngineConfig(model="tiny-moe", num_kv_blocks=64, **(engine_kw or {}))
+        engine = LLMEngine(config, dispatcher=dispatcher)
         # Each rank holds half of the 8 physical experts.
         assert engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
+        # Decode cannot be captured with several ranks (the dispatcher reads token counts on the host).
+        assert engine.runner.graphs is None
         llm = LLM.__new__(LLM)
         llm.engine, llm.tokenizer = engine, engine.tokenizer
         out[rank] = [o.token_ids for o in llm.generate(prompts[rank], PARAMS)]
@@ -45,4 +59,18 @@ def test_allgather_dispatch_over_two_gloo_ranks_matches_single_rank() -> None:
     expected = [single.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
     out = mp.Manager().dict()
     mp.spawn(_rank_main, args=(2, free_port(), [[p] for p in PROMPTS], out), nprocs=2, join=True)
+    assert [out[0][0], out[1][0]] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_allgather_dispatch_over_two_nccl_ranks_matches_single_rank() -> None:
+    """Two GPUs, one rank each, all-gather and all-reduce over NCCL: the single GPU's tokens (its engine
+    with decode graphs, the ranks' without)."""
+    single = LLM("tiny-moe", num_kv_blocks=64, **GPU_ENGINE)
+    assert single.engine.runner.graphs is not None
+    expected = [single.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    del single
+    out = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(2, free_port(), [[p] for p in PROMPTS], out, GPU_ENGINE), nprocs=2, join=True)
     assert [out[0][0], out[1][0]] == expected
