@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.data_parallel import Lockstep
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.moe.dispatch import AllGatherDispatcher, TokenDispatcher
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 
@@ -24,11 +26,27 @@ class CompletionOutput:
 
 
 class LLM:
-    """Offline engine. Keyword arguments are ``EngineConfig`` fields (model, device, dtype, block_size, ...)."""
+    """Offline engine. Keyword arguments are ``EngineConfig`` fields (model, device, dtype, block_size, ...).
 
-    def __init__(self, model: str = "tiny-dense", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    With a ``dispatcher`` over several expert-parallel ranks (``AllGatherDispatcher``; torch.distributed
+    initialised by the caller, one process per rank), each rank's ``LLM`` holds its share of the experts
+    and generates its own prompts; every rank must call ``generate`` together, and each call returns once
+    every rank's prompts are done (``engine.data_parallel.Lockstep``)."""
+
+    def __init__(
+        self, model: str = "tiny-dense", *, dispatcher: TokenDispatcher | None = None, **kwargs: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), dispatcher=dispatcher)
         self.tokenizer = self.engine.tokenizer
+        self._lockstep: Lockstep | None = None
+        if isinstance(dispatcher, AllGatherDispatcher) and dispatcher.ep_size > 1:
+            self._lockstep = Lockstep(self.engine, dispatcher)
+
+    def _step(self) -> list[RequestOutput] | None:
+        """One engine step (None: with several ranks, no rank has work left)."""
+        if self._lockstep is not None:
+            return self._lockstep.step()
+        return self.engine.step()
 
     def generate(
         self,
@@ -56,8 +74,11 @@ class LLM:
             results: dict[str, CompletionOutput] = {}
             tokens: dict[str, list[int]] = {rid: [] for rid in ids}
             logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
-            while len(results) < len(ids):
-                for out in self.engine.step():
+            while len(results) < len(ids) or self._lockstep is not None:
+                outs = self._step()
+                if outs is None:  # every rank is done
+                    break
+                for out in outs:
                     tokens[out.request_id].extend(out.new_token_ids)
                     logprobs[out.request_id].extend(out.new_logprobs)
                     if out.finished:

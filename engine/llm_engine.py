@@ -14,6 +14,7 @@ flight first and runs synchronously, so the outputs are those of the synchronous
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -122,6 +123,10 @@ class LLMEngine:
         event_sink: KVEventSink | None = None,
         dispatcher: TokenDispatcher | None = None,
     ) -> None:
+        if dispatcher is not None and dispatcher.ep_size > 1 and config.async_scheduling:
+            # Ranks that exchange tokens must each run one forward pass per step (engine.data_parallel).
+            log.info("asynchronous scheduling is off with several expert-parallel ranks")
+            config = dataclasses.replace(config, async_scheduling=False)
         self.config = config
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'")

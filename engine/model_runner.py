@@ -180,16 +180,7 @@ class ModelRunner:
         pg = self.prefill_graphs
         with expert_counts_restored(self.model):
             for n in (n for n in token_counts if pg is None or pg.bucket_for(n) is None):
-                meta = AttentionMetadata(
-                    slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
-                    block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
-                    seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-                    query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-                )
-                ids = torch.zeros(n, dtype=torch.int64, device=dev)
-                positions = torch.arange(n, dtype=torch.int64, device=dev)
-                hidden = self.model(ids, positions, self.kv_pool, meta)
-                self.model.compute_logits(hidden[-1:])
+                self.model.compute_logits(self._scratch_forward(n)[-1:])
         if sampler is not None:
             for params in _WARM_UP_SAMPLES:
                 logits = torch.zeros(
@@ -199,6 +190,29 @@ class ModelRunner:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - started
+
+    def _scratch_forward(self, n: int) -> torch.Tensor:
+        """A forward pass of ``n`` tokens (ids 0, positions 0..n-1, one sequence) that writes nothing to
+        the KV pool (every slot -1); its attention reads block 0, whatever it holds. Returns the hidden
+        states. The caller restores the expert counters."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
+            block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        positions = torch.arange(n, dtype=torch.int64, device=dev)
+        return self.model(ids, positions, self.kv_pool, meta)
+
+    def idle_pass(self) -> None:
+        """One forward pass of a single padding token, for an expert-parallel rank with nothing to run
+        while the others run a step: its MoE layers take part in their token exchanges (which every rank
+        must join), nothing is written to the KV pool, no logits are computed, and the expert counters
+        are left as they were."""
+        with expert_counts_restored(self.model):
+            self._scratch_forward(1)
 
     def prepare(
         self, batch: ScheduledBatch, in_flight: int = 0

@@ -1,9 +1,15 @@
-"""Expert parallelism through the dispatch interface: two gloo ranks, each holding half of the physical
-experts, give the same tokens as one rank holding all of them."""
+"""Expert parallelism through the dispatch interface: two ranks, each holding half of the physical
+experts, give the same tokens as one rank holding all of them. On the CPU over gloo, also with uneven
+work per rank (``engine.data_parallel.Lockstep``: a rank with nothing to run joins the others' passes);
+on two GPUs (marked ``gpu``, skipped with fewer) over NCCL, with the Triton ops.
+
+A rank that missed a collective would leave the other waiting: the process groups time out after
+``TIMEOUT``, so such a bug fails the test instead of hanging it."""
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -12,10 +18,11 @@ import torch.multiprocessing as mp
 from engine import LLM, SamplingParams
 from mesh.cli import free_port
 
-# Rank r serves prompt r (data-parallel attention); both ranks see every token in the MoE layers. The
-# prompts have the same length so both ranks take the same number of steps (collectives line up).
+# Rank r serves prompt r (data-parallel attention); both ranks see every token in the MoE layers. Here the
+# prompts have the same length, so no rank idles; the uneven case is further down.
 PROMPTS = [[5, 17, 99, 3, 250, 7, 64, 12, 200], [200, 12, 64, 7, 250, 3, 99, 17, 5]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TIMEOUT = timedelta(seconds=120)
 
 
 # The GPU variant's engines: the Triton ops (with CUDA graphs where they apply), float32 so that the
@@ -23,31 +30,35 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 GPU_ENGINE = {"device": "cuda", "kernel_backend": "triton", "dtype": "float32"}
 
 
+def _join(rank: int, world: int, port: int, engine_kw: dict | None) -> None:
+    """This process's rank of the group: over NCCL, one GPU each, for GPU engines; over gloo otherwise."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if engine_kw:
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank), timeout=TIMEOUT
+        )
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+
+
 def _rank_main(
     rank: int, world: int, port: int, prompts: list[list[int]], out: dict, engine_kw: dict | None = None
 ) -> None:
     import torch.distributed as dist
 
-    from engine import EngineConfig, LLMEngine
     from engine.moe.dispatch import AllGatherDispatcher
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if engine_kw:  # one GPU per rank, over NCCL
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(rank, world, port, engine_kw)
     try:
-        dispatcher = AllGatherDispatcher()
-        config = EngineConfig(model="tiny-moe", num_kv_blocks=64, **(engine_kw or {}))
-        engine = LLMEngine(config, dispatcher=dispatcher)
+        llm = LLM("tiny-moe", num_kv_blocks=64, dispatcher=AllGatherDispatcher(), **(engine_kw or {}))
         # Each rank holds half of the 8 physical experts.
-        assert engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
+        assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
         # Decode cannot be captured with several ranks (the dispatcher reads token counts on the host).
-        assert engine.runner.graphs is None
-        llm = LLM.__new__(LLM)
-        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        assert llm.engine.runner.graphs is None
         out[rank] = [o.token_ids for o in llm.generate(prompts[rank], PARAMS)]
     finally:
         dist.destroy_process_group()
@@ -74,3 +85,66 @@ def test_gpu_allgather_dispatch_over_two_nccl_ranks_matches_single_rank() -> Non
     out = mp.Manager().dict()
     mp.spawn(_rank_main, args=(2, free_port(), [[p] for p in PROMPTS], out, GPU_ENGINE), nprocs=2, join=True)
     assert [out[0][0], out[1][0]] == expected
+
+
+# Ranks with uneven work: rank 0 one long generation, rank 1 two short ones (one prompt a prefix of the
+# other's). Rank 1 finishes first and must keep joining rank 0's passes.
+UNEVEN = {
+    0: ([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    1: ([PROMPTS[1][:4], PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)),
+}
+
+
+def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: dict | None = None) -> None:
+    import torch.distributed as dist
+
+    from engine.moe.dispatch import AllGatherDispatcher
+
+    _join(rank, world, port, engine_kw)
+    try:
+        llm = LLM("tiny-moe", num_kv_blocks=64, dispatcher=AllGatherDispatcher(), **(engine_kw or {}))
+        prompts, params = UNEVEN[rank]
+        first = llm.generate(prompts, params)
+        # Then rank 1 has no request at all, and only joins rank 0's passes.
+        second = llm.generate(prompts if rank == 0 else [], params)
+        forwarded = sum(
+            len(o.prompt_token_ids) - o.num_cached_tokens + len(o.token_ids) - 1 for o in first + second
+        )
+        blocks = llm.engine.model.moe_blocks()
+        out[rank] = {
+            "first": [o.token_ids for o in first],
+            "second": [o.token_ids for o in second],
+            "idle_passes": llm._lockstep.idle_passes if llm._lockstep else -1,
+            # each rank counts its own tokens' (token, expert) pairs, over all physical experts
+            "pairs": [int(b.expert_counts.sum()) for b in blocks],
+            "expected_pairs": forwarded * blocks[0].top_k,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_with_uneven_work_step_together_and_match_a_single_rank() -> None:
+    """Data-parallel attention: each rank generates its own prompts, of different lengths and counts,
+    and a rank with nothing left runs idle passes (counted by no expert) until every rank is done."""
+    check_uneven_work({})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_ranks_with_uneven_work_step_together_and_match_a_single_rank() -> None:
+    check_uneven_work(GPU_ENGINE)
+
+
+def check_uneven_work(engine_kw: dict) -> None:
+    single = LLM("tiny-moe", num_kv_blocks=64, **engine_kw)
+    expected = {r: [o.token_ids for o in single.generate(*UNEVEN[r])] for r in (0, 1)}
+    del single
+    out = mp.Manager().dict()
+    mp.spawn(_lockstep_rank_main, args=(2, free_port(), out, engine_kw or None), nprocs=2, join=True)
+    assert out[0]["first"] == expected[0] and out[1]["first"] == expected[1]
+    assert out[0]["second"] == expected[0] and out[1]["second"] == []
+    # Rank 1's 4-token generations end well before rank 0's 12, and the second call is all idle for it.
+    assert out[0]["idle_passes"] == 0 and out[1]["idle_passes"] >= 12
+    for rank in (0, 1):
+        assert out[rank]["pairs"] == [out[rank]["expected_pairs"]] * len(out[rank]["pairs"]), rank

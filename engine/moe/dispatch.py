@@ -70,10 +70,14 @@ class AllGatherDispatcher:
         self.group = group
         self.ep_rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
+        # Forward passes begun on this rank: every rank must run each pass the others run
+        # (``engine.data_parallel.Lockstep`` counts them to keep the ranks together).
+        self.forward_passes = 0
         self._counts: list[int] | None = None  # tokens per rank in the current forward pass
 
     def begin_forward(self) -> None:
         self._counts = None
+        self.forward_passes += 1
 
     def run(
         self,

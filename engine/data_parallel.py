@@ -1,0 +1,67 @@
+"""Data-parallel attention over expert-parallel MoE: the ranks' engines step together.
+
+Each rank runs its own engine on its own requests (attention is data-parallel), and the MoE layers of
+every forward pass exchange tokens between all ranks (``AllGatherDispatcher``). A collective needs every
+rank, so every rank must run each forward pass, also a rank with nothing to do or whose scheduler admits
+nothing this step: it runs an idle pass instead (one padding token that writes no KV and counts for no
+expert), as SGLang's data-parallel attention ranks run an idle batch.
+
+``Lockstep.step`` is one step of the group: the ranks first say on the host whether they have work (an
+all-reduce over a gloo group), then each runs exactly one forward pass, its engine's step or an idle pass.
+It returns None once no rank has work, so a loop of ``step`` ends on every rank in the same iteration.
+``LLM`` takes this path when given a multi-rank dispatcher.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.moe.dispatch import AllGatherDispatcher
+
+log = logging.getLogger(__name__)
+
+
+class Lockstep:
+    """Steps one rank's engine together with the other ranks of its dispatcher's group.
+
+    Collective: every rank of the group constructs it (a gloo group may be created for the host-side
+    flags) and calls ``step`` the same number of times; the engine must not be stepped by anything else
+    meanwhile."""
+
+    def __init__(self, engine: LLMEngine, dispatcher: AllGatherDispatcher) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.engine = engine
+        self.dispatcher = dispatcher
+        group = dispatcher.group
+        if dist.get_backend(group) == "gloo":
+            self.flags_group = group
+        else:  # host tensors need a gloo group over the same ranks
+            self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
+                                              backend="gloo")  # fmt: skip
+        self.idle_passes = 0
+
+    def step(self) -> list[RequestOutput] | None:
+        """One step of every rank: this engine's step if it has unfinished requests, else an idle pass.
+        Returns its outputs, or None (having run nothing) when no rank of the group has work."""
+        mine = self.engine.has_unfinished()
+        flags = torch.tensor([1 if mine else 0], dtype=torch.int64)
+        self.dist.all_reduce(flags, group=self.flags_group)
+        if int(flags.item()) == 0:
+            return None
+        before = self.dispatcher.forward_passes
+        outputs = self.engine.step() if mine else []
+        ran = self.dispatcher.forward_passes - before
+        if ran == 0:  # nothing to run, or nothing admitted this step: join the others' pass
+            self.engine.runner.idle_pass()
+            self.idle_passes += 1
+        elif ran > 1:
+            raise RuntimeError(
+                f"rank {self.dispatcher.ep_rank} ran {ran} forward passes in one step; the ranks of an "
+                "expert-parallel group must run one each (asynchronous scheduling is off for them)"
+            )
+        return outputs
