@@ -33,9 +33,8 @@ log = logging.getLogger(__name__)
 
 # What warm_up samples, batch by batch: a plain row, a min-p row, a top-k + top-p row, a top-p row, then a
 # min-p row beside each of the last two: the compiled variants of the sampler's Triton kernels (the row
-# program's six: min-p or not, and no filter, top-p alone or top-k; the hashing pass's four, and a fifth
-# from a batch of plain rows one hashing part each, added where the kernels run); without them, the torch
-# race with and without a sort. Seeded, so the sampler's generator does not move.
+# program's six: min-p or not, and no filter, top-p alone or top-k; the hashing pass's four); without
+# them, the torch race with and without a sort. Seeded, so the sampler's generator does not move.
 _PLAIN = SamplingParams(temperature=1.0, seed=0)
 _MIN_P = SamplingParams(temperature=1.0, min_p=0.1, seed=0)
 _FILTERS = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=0)
@@ -183,16 +182,10 @@ class ModelRunner:
             for n in (n for n in token_counts if pg is None or pg.bucket_for(n) is None):
                 self.model.compute_logits(self._scratch_forward(n)[-1:])
         if sampler is not None:
-            vocab = self.model.cfg.vocab_size
-            samples = list(_WARM_UP_SAMPLES)
-            if sampler.uses_kernel(dev):
-                from kernels.triton_sampling import one_part_rows
-
-                # Plain rows in a batch large enough that each row is one hashing part: the hashing
-                # kernel's variant that stores the tokens itself.
-                samples.append([_PLAIN] * one_part_rows(vocab, dev))
-            for params in samples:
-                logits = torch.zeros((len(params), vocab), dtype=torch.float32, device=dev)
+            for params in _WARM_UP_SAMPLES:
+                logits = torch.zeros(
+                    (len(params), self.model.cfg.vocab_size), dtype=torch.float32, device=dev
+                )
                 sampler.sample(logits, params, [0] * len(params))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

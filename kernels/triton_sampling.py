@@ -9,8 +9,7 @@ part's maximum, its race winner (the first index wins a tie) and, for top-k, its
 min-p and the filters it also keeps every token's race score. ``_sample_kernel``, one program per row,
 combines the parts and runs the filters' later passes on the kept scores. What a part reports is exact, so
 the tokens do not depend on how a row was split, nor on the batch. A row with temperature alone takes the
-one hashing pass; where its row is one part (batches of more than one row per SM), the hashing kernel
-stores the token itself and ``_sample_kernel`` is not launched.
+one hashing pass.
 
 Top-k, top-p and min-p each keep an upper set of the row's logits (every token at or above some value),
 so the tokens kept are ``{l >= tau}`` for one threshold, and the winner of the race over them is found
@@ -242,7 +241,6 @@ def _race_kernel(
     part_i_ptr,
     cand_f_ptr,
     cand_i_ptr,
-    out_ptr,
     vocab,
     stride_row,
     chunk,
@@ -252,7 +250,6 @@ def _race_kernel(
     CACHE: tl.constexpr,
     CANDIDATES: tl.constexpr,
     SLOTS: tl.constexpr,
-    FINAL: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1 over one part of a row, ``chunk`` tokens from ``part * chunk``: the part's maximum, its race
@@ -261,8 +258,7 @@ def _race_kernel(
     row's later passes (``_sample_kernel``) read it instead of hashing again. With CANDIDATES, a row
     whose top-k is at most SLOTS also reports, for each chunk, the tokens that can be in the row's top k
     (its logit, race score and id, at most SLOTS of them, and how many there are). What a part reports is exact (a maximum, an argmax, integer counts, tokens), so the row's results do
-    not depend on how it was split. With FINAL (rows of one part, temperature alone: no later pass) the
-    part's race winner is the row's token, stored in ``out``; ``_sample_kernel`` does not run."""
+    not depend on how it was split."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -319,17 +315,14 @@ def _race_kernel(
                     tl.store(cand_i_ptr + cell * (SLOTS + 1), num_kept)
         logit = _chunk_ahead(base, ids, 1, end, BLOCK_V, float("-inf"))
     best, best_index = _first_best(lane_score, lane_index)
-    if FINAL:
-        tl.store(out_ptr + row, best_index)
-    else:
-        slot = row.to(tl.int64) * num_parts + part
-        tl.store(part_f_ptr + slot * 2, tl.max(m, axis=0))
-        tl.store(part_f_ptr + slot * 2 + 1, best)
-        ints = part_i_ptr + slot * PART_INTS
-        tl.store(ints, best_index)
-        if FILTERED:  # noqa: SIM102
-            if count_digits:
-                tl.store(ints + 1 + tl.arange(0, RADIX_BINS), hist)
+    slot = row.to(tl.int64) * num_parts + part
+    tl.store(part_f_ptr + slot * 2, tl.max(m, axis=0))
+    tl.store(part_f_ptr + slot * 2 + 1, best)
+    ints = part_i_ptr + slot * PART_INTS
+    tl.store(ints, best_index)
+    if FILTERED:  # noqa: SIM102
+        if count_digits:
+            tl.store(ints + 1 + tl.arange(0, RADIX_BINS), hist)
 
 
 @triton.jit(do_not_specialize=["stride_kept", "num_parts"])
@@ -606,13 +599,6 @@ def race_parts(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
     return chunk, triton.cdiv(vocab, chunk)
 
 
-def one_part_rows(vocab: int, device: torch.device) -> int:
-    """The smallest batch whose rows ``race_parts`` leaves whole (one part each): from there a batch with
-    temperature alone takes the hashing kernel's variant that stores the tokens (``FINAL``)."""
-    slots = 2 * sm_count(device) if device.type == "cuda" else 8
-    return next(b for b in range(1, slots + 2) if race_parts(b, vocab, device)[1] == 1)
-
-
 def interpreted() -> bool:
     """Whether the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1`` when this module was
     imported), which takes CPU tensors; compiled, it takes GPU tensors only."""
@@ -688,17 +674,12 @@ def gumbel_sample_triton(
     cand_i = torch.empty(cand_cells, slots + 1, dtype=torch.int32, device=device)
     keys = row_keys.contiguous()
     top_k_arg = top_k if filtered else inv_temp
-    # Rows of one part with temperature alone (large batches: one part a row) have their token once the
-    # part is raced: no row program, and one launch instead of two.
-    final = parts == 1 and not cached
     _race_kernel[(batch, parts)](
-        logits, inv_temp, keys, top_k_arg, scores, part_f, part_i, cand_f, cand_i, out, vocab,
-        logits.stride(0), chunk, parts, num_chunks,
-        FILTERED=filtered, CACHE=cached, CANDIDATES=candidates, SLOTS=slots, FINAL=final, BLOCK_V=race_block,
+        logits, inv_temp, keys, top_k_arg, scores, part_f, part_i, cand_f, cand_i, vocab, logits.stride(0),
+        chunk, parts, num_chunks,
+        FILTERED=filtered, CACHE=cached, CANDIDATES=candidates, SLOTS=slots, BLOCK_V=race_block,
         num_warps=RACE_NUM_WARPS if on_gpu else 1,
     )  # fmt: skip
-    if final:
-        return out
     _sample_kernel[(batch,)](
         logits, inv_temp, keys, log_min_p, top_k_arg, top_p if filtered else inv_temp, scores, part_f,
         part_i, cand_f, cand_i, kept, out, vocab, logits.stride(0), kept.stride(0), parts, num_chunks,

@@ -72,35 +72,6 @@ def test_strided_rows_and_empty_batch() -> None:
     assert empty.shape == (0,)
 
 
-def test_one_part_rows_with_temperature_alone_take_one_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows of one part (a large batch's split) with temperature alone: the hashing kernel stores the
-    tokens and the row kernel is not launched; the tokens are the reference's and the split rows'. With
-    min-p the row kernel still runs (its later pass needs the row's maximum)."""
-    torch.manual_seed(3)
-    vocab, rows = 300, 12
-    logits = torch.randn(rows, vocab, device=DEVICE) * 2
-    temps = torch.rand(rows, device=DEVICE) + 0.5
-    keys = row_keys(11, rows)
-    split = gumbel_sample_triton(logits, temps, keys, None, chunk=64)  # five parts a row
-    launches: list[str] = []
-    row_kernel = triton_sampling._sample_kernel
-
-    class Counted:
-        def __getitem__(self, grid: tuple[int, ...]) -> object:
-            launches.append("row kernel")
-            return row_kernel[grid]
-
-    monkeypatch.setattr(triton_sampling, "_sample_kernel", Counted())
-    one_part = gumbel_sample_triton(logits, temps, keys, None, chunk=320)
-    assert launches == []
-    assert torch.equal(one_part, split)
-    assert torch.equal(one_part, sampler_reference(logits, temps, 11, None))
-    min_p = torch.full((rows,), 0.05, device=DEVICE)
-    with_min_p = gumbel_sample_triton(logits, temps, keys, min_p, chunk=320)
-    assert launches == ["row kernel"]
-    assert torch.equal(with_min_p, sampler_reference(logits, temps, 11, min_p))
-
-
 def filter_values(rows: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row top-k (a third off, i.e. the vocabulary size; the rest 1 .. vocab) and top-p (a third off,
     i.e. 1; the rest in (0.02, 1))."""

@@ -2,17 +2,13 @@
 
 ``ModelRunner.warm_up`` runs one prefill forward per size class, then samples a plain row, a min-p row, a
 top-k/top-p row, a top-p row, and a min-p row beside each of the last two (the Triton kernels' six
-variants; without them, the torch race without and with a sort), and where the kernels run, a batch of
-plain rows large enough to be one hashing part each (the hashing kernel's variant that stores the
-tokens), all seeded, so that no Triton compile
+variants; without them, the torch race without and with a sort), all seeded, so that no Triton compile
 waits for the first sampled request and the sampler's generator does not move. The engine warms up where
 kernels compile: the Triton ops on a GPU, with or without CUDA graphs. Without a GPU the kernel runs in the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported) through the sampler's ``kernel_on_cpu`` option.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +47,7 @@ def test_warm_up_samples_every_path_and_changes_nothing(monkeypatch: pytest.Monk
     engine.runner.warm_up([1, 9], sampler)
     no, yes = False, True
     want = [(no, no, no), (yes, no, no), (no, yes, yes), (no, no, yes), (yes, yes, yes), (yes, no, yes)]
-    assert kernel_calls == [*want, (no, no, no)]  # the last: plain rows one hashing part each
+    assert kernel_calls == want
     assert noise_rows == []  # no torch race: the kernel takes top-k and top-p too
     assert torch.equal(sampler._unseeded.get_state(), state)
     assert torch.equal(engine.kv_pool, pool)
@@ -115,38 +111,8 @@ def test_gpu_first_sampled_requests_compile_no_sampling_kernel() -> None:
         # The hashing pass: plain rows, min-p rows (scores kept), top-p rows (scores kept), top-k rows (scores
         # kept, digits counted, each chunk's top k).
         compiled_race = dict(_race_kernel.device_caches[device][0])
-        # (A 512-token vocabulary is one part a row at any batch: plain rows always take the variant that
-        # stores the tokens, and the warm-up's batch of such rows compiles nothing more.)
         assert len(compiled_race) == 4, compiled_race.keys()
         for params in requests:
             llm.generate(prompts, params)
         assert _sample_kernel.device_caches[device][0].keys() == compiled.keys()
         assert _race_kernel.device_caches[device][0].keys() == compiled_race.keys()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_large_batches_of_a_large_vocabulary_compile_nothing(tmp_path: Path) -> None:
-    """Qwen3's 151,936-token vocabulary: a batch of one row splits its hashing pass, a batch of more rows
-    than SMs does not, and its plain rows take the hashing kernel's variant that stores the tokens. The
-    warm-up compiles both, so serving such a batch compiles nothing."""
-    from kernels.triton_sampling import _race_kernel, _sample_kernel, one_part_rows
-    from tests.checkpoints import make_checkpoint
-
-    vocab = 151_936
-    path = make_checkpoint("llama", tmp_path / "wide", vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=1)  # fmt: skip
-    device = torch.cuda.current_device()
-    _race_kernel.device_caches.clear()
-    _sample_kernel.device_caches.clear()
-    llm = LLM(str(path), device="cuda", kernel_backend="triton", num_kv_blocks=1024, max_num_seqs=256)
-    compiled_race = dict(_race_kernel.device_caches[device][0])
-    compiled = dict(_sample_kernel.device_caches[device][0])
-    assert len(compiled_race) == 5, compiled_race.keys()  # plain rows split, and plain rows of one part
-    rows = one_part_rows(vocab, torch.device("cuda"))
-    assert 1 < rows <= 256
-    prompts = [[3 + i % 200, 5, 7] for i in range(rows)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.8))
-    assert all(len(o.token_ids) == 2 for o in outs)
-    assert _race_kernel.device_caches[device][0].keys() == compiled_race.keys()
-    assert _sample_kernel.device_caches[device][0].keys() == compiled.keys()
