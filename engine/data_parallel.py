@@ -14,14 +14,10 @@ It returns None once no rank has work, so a loop of ``step`` ends on every rank 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.moe.dispatch import AllGatherDispatcher
-
-log = logging.getLogger(__name__)
 
 
 class Lockstep:
