@@ -15,12 +15,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
+from engine.data_parallel import Lockstep
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from mesh.kv_events import KVEventSink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# With several expert-parallel ranks an idle loop asks the others for work this often: a new request on
+# any rank waits at most about this long for its first step.
+_LOCKSTEP_IDLE_S = 0.002
 
 
 class EngineDeadError(RuntimeError):
@@ -32,6 +36,8 @@ class AsyncEngine:
         self, config: EngineConfig, event_sink: KVEventSink | None = None, engine: LLMEngine | None = None
     ) -> None:
         self.engine = engine or LLMEngine(config, event_sink)
+        # With several expert-parallel ranks the engine steps together with the other ranks' engines.
+        self._lockstep = Lockstep.for_engine(self.engine)
         self._calls: queue.SimpleQueue[
             tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]
         ] = queue.SimpleQueue()
@@ -139,7 +145,9 @@ class AsyncEngine:
                 # With a step in flight, admit what arrives until it reaches its last graph piece.
                 self.engine.wait_for_lookahead_point()
                 self._run_calls()
-                if self.engine.has_unfinished():
+                if self._lockstep is not None:
+                    self._lockstep_step()
+                elif self.engine.has_unfinished():
                     try:
                         outputs = self.engine.step()
                     except Exception as exc:
@@ -161,6 +169,20 @@ class AsyncEngine:
             raise
         finally:
             self._drain_calls_with_error()
+
+    def _lockstep_step(self) -> None:
+        """One step of the expert-parallel group (every rank's loop calls it each turn, with work or
+        without); a short wait when no rank has work. A failed step ends the thread: the other ranks'
+        collectives could not be matched any more."""
+        outputs = self._lockstep.step()
+        if outputs is None:
+            self._wake.wait(_LOCKSTEP_IDLE_S)
+            self._wake.clear()
+            return
+        for out in outputs:
+            self._deliver(out, out.request_id)
+        if self.on_step is not None:
+            self.on_step(self.engine)
 
     def _fail_running(self, exc: Exception) -> None:
         for rid in [

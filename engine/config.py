@@ -66,6 +66,20 @@ class EngineConfig:
         "Engine-wide cache salt: the worker publishes a salted model fingerprint, so its prefix cache "
         "and KV index entries form their own domain; a request's cache_salt narrows it further.",
     )
+    expert_parallel_size: int = setting(
+        1,
+        "Expert-parallel ranks, one process each (one GPU each on CUDA): every rank holds 1/N of the MoE "
+        "experts and serves its own requests (data-parallel attention); the ranks exchange tokens in each "
+        "MoE layer and step together. 1: one rank, all experts.",
+    )
+    expert_parallel_rank: int = setting(
+        0, "This process's expert-parallel rank, 0 .. expert_parallel_size-1."
+    )
+    distributed_init_method: str = setting(
+        "tcp://127.0.0.1:29511",
+        "With expert_parallel_size > 1: where the ranks meet (torch.distributed init_method, the same on "
+        "every rank).",
+    )
 
     def __post_init__(self) -> None:
         if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "What is left", item 3
@@ -78,3 +92,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
+        if not 0 <= self.expert_parallel_rank < self.expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_rank must be in [0, {self.expert_parallel_size}), got {self.expert_parallel_rank}"
+            )

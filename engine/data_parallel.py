@@ -9,7 +9,7 @@ expert), as SGLang's data-parallel attention ranks run an idle batch.
 ``Lockstep.step`` is one step of the group: the ranks first say on the host whether they have work (an
 all-reduce over a gloo group), then each runs exactly one forward pass, its engine's step or an idle pass.
 It returns None once no rank has work, so a loop of ``step`` ends on every rank in the same iteration.
-``LLM`` takes this path when given a multi-rank dispatcher.
+``LLM`` and ``AsyncEngine`` (so the workers) take this path for an engine with several ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ class Lockstep:
             self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
                                               backend="gloo")  # fmt: skip
         self.idle_passes = 0
+
+    @classmethod
+    def for_engine(cls, engine: LLMEngine) -> Lockstep | None:
+        """The lockstep of an engine whose MoE layers exchange tokens with other ranks; None otherwise."""
+        dispatcher = engine.dispatcher
+        if isinstance(dispatcher, AllGatherDispatcher) and dispatcher.ep_size > 1:
+            return cls(engine, dispatcher)
+        return None
 
     def step(self) -> list[RequestOutput] | None:
         """One step of every rank: this engine's step if it has unfinished requests, else an idle pass.

@@ -9,7 +9,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.data_parallel import Lockstep
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.moe.dispatch import AllGatherDispatcher, TokenDispatcher
+from engine.moe.dispatch import TokenDispatcher
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 
@@ -28,19 +28,17 @@ class CompletionOutput:
 class LLM:
     """Offline engine. Keyword arguments are ``EngineConfig`` fields (model, device, dtype, block_size, ...).
 
-    With a ``dispatcher`` over several expert-parallel ranks (``AllGatherDispatcher``; torch.distributed
-    initialised by the caller, one process per rank), each rank's ``LLM`` holds its share of the experts
-    and generates its own prompts; every rank must call ``generate`` together, and each call returns once
-    every rank's prompts are done (``engine.data_parallel.Lockstep``)."""
+    With several expert-parallel ranks (``expert_parallel_size`` and ``expert_parallel_rank``, one process
+    each; or a ``dispatcher`` over a group the caller set up), each rank's ``LLM`` holds its share of the
+    experts and generates its own prompts; every rank must call ``generate`` together, and each call
+    returns once every rank's prompts are done (``engine.data_parallel.Lockstep``)."""
 
     def __init__(
         self, model: str = "tiny-dense", *, dispatcher: TokenDispatcher | None = None, **kwargs: Any
     ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), dispatcher=dispatcher)
         self.tokenizer = self.engine.tokenizer
-        self._lockstep: Lockstep | None = None
-        if isinstance(dispatcher, AllGatherDispatcher) and dispatcher.ep_size > 1:
-            self._lockstep = Lockstep(self.engine, dispatcher)
+        self._lockstep = Lockstep.for_engine(self.engine)
 
     def _step(self) -> list[RequestOutput] | None:
         """One engine step (None: with several ranks, no rank has work left)."""

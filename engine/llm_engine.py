@@ -116,6 +116,32 @@ class _InFlight:
         return self.host_tokens.tolist()
 
 
+def _join_expert_parallel_group(config: EngineConfig) -> TokenDispatcher:
+    """This process's rank of the expert-parallel group the config describes (torch.distributed, NCCL on
+    CUDA with one GPU a rank, gloo on the CPU; joined here unless the caller already did), and the
+    dispatcher over it."""
+    import torch.distributed as dist
+
+    from engine.moe.dispatch import AllGatherDispatcher
+
+    if not dist.is_initialized():
+        cuda = config.device == "cuda"
+        if cuda:
+            torch.cuda.set_device(config.expert_parallel_rank % torch.cuda.device_count())
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=config.distributed_init_method,
+            rank=config.expert_parallel_rank,
+            world_size=config.expert_parallel_size,
+        )
+    if dist.get_world_size() != config.expert_parallel_size:
+        raise ValueError(
+            f"expert_parallel_size={config.expert_parallel_size} but the process group has "
+            f"{dist.get_world_size()} ranks"
+        )
+    return AllGatherDispatcher()
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -123,6 +149,9 @@ class LLMEngine:
         event_sink: KVEventSink | None = None,
         dispatcher: TokenDispatcher | None = None,
     ) -> None:
+        if dispatcher is None and config.expert_parallel_size > 1:
+            dispatcher = _join_expert_parallel_group(config)
+        self.dispatcher = dispatcher
         if dispatcher is not None and dispatcher.ep_size > 1 and config.async_scheduling:
             # Ranks that exchange tokens must each run one forward pass per step (engine.data_parallel).
             log.info("asynchronous scheduling is off with several expert-parallel ranks")
