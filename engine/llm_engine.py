@@ -139,6 +139,7 @@ def _join_expert_parallel_group(config: EngineConfig) -> TokenDispatcher:
             f"expert_parallel_size={config.expert_parallel_size} but the process group has "
             f"{dist.get_world_size()} ranks"
         )
+    log.info("expert-parallel rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), dist.get_backend())
     return AllGatherDispatcher()
 
 

@@ -163,10 +163,16 @@ class Mesh:
             ("prefill", a.num_prefill, self.prefill_addrs),
             ("decode", a.num_decode, self.decode_addrs),
         ):
+            ranks = role == "decode" and a.decode_expert_parallel and count > 1
+            meet = f"tcp://{self.host}:{free_port(self.host)}"  # the ranks' rendezvous
             for i in range(count):
                 port = free_port(self.host)
                 addrs.append(f"{self.host}:{port}")
-                self.children.append(Child(f"{role}-{i}", self._worker_argv(SERVICES[role], port)))
+                argv = self._worker_argv(SERVICES[role], port)
+                if ranks:
+                    argv += ["--expert-parallel-size", str(count), "--expert-parallel-rank", str(i),
+                             "--distributed-init-method", meet]  # fmt: skip
+                self.children.append(Child(f"{role}-{i}", argv))
         router_argv = [
             sys.executable,
             "-m",
@@ -259,6 +265,11 @@ class LauncherSettings:
     )
     num_prefill: int = setting(1, "Prefill workers to start.")
     num_decode: int = setting(1, "Decode workers to start.")
+    decode_expert_parallel: bool = setting(
+        False,
+        "The decode workers are the expert-parallel ranks of one MoE model (num_decode ranks, one GPU each "
+        "on CUDA): each holds 1/num_decode of the experts and serves its own requests.",
+    )
     host: str = setting("127.0.0.1", "Address every service listens on.")
     port: int = setting(0, "Router gRPC port (0: a free one).")
     http_port: int = setting(8000, "OpenAI-compatible HTTP port (0: a free one).")

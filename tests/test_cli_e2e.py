@@ -33,62 +33,120 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
-def test_pdmesh_up_serves_and_stops_cleanly_on_sigterm() -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mesh.cli",
-            "up",
-            "--http-port",
-            "0",
-            "--num-kv-blocks",
-            "256",
-            "--num-prefill",
-            "2",
-            "--quiet",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    up = threading.Event()
+class Up:
+    """``pdmesh up`` with ``args`` as a child process, its output collected; ``http`` once it is up."""
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "mesh is up" in line:
-                up.set()
+    def __init__(self, *args: str, quiet: bool = True) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mesh.cli",
+                "up",
+                "--http-port",
+                "0",
+                *(["--quiet"] if quiet else []),
+                *args,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        up = threading.Event()
 
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        assert up.wait(120), "".join(lines[-40:])
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "mesh is up" in line:
+                    up.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        assert up.wait(120), "".join(self.lines[-40:])
         time.sleep(0.2)
-        text = "".join(lines)
-        http = re.search(r"OpenAI HTTP\s+(http://\S+)", text).group(1)
-        assert len(re.findall(r"^\s+prefill\s+127\.0\.0\.1:\d+", text, re.M)) == 2
-        body = json.dumps({"model": "tiny-dense", "prompt": "hello mesh", "max_tokens": 5, "temperature": 0})
+        self.text = "".join(self.lines)
+        self.http = re.search(r"OpenAI HTTP\s+(http://\S+)", self.text).group(1)
+
+    def complete(self, body: dict) -> dict:
         req = urllib.request.Request(
-            f"{http}/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+            f"{self.http}/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=60) as resp:
-            assert json.loads(resp.read())["usage"]["completion_tokens"] == 5
-        services = _children(proc.pid)
-        assert len(services) == 4  # router, 2 prefill, 1 decode
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(lines[-40:])
+            return json.loads(resp.read())
+
+    def stop_and_check(self) -> None:
+        """SIGTERM: ``pdmesh up`` exits 0 and no service process outlives it."""
+        services = _children(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) == 0, "".join(self.lines[-40:])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_alive(p) for p in services):
             time.sleep(0.1)
         assert not [p for p in services if _alive(p)], "service processes outlived pdmesh up"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def test_pdmesh_up_serves_and_stops_cleanly_on_sigterm() -> None:
+    up = Up("--num-kv-blocks", "256", "--num-prefill", "2")
+    try:
+        assert len(re.findall(r"^\s+prefill\s+127\.0\.0\.1:\d+", up.text, re.M)) == 2
+        body = {"model": "tiny-dense", "prompt": "hello mesh", "max_tokens": 5, "temperature": 0}
+        assert up.complete(body)["usage"]["completion_tokens"] == 5
+        assert len(_children(up.proc.pid)) == 4  # router, 2 prefill, 1 decode
+        up.stop_and_check()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        up.kill()
+
+
+def test_pdmesh_up_with_decode_ranks_answers_as_one_engine() -> None:
+    """Two decode workers as the two expert-parallel ranks of tiny-moe (``--decode-expert-parallel``):
+    concurrent requests, spread over both ranks by the router, get the offline engine's greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine import LLM, SamplingParams
+
+    prompts = [f"request {i}: " + "mesh " * (3 * i) for i in range(6)]
+    lengths = [12, 3, 8, 1, 16, 5]
+    llm = LLM("tiny-moe", num_kv_blocks=256)
+    expected = [
+        llm.generate(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].text
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    up = Up("--model", "tiny-moe", "--num-kv-blocks", "256", "--num-decode", "2", "--decode-expert-parallel",
+            "--routing", "round_robin", quiet=False)  # fmt: skip
+    try:
+        assert len(re.findall(r"^\s+decode\s+127\.0\.0\.1:\d+", up.text, re.M)) == 2
+        decode_metrics = re.findall(r"pdmesh decode ready: grpc=\S+ metrics=(\S+)", up.text)
+        assert len(decode_metrics) == 2
+        assert (
+            "expert-parallel rank 0 of 2 (gloo)" in up.text
+            and "expert-parallel rank 1 of 2 (gloo)" in up.text
+        )
+        bodies = [
+            {"model": "tiny-moe", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(up.complete, bodies))
+        assert [a["choices"][0]["text"] for a in answers] == expected
+        assert [a["usage"]["completion_tokens"] for a in answers] == lengths
+        for address in decode_metrics:  # both ranks served requests (KV pulled into each)
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            moved = re.search(r"^pdmesh_decode_kv_transfer_bytes_total (\S+)", text, re.M)
+            assert moved is not None and float(moved.group(1)) > 0, address
+        up.stop_and_check()
+    finally:
+        up.kill()
 
 
 def test_launcher_ports_come_from_below_the_ephemeral_range() -> None:
