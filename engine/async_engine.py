@@ -23,8 +23,9 @@ from mesh.kv_events import KVEventSink
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # With several expert-parallel ranks an idle loop asks the others for work this often: a new request on
-# any rank waits at most about this long for its first step.
-_LOCKSTEP_IDLE_S = 0.002
+# any rank waits at most about this long for its first step, and an idle rank spends a few percent of a
+# core on the asking (each is an all-reduce over gloo).
+_LOCKSTEP_IDLE_S = 0.005
 
 
 class EngineDeadError(RuntimeError):

@@ -163,7 +163,9 @@ class Mesh:
             ("prefill", a.num_prefill, self.prefill_addrs),
             ("decode", a.num_decode, self.decode_addrs),
         ):
-            ranks = role == "decode" and a.decode_expert_parallel and count > 1
+            ranks = count > 1 and (
+                a.decode_expert_parallel if role == "decode" else a.prefill_expert_parallel
+            )
             meet = f"tcp://{self.host}:{free_port(self.host)}"  # the ranks' rendezvous
             for i in range(count):
                 port = free_port(self.host)
@@ -265,10 +267,14 @@ class LauncherSettings:
     )
     num_prefill: int = setting(1, "Prefill workers to start.")
     num_decode: int = setting(1, "Decode workers to start.")
+    prefill_expert_parallel: bool = setting(
+        False,
+        "The prefill workers are the expert-parallel ranks of one MoE model (num_prefill ranks, one GPU "
+        "each on CUDA): each holds 1/num_prefill of the experts and serves its own requests.",
+    )
     decode_expert_parallel: bool = setting(
         False,
-        "The decode workers are the expert-parallel ranks of one MoE model (num_decode ranks, one GPU each "
-        "on CUDA): each holds 1/num_decode of the experts and serves its own requests.",
+        "The decode workers are the expert-parallel ranks of one MoE model, as prefill_expert_parallel.",
     )
     host: str = setting("127.0.0.1", "Address every service listens on.")
     port: int = setting(0, "Router gRPC port (0: a free one).")

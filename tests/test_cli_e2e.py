@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -91,7 +92,11 @@ class Up:
         assert not [p for p in services if _alive(p)], "service processes outlived pdmesh up"
 
     def kill(self) -> None:
+        """After a failure: the launcher and its services, which would outlive a killed launcher."""
         if self.proc.poll() is None:
+            for pid in _children(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.kill()
 
 
@@ -107,9 +112,10 @@ def test_pdmesh_up_serves_and_stops_cleanly_on_sigterm() -> None:
         up.kill()
 
 
-def test_pdmesh_up_with_decode_ranks_answers_as_one_engine() -> None:
-    """Two decode workers as the two expert-parallel ranks of tiny-moe (``--decode-expert-parallel``):
-    concurrent requests, spread over both ranks by the router, get the offline engine's greedy text."""
+def test_pdmesh_up_with_expert_parallel_ranks_answers_as_one_engine() -> None:
+    """Two prefill and two decode workers, each pair the two expert-parallel ranks of tiny-moe
+    (``--prefill-expert-parallel --decode-expert-parallel``, a group each): concurrent requests, spread
+    over the ranks by the router, get the offline engine's greedy text."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engine import LLM, SamplingParams
@@ -121,16 +127,15 @@ def test_pdmesh_up_with_decode_ranks_answers_as_one_engine() -> None:
         llm.generate(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].text
         for p, n in zip(prompts, lengths, strict=True)
     ]
-    up = Up("--model", "tiny-moe", "--num-kv-blocks", "256", "--num-decode", "2", "--decode-expert-parallel",
-            "--routing", "round_robin", quiet=False)  # fmt: skip
+    up = Up("--model", "tiny-moe", "--num-kv-blocks", "256", "--num-prefill", "2", "--num-decode", "2",
+            "--prefill-expert-parallel", "--decode-expert-parallel", "--routing", "round_robin",
+            quiet=False)  # fmt: skip
     try:
         assert len(re.findall(r"^\s+decode\s+127\.0\.0\.1:\d+", up.text, re.M)) == 2
         decode_metrics = re.findall(r"pdmesh decode ready: grpc=\S+ metrics=(\S+)", up.text)
         assert len(decode_metrics) == 2
-        assert (
-            "expert-parallel rank 0 of 2 (gloo)" in up.text
-            and "expert-parallel rank 1 of 2 (gloo)" in up.text
-        )
+        for rank in (0, 1):  # one prefill and one decode worker each
+            assert up.text.count(f"expert-parallel rank {rank} of 2 (gloo)") == 2
         bodies = [
             {"model": "tiny-moe", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}
             for p, n in zip(prompts, lengths, strict=True)
@@ -139,11 +144,17 @@ def test_pdmesh_up_with_decode_ranks_answers_as_one_engine() -> None:
             answers = list(pool.map(up.complete, bodies))
         assert [a["choices"][0]["text"] for a in answers] == expected
         assert [a["usage"]["completion_tokens"] for a in answers] == lengths
-        for address in decode_metrics:  # both ranks served requests (KV pulled into each)
+        # Every rank served requests: prompt tokens on both prefill ranks, KV pulled into both decode ranks.
+        prefill_metrics = re.findall(r"pdmesh prefill ready: grpc=\S+ metrics=(\S+)", up.text)
+        for role, address, name in [
+            *(("prefill", a, "pdmesh_prefill_prompt_tokens_tokens_total") for a in prefill_metrics),
+            *(("decode", a, "pdmesh_decode_kv_transfer_bytes_total") for a in decode_metrics),
+        ]:
             with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
                 text = resp.read().decode()
-            moved = re.search(r"^pdmesh_decode_kv_transfer_bytes_total (\S+)", text, re.M)
-            assert moved is not None and float(moved.group(1)) > 0, address
+            served = re.search(rf"^{name} (\S+)", text, re.M)
+            assert served is not None and float(served.group(1)) > 0, (role, address)
+        assert len(prefill_metrics) == 2
         up.stop_and_check()
     finally:
         up.kill()
