@@ -94,5 +94,6 @@ class EngineConfig:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if not 0 <= self.expert_parallel_rank < self.expert_parallel_size:
             raise ValueError(
-                f"expert_parallel_rank must be in [0, {self.expert_parallel_size}), got {self.expert_parallel_rank}"
+                f"expert_parallel_rank must be in [0, {self.expert_parallel_size}), "
+                f"got {self.expert_parallel_rank}"
             )

@@ -44,7 +44,7 @@ class Lockstep:
     @classmethod
     def for_engine(cls, engine: LLMEngine) -> Lockstep | None:
         """The lockstep of an engine whose MoE layers exchange tokens with other ranks; None otherwise."""
-        dispatcher = engine.dispatcher
+        dispatcher = engine.model.dispatcher
         if isinstance(dispatcher, AllGatherDispatcher) and dispatcher.ep_size > 1:
             return cls(engine, dispatcher)
         return None

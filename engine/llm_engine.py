@@ -152,7 +152,6 @@ class LLMEngine:
     ) -> None:
         if dispatcher is None and config.expert_parallel_size > 1:
             dispatcher = _join_expert_parallel_group(config)
-        self.dispatcher = dispatcher
         if dispatcher is not None and dispatcher.ep_size > 1 and config.async_scheduling:
             # Ranks that exchange tokens must each run one forward pass per step (engine.data_parallel).
             log.info("asynchronous scheduling is off with several expert-parallel ranks")

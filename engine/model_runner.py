@@ -149,11 +149,7 @@ class ModelRunner:
         again is a no-op."""
         if self.prefill_graphs is not None:
             return True
-        if max_tokens < 1 or self.graphs is None:
-            return False
-        dispatcher = self.model.dispatcher
-        if dispatcher is not None and not isinstance(dispatcher, SingleRankDispatcher):
-            log.info("prefill CUDA graphs need one expert-parallel rank; prefill runs eagerly")
+        if max_tokens < 1 or self.graphs is None:  # no decode graphs: also none with several ranks
             return False
         graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device)
         graphs.capture()

@@ -46,6 +46,8 @@ def test_two_decode_ranks_serve_their_own_requests_and_match_offline() -> None:
                 for r in (0, 1)
             ]
             ranks = [s.result() for s in starts]
+        for r, svc in enumerate(ranks):  # each engine joined the group as its rank (half the experts)
+            assert any(f"expert-parallel rank {r} of 2 (gloo)" in line for line in svc.lines), svc.log()
         _check_ranks(prefill, ranks)
     finally:
         for svc in (*ranks, prefill):
