@@ -21,6 +21,11 @@ MoE expert counters (for the EPLB controller) are updated inside the graph, padd
 padding rows of a graph see the same input, so after capture each graph is replayed once with padding
 only to measure what one padding row adds per layer; a padded replay then subtracts that, times the
 number of padding rows, in one fused launch.
+
+With several expert-parallel ranks the capture is collective (every rank captures the same sizes, in the
+same order, and the MoE layers' token exchanges are captured as NCCL collectives of a fixed size, under
+the dispatcher's ``uniform_batches``). Each step the ranks then replay graphs of one agreed size, each
+with its own real rows and the rest padding (``run``'s ``size``; ``run_padding`` for a rank with none).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 import torch
 
 from engine.models.decoder import AttentionMetadata, DecoderModel
+from engine.moe.dispatch import SingleRankDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +225,10 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64)
         self._dev32[: self.max_batch].copy_(self._host32[: self.max_batch])
         pool = torch.cuda.graph_pool_handle()
-        # Warm-ups and calibration replays see no real tokens: the expert counters are restored.
-        with capturing(), expert_counts_restored(self.model):
+        # Warm-ups and calibration replays see no real tokens: the expert counters are restored. Every
+        # pass in here has the graph's batch on every rank.
+        uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches()
+        with capturing(), expert_counts_restored(self.model), uniform:
             for size in reversed(self.sizes):
                 pieces = self._pieces(size)
                 side = torch.cuda.Stream()
@@ -283,18 +291,22 @@ class DecodeGraphs:
         tables: np.ndarray,
         rows: np.ndarray,
         width: int,
+        size: int | None = None,
     ) -> torch.Tensor:
         """One decode step of ``n = len(token_ids)`` sequences; sequence i's block table is
         ``tables[rows[i], :width]``. Returns the logits ``[n, vocab]`` (fp32): a view of the static
-        buffer, valid until the next replay.
+        buffer, valid until the next replay. It replays the graph of ``size`` (a captured size of at least
+        ``n``: the size the expert-parallel ranks agreed on), by default the smallest that holds ``n``.
 
         ``token_ids`` may be a device tensor (int64), such as the previous step's sampled tokens: it is
         copied into the static input ids on the device, after the staged inputs, without the host
         reading it (asynchronous scheduling)."""
         n = len(token_ids)
-        size = self.bucket_for(n)
+        size = size or self.bucket_for(n)
         if size is None:
             raise ValueError(f"a decode batch of {n} exceeds the largest captured graph ({self.max_batch})")
+        if size not in self.graphs or size < n:
+            raise ValueError(f"no captured decode graph of batch {size} holds {n} sequences")
         b = self.max_batch
         self._copied.synchronize()  # the previous step's copies have left the staging buffers
         on_device = isinstance(token_ids, torch.Tensor)
@@ -318,3 +330,22 @@ class DecodeGraphs:
             torch._foreach_add_(self._counts, g.pad_counts, alpha=-(size - n))
         self.replays[size] += 1
         return self.logits[:n]
+
+    def run_padding(self, size: int) -> None:
+        """Replay the graph of batch ``size`` with padding rows only (an expert-parallel rank with nothing
+        to run joins the others' step): nothing is written to the KV pool, the logits are dropped, and the
+        expert counters are left as they were."""
+        self._copied.synchronize()
+        self._stage_padding(0, size)
+        b = self.max_batch
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32[:b].copy_(self._host32[:b], non_blocking=True)
+        self._copied.record()
+        g = self.graphs[size]
+        if g.pad_counts is None:
+            with expert_counts_restored(self.model):
+                g.replay()
+        else:
+            g.replay()
+            torch._foreach_add_(self._counts, g.pad_counts, alpha=-size)
+        self.replays[size] += 1

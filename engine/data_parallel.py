@@ -10,6 +10,13 @@ expert), as SGLang's data-parallel attention ranks run an idle batch.
 all-reduce over a gloo group), then each runs exactly one forward pass, its engine's step or an idle pass.
 It returns None once no rank has work, so a loop of ``step`` ends on every rank in the same iteration.
 ``LLM`` and ``AsyncEngine`` (so the workers) take this path for an engine with several ranks.
+
+With decode CUDA graphs, each pass also needs the ranks to agree on its shape, since a graph's token
+exchanges have a fixed size: just before it, the ranks all-reduce on the host the largest decode batch any
+of them runs (``ModelRunner.group_batch``), and every rank replays the graph of that bucket, padding its
+own batch (an idle rank: padding only). When any rank's step is not a decode that fits a graph (a prefill
+or mixed step), every rank runs that pass eagerly. This is the padding SGLang's and vLLM's data-parallel
+attention do for their graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ class Lockstep:
             self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
                                               backend="gloo")  # fmt: skip
         self.idle_passes = 0
+        self.graph_passes = 0  # passes the group agreed to replay as decode graphs
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            self._max_batch = graphs.max_batch
+            engine.runner.group_batch = self._agree
 
     @classmethod
     def for_engine(cls, engine: LLMEngine) -> Lockstep | None:
@@ -57,9 +69,10 @@ class Lockstep:
         self.dist.all_reduce(flags, group=self.flags_group)
         if int(flags.item()) == 0:
             return None
-        before = self.dispatcher.forward_passes
+        runner = self.engine.runner
+        before = runner.forward_passes
         outputs = self.engine.step() if mine else []
-        ran = self.dispatcher.forward_passes - before
+        ran = runner.forward_passes - before
         if ran == 0:  # nothing to run, or nothing admitted this step: join the others' pass
             self.engine.runner.idle_pass()
             self.idle_passes += 1
@@ -69,3 +82,17 @@ class Lockstep:
                 "expert-parallel group must run one each (asynchronous scheduling is off for them)"
             )
         return outputs
+
+    def _agree(self, want: int | None) -> int | None:
+        """The pass's decode-graph size (``ModelRunner.group_batch``): this rank wants a graph for ``want``
+        rows (0: an idle pass) or, with None, an eager pass. Every rank calls it once per pass."""
+        over = self._max_batch + 1  # stands for "eager"
+        flags = torch.tensor([over if want is None else want], dtype=torch.int64)
+        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.flags_group)
+        largest = int(flags.item())
+        if largest == over:
+            return None
+        self.graph_passes += 1
+        graphs = self.engine.runner.graphs
+        assert graphs is not None
+        return graphs.bucket_for(max(largest, 1))

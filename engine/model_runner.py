@@ -7,12 +7,19 @@ tokens replays piecewise graphs with attention eager between them (``engine.pref
 batches, and everything on the CPU, run eagerly.
 ``execute_lookahead`` runs a decode step whose input tokens are still on the device (asynchronous
 scheduling), through the same graphs.
+
+With several expert-parallel ranks (data-parallel attention) every rank must run the same kind of pass in
+each step, since the MoE layers exchange tokens: before each pass the ranks agree (``group_batch``, set by
+``engine.data_parallel.Lockstep``) on one decode-graph size, which each pads its own batch to (a rank with
+nothing to run replays that graph with padding only), or on an eager pass when any rank's step is not a
+decode that fits a graph. The prefill graphs stay off with several ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -109,14 +116,24 @@ class ModelRunner:
         # The last step's point before its last decode-graph piece (None: that step did not replay one).
         self.late_point: torch.cuda.Event | None = None
         self._tables: DecodeBlockTables | None = None
+        # Forward passes this runner launched (steps and idle passes, eager or replayed): a lockstep of
+        # several ranks checks that each step ran one.
+        self.forward_passes = 0
+        # With several ranks and decode graphs: the group's agreement on each pass, given this rank's wish
+        # (a decode-graph batch, 0 for an idle pass, None for an eager pass); returns the graph size every
+        # rank replays, or None for an eager pass. Set by ``engine.data_parallel.Lockstep``.
+        self.group_batch: Callable[[int | None], int | None] | None = None
+        self._multi_rank = not isinstance(model.dispatcher or SingleRankDispatcher(), SingleRankDispatcher)
         if cuda_graphs:
             self.enable_cuda_graphs(max_num_seqs, max_model_len or model.cfg.max_position_embeddings)
             self.enable_prefill_graphs(prefill_graph_tokens)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode graphs for batches up to ``min(max_num_seqs, 256)``; returns whether decode
-        now runs as graphs (only on CUDA devices with the Triton ops and one expert-parallel rank). Calling
-        it again is a no-op."""
+        now runs as graphs (only on CUDA devices with the Triton ops). Calling it again is a no-op.
+
+        With several expert-parallel ranks it is collective: every rank captures the same sizes (the
+        ranks must have the same ``max_num_seqs``), and each pass then needs ``group_batch``."""
         if self.graphs is not None:
             return True
         if self.device.type != "cuda":
@@ -127,20 +144,30 @@ class ModelRunner:
                 "decode runs eagerly"
             )
             return False
-        dispatcher = self.model.dispatcher
-        if dispatcher is not None and not isinstance(dispatcher, SingleRankDispatcher):
-            # Its first MoE layer of each pass reads the ranks' token counts on the host, which a capture
-            # cannot hold (and a graph would fix every rank's batch at capture).
-            log.info("decode CUDA graphs need one expert-parallel rank; decode runs eagerly")
-            return False
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
         graphs = DecodeGraphs(
             self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device
         )
+        if self._multi_rank:
+            self._check_same_graph_sizes(graphs.max_batch)
         graphs.capture()
         self.graphs = graphs
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
         return True
+
+    def _check_same_graph_sizes(self, max_batch: int) -> None:
+        """Collective: every rank's decode graphs go up to the same batch (they capture, and later
+        replay, the same sizes together)."""
+        import torch.distributed as dist
+
+        dispatcher = self.model.dispatcher
+        t = torch.tensor([max_batch, -max_batch], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(dispatcher, "group", None))
+        if int(t[0]) != max_batch or -int(t[1]) != max_batch:
+            raise ValueError(
+                f"the expert-parallel ranks' decode graphs go up to different batches ({-int(t[1])} to "
+                f"{int(t[0])}); give every rank the same max_num_seqs"
+            )
 
     def enable_prefill_graphs(self, max_tokens: int) -> bool:
         """Capture piecewise graphs for steps of up to ``max_tokens`` tokens that are not decode-graph
@@ -149,7 +176,10 @@ class ModelRunner:
         again is a no-op."""
         if self.prefill_graphs is not None:
             return True
-        if max_tokens < 1 or self.graphs is None:  # no decode graphs: also none with several ranks
+        if max_tokens < 1 or self.graphs is None:
+            return False
+        if self._multi_rank:  # the ranks' steps would have to agree on one piece size too
+            log.info("prefill CUDA graphs need one expert-parallel rank; prefill runs eagerly")
             return False
         graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device)
         graphs.capture()
@@ -206,9 +236,31 @@ class ModelRunner:
         """One forward pass of a single padding token, for an expert-parallel rank with nothing to run
         while the others run a step: its MoE layers take part in their token exchanges (which every rank
         must join), nothing is written to the KV pool, no logits are computed, and the expert counters
-        are left as they were."""
+        are left as they were. With decode graphs it first agrees with the others on the pass: a graph,
+        replayed with padding only, or this eager pass."""
+        self.forward_passes += 1
+        size = self._group_graph_size(0)
+        if size is not None:
+            assert self.graphs is not None
+            self.graphs.run_padding(size)
+            return
         with expert_counts_restored(self.model):
             self._scratch_forward(1)
+
+    def _group_graph_size(self, want: int | None) -> int | None:
+        """The decode-graph size this pass replays, given this rank's wish (a decode batch that fits a
+        graph, 0 for an idle pass, None for a pass that must run eagerly): the group's agreement with
+        several ranks, else the wish's own bucket."""
+        if self.graphs is None:
+            return None
+        if self._multi_rank:
+            if self.group_batch is None:
+                raise RuntimeError(
+                    "an expert-parallel rank with decode graphs runs its passes through a lockstep "
+                    "(engine.data_parallel.Lockstep), which agrees on each pass with the other ranks"
+                )
+            return self.group_batch(want)
+        return None if not want else self.graphs.bucket_for(want)
 
     def prepare(
         self, batch: ScheduledBatch, in_flight: int = 0
@@ -264,6 +316,8 @@ class ModelRunner:
         decode the tokens still on the device (``execute_lookahead``), the others compute their
         ``num_new_tokens`` from the host, each to its end. Every row samples; returns the logits [n, V]."""
         self.late_point = None
+        self._single_rank_only("asynchronous scheduling")
+        self.forward_passes += 1
         k = decode_ids.shape[0]
         batch = ScheduledBatch(seqs=seqs, num_new_tokens=num_new_tokens)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch, in_flight=k)
@@ -286,12 +340,12 @@ class ModelRunner:
         After a graph replay the logits are a view of the graph's output buffer: use them before the
         next step."""
         self.late_point = None
-        if (
-            self.graphs is not None
-            and max(batch.num_new_tokens) == 1
-            and self.graphs.bucket_for(len(batch.seqs)) is not None
-        ):
-            return self._execute_decode_graph(batch.seqs)
+        self.forward_passes += 1
+        n = len(batch.seqs)
+        fits = self.graphs is not None and max(batch.num_new_tokens) == 1 and self.graphs.bucket_for(n)
+        size = self._group_graph_size(n if fits else None)
+        if size is not None:
+            return self._execute_decode_graph(batch.seqs, size)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
         if not sample_seqs:
@@ -303,7 +357,9 @@ class ModelRunner:
         ``input_ids[i]``, not yet in sequence i's ``output_token_ids``, goes at position
         ``seqs[i].num_computed_tokens``, whose KV slot the block table already covers. Every row samples;
         returns the logits [n, V] (fp32; after a graph replay, a view valid until the next step)."""
+        self._single_rank_only("asynchronous scheduling")
         self.late_point = None
+        self.forward_passes += 1
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         if self.graphs is not None and self.graphs.bucket_for(n) is not None:
@@ -323,12 +379,18 @@ class ModelRunner:
         hidden = self.model(input_ids, host_to_device(torch.from_numpy(positions), dev), self.kv_pool, meta)
         return self.model.compute_logits(hidden)
 
-    def _execute_decode_graph(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+    def _single_rank_only(self, what: str) -> None:
+        if self._multi_rank:
+            raise RuntimeError(f"{what} is not supported with several expert-parallel ranks")
+
+    def _execute_decode_graph(
+        self, seqs: list[Sequence], size: int | None = None
+    ) -> tuple[list[Sequence], torch.Tensor]:
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         token_ids = np.fromiter((s.token_at(s.num_computed_tokens) for s in seqs), dtype=np.int64, count=n)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
-        logits = self._replay_decode(seqs, positions, token_ids)
+        logits = self._replay_decode(seqs, positions, token_ids, size)
         sampling = np.flatnonzero(positions + 1 == num_tokens)
         if len(sampling) == n:
             return seqs, logits
@@ -337,14 +399,18 @@ class ModelRunner:
         return [seqs[i] for i in sampling], logits[index]
 
     def _replay_decode(
-        self, seqs: list[Sequence], positions: np.ndarray, token_ids: np.ndarray | torch.Tensor
+        self,
+        seqs: list[Sequence],
+        positions: np.ndarray,
+        token_ids: np.ndarray | torch.Tensor,
+        size: int | None = None,
     ) -> torch.Tensor:
         assert self.graphs is not None and self._tables is not None
         rows, width = self._tables.rows_for(seqs)
         bs = self.block_size
         slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
-        logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width)
+        logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width, size)
         self.late_point = self.graphs.late_point
         return logits
 

@@ -57,9 +57,11 @@ def _rank_main(
         llm = LLM("tiny-moe", num_kv_blocks=64, dispatcher=AllGatherDispatcher(), **(engine_kw or {}))
         # Each rank holds half of the 8 physical experts.
         assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
-        # Decode cannot be captured with several ranks (the dispatcher reads token counts on the host).
-        assert llm.engine.runner.graphs is None
+        graphs = llm.engine.runner.graphs
+        assert (graphs is not None) == bool(engine_kw)  # decode graphs on the GPU, with several ranks too
         out[rank] = [o.token_ids for o in llm.generate(prompts[rank], PARAMS)]
+        if graphs is not None:
+            out[f"replays{rank}"] = sum(graphs.replays.values())
     finally:
         dist.destroy_process_group()
 
@@ -76,8 +78,8 @@ def test_allgather_dispatch_over_two_gloo_ranks_matches_single_rank() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_gpu_allgather_dispatch_over_two_nccl_ranks_matches_single_rank() -> None:
-    """Two GPUs, one rank each, all-gather and all-reduce over NCCL: the single GPU's tokens (its engine
-    with decode graphs, the ranks' without)."""
+    """Two GPUs, one rank each, all-gather and all-reduce over NCCL: the single GPU's tokens. Both the
+    single GPU and the ranks decode through CUDA graphs (the ranks' capture their token exchanges)."""
     single = LLM("tiny-moe", num_kv_blocks=64, **GPU_ENGINE)
     assert single.engine.runner.graphs is not None
     expected = [single.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
@@ -85,6 +87,51 @@ def test_gpu_allgather_dispatch_over_two_nccl_ranks_matches_single_rank() -> Non
     out = mp.Manager().dict()
     mp.spawn(_rank_main, args=(2, free_port(), [[p] for p in PROMPTS], out, GPU_ENGINE), nprocs=2, join=True)
     assert [out[0][0], out[1][0]] == expected
+    # One prefill pass, then every decode step of the 12 tokens replays a graph on both ranks.
+    assert out["replays0"] == out["replays1"] == PARAMS.max_tokens - 1
+
+
+def _uniform_rank_main(rank: int, world: int, port: int, out: dict) -> None:
+    """One MoE block's dispatch with the ranks' batches padded to one size (``uniform_batches``, what the
+    decode graphs capture) against the same rows exchanged with their true counts."""
+    import torch.distributed as dist
+
+    from engine.moe.dispatch import AllGatherDispatcher
+
+    _join(rank, world, port, None)
+    try:
+        llm = LLM("tiny-moe", num_kv_blocks=64, dispatcher=AllGatherDispatcher())
+        blk = llm.engine.model.moe_blocks()[0]
+        dispatcher = blk.dispatcher
+        hidden = blk.gate.shape[1]
+        gen = torch.Generator().manual_seed(rank)
+        rows = 3 if rank == 0 else 1  # uneven: rank 1 pads two rows of zeros
+        x = torch.randn(rows, hidden, generator=gen)
+        dispatcher.begin_forward()
+        exact = blk(x)
+        padded = torch.cat([x, torch.zeros(3 - rows, hidden)])
+        before = [c.clone() for c in (b.expert_counts for b in llm.engine.model.moe_blocks())]
+        with dispatcher.uniform_batches():
+            dispatcher.begin_forward()
+            uniform = blk(padded)
+        out[rank] = {
+            "same": torch.allclose(uniform[:rows], exact, rtol=1e-5, atol=1e-6),
+            "rows": tuple(uniform.shape),
+            "counted": int(blk.expert_counts.sum() - before[0].sum()),
+            "top_k": blk.top_k,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_uniform_batches_dispatch_matches_exchanged_counts() -> None:
+    out = mp.Manager().dict()
+    mp.spawn(_uniform_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert out[rank]["same"], rank
+        assert out[rank]["rows"] == (3, out[rank]["rows"][1])
+        assert out[rank]["counted"] == 3 * out[rank]["top_k"]  # padding rows route too (graphs correct it)
 
 
 # Ranks with uneven work: rank 0 one long generation, rank 1 two short ones (one prompt a prefix of the
@@ -115,7 +162,10 @@ def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: 
             len(o.prompt_token_ids) - o.num_cached_tokens + len(o.token_ids) - 1 for o in first + second
         )
         blocks = llm.engine.model.moe_blocks()
+        graphs = llm.engine.runner.graphs
         out[rank] = {
+            "graph_passes": llm._lockstep.graph_passes if llm._lockstep else -1,
+            "replays": sum(graphs.replays.values()) if graphs is not None else 0,
             "first": [o.token_ids for o in first],
             "second": [o.token_ids for o in second],
             "idle_passes": llm._lockstep.idle_passes if llm._lockstep else -1,
@@ -151,5 +201,10 @@ def check_uneven_work(engine_kw: dict) -> None:
     assert out[0]["second"] == expected[0] and out[1]["second"] == []
     # Rank 1's 4-token generations end well before rank 0's 12, and the second call is all idle for it.
     assert out[0]["idle_passes"] == 0 and out[1]["idle_passes"] >= 12
+    if engine_kw:  # the decode passes were graphs, on both ranks alike: rank 1's idle ones padding only
+        assert out[0]["graph_passes"] == out[1]["graph_passes"] >= 2 * (PARAMS.max_tokens - 1)
+        assert out[0]["replays"] == out[1]["replays"] == out[0]["graph_passes"]
+    else:
+        assert out[0]["replays"] == out[1]["replays"] == 0
     for rank in (0, 1):
         assert out[rank]["pairs"] == [out[rank]["expected_pairs"]] * len(out[rank]["pairs"]), rank

@@ -8,7 +8,8 @@ A DeepEP backend would implement the same interface (none is wired in).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -24,6 +25,12 @@ class TokenDispatcher(Protocol):
     def begin_forward(self) -> None:
         """Called once per forward pass, before its first MoE layer (every layer of a pass sees the same
         tokens, so per-pass facts such as the ranks' token counts can be exchanged once)."""
+        ...
+
+    def uniform_batches(self) -> AbstractContextManager[None]:
+        """Within it, every rank's forward passes have the same number of tokens (padded decode batches
+        of one agreed size), so ``run`` exchanges no counts and synchronises no host: what a CUDA graph
+        capture needs."""
         ...
 
     def run(
@@ -49,6 +56,9 @@ class SingleRankDispatcher:
     def begin_forward(self) -> None:
         pass
 
+    def uniform_batches(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
     def run(
         self,
         x: torch.Tensor,
@@ -61,7 +71,12 @@ class SingleRankDispatcher:
 
 
 class AllGatherDispatcher:
-    """All-gather tokens over the EP group, compute local experts, sum the partial outputs."""
+    """All-gather tokens over the EP group, compute local experts, sum the partial outputs.
+
+    Ranks may have different token counts in a pass: its first MoE layer exchanges them (a host
+    synchronisation), and the gathers pad to the largest. Within ``uniform_batches`` (the decode graphs,
+    whose batches the ranks pad to one agreed size) there is no exchange, and over NCCL the gather and the
+    sum are one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor``, so a pass can be captured."""
 
     def __init__(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         import torch.distributed as dist
@@ -70,14 +85,20 @@ class AllGatherDispatcher:
         self.group = group
         self.ep_rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
-        # Forward passes begun on this rank: every rank must run each pass the others run
-        # (``engine.data_parallel.Lockstep`` counts them to keep the ranks together).
-        self.forward_passes = 0
+        self.nccl = dist.get_backend(group) == "nccl"
+        self._uniform = False
         self._counts: list[int] | None = None  # tokens per rank in the current forward pass
 
     def begin_forward(self) -> None:
         self._counts = None
-        self.forward_passes += 1
+
+    @contextmanager
+    def uniform_batches(self) -> Iterator[None]:
+        self._uniform = True
+        try:
+            yield
+        finally:
+            self._uniform = False
 
     def run(
         self,
@@ -89,23 +110,33 @@ class AllGatherDispatcher:
     ) -> torch.Tensor:
         dist = self.dist
         n_local = x.shape[0]
-        if self._counts is None:  # the pass's first MoE layer: one exchange (and host sync) per pass
+        if self._uniform:  # every rank has n_local rows: nothing to exchange first, nothing to pad
+            counts = [n_local] * self.ep_size
+        elif self._counts is None:  # the pass's first MoE layer: one exchange (and host sync) per pass
             sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
             dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
-            self._counts = [int(s.item()) for s in sizes]
+            self._counts = counts = [int(s.item()) for s in sizes]
         elif self._counts[self.ep_rank] != n_local:
             raise RuntimeError(
                 f"rank {self.ep_rank} has {n_local} tokens in this MoE layer but {self._counts[self.ep_rank]} "
                 "in the pass's first one: begin_forward() must be called at the start of every forward pass"
             )
-        counts = self._counts
+        else:
+            counts = self._counts
         max_n = max(counts)
+        uniform = min(counts) == max_n
 
         def gather(t: torch.Tensor) -> torch.Tensor:
-            padded = torch.zeros((max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            padded[:n_local] = t
+            if uniform and self.nccl:  # one collective into one buffer
+                out = torch.empty((self.ep_size * max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+                return out
+            padded = t
+            if not uniform:
+                padded = torch.zeros((max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                padded[:n_local] = t
             parts = [torch.empty_like(padded) for _ in range(self.ep_size)]
-            dist.all_gather(parts, padded, group=self.group)
+            dist.all_gather(parts, padded.contiguous(), group=self.group)
             return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
 
         all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
@@ -115,8 +146,12 @@ class AllGatherDispatcher:
         local_ids = torch.where(local, all_ids - lo, torch.zeros_like(all_ids))
         local_w = torch.where(local, all_w, torch.zeros_like(all_w))
         y = expert_fn(all_x, local_w, local_ids)
+        if uniform and self.nccl:  # sum the partial outputs and keep this rank's rows in one collective
+            out = torch.empty_like(x)
+            dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
+            return out
         # Sum the partial outputs across ranks, then keep this rank's own tokens. (An all-reduce rather
-        # than a reduce-scatter: gloo has no reduce-scatter, and the rows per rank differ.)
+        # than a reduce-scatter: gloo has no reduce-scatter, and the rows per rank may differ.)
         dist.all_reduce(y, group=self.group)
         start = sum(counts[: self.ep_rank])
         return y[start : start + n_local]
