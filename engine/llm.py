@@ -40,6 +40,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._lockstep = Lockstep.for_engine(self.engine)
 
+    def close(self) -> None:
+        """``LLMEngine.close``: the engine's graphs, and its expert-parallel group if it joined one."""
+        self.engine.close()
+
     def _step(self) -> list[RequestOutput] | None:
         """One engine step (None: with several ranks, no rank has work left)."""
         if self._lockstep is not None:

@@ -150,7 +150,12 @@ class LLMEngine:
         event_sink: KVEventSink | None = None,
         dispatcher: TokenDispatcher | None = None,
     ) -> None:
+        # Whether this engine joined the expert-parallel process group itself (``close`` then leaves it).
+        self._owns_group = False
         if dispatcher is None and config.expert_parallel_size > 1:
+            import torch.distributed as dist
+
+            self._owns_group = not dist.is_initialized()
             dispatcher = _join_expert_parallel_group(config)
         if dispatcher is not None and dispatcher.ep_size > 1 and config.async_scheduling:
             # Ranks that exchange tokens must each run one forward pass per step (engine.data_parallel).
@@ -675,6 +680,17 @@ class LLMEngine:
         )
 
     # ---- introspection -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what outlives the engine's requests: its CUDA graphs, and the expert-parallel process
+        group if the engine joined it (a collective: every rank closes). Nothing may step it afterwards."""
+        self.runner.release_graphs()
+        if self._owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_group = False
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

@@ -17,6 +17,7 @@ decode that fits a graph. The prefill graphs stay off with several ranks.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -154,6 +155,18 @@ class ModelRunner:
         self.graphs = graphs
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
         return True
+
+    def release_graphs(self) -> None:
+        """Drop the captured graphs (decode and prefill) once the device is done with them; later passes
+        run eagerly. With several ranks, before the process group is destroyed: a graph that captured
+        NCCL collectives keeps their communicator busy, and destroying the group then hangs."""
+        if self.graphs is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self.graphs = self.prefill_graphs = None
+        self._tables = None
+        self.group_batch = None
+        gc.collect()
 
     def _check_same_graph_sizes(self, max_batch: int) -> None:
         """Collective: every rank's decode graphs go up to the same batch (they capture, and later

@@ -535,6 +535,8 @@ async def serve_worker(
     await server.stop(grace=2.0)
     aengine.stop()
     transfer.close()
+    if not aengine.alive:  # its thread has stopped: nothing steps the engine any more
+        engine.close()
 
 
 async def _register(

@@ -4,10 +4,12 @@ work per rank (``engine.data_parallel.Lockstep``: a rank with nothing to run joi
 on two GPUs (marked ``gpu``, skipped with fewer) over NCCL, with the Triton ops.
 
 A rank that missed a collective would leave the other waiting: the process groups time out after
-``TIMEOUT``, so such a bug fails the test instead of hanging it."""
+``TIMEOUT``, and a rank process still running ``WATCHDOG`` after its start exits with its stacks dumped,
+so such a bug fails the test instead of hanging it."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from datetime import timedelta
 
@@ -23,6 +25,7 @@ from mesh.cli import free_port
 PROMPTS = [[5, 17, 99, 3, 250, 7, 64, 12, 200], [200, 12, 64, 7, 250, 3, 99, 17, 5]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 TIMEOUT = timedelta(seconds=120)
+WATCHDOG = TIMEOUT.total_seconds() + 60
 
 
 # The GPU variant's engines: the Triton ops (with CUDA graphs where they apply), float32 so that the
@@ -34,6 +37,7 @@ def _join(rank: int, world: int, port: int, engine_kw: dict | None) -> None:
     """This process's rank of the group: over NCCL, one GPU each, for GPU engines; over gloo otherwise."""
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(WATCHDOG, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if engine_kw:
@@ -62,6 +66,7 @@ def _rank_main(
         out[rank] = [o.token_ids for o in llm.generate(prompts[rank], PARAMS)]
         if graphs is not None:
             out[f"replays{rank}"] = sum(graphs.replays.values())
+        llm.close()  # the graphs, before the group they captured collectives of
     finally:
         dist.destroy_process_group()
 
@@ -147,6 +152,7 @@ def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: 
     (gloo on the CPU; NCCL and GPU ``rank`` on CUDA) and makes the dispatcher."""
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(WATCHDOG, exit=True)
     torch.set_num_threads(1)
     try:
         llm = LLM(
@@ -173,6 +179,8 @@ def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: 
             "pairs": [int(b.expert_counts.sum()) for b in blocks],
             "expected_pairs": forwarded * blocks[0].top_k,
         }
+        llm.close()  # the graphs, then the group the engine joined
+        assert not dist.is_initialized()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,185 @@
+"""Decode with several expert-parallel ranks on one host: CUDA graphs against eager passes, and one GPU.
+
+Each of ``--world`` processes is one rank with one GPU (NCCL): data-parallel attention over its own
+``batch`` sequences, the Qwen3-30B-A3B-shaped MoE layers' experts split between the ranks
+(``AllGatherDispatcher``), random bf16 weights (``load_format="dummy"``). Sequences enter as a decode
+worker's do (``reserve_import`` + ``commit_import``, ``--ctx`` tokens of context already in the pool), and
+the ranks step together (``engine.data_parallel.Lockstep``). Per batch, the same engines run:
+
+- ``graphs``: each pass replays the decode graph of the bucket the ranks agree on;
+- ``eager``: the graphs put aside, every pass runs eagerly (with a host exchange of the ranks' token counts).
+
+``--world 1`` runs the same steps on one GPU holding every expert (no exchange), for reference.
+
+Each row: the median step (wall, rank 0: the host's agreement, the pass and sampling), the median graph
+replay (device time, both ranks replaying together), tokens/s over all ranks, and the roofline of one rank:
+the bytes it must read from HBM in a step (non-expert weights, its experts that the group's tokens
+activate, counted from the router per layer, and its KV) over the measured copy rate. The exchanges'
+NVLink traffic is not in the roofline.
+
+Run from the repository root on a host with ``--world`` GPUs:
+``PYTHONUNBUFFERED=1 python3 benchmarks/ep_bench.py --world 2 --out DIR``; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import copy_gbps  # noqa: E402
+from gpu_bench import QWEN3_30B_A3B, count_weights, cuda_median_ms, write_config  # noqa: E402
+
+log = logging.getLogger("ep_bench")
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.data_parallel import Lockstep
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s r{rank} %(name)s %(message)s")
+    torch.cuda.set_device(rank)
+    cfg = dict(QWEN3_30B_A3B)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    model_dir = write_config(cfg, smoke=False)
+    batches = [int(b) for b in args.batches.split(",")]
+    steps = args.warmup + args.steps
+    blocks = max(batches) * -(-(args.ctx + steps + 16) // 16)
+    ep = {"expert_parallel_size": world, "expert_parallel_rank": rank} if world > 1 else {}
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir), device="cuda", dtype="bfloat16", kernel_backend="triton",
+            load_format="dummy", num_kv_blocks=blocks, max_num_seqs=max(batches), max_model_len=8192,
+            distributed_init_method=f"tcp://127.0.0.1:{port}", async_scheduling=False, **ep,
+        )
+    )  # fmt: skip
+    with torch.no_grad():
+        engine.kv_pool.normal_()
+    lockstep = Lockstep.for_engine(engine)
+    runner = engine.runner
+    graphs, agree = runner.graphs, runner.group_batch
+    step = lockstep.step if lockstep else engine.step
+    wb = count_weights(engine.model_config, 2)
+    hbm = copy_gbps() if rank == 0 else 0.0
+    vocab = engine.vocab_size
+    rows = []
+    for batch in batches:
+        for mode in args.modes.split(","):
+            if mode == "eager":  # every rank puts its graphs aside for these passes
+                runner.graphs, runner.group_batch = None, None
+            rng = np.random.default_rng(rank * 7919 + batch)
+            params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
+            rids = []
+            for i in range(batch):
+                rid = f"r{rank}-{mode}-b{batch}-{i}"
+                engine.reserve_import(rid, rng.integers(0, vocab, args.ctx).tolist(), params)
+                engine.commit_import(rid, int(rng.integers(0, vocab)))
+                rids.append(rid)
+            for _ in range(args.warmup):
+                step()
+            engine.take_expert_counts()
+            step()
+            counts = engine.take_expert_counts()  # this rank's tokens over all physical experts
+            times = []
+            for _ in range(args.steps):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            replay_ms = float("nan")
+            if mode == "graphs" and graphs is not None:
+                size = graphs.bucket_for(batch)
+                replay_ms = cuda_median_ms(lambda size=size: graphs.replay(size), iters=20)
+            for rid in rids:
+                engine.abort(rid)
+            if lockstep is not None:
+                while lockstep.step() is not None:  # every rank leaves in the same step
+                    pass
+            while engine.has_unfinished():
+                engine.step()
+            runner.graphs, runner.group_batch = graphs, agree
+            rows.append(
+                dict(batch=batch, mode=mode, step_ms=statistics.median(times) * 1e3, replay_ms=replay_ms,
+                     counts=counts.tolist() if counts is not None else None)
+            )  # fmt: skip
+    out[rank] = {"rows": rows, "hbm": hbm, "wb": wb.__dict__, "layers": engine.model_config.num_layers}
+    engine.close()
+
+
+def roofline_ms(wb: dict[str, Any], counts_all: list[list[list[int]]], world: int, rank: int,
+                batch: int, ctx: int, hbm: float) -> float:  # fmt: skip
+    """One rank's bytes per step over the copy rate: its non-expert weights, its physical experts that any
+    rank's tokens activate (per layer), its KV."""
+    layers = np.array(counts_all[0]).shape[0]
+    total = np.sum(np.array(counts_all), axis=0)  # [layers, physical experts], all ranks' tokens
+    per_rank = total.shape[1] // world
+    local = total[:, rank * per_rank : (rank + 1) * per_rank]
+    experts = float((local > 0).sum()) / layers * wb["moe_layers"]
+    kv = batch * (ctx + 8) * wb["kv_bytes_per_token"]
+    return (wb["per_step_dense"] + experts * wb["per_expert"] + kv) / hbm / 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=max(1, torch.cuda.device_count()))
+    p.add_argument("--batches", default="1,16,64", help="sequences per rank")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--modes", default="graphs,eager")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the model's 48)")
+    p.add_argument("--out", default=os.environ.get("OUT", "ep_bench_out"))
+    args = p.parse_args()
+    if torch.cuda.device_count() < args.world:
+        sys.exit(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} visible")
+    from mesh.cli import free_port
+
+    out = mp.Manager().dict()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    mp.spawn(_rank, args=(args.world, free_port(), args, out), nprocs=args.world, join=True)
+    hbm = out[0]["hbm"]
+    table = []
+    for i, row in enumerate(out[0]["rows"]):
+        counts = [out[r]["rows"][i]["counts"] for r in range(args.world)]
+        roof = roofline_ms(out[0]["wb"], counts, args.world, 0, row["batch"], args.ctx, hbm)
+        best = row["replay_ms"] if row["replay_ms"] == row["replay_ms"] else row["step_ms"]
+        table.append(
+            dict(world=args.world, batch_per_rank=row["batch"], mode=row["mode"], step_ms=row["step_ms"],
+                 replay_ms=row["replay_ms"], tok_s=args.world * row["batch"] / row["step_ms"] * 1e3,
+                 roofline_ms=roof, pct_roofline=100 * roof / best)
+        )  # fmt: skip
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"ep_bench_w{args.world}.json").write_text(
+        json.dumps({"started": started, "ctx": args.ctx, "hbm_gbps": hbm, "rows": table}, indent=1)
+    )
+    print(
+        f"\nexpert-parallel decode, {args.world} rank(s), ctx {args.ctx}, copy rate {hbm:.0f} GB/s ({started})"
+    )
+    print("| ranks | batch/rank | mode | step ms | graph ms | tok/s (all ranks) | roofline ms | % |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in table:
+        print(
+            f"| {r['world']} | {r['batch_per_rank']} | {r['mode']} | {r['step_ms']:.2f} | {r['replay_ms']:.2f} "
+            f"| {r['tok_s']:.0f} | {r['roofline_ms']:.2f} | {r['pct_roofline']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
