@@ -270,6 +270,15 @@ class DecodeGraphs:
         for size, g in self.graphs.items():
             g.pad_counts = padding_counts(self._counts, g.replay, size, f"batch-{size} decode graph")
 
+    def release(self) -> None:
+        """Free every captured graph now (not when the last reference goes): a graph that captured NCCL
+        collectives keeps their communicator busy. The object cannot replay afterwards."""
+        for g in self.graphs.values():
+            for piece in g.pieces:
+                piece.reset()
+            g.pieces.clear()
+        self.graphs.clear()
+
     # ---- replay ----------------------------------------------------------------------------------
     def replay(self, size: int) -> None:
         """Launch the step of batch ``size`` on the inputs staged last (benchmarks time this alone)."""

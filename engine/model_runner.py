@@ -163,6 +163,9 @@ class ModelRunner:
         if self.graphs is None:
             return
         torch.cuda.synchronize(self.device)
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
         self.graphs = self.prefill_graphs = None
         self._tables = None
         self.group_batch = None

@@ -77,6 +77,13 @@ class PrefillGraphs:
                 return size
         return None
 
+    def release(self) -> None:
+        """Free every captured graph now (``DecodeGraphs.release``); the object cannot replay afterwards."""
+        for graphs in self._graphs.values():
+            for graph in graphs:
+                graph.reset()
+        self._graphs.clear()
+
     # ---- pieces ----------------------------------------------------------------------------------
     def _pieces(self, size: int) -> list[Callable[[], None]]:
         model = self.model
