@@ -7,11 +7,14 @@ worker's do (``reserve_import`` + ``commit_import``, ``--ctx`` tokens of context
 the ranks step together (``engine.data_parallel.Lockstep``). Per batch, the same engines run:
 
 - ``graphs``: each pass replays the decode graph of the bucket the ranks agree on;
+- ``device-flags``: the same, with the lockstep's per-step flags exchanged as device tensors over NCCL
+  instead of host tensors over gloo;
 - ``eager``: the graphs put aside, every pass runs eagerly (with a host exchange of the ranks' token counts).
 
 ``--world 1`` runs the same steps on one GPU holding every expert (no exchange), for reference.
 
-Each row: the median step (wall, rank 0: the host's agreement, the pass and sampling), the median graph
+Each row: the median step (wall, rank 0: the host's agreement, the pass and sampling), the part of a step
+spent in the lockstep's two flag exchanges (rank 0, mean), the median graph
 replay (device time, both ranks replaying together), tokens/s over all ranks, and the roofline of one rank:
 the bytes it must read from HBM in a step (non-expert weights, its experts that the group's tokens
 activate, counted from the router per layer, and its KV) over the measured copy rate. The exchanges'
@@ -70,18 +73,22 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
     )  # fmt: skip
     with torch.no_grad():
         engine.kv_pool.normal_()
-    lockstep = Lockstep.for_engine(engine)
     runner = engine.runner
-    graphs, agree = runner.graphs, runner.group_batch
-    step = lockstep.step if lockstep else engine.step
+    graphs = runner.graphs
+    locksteps = {
+        "host": Lockstep.for_engine(engine),
+        "device": Lockstep.for_engine(engine, flags_on_device=True),
+    }
     wb = count_weights(engine.model_config, 2)
     hbm = copy_gbps() if rank == 0 else 0.0
     vocab = engine.vocab_size
     rows = []
     for batch in batches:
         for mode in args.modes.split(","):
-            if mode == "eager":  # every rank puts its graphs aside for these passes
-                runner.graphs, runner.group_batch = None, None
+            lockstep = locksteps["device" if mode == "device-flags" else "host"]
+            step = lockstep.step if lockstep else engine.step
+            runner.graphs = None if mode == "eager" else graphs  # every rank puts its graphs aside alike
+            runner.group_batch = lockstep._agree if lockstep and runner.graphs else None
             rng = np.random.default_rng(rank * 7919 + batch)
             params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
             rids = []
@@ -96,12 +103,14 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             step()
             counts = engine.take_expert_counts()  # this rank's tokens over all physical experts
             times = []
+            synced = lockstep.sync_seconds if lockstep else 0.0
             for _ in range(args.steps):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 step()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
+            sync_ms = ((lockstep.sync_seconds if lockstep else 0.0) - synced) / args.steps * 1e3
             replay_ms = float("nan")
             if mode == "graphs" and graphs is not None:
                 size = graphs.bucket_for(batch)
@@ -113,9 +122,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
                     pass
             while engine.has_unfinished():
                 engine.step()
-            runner.graphs, runner.group_batch = graphs, agree
             rows.append(
                 dict(batch=batch, mode=mode, step_ms=statistics.median(times) * 1e3, replay_ms=replay_ms,
+                     sync_ms=sync_ms,
                      counts=counts.tolist() if counts is not None else None)
             )  # fmt: skip
     out[rank] = {"rows": rows, "hbm": hbm, "wb": wb.__dict__, "layers": engine.model_config.num_layers}
@@ -140,7 +149,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=max(1, torch.cuda.device_count()))
     p.add_argument("--batches", default="1,16,64", help="sequences per rank")
     p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--modes", default="graphs,eager")
+    p.add_argument("--modes", default="graphs,device-flags,eager")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the model's 48)")
@@ -161,6 +170,7 @@ def main() -> None:
         best = row["replay_ms"] if row["replay_ms"] == row["replay_ms"] else row["step_ms"]
         table.append(
             dict(world=args.world, batch_per_rank=row["batch"], mode=row["mode"], step_ms=row["step_ms"],
+                 sync_ms=row["sync_ms"],
                  replay_ms=row["replay_ms"], tok_s=args.world * row["batch"] / row["step_ms"] * 1e3,
                  roofline_ms=roof, pct_roofline=100 * roof / best)
         )  # fmt: skip
@@ -172,11 +182,14 @@ def main() -> None:
     print(
         f"\nexpert-parallel decode, {args.world} rank(s), ctx {args.ctx}, copy rate {hbm:.0f} GB/s ({started})"
     )
-    print("| ranks | batch/rank | mode | step ms | graph ms | tok/s (all ranks) | roofline ms | % |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    print(
+        "| ranks | batch/rank | mode | step ms | flags ms | graph ms | tok/s (all ranks) | roofline ms | % |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in table:
         print(
-            f"| {r['world']} | {r['batch_per_rank']} | {r['mode']} | {r['step_ms']:.2f} | {r['replay_ms']:.2f} "
+            f"| {r['world']} | {r['batch_per_rank']} | {r['mode']} | {r['step_ms']:.2f} | {r['sync_ms']:.2f} "
+            f"| {r['replay_ms']:.2f} "
             f"| {r['tok_s']:.0f} | {r['roofline_ms']:.2f} | {r['pct_roofline']:.0f} |"
         )
 

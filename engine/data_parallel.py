@@ -21,6 +21,8 @@ attention do for their graphs.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -34,18 +36,27 @@ class Lockstep:
     flags) and calls ``step`` the same number of times; the engine must not be stepped by anything else
     meanwhile."""
 
-    def __init__(self, engine: LLMEngine, dispatcher: AllGatherDispatcher) -> None:
+    def __init__(
+        self, engine: LLMEngine, dispatcher: AllGatherDispatcher, flags_on_device: bool = False
+    ) -> None:
+        """``flags_on_device``: exchange the per-step flags as device tensors over the dispatcher's NCCL
+        group instead of host tensors over a gloo group."""
         import torch.distributed as dist
 
         self.dist = dist
         self.engine = engine
         self.dispatcher = dispatcher
         group = dispatcher.group
+        self.flags_device = torch.device("cpu")
         if dist.get_backend(group) == "gloo":
             self.flags_group = group
+        elif flags_on_device:
+            self.flags_group = group
+            self.flags_device = torch.device("cuda", torch.cuda.current_device())
         else:  # host tensors need a gloo group over the same ranks
             self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
                                               backend="gloo")  # fmt: skip
+        self.sync_seconds = 0.0  # host time spent in the per-step flag exchanges
         self.idle_passes = 0
         self.graph_passes = 0  # passes the group agreed to replay as decode graphs
         graphs = engine.runner.graphs
@@ -54,20 +65,18 @@ class Lockstep:
             engine.runner.group_batch = self._agree
 
     @classmethod
-    def for_engine(cls, engine: LLMEngine) -> Lockstep | None:
+    def for_engine(cls, engine: LLMEngine, flags_on_device: bool = False) -> Lockstep | None:
         """The lockstep of an engine whose MoE layers exchange tokens with other ranks; None otherwise."""
         dispatcher = engine.model.dispatcher
         if isinstance(dispatcher, AllGatherDispatcher) and dispatcher.ep_size > 1:
-            return cls(engine, dispatcher)
+            return cls(engine, dispatcher, flags_on_device)
         return None
 
     def step(self) -> list[RequestOutput] | None:
         """One step of every rank: this engine's step if it has unfinished requests, else an idle pass.
         Returns its outputs, or None (having run nothing) when no rank of the group has work."""
         mine = self.engine.has_unfinished()
-        flags = torch.tensor([1 if mine else 0], dtype=torch.int64)
-        self.dist.all_reduce(flags, group=self.flags_group)
-        if int(flags.item()) == 0:
+        if self._max_of(1 if mine else 0) == 0:
             return None
         runner = self.engine.runner
         before = runner.forward_passes
@@ -87,12 +96,19 @@ class Lockstep:
         """The pass's decode-graph size (``ModelRunner.group_batch``): this rank wants a graph for ``want``
         rows (0: an idle pass) or, with None, an eager pass. Every rank calls it once per pass."""
         over = self._max_batch + 1  # stands for "eager"
-        flags = torch.tensor([over if want is None else want], dtype=torch.int64)
-        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.flags_group)
-        largest = int(flags.item())
+        largest = self._max_of(over if want is None else want)
         if largest == over:
             return None
         self.graph_passes += 1
         graphs = self.engine.runner.graphs
         assert graphs is not None
         return graphs.bucket_for(max(largest, 1))
+
+    def _max_of(self, value: int) -> int:
+        """The largest of the ranks' ``value`` (collective)."""
+        started = time.perf_counter()
+        flags = torch.tensor([value], dtype=torch.int64, device=self.flags_device)
+        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.flags_group)
+        largest = int(flags.item())
+        self.sync_seconds += time.perf_counter() - started
+        return largest

@@ -75,8 +75,10 @@ class AllGatherDispatcher:
 
     Ranks may have different token counts in a pass: its first MoE layer exchanges them (a host
     synchronisation), and the gathers pad to the largest. Within ``uniform_batches`` (the decode graphs,
-    whose batches the ranks pad to one agreed size) there is no exchange, and over NCCL the gather and the
-    sum are one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor``, so a pass can be captured."""
+    whose batches the ranks pad to one agreed size) there is no exchange, and a pass can be captured.
+    Whenever the ranks' counts are equal, the tokens, weights and expert ids go in one packed
+    ``all_gather_into_tensor``, and over NCCL the partial sums come back by one ``reduce_scatter_tensor``:
+    two collectives a layer, each costing its latency more than its bytes at decode sizes."""
 
     def __init__(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         import torch.distributed as dist
@@ -127,10 +129,6 @@ class AllGatherDispatcher:
         uniform = min(counts) == max_n
 
         def gather(t: torch.Tensor) -> torch.Tensor:
-            if uniform and self.nccl:  # one collective into one buffer
-                out = torch.empty((self.ep_size * max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-                return out
             padded = t
             if not uniform:
                 padded = torch.zeros((max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -139,7 +137,10 @@ class AllGatherDispatcher:
             dist.all_gather(parts, padded.contiguous(), group=self.group)
             return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
 
-        all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
+        if uniform and n_local:  # one collective for the three
+            all_ids, all_w, all_x = self._gather_packed((topk_ids, topk_weights, x))
+        else:
+            all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
         per_rank = num_physical_experts // self.ep_size
         lo = self.ep_rank * per_rank
         local = (all_ids >= lo) & (all_ids < lo + per_rank)
@@ -155,3 +156,21 @@ class AllGatherDispatcher:
         dist.all_reduce(y, group=self.group)
         start = sum(counts[: self.ep_rank])
         return y[start : start + n_local]
+
+    def _gather_packed(self, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """All-gather 2-D tensors of the same rows (widest element first, so each part's byte offset in a
+        row is a multiple of its element size) as one uint8 buffer, in one collective: an NCCL collective
+        of a few tokens costs its latency, not its bytes. Returns each part over all ranks' rows."""
+        n = parts[0].shape[0]
+        widths = [p.shape[1] * p.element_size() for p in parts]
+        row = -(-sum(widths) // 8) * 8  # a multiple of every element size
+        packed = torch.empty((n, row), dtype=torch.uint8, device=parts[0].device)
+        offsets = [sum(widths[:i]) for i in range(len(parts))]
+        for p, off, w in zip(parts, offsets, widths, strict=True):
+            packed[:, off : off + w] = p.contiguous().view(torch.uint8)
+        out = torch.empty((self.ep_size * n, row), dtype=torch.uint8, device=packed.device)
+        self.dist.all_gather_into_tensor(out, packed, group=self.group)
+        return [
+            out[:, off : off + w].view(p.dtype).contiguous()
+            for p, off, w in zip(parts, offsets, widths, strict=True)
+        ]
