@@ -27,6 +27,7 @@ Run from the repository root on a host with ``--world`` GPUs:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
     from engine.data_parallel import Lockstep
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s r{rank} %(name)s %(message)s")
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a rank stuck in a collective: its stack
     torch.cuda.set_device(rank)
     cfg = dict(QWEN3_30B_A3B)
     if args.layers:
@@ -89,6 +91,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             step = lockstep.step if lockstep else engine.step
             runner.graphs = None if mode == "eager" else graphs  # every rank puts its graphs aside alike
             runner.group_batch = lockstep._agree if lockstep and runner.graphs else None
+            print(f"rank {rank}: batch {batch}, {mode}", flush=True)
             rng = np.random.default_rng(rank * 7919 + batch)
             params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
             rids = []
@@ -153,6 +156,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the model's 48)")
+    p.add_argument(
+        "--watchdog", type=float, default=900, help="seconds before a rank dumps its stack and exits"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "ep_bench_out"))
     args = p.parse_args()
     if torch.cuda.device_count() < args.world:
