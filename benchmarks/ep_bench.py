@@ -125,12 +125,16 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
                     pass
             while engine.has_unfinished():
                 engine.step()
+            if rank == 0:
+                print(f"rank 0: batch {batch}, {mode}: step {statistics.median(times) * 1e3:.2f} ms, "
+                      f"flags {sync_ms:.2f} ms, graph {replay_ms:.2f} ms", flush=True)  # fmt: skip
             rows.append(
                 dict(batch=batch, mode=mode, step_ms=statistics.median(times) * 1e3, replay_ms=replay_ms,
                      sync_ms=sync_ms,
                      counts=counts.tolist() if counts is not None else None)
             )  # fmt: skip
     out[rank] = {"rows": rows, "hbm": hbm, "wb": wb.__dict__, "layers": engine.model_config.num_layers}
+    runner.graphs = graphs  # the last mode may have put them aside: close releases them before the group
     engine.close()
 
 
