@@ -216,3 +216,41 @@ def check_uneven_work(engine_kw: dict) -> None:
         assert out[0]["replays"] == out[1]["replays"] == 0
     for rank in (0, 1):
         assert out[rank]["pairs"] == [out[rank]["expected_pairs"]] * len(out[rank]["pairs"]), rank
+
+
+def _dying_rank_main(rank: int, world: int, port: int, out: dict) -> None:
+    """Rank 1 dies (its process exits) while rank 0 generates."""
+    import time
+
+    faulthandler.dump_traceback_later(WATCHDOG, exit=True)
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny-moe", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+    )  # fmt: skip
+    if rank == 1:
+        llm.generate([PROMPTS[1]], PARAMS)  # some steps together first
+        os._exit(3)
+    llm.generate([PROMPTS[0]], PARAMS)
+    started = time.monotonic()
+    try:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    out["seconds"] = time.monotonic() - started
+    os._exit(0)  # the group is broken: leave without destroying it
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_fails_the_others_step_at_once() -> None:
+    """The lockstep's per-step flags go over gloo, whose connections close with a dead peer's process: the
+    surviving rank's next step raises (so its worker's engine thread stops and admission refuses requests)
+    instead of waiting for the process group's timeout."""
+    out = mp.Manager().dict()
+    ctx = mp.spawn(_dying_rank_main, args=(2, free_port(), out), nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(WATCHDOG + 30)
+    # gloo's words: "Connection closed by peer" or "Connection reset by peer"
+    assert out["error"] is not None and "by peer" in out["error"], out.get("error")
+    assert out["seconds"] < TIMEOUT.total_seconds() / 4

@@ -149,7 +149,8 @@ class AllGatherDispatcher:
         y = expert_fn(all_x, local_w, local_ids)
         if uniform and self.nccl:  # sum the partial outputs and keep this rank's rows in one collective
             out = torch.empty_like(x)
-            dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
+            scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter_single(out, y.contiguous(), group=self.group)
             return out
         # Sum the partial outputs across ranks, then keep this rank's own tokens. (An all-reduce rather
         # than a reduce-scatter: gloo has no reduce-scatter, and the rows per rank may differ.)
@@ -169,7 +170,9 @@ class AllGatherDispatcher:
         for p, off, w in zip(parts, offsets, widths, strict=True):
             packed[:, off : off + w] = p.contiguous().view(torch.uint8)
         out = torch.empty((self.ep_size * n, row), dtype=torch.uint8, device=packed.device)
-        self.dist.all_gather_into_tensor(out, packed, group=self.group)
+        # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there).
+        gather_single = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        gather_single(out, packed, group=self.group)
         return [
             out[:, off : off + w].view(p.dtype).contiguous()
             for p, off, w in zip(parts, offsets, widths, strict=True)
