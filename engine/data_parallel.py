@@ -56,8 +56,6 @@ class Lockstep:
         else:  # host tensors need a gloo group over the same ranks
             self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
                                               backend="gloo")  # fmt: skip
-        self.sync_seconds = 0.0  # host time spent in the per-step flag exchanges
-        self.idle_passes = 0
         self.graph_passes = 0  # passes the group agreed to replay as decode graphs
         graphs = engine.runner.graphs
         if graphs is not None:
@@ -84,13 +82,22 @@ class Lockstep:
         ran = runner.forward_passes - before
         if ran == 0:  # nothing to run, or nothing admitted this step: join the others' pass
             self.engine.runner.idle_pass()
-            self.idle_passes += 1
         elif ran > 1:
             raise RuntimeError(
                 f"rank {self.dispatcher.ep_rank} ran {ran} forward passes in one step; the ranks of an "
                 "expert-parallel group must run one each (asynchronous scheduling is off for them)"
             )
         return outputs
+
+    @property
+    def idle_passes(self) -> int:
+        """Passes of padding only this rank ran to join the others' steps."""
+        return self.engine.runner.idle_passes
+
+    @property
+    def sync_seconds(self) -> float:
+        """Host time this rank spent in the per-step flag exchanges."""
+        return self.engine.runner.group_sync_seconds
 
     def _agree(self, want: int | None) -> int | None:
         """The pass's decode-graph size (``ModelRunner.group_batch``): this rank wants a graph for ``want``
@@ -110,5 +117,5 @@ class Lockstep:
         flags = torch.tensor([value], dtype=torch.int64, device=self.flags_device)
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.flags_group)
         largest = int(flags.item())
-        self.sync_seconds += time.perf_counter() - started
+        self.engine.runner.group_sync_seconds += time.perf_counter() - started
         return largest

@@ -82,6 +82,10 @@ class EngineStats:
     lookahead_drains: int = 0  # steps in flight read out first because the next step could not overlap
     lookahead_late_waits: int = 0  # waits for a step in flight to reach its last piece (serving loops)
     lookahead_joins: int = 0  # waiting requests (imports, new prompts) a lookahead step took in, no drain
+    # With several expert-parallel ranks: passes of padding only run to join the others' steps, and the
+    # host time spent agreeing with them on each step (engine.data_parallel).
+    idle_passes: int = 0
+    group_sync_seconds: float = 0.0
 
 
 @dataclass
@@ -709,6 +713,8 @@ class LLMEngine:
             lookahead_drains=self.lookahead_drains,
             lookahead_late_waits=self.lookahead_late_waits,
             lookahead_joins=self.lookahead_joins,
+            idle_passes=self.runner.idle_passes,
+            group_sync_seconds=self.runner.group_sync_seconds,
         )
 
     def reset_prefix_cache(self) -> int:

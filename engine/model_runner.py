@@ -120,6 +120,8 @@ class ModelRunner:
         # Forward passes this runner launched (steps and idle passes, eager or replayed): a lockstep of
         # several ranks checks that each step ran one.
         self.forward_passes = 0
+        self.idle_passes = 0  # of those, passes of padding only (joining other ranks' steps)
+        self.group_sync_seconds = 0.0  # host time in the ranks' per-step agreements (engine.data_parallel)
         # With several ranks and decode graphs: the group's agreement on each pass, given this rank's wish
         # (a decode-graph batch, 0 for an idle pass, None for an eager pass); returns the graph size every
         # rank replays, or None for an eager pass. Set by ``engine.data_parallel.Lockstep``.
@@ -255,6 +257,7 @@ class ModelRunner:
         are left as they were. With decode graphs it first agrees with the others on the pass: a graph,
         replayed with padding only, or this eager pass."""
         self.forward_passes += 1
+        self.idle_passes += 1
         size = self._group_graph_size(0)
         if size is not None:
             assert self.graphs is not None

@@ -270,6 +270,16 @@ class WorkerMetrics:
             "Waiting requests (imports, new prompts) a lookahead step took in without reading out the "
             "step in flight.",
         )
+        self.idle_passes = m.counter(
+            "expert_parallel_idle_passes",
+            "total",
+            "Forward passes of padding only, run to join the other expert-parallel ranks' step.",
+        )
+        self.group_sync = m.counter(
+            "expert_parallel_sync",
+            "seconds",
+            "Host time spent agreeing with the other expert-parallel ranks on each step.",
+        )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         self._totals = [
             (self.prompt_tokens, "prompt_tokens_total"),
@@ -279,6 +289,8 @@ class WorkerMetrics:
             (self.lookahead_drains, "lookahead_drains"),
             (self.lookahead_late_waits, "lookahead_late_waits"),
             (self.lookahead_joins, "lookahead_joins"),
+            (self.idle_passes, "idle_passes"),
+            (self.group_sync, "group_sync_seconds"),
         ]
         self._last = dict.fromkeys((name for _, name in self._totals), 0)
 

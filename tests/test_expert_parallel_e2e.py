@@ -19,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from mesh.cli import free_port
 from tests.mesh_fixtures import ServiceProcess, worker_args
-from tests.test_disagg_e2e import _disaggregated, _free_blocks, _prompts, _proto_params, _stub
+from tests.test_disagg_e2e import _disaggregated, _free_blocks, _prompts, _proto_params, _sample, _stub
 
 pytestmark = pytest.mark.e2e
 
@@ -98,3 +98,8 @@ def _check_ranks(prefill_proc: ServiceProcess, ranks: list[ServiceProcess]) -> N
     assert results == expected
     assert free == [BLOCKS, BLOCKS, BLOCKS]
     assert all(r.alive for r in ranks)
+    # Rank 1 idled between its requests while rank 0 generated: its idle passes and both ranks' time in
+    # the per-step agreement show on /metrics.
+    assert _sample(ranks[1], "pdmesh_decode_expert_parallel_idle_passes_total") > 0
+    for rank in ranks:
+        assert _sample(rank, "pdmesh_decode_expert_parallel_sync_seconds_total") > 0
