@@ -14,7 +14,7 @@ the ranks step together (``engine.data_parallel.Lockstep``). Per batch, the same
 ``--world 1`` runs the same steps on one GPU holding every expert (no exchange), for reference.
 
 Each row: the median step (wall, rank 0: the host's agreement, the pass and sampling), the part of a step
-spent in the lockstep's two flag exchanges (rank 0, mean), the median graph
+spent in the lockstep's flag exchanges (rank 0, mean), the median graph
 replay (device time, both ranks replaying together), tokens/s over all ranks, and the roofline of one rank:
 the bytes it must read from HBM in a step (non-expert weights, its experts that the group's tokens
 activate, counted from the router per layer, and its KV) over the measured copy rate. The exchanges'
@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             lockstep = locksteps["device" if mode == "device-flags" else "host"]
             step = lockstep.step if lockstep else engine.step
             runner.graphs = None if mode == "eager" else graphs  # every rank puts its graphs aside alike
-            runner.group_batch = lockstep._agree if lockstep and runner.graphs else None
+            runner.group_batch = lockstep._agree if lockstep else None
             print(f"rank {rank}: batch {batch}, {mode}", flush=True)
             rng = np.random.default_rng(rank * 7919 + batch)
             params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)

@@ -3,20 +3,24 @@
 Each rank runs its own engine on its own requests (attention is data-parallel), and the MoE layers of
 every forward pass exchange tokens between all ranks (``AllGatherDispatcher``). A collective needs every
 rank, so every rank must run each forward pass, also a rank with nothing to do or whose scheduler admits
-nothing this step: it runs an idle pass instead (one padding token that writes no KV and counts for no
-expert), as SGLang's data-parallel attention ranks run an idle batch.
+nothing this step: it runs an idle pass instead (padding that writes no KV and counts for no expert), as
+SGLang's data-parallel attention ranks run an idle batch.
 
-``Lockstep.step`` is one step of the group: the ranks first say on the host whether they have work (an
-all-reduce over a gloo group), then each runs exactly one forward pass, its engine's step or an idle pass.
-It returns None once no rank has work, so a loop of ``step`` ends on every rank in the same iteration.
+``Lockstep.step`` is one step of the group, with one host exchange (an all-reduce of two flags over a
+gloo group): each rank votes for the pass it would run, and whether it has unfinished requests. A rank
+whose engine schedules a batch votes from inside its step, just before the forward pass
+(``ModelRunner.group_batch``): the decode batch it runs when that fits a decode graph, else "eager". A
+rank that schedules nothing (no requests, or none admitted) votes for no pass. Then:
+
+- every rank votes for no pass: nobody runs one; ``step`` returns None on every rank when no rank has
+  unfinished requests either, so a loop of ``step`` ends on every rank in the same iteration;
+- some rank runs a pass: each rank without a batch joins it with an idle pass. With decode CUDA graphs
+  (whose token exchanges have a fixed size) the largest vote picks the pass: a decode graph of the bucket
+  that holds the largest batch, which every rank replays padding its own batch (an idle rank: padding
+  only), or, when any rank's step is not a decode that fits a graph (a prefill or mixed step), an eager
+  pass on every rank. This is the padding SGLang's and vLLM's data-parallel attention do for their graphs.
+
 ``LLM`` and ``AsyncEngine`` (so the workers) take this path for an engine with several ranks.
-
-With decode CUDA graphs, each pass also needs the ranks to agree on its shape, since a graph's token
-exchanges have a fixed size: just before it, the ranks all-reduce on the host the largest decode batch any
-of them runs (``ModelRunner.group_batch``), and every rank replays the graph of that bucket, padding its
-own batch (an idle rank: padding only). When any rank's step is not a decode that fits a graph (a prefill
-or mixed step), every rank runs that pass eagerly. This is the padding SGLang's and vLLM's data-parallel
-attention do for their graphs.
 """
 
 from __future__ import annotations
@@ -58,9 +62,8 @@ class Lockstep:
                                               backend="gloo")  # fmt: skip
         self.graph_passes = 0  # passes the group agreed to replay as decode graphs
         graphs = engine.runner.graphs
-        if graphs is not None:
-            self._max_batch = graphs.max_batch
-            engine.runner.group_batch = self._agree
+        self._eager = (graphs.max_batch if graphs is not None else 0) + 1  # the vote for an eager pass
+        engine.runner.group_batch = self._agree
 
     @classmethod
     def for_engine(cls, engine: LLMEngine, flags_on_device: bool = False) -> Lockstep | None:
@@ -71,22 +74,26 @@ class Lockstep:
         return None
 
     def step(self) -> list[RequestOutput] | None:
-        """One step of every rank: this engine's step if it has unfinished requests, else an idle pass.
-        Returns its outputs, or None (having run nothing) when no rank of the group has work."""
+        """One step of every rank: this engine's step if it has unfinished requests, and an idle pass when
+        it ran no forward pass while another rank runs one. Returns its outputs, or None (having run
+        nothing) when no rank of the group has unfinished requests."""
         mine = self.engine.has_unfinished()
-        if self._max_of(1 if mine else 0) == 0:
-            return None
         runner = self.engine.runner
         before = runner.forward_passes
         outputs = self.engine.step() if mine else []
         ran = runner.forward_passes - before
-        if ran == 0:  # nothing to run, or nothing admitted this step: join the others' pass
-            self.engine.runner.idle_pass()
-        elif ran > 1:
+        if ran > 1:
             raise RuntimeError(
                 f"rank {self.dispatcher.ep_rank} ran {ran} forward passes in one step; the ranks of an "
                 "expert-parallel group must run one each (asynchronous scheduling is off for them)"
             )
+        if ran == 1:  # it voted from inside its pass
+            return outputs
+        largest, anyone = self._vote(0, mine)  # no pass here: nothing to run, or nothing admitted
+        if largest > 0:  # another rank runs one: join it
+            runner.idle_pass(self._graph_size(largest))
+        elif not anyone:
+            return None
         return outputs
 
     @property
@@ -100,22 +107,27 @@ class Lockstep:
         return self.engine.runner.group_sync_seconds
 
     def _agree(self, want: int | None) -> int | None:
-        """The pass's decode-graph size (``ModelRunner.group_batch``): this rank wants a graph for ``want``
-        rows (0: an idle pass) or, with None, an eager pass. Every rank calls it once per pass."""
-        over = self._max_batch + 1  # stands for "eager"
-        largest = self._max_of(over if want is None else want)
-        if largest == over:
+        """``ModelRunner.group_batch``: this rank's vote from inside its step, just before its pass: a
+        decode graph for ``want`` rows, or with None an eager pass. Returns the decode-graph size every
+        rank replays, or None for an eager pass."""
+        largest, _ = self._vote(self._eager if want is None else max(want, 1), True)
+        return self._graph_size(largest)
+
+    def _graph_size(self, largest: int) -> int | None:
+        """The pass the largest vote (at least 1) stands for: a decode graph's size, or None (eager)."""
+        graphs = self.engine.runner.graphs
+        if largest >= self._eager or graphs is None:
             return None
         self.graph_passes += 1
-        graphs = self.engine.runner.graphs
-        assert graphs is not None
-        return graphs.bucket_for(max(largest, 1))
+        return graphs.bucket_for(largest)
 
-    def _max_of(self, value: int) -> int:
-        """The largest of the ranks' ``value`` (collective)."""
+    def _vote(self, want: int, has_work: bool) -> tuple[int, bool]:
+        """The step's one exchange (collective): the largest of the ranks' votes (0: no pass, 1 to the
+        largest graph batch: that decode batch, ``_eager``: an eager pass), and whether any rank has
+        unfinished requests."""
         started = time.perf_counter()
-        flags = torch.tensor([value], dtype=torch.int64, device=self.flags_device)
+        flags = torch.tensor([want, int(has_work)], dtype=torch.int64, device=self.flags_device)
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.flags_group)
-        largest = int(flags.item())
+        largest, anyone = (int(v) for v in flags.tolist())
         self.engine.runner.group_sync_seconds += time.perf_counter() - started
-        return largest
+        return largest, bool(anyone)

@@ -122,9 +122,9 @@ class ModelRunner:
         self.forward_passes = 0
         self.idle_passes = 0  # of those, passes of padding only (joining other ranks' steps)
         self.group_sync_seconds = 0.0  # host time in the ranks' per-step agreements (engine.data_parallel)
-        # With several ranks and decode graphs: the group's agreement on each pass, given this rank's wish
-        # (a decode-graph batch, 0 for an idle pass, None for an eager pass); returns the graph size every
-        # rank replays, or None for an eager pass. Set by ``engine.data_parallel.Lockstep``.
+        # With several ranks: the group's agreement on each pass, given this rank's wish (a decode-graph
+        # batch, or None for an eager pass); returns the graph size every rank replays, or None for an
+        # eager pass. Set by ``engine.data_parallel.Lockstep``.
         self.group_batch: Callable[[int | None], int | None] | None = None
         self._multi_rank = not isinstance(model.dispatcher or SingleRankDispatcher(), SingleRankDispatcher)
         if cuda_graphs:
@@ -170,7 +170,6 @@ class ModelRunner:
                 graphs.release()
         self.graphs = self.prefill_graphs = None
         self._tables = None
-        self.group_batch = None
         gc.collect()
 
     def _check_same_graph_sizes(self, max_batch: int) -> None:
@@ -250,15 +249,14 @@ class ModelRunner:
         positions = torch.arange(n, dtype=torch.int64, device=dev)
         return self.model(ids, positions, self.kv_pool, meta)
 
-    def idle_pass(self) -> None:
-        """One forward pass of a single padding token, for an expert-parallel rank with nothing to run
-        while the others run a step: its MoE layers take part in their token exchanges (which every rank
-        must join), nothing is written to the KV pool, no logits are computed, and the expert counters
-        are left as they were. With decode graphs it first agrees with the others on the pass: a graph,
-        replayed with padding only, or this eager pass."""
+    def idle_pass(self, size: int | None = None) -> None:
+        """A forward pass of padding only, for an expert-parallel rank with nothing to run while the others
+        run a step: its MoE layers take part in their token exchanges (which every rank must join),
+        nothing is written to the KV pool, no logits are computed, and the expert counters are left as
+        they were. ``size``: the decode graph the ranks agreed on, replayed with padding rows only; None,
+        one eager pass of a single padding token."""
         self.forward_passes += 1
         self.idle_passes += 1
-        size = self._group_graph_size(0)
         if size is not None:
             assert self.graphs is not None
             self.graphs.run_padding(size)
@@ -268,18 +266,16 @@ class ModelRunner:
 
     def _group_graph_size(self, want: int | None) -> int | None:
         """The decode-graph size this pass replays, given this rank's wish (a decode batch that fits a
-        graph, 0 for an idle pass, None for a pass that must run eagerly): the group's agreement with
-        several ranks, else the wish's own bucket."""
-        if self.graphs is None:
-            return None
+        graph, or None for a pass that must run eagerly): with several ranks the group's agreement (every
+        pass is agreed on, graphs or not), else the wish's own bucket."""
         if self._multi_rank:
             if self.group_batch is None:
                 raise RuntimeError(
-                    "an expert-parallel rank with decode graphs runs its passes through a lockstep "
+                    "an expert-parallel rank runs its passes through a lockstep "
                     "(engine.data_parallel.Lockstep), which agrees on each pass with the other ranks"
                 )
             return self.group_batch(want)
-        return None if not want else self.graphs.bucket_for(want)
+        return None if self.graphs is None or not want else self.graphs.bucket_for(want)
 
     def prepare(
         self, batch: ScheduledBatch, in_flight: int = 0
