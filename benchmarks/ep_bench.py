@@ -22,6 +22,8 @@ NVLink traffic is not in the roofline.
 
 Run from the repository root on a host with ``--world`` GPUs:
 ``PYTHONUNBUFFERED=1 python3 benchmarks/ep_bench.py --world 2 --out DIR``; the table is printed last.
+``--smoke`` runs the same code on the CPU (gloo, the torch ops, float32, small shapes, no graphs) to check
+its plumbing; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -57,18 +59,23 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s r{rank} %(name)s %(message)s")
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a rank stuck in a collective: its stack
-    torch.cuda.set_device(rank)
+    cuda = not args.smoke
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
     cfg = dict(QWEN3_30B_A3B)
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
-    model_dir = write_config(cfg, smoke=False)
+    model_dir = write_config(cfg, smoke=args.smoke)
     batches = [int(b) for b in args.batches.split(",")]
     steps = args.warmup + args.steps
     blocks = max(batches) * -(-(args.ctx + steps + 16) // 16)
     ep = {"expert_parallel_size": world, "expert_parallel_rank": rank} if world > 1 else {}
     engine = LLMEngine(
         EngineConfig(
-            model=str(model_dir), device="cuda", dtype="bfloat16", kernel_backend="triton",
+            model=str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
+            kernel_backend="triton" if cuda else "torch",
             load_format="dummy", num_kv_blocks=blocks, max_num_seqs=max(batches), max_model_len=8192,
             distributed_init_method=f"tcp://127.0.0.1:{port}", async_scheduling=False, **ep,
         )
@@ -81,8 +88,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
         "host": Lockstep.for_engine(engine),
         "device": Lockstep.for_engine(engine, flags_on_device=True),
     }
-    wb = count_weights(engine.model_config, 2)
-    hbm = copy_gbps() if rank == 0 else 0.0
+    wb = count_weights(engine.model_config, engine.kv_pool.element_size())
+    hbm = copy_gbps() if rank == 0 and cuda else float("nan")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     vocab = engine.vocab_size
     rows = []
     for batch in batches:
@@ -108,10 +120,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             times = []
             synced = lockstep.sync_seconds if lockstep else 0.0
             for _ in range(args.steps):
-                torch.cuda.synchronize()
+                sync()
                 t = time.perf_counter()
                 step()
-                torch.cuda.synchronize()
+                sync()
                 times.append(time.perf_counter() - t)
             sync_ms = ((lockstep.sync_seconds if lockstep else 0.0) - synced) / args.steps * 1e3
             replay_ms = float("nan")
@@ -163,9 +175,10 @@ def main() -> None:
     p.add_argument(
         "--watchdog", type=float, default=900, help="seconds before a rank dumps its stack and exits"
     )
+    p.add_argument("--smoke", action="store_true", help="the CPU, small shapes: checks the plumbing only")
     p.add_argument("--out", default=os.environ.get("OUT", "ep_bench_out"))
     args = p.parse_args()
-    if torch.cuda.device_count() < args.world:
+    if not args.smoke and torch.cuda.device_count() < args.world:
         sys.exit(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} visible")
     from mesh.cli import free_port
 
