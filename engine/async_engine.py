@@ -53,6 +53,8 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread, waiting up to ``timeout`` for it. With several expert-parallel ranks it
+        stops only once every rank's loop has been asked to (their steps must match): wait longer there."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -142,12 +144,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while self._lockstep is not None or not self._stop.is_set():
                 # With a step in flight, admit what arrives until it reaches its last graph piece.
                 self.engine.wait_for_lookahead_point()
                 self._run_calls()
                 if self._lockstep is not None:
                     self._lockstep_step()
+                    if self._lockstep.stopped:  # every rank asked to stop, in this same step
+                        break
                 elif self.engine.has_unfinished():
                     try:
                         outputs = self.engine.step()
@@ -173,10 +177,11 @@ class AsyncEngine:
 
     def _lockstep_step(self) -> None:
         """One step of the expert-parallel group (every rank's loop calls it each turn, with work or
-        without); a short wait when no rank has work. A failed step ends the thread: the other ranks'
-        collectives could not be matched any more."""
-        outputs = self._lockstep.step()
-        if outputs is None:
+        without); a short wait when the group ran no pass (no rank has work, or none admitted any: waiting
+        for KV imports, say), or this loop would keep the GIL from the threads that bring the work. A failed
+        step ends the thread: the other ranks' collectives could not be matched any more."""
+        outputs = self._lockstep.step(stopping=self._stop.is_set())
+        if outputs is None or (not outputs and not self._lockstep.passed):
             self._wake.wait(_LOCKSTEP_IDLE_S)
             self._wake.clear()
             return

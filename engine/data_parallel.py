@@ -21,6 +21,10 @@ rank that schedules nothing (no requests, or none admitted) votes for no pass. T
   pass on every rank. This is the padding SGLang's and vLLM's data-parallel attention do for their graphs.
 
 ``LLM`` and ``AsyncEngine`` (so the workers) take this path for an engine with several ranks.
+
+The ranks also stop together: a serving loop passes ``stopping`` once its worker has drained, and keeps
+stepping (joining the others' passes) until every rank stops (``stopped``), so a rank that drained first
+does not fail a step of a rank still finishing its requests.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class Lockstep:
             self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
                                               backend="gloo")  # fmt: skip
         self.graph_passes = 0  # passes the group agreed to replay as decode graphs
+        self._stopping = False
+        self.passed = False  # whether the group ran a forward pass in the last step
+        self.stopped = False  # set in the step in which every rank asked to stop (the same on every rank)
         graphs = engine.runner.graphs
         self._eager = (graphs.max_batch if graphs is not None else 0) + 1  # the vote for an eager pass
         engine.runner.group_batch = self._agree
@@ -73,10 +80,13 @@ class Lockstep:
             return cls(engine, dispatcher, flags_on_device)
         return None
 
-    def step(self) -> list[RequestOutput] | None:
+    def step(self, stopping: bool = False) -> list[RequestOutput] | None:
         """One step of every rank: this engine's step if it has unfinished requests, and an idle pass when
         it ran no forward pass while another rank runs one. Returns its outputs, or None (having run
-        nothing) when no rank of the group has unfinished requests."""
+        nothing) when no rank of the group has unfinished requests. ``stopping``: this rank would stop;
+        ``stopped`` turns true in the step in which every rank says so."""
+        self._stopping = stopping
+        self.passed = True
         mine = self.engine.has_unfinished()
         runner = self.engine.runner
         before = runner.forward_passes
@@ -92,9 +102,9 @@ class Lockstep:
         largest, anyone = self._vote(0, mine)  # no pass here: nothing to run, or nothing admitted
         if largest > 0:  # another rank runs one: join it
             runner.idle_pass(self._graph_size(largest))
-        elif not anyone:
-            return None
-        return outputs
+            return outputs
+        self.passed = False
+        return outputs if anyone else None
 
     @property
     def idle_passes(self) -> int:
@@ -124,10 +134,12 @@ class Lockstep:
     def _vote(self, want: int, has_work: bool) -> tuple[int, bool]:
         """The step's one exchange (collective): the largest of the ranks' votes (0: no pass, 1 to the
         largest graph batch: that decode batch, ``_eager``: an eager pass), and whether any rank has
-        unfinished requests."""
+        unfinished requests. Sets ``stopped`` when no rank goes on."""
         started = time.perf_counter()
-        flags = torch.tensor([want, int(has_work)], dtype=torch.int64, device=self.flags_device)
-        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.flags_group)
-        largest, anyone = (int(v) for v in flags.tolist())
+        flags = [want, int(has_work), int(not self._stopping)]
+        t = torch.tensor(flags, dtype=torch.int64, device=self.flags_device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.flags_group)
+        largest, anyone, going_on = (int(v) for v in t.tolist())
         self.engine.runner.group_sync_seconds += time.perf_counter() - started
+        self.stopped = not going_on
         return largest, bool(anyone)

@@ -545,7 +545,8 @@ async def serve_worker(
         await registration.stop()
     await servicer.close()
     await server.stop(grace=2.0)
-    aengine.stop()
+    # Expert-parallel ranks stop together: the others may still be draining (for up to their drain timeout).
+    aengine.stop(timeout=settings.drain_timeout_s + 10.0)
     transfer.close()
     if not aengine.alive:  # its thread has stopped: nothing steps the engine any more
         engine.close()

@@ -92,6 +92,15 @@ class ServiceProcess:
                 self.kill()
         return self.proc.returncode
 
+    @staticmethod
+    def stop_all(services: list[ServiceProcess], timeout: float = 15.0) -> list[int]:
+        """SIGTERM to every service first, then wait for each: the ranks of an expert-parallel group stop
+        together, so stopping them one after another would wait for each one's timeout."""
+        for svc in services:
+            if svc.alive:
+                svc.proc.send_signal(signal.SIGTERM)
+        return [svc.stop(timeout) for svc in services]
+
     def kill(self) -> None:
         if self.alive:
             self.proc.kill()

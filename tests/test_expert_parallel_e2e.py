@@ -12,12 +12,16 @@ come back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine import LLM, SamplingParams
 from mesh.cli import free_port
+from protos.pdmesh.v1 import worker_pb2
 from tests.mesh_fixtures import ServiceProcess, worker_args
 from tests.test_disagg_e2e import _disaggregated, _free_blocks, _prompts, _proto_params, _sample, _stub
 
@@ -26,7 +30,8 @@ pytestmark = pytest.mark.e2e
 BLOCKS = 256
 
 
-def test_two_decode_ranks_serve_their_own_requests_and_match_offline() -> None:
+@contextlib.contextmanager
+def _prefill_and_two_decode_ranks() -> Iterator[tuple[ServiceProcess, list[ServiceProcess]]]:
     init = f"tcp://127.0.0.1:{free_port()}"
     ep = ("--expert-parallel-size", "2", "--distributed-init-method", init)
     prefill = ServiceProcess.start("prefill_svc", *worker_args("tiny-moe", BLOCKS))
@@ -48,10 +53,41 @@ def test_two_decode_ranks_serve_their_own_requests_and_match_offline() -> None:
             ranks = [s.result() for s in starts]
         for r, svc in enumerate(ranks):  # each engine joined the group as its rank (half the experts)
             assert any(f"expert-parallel rank {r} of 2 (gloo)" in line for line in svc.lines), svc.log()
-        _check_ranks(prefill, ranks)
+        yield prefill, ranks
     finally:
-        for svc in (*ranks, prefill):
-            svc.stop()
+        ServiceProcess.stop_all([*ranks, prefill])
+
+
+def test_two_decode_ranks_serve_their_own_requests_and_match_offline() -> None:
+    with _prefill_and_two_decode_ranks() as (prefill, ranks):
+        _check_ranks(prefill, ranks)
+
+
+def test_sigterm_drains_every_rank_before_the_group_stops() -> None:
+    """Both ranks get SIGTERM while rank 0 streams a long generation and rank 1 has nothing to do: rank 1
+    must keep joining rank 0's steps until rank 0 has drained (a rank that left at once would fail rank
+    0's next step), then both exit cleanly."""
+    prompt = _prompts(1, seed=5)[0]
+    params = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0)
+    expected = LLM("tiny-moe", num_kv_blocks=512).generate([prompt], params)[0].token_ids
+    with _prefill_and_two_decode_ranks() as (prefill, ranks):
+
+        async def run() -> list[int]:
+            (pch, pstub), (dch, dstub) = _stub(prefill.address), _stub(ranks[0].address)
+            async with pch, dch:
+                task = asyncio.create_task(
+                    _disaggregated(pstub, dstub, "drain-0", prompt, _proto_params(params))
+                )
+                for _ in range(500):  # until rank 0 decodes
+                    if (await dstub.GetStats(worker_pb2.StatsRequest())).num_running:
+                        break
+                    await asyncio.sleep(0.01)
+                for rank in ranks:
+                    rank.proc.send_signal(signal.SIGTERM)
+                return await task
+
+        assert asyncio.run(run()) == expected
+        assert [rank.proc.wait(60) for rank in ranks] == [0, 0], "\n".join(r.log()[-3000:] for r in ranks)
 
 
 def _check_ranks(prefill_proc: ServiceProcess, ranks: list[ServiceProcess]) -> None:
