@@ -62,10 +62,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def worker_gpus(spec: str | None, env: dict[str, str]) -> list[str]:
+    """The GPUs ``pdmesh up`` hands its workers, one each in turn: ``spec`` (comma-separated ids) when
+    given, else the ids in ``CUDA_VISIBLE_DEVICES``, else every GPU ``nvidia-smi -L`` lists; none when no
+    GPU can be found (the workers then see what the launcher sees)."""
+    if spec:
+        return [g.strip() for g in spec.split(",") if g.strip()]
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, _ in enumerate(line for line in listed.splitlines() if line.startswith("GPU "))]
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
     proc: subprocess.Popen | None = None
     lines: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -73,7 +90,7 @@ class Child:
     def start(self, env: dict[str, str], echo: bool) -> None:
         self.proc = subprocess.Popen(
             self.argv,
-            env=env,
+            env={**env, **self.env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -121,6 +138,7 @@ class Mesh:
         self.decode_addrs: list[str] = []
         self.grpc_port = args.port or free_port(self.host)
         self.http_port = args.http_port or free_port(self.host)
+        self.router_argv: list[str] = []
 
     def _worker_argv(self, module: str, port: int) -> list[str]:
         a = self.args
@@ -153,12 +171,19 @@ class Mesh:
             argv += ["--max-model-len", str(a.max_model_len)]
         return argv + a.worker_arg
 
-    def start(self, echo: bool = True, timeout: float = 120.0) -> None:
-        env = dict(os.environ)
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    def plan(self, env: dict[str, str]) -> None:
+        """The children to start (workers, then the router), with their flags and, on CUDA, their GPUs:
+        each worker in turn (prefill workers first) gets the next of ``worker_gpus`` as its only visible
+        GPU, so an expert-parallel rank or a worker of its own gets a GPU of its own while there are enough."""
         a = self.args
+        gpus = worker_gpus(a.gpus, env) if a.device == "cuda" else []
+        workers = a.num_prefill + a.num_decode
+        if gpus and len(gpus) < workers:
+            print(
+                f"pdmesh: {workers} workers share {len(gpus)} GPUs ({','.join(gpus)})",
+                file=sys.stderr,
+                flush=True,
+            )
         for role, count, addrs in (
             ("prefill", a.num_prefill, self.prefill_addrs),
             ("decode", a.num_decode, self.decode_addrs),
@@ -174,7 +199,8 @@ class Mesh:
                 if ranks:
                     argv += ["--expert-parallel-size", str(count), "--expert-parallel-rank", str(i),
                              "--distributed-init-method", meet]  # fmt: skip
-                self.children.append(Child(f"{role}-{i}", argv))
+                child_env = {"CUDA_VISIBLE_DEVICES": gpus[len(self.children) % len(gpus)]} if gpus else {}
+                self.children.append(Child(f"{role}-{i}", argv, child_env))
         router_argv = [
             sys.executable,
             "-m",
@@ -196,10 +222,18 @@ class Mesh:
         if a.redis_url:
             router_argv += ["--redis-url", a.redis_url]
         router_argv += a.router_arg
+        self.router_argv = router_argv
+
+    def start(self, echo: bool = True, timeout: float = 120.0) -> None:
+        env = dict(os.environ)
+        env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self.plan(env)
         for child in self.children:
             child.start(env, echo)
         self._wait_ready(self.children, timeout)
-        router = Child("router", router_argv)
+        router = Child("router", self.router_argv)
         self.children.append(router)
         router.start(env, echo)
         self._wait_http(timeout)
@@ -259,6 +293,12 @@ class LauncherSettings:
         "tiny-dense", "Built-in model (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory."
     )
     device: str = setting("cpu", "Device the workers' models run on.", choices=("cpu", "cuda"))
+    gpus: str | None = setting(
+        None,
+        "With device cuda: GPU ids (comma-separated) handed to the workers one each in turn, prefill "
+        "workers first, as their CUDA_VISIBLE_DEVICES; default: CUDA_VISIBLE_DEVICES's ids, else every GPU "
+        "nvidia-smi lists. With fewer GPUs than workers they are reused from the first.",
+    )
     dtype: str = setting("float32", "Weight and KV dtype.", choices=("float32", "bfloat16", "float16"))
     block_size: int = setting(16, "Tokens per KV block.")
     num_kv_blocks: int = setting(2048, "KV pool size per worker, in blocks.")

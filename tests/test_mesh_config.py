@@ -103,3 +103,31 @@ def test_the_launchers_choices_are_those_of_the_settings_it_passes_them_to() -> 
     owners = choices(EngineConfig) | choices(RouterConfig) | choices(WorkerSettings)
     assert set(launcher) == {"device", "dtype", "routing", "kv_transfer"}
     assert all(launcher[name] == owners[name] for name in launcher), (launcher, owners)
+
+
+def test_up_gives_each_worker_a_gpu_of_its_own_in_turn() -> None:
+    """On CUDA, ``pdmesh up`` hands each worker (prefill workers first) the next GPU as its only visible
+    one, so expert-parallel ranks get a GPU each; with fewer GPUs the list is reused from the start; the
+    ids come from ``--gpus``, else from CUDA_VISIBLE_DEVICES; on the CPU nothing is set."""
+    from mesh.cli import Mesh, parse_args, worker_gpus
+
+    def planned(argv: list[str], env: dict[str, str]) -> Mesh:
+        mesh = Mesh(parse_args(["up", "--http-port", "0", *argv])[0])
+        mesh.plan(env)
+        return mesh
+
+    mesh = planned(
+        ["--device", "cuda", "--gpus", "4,5,6", "--num-decode", "2", "--decode-expert-parallel"], {}
+    )
+    assert [(c.name, c.env["CUDA_VISIBLE_DEVICES"]) for c in mesh.children] == [
+        ("prefill-0", "4"), ("decode-0", "5"), ("decode-1", "6"),
+    ]  # fmt: skip
+    ranks = [c.argv[c.argv.index("--expert-parallel-rank") + 1] for c in mesh.children[1:]]
+    assert ranks == ["0", "1"]
+    shared = planned(
+        ["--device", "cuda", "--num-prefill", "2", "--num-decode", "2"], {"CUDA_VISIBLE_DEVICES": "2,3"}
+    )
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in shared.children] == ["2", "3", "2", "3"]
+    assert all(not c.env for c in planned(["--num-decode", "2"], {"CUDA_VISIBLE_DEVICES": "0,1"}).children)
+    assert worker_gpus(" 1, 3 ,", {}) == ["1", "3"]
+    assert worker_gpus(None, {"CUDA_VISIBLE_DEVICES": ""}) == []
