@@ -80,6 +80,11 @@ class EngineConfig:
         "With expert_parallel_size > 1: where the ranks meet (torch.distributed init_method, the same on "
         "every rank).",
     )
+    distributed_timeout_s: float = setting(
+        600.0,
+        "With expert_parallel_size > 1: the longest one rank waits for the others in a collective (a rank "
+        "that hangs fails the others' step after it).",
+    )
 
     def __post_init__(self) -> None:
         if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "What is left", item 3
@@ -92,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not 0 <= self.expert_parallel_rank < self.expert_parallel_size:
             raise ValueError(
                 f"expert_parallel_rank must be in [0, {self.expert_parallel_size}), "

@@ -29,6 +29,7 @@ does not fail a step of a rank still finishing its requests.
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -61,9 +62,11 @@ class Lockstep:
         elif flags_on_device:
             self.flags_group = group
             self.flags_device = torch.device("cuda", torch.cuda.current_device())
-        else:  # host tensors need a gloo group over the same ranks
-            self.flags_group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
-                                              backend="gloo")  # fmt: skip
+        else:  # host tensors need a gloo group over the same ranks (with the engine's collective timeout)
+            self.flags_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(group or dist.group.WORLD), backend="gloo",
+                timeout=datetime.timedelta(seconds=engine.config.distributed_timeout_s),
+            )  # fmt: skip
         self.graph_passes = 0  # passes the group agreed to replay as decode graphs
         self._stopping = False
         self.passed = False  # whether the group ran a forward pass in the last step

@@ -15,6 +15,7 @@ flight first and runs synchronously, so the outputs are those of the synchronous
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ def _join_expert_parallel_group(config: EngineConfig) -> TokenDispatcher:
             init_method=config.distributed_init_method,
             rank=config.expert_parallel_rank,
             world_size=config.expert_parallel_size,
+            timeout=datetime.timedelta(seconds=config.distributed_timeout_s),
         )
     if dist.get_world_size() != config.expert_parallel_size:
         raise ValueError(

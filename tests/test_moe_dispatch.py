@@ -254,3 +254,43 @@ def test_a_rank_that_dies_fails_the_others_step_at_once() -> None:
     # gloo's words: "Connection closed by peer" or "Connection reset by peer"
     assert out["error"] is not None and "by peer" in out["error"], out.get("error")
     assert out["seconds"] < TIMEOUT.total_seconds() / 4
+
+
+def _hanging_rank_main(rank: int, world: int, port: int, out: dict) -> None:
+    """Rank 1 stops stepping (alive, but stuck elsewhere) while rank 0 generates."""
+    import time
+
+    faulthandler.dump_traceback_later(WATCHDOG, exit=True)
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny-moe", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}", distributed_timeout_s=HANG_TIMEOUT_S,
+    )  # fmt: skip
+    if rank == 1:
+        llm.generate([PROMPTS[1]], PARAMS)
+        time.sleep(HANG_TIMEOUT_S * 4)  # never joins rank 0's next steps
+        os._exit(0)
+    llm.generate([PROMPTS[0]], PARAMS)
+    started = time.monotonic()
+    try:
+        llm.generate([PROMPTS[0]], PARAMS)
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    out["seconds"] = time.monotonic() - started
+    os._exit(0)
+
+
+HANG_TIMEOUT_S = 3.0
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_fails_the_others_step_after_the_timeout() -> None:
+    """``distributed_timeout_s`` bounds a collective: a rank that stops stepping without dying fails the
+    others' next step after it (not after the default's ten minutes)."""
+    out = mp.Manager().dict()
+    ctx = mp.spawn(_hanging_rank_main, args=(2, free_port(), out), nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(WATCHDOG + 30)
+    assert out["error"] is not None and "timed out" in out["error"].lower(), out.get("error")
+    assert HANG_TIMEOUT_S * 0.9 <= out["seconds"] < HANG_TIMEOUT_S * 3, out["seconds"]
