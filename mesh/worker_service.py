@@ -217,6 +217,10 @@ class EventFanout:
             self._subscribers.discard(q)
 
 
+# How often a worker checks that its engine thread still runs.
+ENGINE_WATCH_S = 0.5
+
+
 class WorkerMetrics:
     """The metrics both worker roles expose, named ``pdmesh_<role>_<what>_<unit>``."""
 
@@ -529,6 +533,7 @@ async def serve_worker(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     servicer.tasks.spawn(servicer.background(), f"{role}-background")
+    servicer.tasks.spawn(_watch_engine(aengine, server, registration, stop), f"{role}-engine-watch")
     if ready_line:
         print(
             f"pdmesh {role} ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
@@ -550,6 +555,22 @@ async def serve_worker(
     transfer.close()
     if not aengine.alive:  # its thread has stopped: nothing steps the engine any more
         engine.close()
+
+
+async def _watch_engine(
+    aengine: Any, server: grpc.aio.Server, registration: Any, stop: asyncio.Event
+) -> None:
+    """Once the engine thread has died (a failed step of an expert-parallel group: another rank died or
+    hung), take the worker out of rotation: health NOT_SERVING (orchestrators restart it, routers stop
+    choosing it) and draining in the registry. Requests are refused already (``check_admission``)."""
+    while not stop.is_set():
+        if not aengine.alive:
+            log.error("the engine thread is not running: health NOT_SERVING, draining in the registry")
+            await set_serving(server, False)
+            if registration is not None:
+                await registration.mark_draining()
+            return
+        await asyncio.sleep(ENGINE_WATCH_S)
 
 
 async def _register(

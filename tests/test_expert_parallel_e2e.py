@@ -17,6 +17,7 @@ import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from engine import LLM, SamplingParams
@@ -139,3 +140,40 @@ def _check_ranks(prefill_proc: ServiceProcess, ranks: list[ServiceProcess]) -> N
     assert _sample(ranks[1], "pdmesh_decode_expert_parallel_idle_passes_total") > 0
     for rank in ranks:
         assert _sample(rank, "pdmesh_decode_expert_parallel_sync_seconds_total") > 0
+
+
+def test_a_rank_whose_group_broke_takes_itself_out_of_rotation() -> None:
+    """Rank 1's process dies: rank 0's next step fails (its group can run no pass), so rank 0 turns its
+    health NOT_SERVING and refuses requests with the engine-down refusal instead of hanging them."""
+    from grpc_health.v1 import health_pb2
+
+    from mesh.grpc_server import check_health, insecure_channel
+    from mesh.worker_service import refusal_of
+
+    with _prefill_and_two_decode_ranks() as (prefill, ranks):
+        ranks[1].kill()
+
+        async def run() -> tuple[bool, object]:
+            async with insecure_channel(ranks[0].address) as channel:
+                for _ in range(200):
+                    if await check_health(channel, "") == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    return False, None
+            (pch, pstub), (dch, dstub) = _stub(prefill.address), _stub(ranks[0].address)
+            async with pch, dch:
+                params = _proto_params(SamplingParams(max_tokens=4, temperature=0.0))
+                try:
+                    await _disaggregated(pstub, dstub, "after-break", _prompts(1, seed=3)[0], params)
+                except grpc.aio.AioRpcError as exc:
+                    # as the router does: the prefill worker's held KV goes back
+                    assert (await pstub.Abort(worker_pb2.AbortRequest(request_id="after-break"))).found
+                    return True, exc
+            return True, None
+
+        not_serving, exc = asyncio.run(run())
+        assert not_serving, ranks[0].log()[-3000:]
+        assert isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        refusal = refusal_of(exc)
+        assert refusal == worker_pb2.REFUSAL_ENGINE_DOWN, exc
