@@ -181,7 +181,7 @@ class AsyncEngine:
         for KV imports, say), or this loop would keep the GIL from the threads that bring the work. A failed
         step ends the thread: the other ranks' collectives could not be matched any more."""
         outputs = self._lockstep.step(stopping=self._stop.is_set())
-        if outputs is None or (not outputs and not self._lockstep.passed):
+        if not outputs and not self._lockstep.passed:  # None: no rank has work (no pass either)
             self._wake.wait(_LOCKSTEP_IDLE_S)
             self._wake.clear()
             return

@@ -333,28 +333,26 @@ class DecodeGraphs:
         if on_device:
             self.input_ids[:n].copy_(token_ids)
         self.block_tables[:n, :width].copy_(self._dev32[b : b + n * width].view(n, width))
-        g = self.graphs[size]
-        g.replay(self.late_point)
-        if size > n and g.pad_counts is not None:
-            torch._foreach_add_(self._counts, g.pad_counts, alpha=-(size - n))
-        self.replays[size] += 1
+        self._replay_padded(size, n)
         return self.logits[:n]
 
     def run_padding(self, size: int) -> None:
         """Replay the graph of batch ``size`` with padding rows only (an expert-parallel rank with nothing
         to run joins the others' step): nothing is written to the KV pool, the logits are dropped, and the
-        expert counters are left as they were."""
+        expert counters are corrected as for any padded replay."""
         self._copied.synchronize()
         self._stage_padding(0, size)
         b = self.max_batch
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32[:b].copy_(self._host32[:b], non_blocking=True)
         self._copied.record()
+        self._replay_padded(size, 0)
+
+    def _replay_padded(self, size: int, n: int) -> None:
+        """Launch the graph of ``size`` whose first ``n`` rows are real and the rest padding (staged), and
+        take the padding rows' share out of the expert counters."""
         g = self.graphs[size]
-        if g.pad_counts is None:
-            with expert_counts_restored(self.model):
-                g.replay()
-        else:
-            g.replay()
-            torch._foreach_add_(self._counts, g.pad_counts, alpha=-size)
+        g.replay(self.late_point)
+        if size > n and g.pad_counts is not None:
+            torch._foreach_add_(self._counts, g.pad_counts, alpha=-(size - n))
         self.replays[size] += 1

@@ -45,17 +45,16 @@ class Lockstep:
     flags) and calls ``step`` the same number of times; the engine must not be stepped by anything else
     meanwhile."""
 
-    def __init__(
-        self, engine: LLMEngine, dispatcher: AllGatherDispatcher, flags_on_device: bool = False
-    ) -> None:
-        """``flags_on_device``: exchange the per-step flags as device tensors over the dispatcher's NCCL
-        group instead of host tensors over a gloo group."""
+    def __init__(self, engine: LLMEngine, flags_on_device: bool = False) -> None:
+        """``engine``'s model has an ``AllGatherDispatcher`` over several ranks (``for_engine`` checks).
+        ``flags_on_device``: exchange the per-step flags as device tensors over the dispatcher's NCCL group
+        instead of host tensors over a gloo group."""
         import torch.distributed as dist
 
         self.dist = dist
         self.engine = engine
-        self.dispatcher = dispatcher
-        group = dispatcher.group
+        self.dispatcher: AllGatherDispatcher = engine.model.dispatcher
+        group = self.dispatcher.group
         self.flags_device = torch.device("cpu")
         if dist.get_backend(group) == "gloo":
             self.flags_group = group
@@ -80,7 +79,7 @@ class Lockstep:
         """The lockstep of an engine whose MoE layers exchange tokens with other ranks; None otherwise."""
         dispatcher = engine.model.dispatcher
         if isinstance(dispatcher, AllGatherDispatcher) and dispatcher.ep_size > 1:
-            return cls(engine, dispatcher, flags_on_device)
+            return cls(engine, flags_on_device)
         return None
 
     def step(self, stopping: bool = False) -> list[RequestOutput] | None:

@@ -121,15 +121,16 @@ class _InFlight:
         return self.host_tokens.tolist()
 
 
-def _join_expert_parallel_group(config: EngineConfig) -> TokenDispatcher:
+def _join_expert_parallel_group(config: EngineConfig) -> tuple[TokenDispatcher, bool]:
     """This process's rank of the expert-parallel group the config describes (torch.distributed, NCCL on
-    CUDA with one GPU a rank, gloo on the CPU; joined here unless the caller already did), and the
-    dispatcher over it."""
+    CUDA with one GPU a rank, gloo on the CPU; joined here unless the caller already did): the dispatcher
+    over it, and whether this call joined the group."""
     import torch.distributed as dist
 
     from engine.moe.dispatch import AllGatherDispatcher
 
-    if not dist.is_initialized():
+    joined = not dist.is_initialized()
+    if joined:
         cuda = config.device == "cuda"
         if cuda:
             torch.cuda.set_device(config.expert_parallel_rank % torch.cuda.device_count())
@@ -146,7 +147,7 @@ def _join_expert_parallel_group(config: EngineConfig) -> TokenDispatcher:
             f"{dist.get_world_size()} ranks"
         )
     log.info("expert-parallel rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), dist.get_backend())
-    return AllGatherDispatcher()
+    return AllGatherDispatcher(), joined
 
 
 class LLMEngine:
@@ -159,10 +160,7 @@ class LLMEngine:
         # Whether this engine joined the expert-parallel process group itself (``close`` then leaves it).
         self._owns_group = False
         if dispatcher is None and config.expert_parallel_size > 1:
-            import torch.distributed as dist
-
-            self._owns_group = not dist.is_initialized()
-            dispatcher = _join_expert_parallel_group(config)
+            dispatcher, self._owns_group = _join_expert_parallel_group(config)
         if dispatcher is not None and dispatcher.ep_size > 1 and config.async_scheduling:
             # Ranks that exchange tokens must each run one forward pass per step (engine.data_parallel).
             log.info("asynchronous scheduling is off with several expert-parallel ranks")
