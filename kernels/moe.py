@@ -16,17 +16,22 @@ def fused_moe_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    has_absent: bool = False,
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate || up); w2: [E, H, I]; topk_weights/ids: [T, k] (physical ids).
 
-    Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H].
+    Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H]. A negative id is a pair whose expert this
+    rank does not hold (an expert-parallel group's other ranks compute it): it adds nothing
+    (``has_absent`` says such ids may occur; the reference handles them either way).
     """
     out = torch.zeros_like(x)
+    num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)  # absent pairs sort last, never run
     flat_w = topk_weights.reshape(-1)
     token_idx = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:

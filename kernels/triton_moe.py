@@ -353,6 +353,7 @@ def _moe_gemm_kernel(
     N,
     K,
     num_pairs,
+    num_experts,
     stride_am,
     stride_we,
     stride_wn,
@@ -367,7 +368,8 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """c[pair, :] = a[pair // A_ROW_DIV, :] @ w[expert].T (times topk_weight[pair]) for one tile."""
+    """c[pair, :] = a[pair // A_ROW_DIV, :] @ w[expert].T (times topk_weight[pair]) for one tile; zeros for
+    a tile of expert ``num_experts`` (the pairs whose experts other ranks hold, ``has_absent``)."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_rows, BLOCK_M)
@@ -385,6 +387,11 @@ def _moe_gemm_kernel(
     pair_mask = pairs < num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c_mask = pair_mask[:, None] & (offs_n[None, :] < N)
+    if expert >= num_experts:  # absent pairs: no weights to read, their rows add nothing
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = (
@@ -400,8 +407,7 @@ def _moe_gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
     if MUL_ROUTING_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & (offs_n[None, :] < N))
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _grouped_gemm(
@@ -421,7 +427,7 @@ def _grouped_gemm(
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, num_rows_padded,
-        max_rows, n, k, out.shape[0],
+        max_rows, n, k, out.shape[0], w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTING_WEIGHT=mul_routing_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -513,6 +519,8 @@ def _moe_small_gate_up_kernel(
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if expert < 0:  # another rank holds this pair's expert: the down kernel skips its row
+        return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -573,7 +581,8 @@ def _moe_small_down_kernel(
     js = tl.arange(0, BLOCK_J)
     j_mask = js < TOP_K
     pairs = token * TOP_K + js
-    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=-1).to(tl.int64)  # pre-wait: gate-up's input
+    j_mask = experts >= 0  # a negative id: another rank's expert, whose act row the gate-up did not write
     weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
@@ -639,11 +648,16 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    has_absent: bool = False,
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate || up); w2: [E, H, I]; topk_weights/ids: [T, k] (physical ids).
 
     Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H]. Decode-sized batches (``use_small_path``)
     take two GEMV-style launches; the rest align pairs by expert and run the grouped GEMM.
+
+    A negative id is a pair whose expert another expert-parallel rank holds: it adds nothing and reads no
+    weights. The small path skips such pairs always; the grouped path only with ``has_absent``, which
+    aligns them as one more expert whose tiles write zeros (without it a negative id is out of range).
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -659,7 +673,11 @@ def fused_moe_triton(
     if use_small_path(num_pairs, num_experts):
         return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device))
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
-    sorted_ids, expert_ids, num_rows_padded = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
+    if has_absent:  # the absent pairs as expert E, after the real ones
+        topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
+    sorted_ids, expert_ids, num_rows_padded = moe_align_block_size(
+        topk_ids, cfg.block_m, num_experts + int(has_absent)
+    )
 
     gate_up = torch.empty((num_pairs, two_inter), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, topk_weights, sorted_ids, expert_ids, num_rows_padded, top_k, False, cfg)

@@ -150,6 +150,59 @@ def test_small_path_overwrites_every_output() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Absent pairs: an expert-parallel rank's pairs whose experts other ranks hold (id -1)
+
+
+def absent_case(
+    tokens: int, top_k: int, experts: int, dtype: torch.dtype, hidden: int = HIDDEN, inter: int = INTER
+) -> tuple[torch.Tensor, ...]:
+    """Ids over ``2 * experts`` physical experts as an expert-parallel group of two sees them, as rank 0
+    gets them: its own experts' ids, -1 for rank 1's. Every token keeps at least one absent pair, and one
+    token has only absent pairs."""
+    w13, w2 = make_weights(experts, hidden, inter, dtype)
+    x = randn(tokens, hidden, dtype=dtype)
+    weights = torch.rand(tokens, top_k, device=DEVICE).softmax(-1)
+    ids = random_ids(tokens, top_k, 2 * experts)
+    ids[:, 0] = experts + ids[:, 0] % experts  # rank 1's expert in the first slot
+    ids[-1] = experts + torch.randperm(experts, device=DEVICE)[:top_k]  # the last token: all on rank 1
+    local_ids = torch.where(ids < experts, ids, -1)
+    return x, w13, w2, weights, local_ids
+
+
+def check_absent(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
+    """The op against the reference, and the reference against the same pairs given weight 0 at a real
+    expert (what the all-gather dispatcher passed before absent ids): absent pairs add exactly nothing."""
+    out = TRITON_OPS.fused_moe(x, w13, w2, weights, ids, has_absent=True)
+    ref = fused_moe_torch(*up(x, w13, w2), weights, ids.long())
+    zero_weight = fused_moe_torch(
+        *up(x, w13, w2), torch.where(ids < 0, 0.0, weights), ids.clamp(min=0).long()
+    )
+    torch.testing.assert_close(ref, zero_weight, rtol=1e-5, atol=1e-6)  # float32: row batches round apart
+    assert out.dtype == x.dtype
+    assert_close(out, ref, x.dtype, "absent pairs")
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the token with no pair on this rank
+
+
+@pytest.mark.usefixtures("small_path_only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tokens", "top_k"), [(2, 4), (4, 3)])
+def test_small_path_skips_absent_pairs(tokens: int, top_k: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(130 + tokens)
+    check_absent(*absent_case(tokens, top_k, 12, dtype))
+
+
+@pytest.mark.usefixtures("grouped_path_only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(9, 2, 8), (20, 4, 16)])
+def test_grouped_path_skips_absent_pairs(tokens: int, top_k: int, experts: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(140 + tokens)
+    assert not triton_moe.use_small_path(tokens * top_k, experts)
+    check_absent(*absent_case(tokens, top_k, experts, dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The threshold: both sides agree with the reference
 
 
@@ -228,6 +281,21 @@ def test_gpu_small_path_qwen3_30b_a3b(tokens: int) -> None:
     if tokens > 1:
         ids[1, :4] = ids[0, 4:]  # experts shared between tokens
     run_and_check(x, w13, w2, weights, ids, f"qwen3-30b-a3b, {tokens} tokens")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [2, 16])
+def test_gpu_absent_pairs_qwen3_30b_a3b(tokens: int) -> None:
+    """One of two expert-parallel ranks (64 of the 128 experts): 2 tokens take the small path, 16 the
+    grouped one."""
+    torch.manual_seed(150 + tokens)
+    shape = QWEN3_30B_A3B
+    experts = shape["experts"] // 2
+    assert triton_moe.use_small_path(tokens * shape["top_k"], experts) is (tokens == 2)
+    check_absent(
+        *absent_case(tokens, shape["top_k"], experts, torch.bfloat16, shape["hidden"], shape["inter"])
+    )
 
 
 @gpu

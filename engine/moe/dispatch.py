@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-# expert_fn(x, topk_weights, topk_ids_local) -> y, computed over this rank's physical experts only.
+# expert_fn(x, topk_weights, topk_ids_local) -> y, computed over this rank's physical experts only; a pair
+# whose expert another rank holds has local id -1 and adds nothing (no weights read, no rows computed).
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -144,9 +145,8 @@ class AllGatherDispatcher:
         per_rank = num_physical_experts // self.ep_size
         lo = self.ep_rank * per_rank
         local = (all_ids >= lo) & (all_ids < lo + per_rank)
-        local_ids = torch.where(local, all_ids - lo, torch.zeros_like(all_ids))
-        local_w = torch.where(local, all_w, torch.zeros_like(all_w))
-        y = expert_fn(all_x, local_w, local_ids)
+        local_ids = torch.where(local, all_ids - lo, -1)
+        y = expert_fn(all_x, all_w, local_ids)
         if uniform and self.nccl:  # sum the partial outputs and keep this rank's rows in one collective
             out = torch.empty_like(x)
             scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

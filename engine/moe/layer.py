@@ -89,7 +89,10 @@ class MoEBlock(nn.Module):
         return self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
 
     def _experts(self, x: torch.Tensor, topk_w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.fused_moe(x, self.w13, self.w2, topk_w, local_ids)
+        # Over several ranks, pairs of experts other ranks hold come with id -1.
+        return self.ops.fused_moe(
+            x, self.w13, self.w2, topk_w, local_ids, has_absent=self.dispatcher.ep_size > 1
+        )
 
     def take_counts(self) -> torch.Tensor:
         """Tokens per physical expert since the last call (and reset)."""
