@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from kernels.dispatch import local_routing_torch, pack_rows_torch, packed_views
+
 # expert_fn(x, topk_weights, topk_ids_local) -> y, computed over this rank's physical experts only; a pair
 # whose expert another rank holds has local id -1 and adds nothing (no weights read, no rows computed).
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -143,10 +145,11 @@ class AllGatherDispatcher:
         else:
             all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
         per_rank = num_physical_experts // self.ep_size
-        lo = self.ep_rank * per_rank
-        local = (all_ids >= lo) & (all_ids < lo + per_rank)
-        local_ids = torch.where(local, all_ids - lo, -1)
-        y = expert_fn(all_x, all_w, local_ids)
+        local_routing = local_routing_torch
+        if all_x.is_cuda:  # one launch instead of eight small element-wise ones
+            from kernels.triton_dispatch import local_routing_triton as local_routing
+        local_ids, local_w = local_routing(all_ids, all_w, self.ep_rank * per_rank, per_rank)
+        y = expert_fn(all_x, local_w, local_ids)
         if uniform and self.nccl:  # sum the partial outputs and keep this rank's rows in one collective
             out = torch.empty_like(x)
             scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -158,22 +161,18 @@ class AllGatherDispatcher:
         start = sum(counts[: self.ep_rank])
         return y[start : start + n_local]
 
-    def _gather_packed(self, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """All-gather 2-D tensors of the same rows (widest element first, so each part's byte offset in a
-        row is a multiple of its element size) as one uint8 buffer, in one collective: an NCCL collective
-        of a few tokens costs its latency, not its bytes. Returns each part over all ranks' rows."""
-        n = parts[0].shape[0]
-        widths = [p.shape[1] * p.element_size() for p in parts]
-        row = -(-sum(widths) // 8) * 8  # a multiple of every element size
-        packed = torch.empty((n, row), dtype=torch.uint8, device=parts[0].device)
-        offsets = [sum(widths[:i]) for i in range(len(parts))]
-        for p, off, w in zip(parts, offsets, widths, strict=True):
-            packed[:, off : off + w] = p.contiguous().view(torch.uint8)
-        out = torch.empty((self.ep_size * n, row), dtype=torch.uint8, device=packed.device)
+    def _gather_packed(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        """All-gather (ids, weights, x) of the same rows as one uint8 buffer (``kernels/dispatch.py``), in
+        one collective: an NCCL collective of a few tokens costs its latency, not its bytes. Returns each
+        part over all ranks' rows, as strided views into the gathered buffer (no copies)."""
+        pack_rows = pack_rows_torch
+        if parts[0].is_cuda:  # one launch instead of three copies
+            from kernels.triton_dispatch import pack_rows_triton as pack_rows
+        packed = pack_rows(tuple(p if p.stride(-1) == 1 else p.contiguous() for p in parts))
+        out = torch.empty(
+            (self.ep_size * packed.shape[0], packed.shape[1]), dtype=torch.uint8, device=packed.device
+        )
         # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there).
         gather_single = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
         gather_single(out, packed, group=self.group)
-        return [
-            out[:, off : off + w].view(p.dtype).contiguous()
-            for p, off, w in zip(parts, offsets, widths, strict=True)
-        ]
+        return packed_views(out, [(p.dtype, p.shape[1]) for p in parts])

@@ -1,0 +1,91 @@
+"""The expert-parallel exchange's row ops as one launch each, semantics of ``kernels/dispatch.py``.
+
+In a decode graph with several ranks each MoE layer packs the rank's rows before the all-gather and
+reads the gathered ids and weights after it. As torch ops those were three copies and eight small
+element-wise launches a layer; here each side is one launch (a program per row). The gathered hidden
+rows are read by the fused MoE in place, through a strided view, with no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import packed_row_bytes, packed_views
+
+
+@triton.jit
+def _pack_rows_kernel(
+    ids_ptr, w_ptr, x_ptr, ids_out, w_out, x_out,
+    stride_ids, stride_w, stride_x, stride_ids_out, stride_w_out, stride_x_out,
+    top_k, hidden,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_mask = ks < top_k
+    tl.store(
+        ids_out + row * stride_ids_out + ks, tl.load(ids_ptr + row * stride_ids + ks, mask=k_mask), k_mask
+    )
+    tl.store(w_out + row * stride_w_out + ks, tl.load(w_ptr + row * stride_w + ks, mask=k_mask), k_mask)
+    for h0 in range(0, hidden, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_mask = hs < hidden
+        tl.store(x_out + row * stride_x_out + hs, tl.load(x_ptr + row * stride_x + hs, mask=h_mask), h_mask)
+
+
+def pack_rows_triton(parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(ids [T, k] int64, weights [T, k], x [T, H]), last dimensions contiguous -> [T, row] uint8, as
+    ``pack_rows_torch``."""
+    ids, weights, x = parts
+    if ids.element_size() < weights.element_size() or weights.element_size() < x.element_size():
+        raise ValueError("pack_rows: parts must come widest element first")
+    if any(p.stride(-1) != 1 for p in parts):
+        raise ValueError("pack_rows: parts must be contiguous in their last dimension")
+    n, top_k = ids.shape
+    hidden = x.shape[1]
+    packed = torch.empty((n, packed_row_bytes(parts)), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return packed
+    ids_out, w_out, x_out = packed_views(packed, [(p.dtype, p.shape[1]) for p in parts])
+    _pack_rows_kernel[(n,)](
+        ids, weights, x, ids_out, w_out, x_out,
+        ids.stride(0), weights.stride(0), x.stride(0), ids_out.stride(0), w_out.stride(0), x_out.stride(0),
+        top_k, hidden,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=min(4096, triton.next_power_of_2(hidden)),
+        num_warps=4,
+    )  # fmt: skip
+    return packed
+
+
+@triton.jit
+def _local_routing_kernel(
+    ids_ptr, w_ptr, ids_out, w_out, stride_ids, stride_w, top_k, first, count, BLOCK_K: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_mask = ks < top_k
+    ids = tl.load(ids_ptr + row * stride_ids + ks, mask=k_mask)
+    local = (ids >= first) & (ids < first + count)
+    tl.store(
+        ids_out + row * top_k + ks, tl.where(local, ids - first, -1).to(ids_out.dtype.element_ty), k_mask
+    )
+    tl.store(w_out + row * top_k + ks, tl.load(w_ptr + row * stride_w + ks, mask=k_mask), k_mask)
+
+
+def local_routing_triton(
+    ids: torch.Tensor, weights: torch.Tensor, first: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``local_routing_torch``: one launch, ids and weights with any row stride (contiguous rows)."""
+    n, top_k = ids.shape
+    local_ids = torch.empty((n, top_k), dtype=ids.dtype, device=ids.device)
+    local_w = torch.empty((n, top_k), dtype=weights.dtype, device=weights.device)
+    if n:
+        if ids.stride(-1) != 1 or weights.stride(-1) != 1:
+            raise ValueError("local_routing: ids and weights must be contiguous in their last dimension")
+        _local_routing_kernel[(n,)](
+            ids, weights, local_ids, local_w, ids.stride(0), weights.stride(0), top_k, first, count,
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
+        )  # fmt: skip
+    return local_ids, local_w
