@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import packed_row_bytes, packed_views
+from kernels.dispatch import packed_layout, packed_views
 
 
 @triton.jit
@@ -36,19 +36,18 @@ def _pack_rows_kernel(
 
 
 def pack_rows_triton(parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(ids [T, k] int64, weights [T, k], x [T, H]), last dimensions contiguous -> [T, row] uint8, as
+    """(x [T, H], ids [T, k], weights [T, k]), last dimensions contiguous -> [T, row] uint8, as
     ``pack_rows_torch``."""
-    ids, weights, x = parts
-    if ids.element_size() < weights.element_size() or weights.element_size() < x.element_size():
-        raise ValueError("pack_rows: parts must come widest element first")
+    x, ids, weights = parts
     if any(p.stride(-1) != 1 for p in parts):
         raise ValueError("pack_rows: parts must be contiguous in their last dimension")
     n, top_k = ids.shape
     hidden = x.shape[1]
-    packed = torch.empty((n, packed_row_bytes(parts)), dtype=torch.uint8, device=x.device)
+    layout = [(p.dtype, p.shape[1]) for p in parts]
+    packed = torch.empty((n, packed_layout(layout)[1]), dtype=torch.uint8, device=x.device)
     if n == 0:
         return packed
-    ids_out, w_out, x_out = packed_views(packed, [(p.dtype, p.shape[1]) for p in parts])
+    x_out, ids_out, w_out = packed_views(packed, layout)
     _pack_rows_kernel[(n,)](
         ids, weights, x, ids_out, w_out, x_out,
         ids.stride(0), weights.stride(0), x.stride(0), ids_out.stride(0), w_out.stride(0), x_out.stride(0),

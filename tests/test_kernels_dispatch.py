@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import local_routing_torch, pack_rows_torch, packed_views
+from kernels.dispatch import (
+    PART_ALIGN,
+    ROW_ALIGN,
+    local_routing_torch,
+    pack_rows_torch,
+    packed_layout,
+    packed_views,
+)
 from kernels.triton_dispatch import local_routing_triton, pack_rows_triton
 from tests.kernel_testing import DEVICE, DTYPES, poison_allocations, randn  # noqa: F401  (autouse fixture)
 
@@ -17,10 +24,11 @@ from tests.kernel_testing import DEVICE, DTYPES, poison_allocations, randn  # no
 def routing_case(
     tokens: int, top_k: int, hidden: int, dtype: torch.dtype, experts: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, ids, weights) as the dispatcher packs them."""
     ids = torch.randint(0, experts, (tokens, top_k), device=DEVICE)
     weights = torch.rand(tokens, top_k, device=DEVICE).to(dtype)
     x = randn(tokens, 2 * hidden, dtype=dtype)[:, :hidden]  # rows with a stride wider than the row
-    return ids, weights, x
+    return x, ids, weights
 
 
 def part_views(packed: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -34,18 +42,26 @@ def test_pack_rows_matches_reference(tokens: int, top_k: int, hidden: int, dtype
     parts = routing_case(tokens, top_k, hidden, dtype)
     got, want = pack_rows_triton(parts), pack_rows_torch(parts)
     assert got.shape == want.shape == (tokens, want.shape[1]) and got.dtype == torch.uint8
-    assert want.shape[1] % 8 == 0
+    assert want.shape[1] % ROW_ALIGN == 0
     for g, w, p in zip(part_views(got, parts), part_views(want, parts), parts, strict=True):
         assert g.dtype == p.dtype and torch.equal(g, w) and torch.equal(g, p)  # padding bytes excepted
+        assert (g.data_ptr() - got.data_ptr()) % PART_ALIGN == 0 and g.stride(
+            0
+        ) * g.element_size() % ROW_ALIGN == 0
+
+
+def test_packed_layout() -> None:
+    """Parts in order, each on a 16-byte boundary, rows a multiple of 128 bytes."""
+    layout = [(torch.bfloat16, 2048), (torch.int64, 8), (torch.bfloat16, 8)]
+    assert packed_layout(layout) == ([0, 4096, 4160], 4224)
+    assert packed_layout([(torch.float16, 3), (torch.int64, 1), (torch.float32, 5)]) == ([0, 16, 32], 128)
 
 
 def test_pack_rows_checks_its_parts() -> None:
-    ids, weights, x = routing_case(2, 4, 40, torch.bfloat16)
-    with pytest.raises(ValueError, match="widest element first"):
-        pack_rows_triton((x, weights, ids))
+    x, ids, weights = routing_case(2, 4, 40, torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous"):
-        pack_rows_triton((ids, weights, x.t().contiguous().t()))
-    assert pack_rows_triton((ids[:0], weights[:0], x[:0])).shape[0] == 0
+        pack_rows_triton((x.t().contiguous().t(), ids, weights))
+    assert pack_rows_triton((x[:0], ids[:0], weights[:0])).shape[0] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -56,15 +72,15 @@ def test_local_routing_matches_reference(rank: int, ranks: int, dtype: torch.dty
     torch.manual_seed(310 + rank)
     experts = 16
     parts = routing_case(7, 4, 40, dtype, experts)
-    ids, weights, _ = part_views(pack_rows_torch(parts), parts)
+    _, ids, weights = part_views(pack_rows_torch(parts), parts)
     assert not ids.is_contiguous()
     per_rank = experts // ranks
     got_ids, got_w = local_routing_triton(ids, weights, rank * per_rank, per_rank)
     want_ids, want_w = local_routing_torch(ids, weights, rank * per_rank, per_rank)
     assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
     assert got_ids.is_contiguous() and got_w.is_contiguous() and got_ids.dtype == ids.dtype
-    mine = (parts[0] // per_rank) == rank
-    assert torch.equal(got_ids, torch.where(mine, parts[0] % per_rank, -1))
+    mine = (parts[1] // per_rank) == rank
+    assert torch.equal(got_ids, torch.where(mine, parts[1] % per_rank, -1))
     assert (got_ids == -1).any() and (got_ids >= 0).any()
     empty_ids, empty_w = local_routing_triton(ids[:0], weights[:0], 0, per_rank)
     assert empty_ids.shape == (0, 4) and empty_w.shape == (0, 4)

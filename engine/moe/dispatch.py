@@ -141,7 +141,7 @@ class AllGatherDispatcher:
             return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
 
         if uniform and n_local:  # one collective for the three
-            all_ids, all_w, all_x = self._gather_packed((topk_ids, topk_weights, x))
+            all_x, all_ids, all_w = self._gather_packed((x, topk_ids, topk_weights))
         else:
             all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
         per_rank = num_physical_experts // self.ep_size
@@ -162,7 +162,7 @@ class AllGatherDispatcher:
         return y[start : start + n_local]
 
     def _gather_packed(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
-        """All-gather (ids, weights, x) of the same rows as one uint8 buffer (``kernels/dispatch.py``), in
+        """All-gather (x, ids, weights) of the same rows as one uint8 buffer (``kernels/dispatch.py``), in
         one collective: an NCCL collective of a few tokens costs its latency, not its bytes. Returns each
         part over all ranks' rows, as strided views into the gathered buffer (no copies)."""
         pack_rows = pack_rows_torch
