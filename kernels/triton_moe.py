@@ -512,6 +512,7 @@ def _moe_small_gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_ABSENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one pair and BLOCK_N n."""
@@ -519,8 +520,9 @@ def _moe_small_gate_up_kernel(
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    if expert < 0:  # another rank holds this pair's expert: the down kernel skips its row
-        return
+    if HAS_ABSENT:  # noqa: SIM102  (compiled in only where ids can be negative: one GPU's chain unchanged)
+        if expert < 0:  # another rank holds this pair's expert: the down kernel skips its row
+            return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -564,6 +566,7 @@ def _moe_small_down_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_ABSENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
@@ -581,9 +584,10 @@ def _moe_small_down_kernel(
     js = tl.arange(0, BLOCK_J)
     j_mask = js < TOP_K
     pairs = token * TOP_K + js
-    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=-1).to(tl.int64)  # pre-wait: gate-up's input
-    j_mask = experts >= 0  # a negative id: another rank's expert, whose act row the gate-up did not write
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
     weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
+    if HAS_ABSENT:  # a negative id: another rank's expert, whose act row the gate-up did not write
+        j_mask = j_mask & (experts >= 0)
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
@@ -613,8 +617,10 @@ def _fused_moe_small(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     cfg: MoeSmallConfig,
+    has_absent: bool = False,
 ) -> torch.Tensor:
-    """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller)."""
+    """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller);
+    with ``has_absent``, pairs of negative ids are skipped."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -625,7 +631,7 @@ def _fused_moe_small(
     _moe_small_gate_up_kernel[grid_a](
         x, w13, act, topk_ids, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
+        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, HAS_ABSENT=has_absent,
         **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
     )  # fmt: skip
     grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
@@ -633,6 +639,7 @@ def _fused_moe_small(
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        HAS_ABSENT=has_absent,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
@@ -655,9 +662,11 @@ def fused_moe_triton(
     Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H]. Decode-sized batches (``use_small_path``)
     take two GEMV-style launches; the rest align pairs by expert and run the grouped GEMM.
 
-    A negative id is a pair whose expert another expert-parallel rank holds: it adds nothing and reads no
-    weights. The small path skips such pairs always; the grouped path only with ``has_absent``, which
-    aligns them as one more expert whose tiles write zeros (without it a negative id is out of range).
+    With ``has_absent``, a negative id is a pair whose expert another expert-parallel rank holds: it adds
+    nothing and reads no weights (the small path's programs skip it; the grouped path aligns such pairs as
+    one more expert whose tiles write zeros). Without it a negative id is out of range; the flag is a
+    compile-time switch, so one GPU's kernels carry no check (a runtime check cost ~1% of a batch-1 MoE
+    step on the H200).
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -671,7 +680,9 @@ def fused_moe_triton(
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
     if use_small_path(num_pairs, num_experts):
-        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device))
+        return _fused_moe_small(
+            x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device), has_absent
+        )
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
     if has_absent:  # the absent pairs as expert E, after the real ones
         topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
