@@ -25,7 +25,7 @@ def packed_layout(dtypes_widths: list[tuple[torch.dtype, int]]) -> tuple[list[in
     for dtype, width in dtypes_widths:
         start = -(-end // PART_ALIGN) * PART_ALIGN
         offsets.append(start)
-        end = start + width * torch.empty((), dtype=dtype).element_size()
+        end = start + width * dtype.itemsize
     return offsets, -(-end // ROW_ALIGN) * ROW_ALIGN
 
 
@@ -33,7 +33,7 @@ def packed_views(packed: torch.Tensor, dtypes_widths: list[tuple[torch.dtype, in
     """Views of a [rows, row_bytes] uint8 buffer as its typed parts (``packed_layout``)."""
     offsets, _ = packed_layout(dtypes_widths)
     return [
-        packed[:, off : off + width * torch.empty((), dtype=dtype).element_size()].view(dtype)
+        packed[:, off : off + width * dtype.itemsize].view(dtype)
         for off, (dtype, width) in zip(offsets, dtypes_widths, strict=True)
     ]
 

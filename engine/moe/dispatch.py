@@ -146,7 +146,7 @@ class AllGatherDispatcher:
             all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
         per_rank = num_physical_experts // self.ep_size
         local_routing = local_routing_torch
-        if all_x.is_cuda:  # one launch instead of eight small element-wise ones
+        if self._uniform and all_x.is_cuda:  # in a graph: one launch instead of five (eager: fewer host us)
             from kernels.triton_dispatch import local_routing_triton as local_routing
         local_ids, local_w = local_routing(all_ids, all_w, self.ep_rank * per_rank, per_rank)
         y = expert_fn(all_x, local_w, local_ids)
@@ -166,7 +166,7 @@ class AllGatherDispatcher:
         one collective: an NCCL collective of a few tokens costs its latency, not its bytes. Returns each
         part over all ranks' rows, as strided views into the gathered buffer (no copies)."""
         pack_rows = pack_rows_torch
-        if parts[0].is_cuda:  # one launch instead of three copies
+        if self._uniform and parts[0].is_cuda:  # in a graph: one launch instead of three copies
             from kernels.triton_dispatch import pack_rows_triton as pack_rows
         packed = pack_rows(tuple(p if p.stride(-1) == 1 else p.contiguous() for p in parts))
         out = torch.empty(
