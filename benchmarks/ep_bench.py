@@ -9,7 +9,11 @@ the ranks step together (``engine.data_parallel.Lockstep``). Per batch, the same
 - ``graphs``: each pass replays the decode graph of the bucket the ranks agree on;
 - ``device-flags``: the same, with the lockstep's per-step flags exchanged as device tensors over NCCL
   instead of host tensors over gloo;
-- ``eager``: the graphs put aside, every pass runs eagerly (with a host exchange of the ranks' token counts).
+- ``eager``: the graphs put aside, every pass runs eagerly (with a host exchange of the ranks' token counts);
+- ``prefill-join``: the graphs in place, and in each timed step a new ``--join-tokens`` prompt joins rank
+  0's batch (one output token): what an arriving prompt costs every rank's decoding. With several ranks
+  every rank runs that step's pass eagerly; with ``--world 1`` it is the one GPU's mixed step. Its
+  roofline columns are left empty (nan), and the run's ``max_num_seqs`` has one more sequence for it.
 
 ``--world 1`` runs the same steps on one GPU holding every expert (no exchange), for reference.
 
@@ -70,13 +74,14 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
     model_dir = write_config(cfg, smoke=args.smoke)
     batches = [int(b) for b in args.batches.split(",")]
     steps = args.warmup + args.steps
-    blocks = max(batches) * -(-(args.ctx + steps + 16) // 16)
+    joins = "prefill-join" in args.modes.split(",")  # room for one joining prompt beside the batch
+    blocks = max(batches) * -(-(args.ctx + steps + 16) // 16) + joins * -(-(args.join_tokens + 16) // 16)
     ep = {"expert_parallel_size": world, "expert_parallel_rank": rank} if world > 1 else {}
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
             kernel_backend="triton" if cuda else "torch",
-            load_format="dummy", num_kv_blocks=blocks, max_num_seqs=max(batches), max_model_len=8192,
+            load_format="dummy", num_kv_blocks=blocks, max_num_seqs=max(batches) + joins, max_model_len=8192,
             distributed_init_method=f"tcp://127.0.0.1:{port}", async_scheduling=False, **ep,
         )
     )  # fmt: skip
@@ -118,13 +123,20 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             step()
             counts = engine.take_expert_counts()  # this rank's tokens over all physical experts
             times = []
+            joined = 0  # prefill-join prompts answered on this rank within their step
             synced = lockstep.sync_seconds if lockstep else 0.0
-            for _ in range(args.steps):
+            for i in range(args.steps):
+                if mode == "prefill-join" and rank == 0:  # a new prompt joins rank 0's batch this step
+                    engine.add_request(
+                        f"j{rank}-b{batch}-{i}", rng.integers(0, vocab, args.join_tokens).tolist(),
+                        SamplingParams(max_tokens=1, temperature=0.0),
+                    )  # fmt: skip
                 sync()
                 t = time.perf_counter()
-                step()
+                outputs = step() or []
                 sync()
                 times.append(time.perf_counter() - t)
+                joined += sum(o.finished and o.request_id.startswith("j") for o in outputs)
             sync_ms = ((lockstep.sync_seconds if lockstep else 0.0) - synced) / args.steps * 1e3
             replay_ms = float("nan")
             if mode == "graphs" and graphs is not None:
@@ -142,7 +154,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
                       f"flags {sync_ms:.2f} ms, graph {replay_ms:.2f} ms", flush=True)  # fmt: skip
             rows.append(
                 dict(batch=batch, mode=mode, step_ms=statistics.median(times) * 1e3, replay_ms=replay_ms,
-                     sync_ms=sync_ms,
+                     sync_ms=sync_ms, joined=joined,
                      counts=counts.tolist() if counts is not None else None)
             )  # fmt: skip
     out[rank] = {"rows": rows, "hbm": hbm, "wb": wb.__dict__, "layers": engine.model_config.num_layers}
@@ -169,6 +181,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64", help="sequences per rank")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--modes", default="graphs,device-flags,eager")
+    p.add_argument("--join-tokens", type=int, default=512, help="prompt length of the prefill-join mode")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the model's 48)")
@@ -190,12 +203,14 @@ def main() -> None:
     for i, row in enumerate(out[0]["rows"]):
         counts = [out[r]["rows"][i]["counts"] for r in range(args.world)]
         roof = roofline_ms(out[0]["wb"], counts, args.world, 0, row["batch"], args.ctx, hbm)
+        if row["mode"] == "prefill-join":  # a prefill's step: the decode roofline does not describe it
+            roof = float("nan")
         best = row["replay_ms"] if row["replay_ms"] == row["replay_ms"] else row["step_ms"]
         table.append(
             dict(world=args.world, batch_per_rank=row["batch"], mode=row["mode"], step_ms=row["step_ms"],
                  sync_ms=row["sync_ms"],
                  replay_ms=row["replay_ms"], tok_s=args.world * row["batch"] / row["step_ms"] * 1e3,
-                 roofline_ms=roof, pct_roofline=100 * roof / best)
+                 roofline_ms=roof, pct_roofline=100 * roof / best, joined=row["joined"])
         )  # fmt: skip
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
