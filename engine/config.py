@@ -85,6 +85,12 @@ class EngineConfig:
         "With expert_parallel_size > 1: the longest one rank waits for the others in a collective (a rank "
         "that hangs fails the others' step after it).",
     )
+    expert_parallel_async_scheduling: bool = setting(
+        False,
+        "With several expert-parallel ranks: keep async_scheduling (the ranks agree on each lookahead "
+        "step's pass as on any other, while the step before it still runs). Off by default: not yet "
+        "measured on GPUs; without it such engines step synchronously.",
+    )
 
     def __post_init__(self) -> None:
         if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "What is left", item 3

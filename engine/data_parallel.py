@@ -9,7 +9,8 @@ SGLang's data-parallel attention ranks run an idle batch.
 ``Lockstep.step`` is one step of the group, with one host exchange (an all-reduce of two flags over a
 gloo group): each rank votes for the pass it would run, and whether it has unfinished requests. A rank
 whose engine schedules a batch votes from inside its step, just before the forward pass
-(``ModelRunner.group_batch``): the decode batch it runs when that fits a decode graph, else "eager". A
+(``ModelRunner.group_batch``; with ``expert_parallel_async_scheduling`` also a lookahead step, launched
+while the step before it still runs): the decode batch it runs when that fits a decode graph, else "eager". A
 rank that schedules nothing (no requests, or none admitted) votes for no pass. Then:
 
 - every rank votes for no pass: nobody runs one; ``step`` returns None on every rank when no rank has
@@ -97,7 +98,7 @@ class Lockstep:
         if ran > 1:
             raise RuntimeError(
                 f"rank {self.dispatcher.ep_rank} ran {ran} forward passes in one step; the ranks of an "
-                "expert-parallel group must run one each (asynchronous scheduling is off for them)"
+                "expert-parallel group must run one each"
             )
         if ran == 1:  # it voted from inside its pass
             return outputs

@@ -161,9 +161,12 @@ class LLMEngine:
         self._owns_group = False
         if dispatcher is None and config.expert_parallel_size > 1:
             dispatcher, self._owns_group = _join_expert_parallel_group(config)
-        if dispatcher is not None and dispatcher.ep_size > 1 and config.async_scheduling:
-            # Ranks that exchange tokens must each run one forward pass per step (engine.data_parallel).
-            log.info("asynchronous scheduling is off with several expert-parallel ranks")
+        multi_rank = dispatcher is not None and dispatcher.ep_size > 1
+        if multi_rank and config.async_scheduling and not config.expert_parallel_async_scheduling:
+            log.info(
+                "asynchronous scheduling is off with several expert-parallel ranks "
+                "(expert_parallel_async_scheduling keeps it)"
+            )
             config = dataclasses.replace(config, async_scheduling=False)
         self.config = config
         if config.device == "cuda" and not torch.cuda.is_available():

@@ -331,8 +331,8 @@ class ModelRunner:
         decode the tokens still on the device (``execute_lookahead``), the others compute their
         ``num_new_tokens`` from the host, each to its end. Every row samples; returns the logits [n, V]."""
         self.late_point = None
-        self._single_rank_only("asynchronous scheduling")
         self.forward_passes += 1
+        self._group_graph_size(None)  # with several ranks: every rank runs this pass eagerly
         k = decode_ids.shape[0]
         batch = ScheduledBatch(seqs=seqs, num_new_tokens=num_new_tokens)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch, in_flight=k)
@@ -372,13 +372,14 @@ class ModelRunner:
         ``input_ids[i]``, not yet in sequence i's ``output_token_ids``, goes at position
         ``seqs[i].num_computed_tokens``, whose KV slot the block table already covers. Every row samples;
         returns the logits [n, V] (fp32; after a graph replay, a view valid until the next step)."""
-        self._single_rank_only("asynchronous scheduling")
         self.late_point = None
         self.forward_passes += 1
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        if self.graphs is not None and self.graphs.bucket_for(n) is not None:
-            return self._replay_decode(seqs, positions, input_ids)
+        fits = self.graphs is not None and self.graphs.bucket_for(n) is not None
+        size = self._group_graph_size(n if fits else None)
+        if size is not None:
+            return self._replay_decode(seqs, positions, input_ids, size)
         tables = _block_tables(seqs)
         bs = self.block_size
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
@@ -393,10 +394,6 @@ class ModelRunner:
         )
         hidden = self.model(input_ids, host_to_device(torch.from_numpy(positions), dev), self.kv_pool, meta)
         return self.model.compute_logits(hidden)
-
-    def _single_rank_only(self, what: str) -> None:
-        if self._multi_rank:
-            raise RuntimeError(f"{what} is not supported with several expert-parallel ranks")
 
     def _execute_decode_graph(
         self, seqs: list[Sequence], size: int | None = None

@@ -32,9 +32,9 @@ BLOCKS = 256
 
 
 @contextlib.contextmanager
-def _prefill_and_two_decode_ranks() -> Iterator[tuple[ServiceProcess, list[ServiceProcess]]]:
+def _prefill_and_two_decode_ranks(*rank_args: str) -> Iterator[tuple[ServiceProcess, list[ServiceProcess]]]:
     init = f"tcp://127.0.0.1:{free_port()}"
-    ep = ("--expert-parallel-size", "2", "--distributed-init-method", init)
+    ep = ("--expert-parallel-size", "2", "--distributed-init-method", init, *rank_args)
     prefill = ServiceProcess.start("prefill_svc", *worker_args("tiny-moe", BLOCKS))
     ranks: list[ServiceProcess] = []
     try:
@@ -62,6 +62,17 @@ def _prefill_and_two_decode_ranks() -> Iterator[tuple[ServiceProcess, list[Servi
 def test_two_decode_ranks_serve_their_own_requests_and_match_offline() -> None:
     with _prefill_and_two_decode_ranks() as (prefill, ranks):
         _check_ranks(prefill, ranks)
+
+
+def test_two_decode_ranks_with_asynchronous_scheduling_match_offline() -> None:
+    """The same traffic with ``--expert-parallel-async-scheduling``: the ranks run one step ahead."""
+    with _prefill_and_two_decode_ranks("--async-scheduling", "--expert-parallel-async-scheduling") as (
+        prefill,
+        ranks,
+    ):
+        _check_ranks(prefill, ranks)
+        for svc in ranks:  # both ranks decoded requests of their own one step ahead
+            assert _sample(svc, "pdmesh_decode_lookahead_steps_total") > 0, svc.log()
 
 
 def test_sigterm_drains_every_rank_before_the_group_stops() -> None:

@@ -175,6 +175,7 @@ def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: 
             "first": [o.token_ids for o in first],
             "second": [o.token_ids for o in second],
             "idle_passes": llm._lockstep.idle_passes if llm._lockstep else -1,
+            "lookahead_steps": llm.engine.lookahead_steps,
             # each rank counts its own tokens' (token, expert) pairs, over all physical experts
             "pairs": [int(b.expert_counts.sum()) for b in blocks],
             "expected_pairs": forwarded * blocks[0].top_k,
@@ -193,10 +194,26 @@ def test_ranks_with_uneven_work_step_together_and_match_a_single_rank() -> None:
     check_uneven_work({})
 
 
+@pytest.mark.slow
+def test_ranks_with_asynchronous_scheduling_match_a_single_rank() -> None:
+    """``expert_parallel_async_scheduling``: the ranks launch each decode step while the one before runs
+    (one step of lookahead each), agreeing on every pass as before; the same tokens and expert counts."""
+    check_uneven_work(ASYNC)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_gpu_ranks_with_uneven_work_step_together_and_match_a_single_rank() -> None:
     check_uneven_work(GPU_ENGINE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_ranks_with_asynchronous_scheduling_match_a_single_rank() -> None:
+    check_uneven_work({**GPU_ENGINE, **ASYNC})
+
+
+ASYNC = {"async_scheduling": True, "expert_parallel_async_scheduling": True}
 
 
 def check_uneven_work(engine_kw: dict) -> None:
@@ -209,9 +226,13 @@ def check_uneven_work(engine_kw: dict) -> None:
     assert out[0]["second"] == expected[0] and out[1]["second"] == []
     # Rank 1's 4-token generations end well before rank 0's 12, and the second call is all idle for it.
     assert out[0]["idle_passes"] == 0 and out[1]["idle_passes"] >= 12
-    if engine_kw:  # the decode passes were graphs, on both ranks alike: rank 1's idle ones padding only
+    if engine_kw.get("async_scheduling"):  # the ranks ran ahead (rank 1 only while it had requests)
+        assert out[0]["lookahead_steps"] >= 2 * (PARAMS.max_tokens - 2) and out[1]["lookahead_steps"] > 0
+    else:
+        assert out[0]["lookahead_steps"] == out[1]["lookahead_steps"] == 0
+    if engine_kw.get("device") == "cuda":  # the decode passes were graphs, on both ranks alike
         assert out[0]["graph_passes"] == out[1]["graph_passes"] >= 2 * (PARAMS.max_tokens - 1)
-        assert out[0]["replays"] == out[1]["replays"] == out[0]["graph_passes"]
+        assert out[0]["replays"] == out[1]["replays"] == out[0]["graph_passes"]  # rank 1's idle: padding
     else:
         assert out[0]["replays"] == out[1]["replays"] == 0
     for rank in (0, 1):
