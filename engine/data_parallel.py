@@ -6,8 +6,9 @@ rank, so every rank must run each forward pass, also a rank with nothing to do o
 nothing this step: it runs an idle pass instead (padding that writes no KV and counts for no expert), as
 SGLang's data-parallel attention ranks run an idle batch.
 
-``Lockstep.step`` is one step of the group, with one host exchange (an all-reduce of two flags over a
-gloo group): each rank votes for the pass it would run, and whether it has unfinished requests. A rank
+``Lockstep.step`` is one step of the group, with one host exchange (a max all-reduce of three numbers
+over a gloo group): each rank votes for the pass it would run, says whether it has unfinished requests,
+and whether it goes on (``stopping``). A rank
 whose engine schedules a batch votes from inside its step, just before the forward pass
 (``ModelRunner.group_batch``; with ``expert_parallel_async_scheduling`` also a lookahead step, launched
 while the step before it still runs): the decode batch it runs when that fits a decode graph, else "eager". A

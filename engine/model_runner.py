@@ -264,18 +264,21 @@ class ModelRunner:
         with expert_counts_restored(self.model):
             self._scratch_forward(1)
 
-    def _group_graph_size(self, want: int | None) -> int | None:
-        """The decode-graph size this pass replays, given this rank's wish (a decode batch that fits a
-        graph, or None for a pass that must run eagerly): with several ranks the group's agreement (every
-        pass is agreed on, graphs or not), else the wish's own bucket."""
-        if self._multi_rank:
-            if self.group_batch is None:
-                raise RuntimeError(
-                    "an expert-parallel rank runs its passes through a lockstep "
-                    "(engine.data_parallel.Lockstep), which agrees on each pass with the other ranks"
-                )
-            return self.group_batch(want)
-        return None if self.graphs is None or not want else self.graphs.bucket_for(want)
+    def _group_graph_size(self, decode_rows: int | None) -> int | None:
+        """The decode-graph size this pass replays (None: it runs eagerly), given ``decode_rows``, the rows
+        of a pure decode pass (None for any other pass): their bucket on one rank; with several ranks the
+        group's agreement, to which this rank votes for that bucket's rows or, without one, an eager pass
+        (every pass is agreed on, graphs or not)."""
+        graphs = self.graphs
+        bucket = graphs.bucket_for(decode_rows) if graphs is not None and decode_rows else None
+        if not self._multi_rank:
+            return bucket
+        if self.group_batch is None:
+            raise RuntimeError(
+                "an expert-parallel rank runs its passes through a lockstep "
+                "(engine.data_parallel.Lockstep), which agrees on each pass with the other ranks"
+            )
+        return self.group_batch(decode_rows if bucket is not None else None)
 
     def prepare(
         self, batch: ScheduledBatch, in_flight: int = 0
@@ -356,9 +359,7 @@ class ModelRunner:
         next step."""
         self.late_point = None
         self.forward_passes += 1
-        n = len(batch.seqs)
-        fits = self.graphs is not None and max(batch.num_new_tokens) == 1 and self.graphs.bucket_for(n)
-        size = self._group_graph_size(n if fits else None)
+        size = self._group_graph_size(len(batch.seqs) if max(batch.num_new_tokens) == 1 else None)
         if size is not None:
             return self._execute_decode_graph(batch.seqs, size)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
@@ -376,8 +377,7 @@ class ModelRunner:
         self.forward_passes += 1
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        fits = self.graphs is not None and self.graphs.bucket_for(n) is not None
-        size = self._group_graph_size(n if fits else None)
+        size = self._group_graph_size(n)
         if size is not None:
             return self._replay_decode(seqs, positions, input_ids, size)
         tables = _block_tables(seqs)
