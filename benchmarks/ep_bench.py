@@ -133,6 +133,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             synced = lockstep.sync_seconds if lockstep else 0.0
             lookahead = engine.lookahead_steps
             sync()
+            prof = _profiler(cuda) if rank == 0 and mode in args.profile.split(",") else None
+            if prof is not None:
+                prof.__enter__()
             loop_started = time.perf_counter()
             for i in range(args.steps):
                 if mode == "prefill-join" and rank == 0:  # a new prompt joins rank 0's batch this step
@@ -151,6 +154,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             sync()
             if ahead:
                 times = [(time.perf_counter() - loop_started) / args.steps]
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                _write_profile(prof, Path(args.out) / f"profile_w{world}_b{batch}_{mode}.txt", args.steps, cuda)
             lookahead = engine.lookahead_steps - lookahead
             sync_ms = ((lockstep.sync_seconds if lockstep else 0.0) - synced) / args.steps * 1e3
             replay_ms = float("nan")
@@ -175,6 +181,23 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
     out[rank] = {"rows": rows, "hbm": hbm, "wb": wb.__dict__, "layers": engine.model_config.num_layers}
     runner.graphs = graphs  # the last mode may have put them aside: close releases them before the group
     engine.close()
+
+
+def _profiler(cuda: bool) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return profile(activities=acts)
+
+
+def _write_profile(prof: Any, path: Path, steps: int, cuda: bool) -> None:
+    """The timed steps' ops by host time and by device time (``--profile``), per step."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    avg = prof.key_averages()
+    parts = [f"{steps} steps; totals over them\n", avg.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if cuda:
+        parts.append(avg.table(sort_by="self_cuda_time_total", row_limit=30))
+    path.write_text("\n".join(parts))
 
 
 def roofline_ms(wb: dict[str, Any], counts_all: list[list[list[int]]], world: int, rank: int,
@@ -202,6 +225,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the model's 48)")
     p.add_argument(
         "--watchdog", type=float, default=900, help="seconds before a rank dumps its stack and exits"
+    )
+    p.add_argument(
+        "--profile", default="", help="modes whose timed steps rank 0 profiles (torch.profiler) into --out"
     )
     p.add_argument("--smoke", action="store_true", help="the CPU, small shapes: checks the plumbing only")
     p.add_argument("--out", default=os.environ.get("OUT", "ep_bench_out"))

@@ -6,9 +6,9 @@ rank, so every rank must run each forward pass, also a rank with nothing to do o
 nothing this step: it runs an idle pass instead (padding that writes no KV and counts for no expert), as
 SGLang's data-parallel attention ranks run an idle batch.
 
-``Lockstep.step`` is one step of the group, with one host exchange (a max all-reduce of three numbers
-over a gloo group): each rank votes for the pass it would run, says whether it has unfinished requests,
-and whether it goes on (``stopping``). A rank
+``Lockstep.step`` is one step of the group, with one host exchange (a max all-reduce of four numbers
+over a gloo group): each rank votes for the pass it would run and gives its token count, says whether it
+has unfinished requests, and whether it goes on (``stopping``). A rank
 whose engine schedules a batch votes from inside its step, just before the forward pass
 (``ModelRunner.group_batch``; with ``expert_parallel_async_scheduling`` also a lookahead step, launched
 while the step before it still runs): the decode batch it runs when that fits a decode graph, else "eager". A
@@ -19,8 +19,11 @@ rank that schedules nothing (no requests, or none admitted) votes for no pass. T
 - some rank runs a pass: each rank without a batch joins it with an idle pass. With decode CUDA graphs
   (whose token exchanges have a fixed size) the largest vote picks the pass: a decode graph of the bucket
   that holds the largest batch, which every rank replays padding its own batch (an idle rank: padding
-  only), or, when any rank's step is not a decode that fits a graph (a prefill or mixed step), an eager
-  pass on every rank. This is the padding SGLang's and vLLM's data-parallel attention do for their graphs.
+  only); when any rank's step is not a decode that fits a graph (a prefill or mixed step), the piecewise
+  prefill graphs (``engine.prefill_graphs``) of the bucket that holds the most tokens any rank runs, which
+  every rank replays with its own step (a decode batch too) and the rest padding; and when no bucket
+  holds them (or there are no such graphs), an eager pass on every rank. This is the padding SGLang's and
+  vLLM's data-parallel attention do for their graphs.
 
 ``LLM`` and ``AsyncEngine`` (so the workers) take this path for an engine with several ranks.
 
@@ -37,6 +40,7 @@ import time
 import torch
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.model_runner import EAGER, GroupPass
 from engine.moe.dispatch import AllGatherDispatcher
 
 
@@ -69,6 +73,7 @@ class Lockstep:
                 timeout=datetime.timedelta(seconds=engine.config.distributed_timeout_s),
             )  # fmt: skip
         self.graph_passes = 0  # passes the group agreed to replay as decode graphs
+        self.prefill_graph_passes = 0  # passes the group agreed to replay as prefill graphs
         self._stopping = False
         self.passed = False  # whether the group ran a forward pass in the last step
         self.stopped = False  # set in the step in which every rank asked to stop (the same on every rank)
@@ -103,9 +108,9 @@ class Lockstep:
             )
         if ran == 1:  # it voted from inside its pass
             return outputs
-        largest, anyone = self._vote(0, mine)  # no pass here: nothing to run, or nothing admitted
+        largest, tokens, anyone = self._vote(0, 0, mine)  # no pass here: nothing to run or admitted
         if largest > 0:  # another rank runs one: join it
-            runner.idle_pass(self._graph_size(largest))
+            runner.idle_pass(self._group_pass(largest, tokens))
             return outputs
         self.passed = False
         return outputs if anyone else None
@@ -120,30 +125,35 @@ class Lockstep:
         """Host time this rank spent in the per-step flag exchanges."""
         return self.engine.runner.group_sync_seconds
 
-    def _agree(self, want: int | None) -> int | None:
+    def _agree(self, want: int | None, tokens: int) -> GroupPass:
         """``ModelRunner.group_batch``: this rank's vote from inside its step, just before its pass: a
-        decode graph for ``want`` rows, or with None an eager pass. Returns the decode-graph size every
-        rank replays, or None for an eager pass."""
-        largest, _ = self._vote(self._eager if want is None else max(want, 1), True)
-        return self._graph_size(largest)
+        decode graph for ``want`` rows, or with None any other pass, of ``tokens`` tokens. Returns the
+        pass every rank runs."""
+        largest, most, _ = self._vote(self._eager if want is None else max(want, 1), tokens, True)
+        return self._group_pass(largest, most)
 
-    def _graph_size(self, largest: int) -> int | None:
-        """The pass the largest vote (at least 1) stands for: a decode graph's size, or None (eager)."""
-        graphs = self.engine.runner.graphs
-        if largest >= self._eager or graphs is None:
-            return None
-        self.graph_passes += 1
-        return graphs.bucket_for(largest)
+    def _group_pass(self, largest: int, tokens: int) -> GroupPass:
+        """The pass the largest vote (at least 1) and the most tokens any rank runs stand for: a decode
+        graph's size; else the prefill graphs' bucket that holds the tokens; else eager."""
+        runner = self.engine.runner
+        if largest < self._eager and runner.graphs is not None:
+            self.graph_passes += 1
+            return GroupPass(decode=runner.graphs.bucket_for(largest))
+        bucket = runner.prefill_graphs.bucket_for(tokens) if runner.prefill_graphs is not None else None
+        if bucket is None:
+            return EAGER
+        self.prefill_graph_passes += 1
+        return GroupPass(prefill=bucket)
 
-    def _vote(self, want: int, has_work: bool) -> tuple[int, bool]:
+    def _vote(self, want: int, tokens: int, has_work: bool) -> tuple[int, int, bool]:
         """The step's one exchange (collective): the largest of the ranks' votes (0: no pass, 1 to the
-        largest graph batch: that decode batch, ``_eager``: an eager pass), and whether any rank has
-        unfinished requests. Sets ``stopped`` when no rank goes on."""
+        largest graph batch: that decode batch, ``_eager``: any other pass), the most tokens any rank's
+        pass has, and whether any rank has unfinished requests. Sets ``stopped`` when no rank goes on."""
         started = time.perf_counter()
-        flags = [want, int(has_work), int(not self._stopping)]
+        flags = [want, tokens, int(has_work), int(not self._stopping)]
         t = torch.tensor(flags, dtype=torch.int64, device=self.flags_device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.flags_group)
-        largest, anyone, going_on = (int(v) for v in t.tolist())
+        largest, most, anyone, going_on = (int(v) for v in t.tolist())
         self.engine.runner.group_sync_seconds += time.perf_counter() - started
         self.stopped = not going_on
-        return largest, bool(anyone)
+        return largest, most, bool(anyone)

@@ -10,9 +10,10 @@ scheduling), through the same graphs.
 
 With several expert-parallel ranks (data-parallel attention) every rank must run the same kind of pass in
 each step, since the MoE layers exchange tokens: before each pass the ranks agree (``group_batch``, set by
-``engine.data_parallel.Lockstep``) on one decode-graph size, which each pads its own batch to (a rank with
-nothing to run replays that graph with padding only), or on an eager pass when any rank's step is not a
-decode that fits a graph. The prefill graphs stay off with several ranks.
+``engine.data_parallel.Lockstep``) on one ``GroupPass``: a decode-graph size, which each pads its own batch
+to (a rank with nothing to run replays that graph with padding only); when any rank's step is not a decode
+that fits a decode graph, a prefill-graph bucket that holds every rank's tokens, which each rank replays
+with its own step (a decode batch too) and the rest padding; or, when no bucket holds them, an eager pass.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +50,18 @@ _MIN_P = SamplingParams(temperature=1.0, min_p=0.1, seed=0)
 _FILTERS = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=0)
 _TOP_P = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
 _WARM_UP_SAMPLES = ([_PLAIN], [_MIN_P], [_FILTERS], [_TOP_P], [_MIN_P, _FILTERS], [_MIN_P, _TOP_P])
+
+
+class GroupPass(NamedTuple):
+    """The pass the expert-parallel ranks agreed to run together: the decode graph of batch ``decode``,
+    the prefill graphs of bucket ``prefill`` (at most one of the two is set), or an eager pass (neither).
+    On one rank, ``decode`` is the batch's own bucket, and ``prefill`` is left to the runner."""
+
+    decode: int | None = None
+    prefill: int | None = None
+
+
+EAGER = GroupPass()
 
 
 @dataclass
@@ -123,9 +137,9 @@ class ModelRunner:
         self.idle_passes = 0  # of those, passes of padding only (joining other ranks' steps)
         self.group_sync_seconds = 0.0  # host time in the ranks' per-step agreements (engine.data_parallel)
         # With several ranks: the group's agreement on each pass, given this rank's wish (a decode-graph
-        # batch, or None for an eager pass); returns the graph size every rank replays, or None for an
-        # eager pass. Set by ``engine.data_parallel.Lockstep``.
-        self.group_batch: Callable[[int | None], int | None] | None = None
+        # batch, or None for any other pass) and its pass's token count; returns the pass every rank
+        # runs. Set by ``engine.data_parallel.Lockstep``.
+        self.group_batch: Callable[[int | None, int], GroupPass] | None = None
         self._multi_rank = not isinstance(model.dispatcher or SingleRankDispatcher(), SingleRankDispatcher)
         if cuda_graphs:
             self.enable_cuda_graphs(max_num_seqs, max_model_len or model.cfg.max_position_embeddings)
@@ -172,33 +186,35 @@ class ModelRunner:
         self._tables = None
         gc.collect()
 
-    def _check_same_graph_sizes(self, max_batch: int) -> None:
-        """Collective: every rank's decode graphs go up to the same batch (they capture, and later
-        replay, the same sizes together)."""
+    def _check_same_graph_sizes(
+        self, largest: int, what: str = "decode", setting: str = "max_num_seqs"
+    ) -> None:
+        """Collective: every rank's graphs go up to the same size (they capture, and later replay, the
+        same sizes together)."""
         import torch.distributed as dist
 
         dispatcher = self.model.dispatcher
-        t = torch.tensor([max_batch, -max_batch], dtype=torch.int64, device=self.device)
+        t = torch.tensor([largest, -largest], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(dispatcher, "group", None))
-        if int(t[0]) != max_batch or -int(t[1]) != max_batch:
+        if int(t[0]) != largest or -int(t[1]) != largest:
             raise ValueError(
-                f"the expert-parallel ranks' decode graphs go up to different batches ({-int(t[1])} to "
-                f"{int(t[0])}); give every rank the same max_num_seqs"
+                f"the expert-parallel ranks' {what} graphs go up to different sizes ({-int(t[1])} to "
+                f"{int(t[0])}); give every rank the same {setting}"
             )
 
     def enable_prefill_graphs(self, max_tokens: int) -> bool:
         """Capture piecewise graphs for steps of up to ``max_tokens`` tokens that are not decode-graph
         steps (``engine.prefill_graphs``); returns whether such steps now replay graphs. Only with the
-        decode graphs (the same conditions) and one expert-parallel rank; 0 turns them off. Calling it
-        again is a no-op."""
+        decode graphs (the same conditions); 0 turns them off. Calling it again is a no-op. With several
+        expert-parallel ranks it is collective, as ``enable_cuda_graphs`` is (the same ``max_tokens`` on
+        every rank)."""
         if self.prefill_graphs is not None:
             return True
         if max_tokens < 1 or self.graphs is None:
             return False
-        if self._multi_rank:  # the ranks' steps would have to agree on one piece size too
-            log.info("prefill CUDA graphs need one expert-parallel rank; prefill runs eagerly")
-            return False
         graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device)
+        if self._multi_rank:
+            self._check_same_graph_sizes(graphs.max_tokens, "prefill", "prefill_graph_tokens")
         graphs.capture()
         self.prefill_graphs = graphs
         return True
@@ -249,36 +265,41 @@ class ModelRunner:
         positions = torch.arange(n, dtype=torch.int64, device=dev)
         return self.model(ids, positions, self.kv_pool, meta)
 
-    def idle_pass(self, size: int | None = None) -> None:
+    def idle_pass(self, group_pass: GroupPass = EAGER) -> None:
         """A forward pass of padding only, for an expert-parallel rank with nothing to run while the others
         run a step: its MoE layers take part in their token exchanges (which every rank must join),
         nothing is written to the KV pool, no logits are computed, and the expert counters are left as
-        they were. ``size``: the decode graph the ranks agreed on, replayed with padding rows only; None,
-        one eager pass of a single padding token."""
+        they were. ``group_pass``: the decode graph or the prefill graphs the ranks agreed on, replayed
+        with padding rows only; for an eager pass, one pass of a single padding token."""
         self.forward_passes += 1
         self.idle_passes += 1
-        if size is not None:
+        if group_pass.decode is not None:
             assert self.graphs is not None
-            self.graphs.run_padding(size)
+            self.graphs.run_padding(group_pass.decode)
+            return
+        if group_pass.prefill is not None:
+            assert self.prefill_graphs is not None
+            self.prefill_graphs.run_padding(group_pass.prefill)
             return
         with expert_counts_restored(self.model):
             self._scratch_forward(1)
 
-    def _group_graph_size(self, decode_rows: int | None) -> int | None:
-        """The decode-graph size this pass replays (None: it runs eagerly), given ``decode_rows``, the rows
-        of a pure decode pass (None for any other pass): their bucket on one rank; with several ranks the
-        group's agreement, to which this rank votes for that bucket's rows or, without one, an eager pass
+    def _group_pass(self, decode_rows: int | None, tokens: int) -> GroupPass:
+        """The pass this step runs, given ``decode_rows``, the rows of a pure decode pass (None for any
+        other pass), and the pass's ``tokens``: on one rank, the rows' decode-graph bucket (any other pass
+        takes the prefill graphs that hold it, ``_forward``); with several ranks the group's agreement, to
+        which this rank votes for that bucket's rows or, without one, for another pass of ``tokens``
         (every pass is agreed on, graphs or not)."""
         graphs = self.graphs
         bucket = graphs.bucket_for(decode_rows) if graphs is not None and decode_rows else None
         if not self._multi_rank:
-            return bucket
+            return GroupPass(decode=bucket)
         if self.group_batch is None:
             raise RuntimeError(
                 "an expert-parallel rank runs its passes through a lockstep "
                 "(engine.data_parallel.Lockstep), which agrees on each pass with the other ranks"
             )
-        return self.group_batch(decode_rows if bucket is not None else None)
+        return self.group_batch(decode_rows if bucket is not None else None, tokens)
 
     def prepare(
         self, batch: ScheduledBatch, in_flight: int = 0
@@ -335,19 +356,26 @@ class ModelRunner:
         ``num_new_tokens`` from the host, each to its end. Every row samples; returns the logits [n, V]."""
         self.late_point = None
         self.forward_passes += 1
-        self._group_graph_size(None)  # with several ranks: every rank runs this pass eagerly
+        agreed = self._group_pass(None, sum(num_new_tokens))  # with several ranks: not a decode graph
         k = decode_ids.shape[0]
         batch = ScheduledBatch(seqs=seqs, num_new_tokens=num_new_tokens)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch, in_flight=k)
         assert len(sample_seqs) == len(seqs)
         input_ids[:k] = decode_ids  # one token per decode row, at the start of the batch
-        return self.model.compute_logits(self._forward(input_ids, positions, meta)[rows])
+        return self.model.compute_logits(self._forward(input_ids, positions, meta, agreed)[rows])
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, agreed: GroupPass
     ) -> torch.Tensor:
-        """The model over a prepared batch: a piecewise prefill graph where one fits, else eager."""
+        """The model over a prepared batch that is not a decode-graph pass: on one rank, a piecewise
+        prefill graph where one holds it, else eager; with several ranks, the prefill graphs of the
+        agreed bucket, or eager when the ranks agreed on no graph."""
         pg = self.prefill_graphs
+        if self._multi_rank:
+            if agreed.prefill is None:
+                return self.model(input_ids, positions, self.kv_pool, meta)
+            assert pg is not None
+            return pg.run(input_ids, positions, meta, agreed.prefill)
         if pg is not None and pg.bucket_for(input_ids.shape[0]) is not None:
             return pg.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_pool, meta)
@@ -359,11 +387,12 @@ class ModelRunner:
         next step."""
         self.late_point = None
         self.forward_passes += 1
-        size = self._group_graph_size(len(batch.seqs) if max(batch.num_new_tokens) == 1 else None)
-        if size is not None:
-            return self._execute_decode_graph(batch.seqs, size)
+        tokens = sum(batch.num_new_tokens)
+        agreed = self._group_pass(len(batch.seqs) if max(batch.num_new_tokens) == 1 else None, tokens)
+        if agreed.decode is not None:
+            return self._execute_decode_graph(batch.seqs, agreed.decode)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta, agreed)
         if not sample_seqs:
             return [], hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return sample_seqs, self.model.compute_logits(hidden[rows])
@@ -377,9 +406,9 @@ class ModelRunner:
         self.forward_passes += 1
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        size = self._group_graph_size(n)
-        if size is not None:
-            return self._replay_decode(seqs, positions, input_ids, size)
+        agreed = self._group_pass(n, n)
+        if agreed.decode is not None:
+            return self._replay_decode(seqs, positions, input_ids, agreed.decode)
         tables = _block_tables(seqs)
         bs = self.block_size
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
@@ -392,7 +421,7 @@ class ModelRunner:
             seq_lens=host_to_device(torch.from_numpy((positions + 1).astype(np.int32)), dev),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
         )
-        hidden = self.model(input_ids, host_to_device(torch.from_numpy(positions), dev), self.kv_pool, meta)
+        hidden = self._forward(input_ids, host_to_device(torch.from_numpy(positions), dev), meta, agreed)
         return self.model.compute_logits(hidden)
 
     def _execute_decode_graph(

@@ -15,8 +15,12 @@ real rows only and its output goes into a static buffer whose padding rows are z
 computes the same values in every step: as in ``engine/cuda_graphs.py``, a replay with padding only
 measures what one padding row adds to the MoE expert counters, and padded steps subtract it.
 
-Only for the Triton ops on a GPU with one expert-parallel rank (a multi-rank dispatcher exchanges token
-counts that differ per step). ``engine.model_runner`` decides which steps take the graphs.
+Only for the Triton ops on a GPU. With several expert-parallel ranks the capture is collective (every
+rank captures the same buckets in the same order, the MoE layers' token exchanges captured as NCCL
+collectives of a fixed size under the dispatcher's ``uniform_batches``, as the decode graphs do), and the
+ranks replay one agreed bucket together, each with its own real rows and the rest padding (``run``'s
+``size``; ``run_padding`` for a rank with none). ``engine.model_runner`` decides which steps take the
+graphs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from engine.cuda_graphs import CAPTURE_ERROR_MODE, capturing, expert_counts_restored, padding_counts
 from engine.models.decoder import AttentionMetadata, DecoderModel
+from engine.moe.dispatch import SingleRankDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +138,13 @@ class PrefillGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool. Before each capture the pieces run
         once eagerly on padding only (Triton compiles, cuBLAS picks its kernels; no KV is written), with
-        attention over the first row as a one-token sequence between them."""
+        attention over the first row as a one-token sequence between them. Collective with several
+        expert-parallel ranks: every pass in here has the bucket's token count on every rank."""
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        with capturing(), expert_counts_restored(self.model):
+        uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches()
+        with capturing(), expert_counts_restored(self.model), uniform:
             for size in reversed(self.sizes):
                 self._runs[size] = self._pieces(size)
                 meta = AttentionMetadata(
@@ -190,25 +197,45 @@ class PrefillGraphs:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
+        size: int | None = None,
     ) -> torch.Tensor:
         """The forward of ``n = len(input_ids)`` tokens laid out by ``meta`` (device tensors, as
-        ``ModelRunner.prepare`` builds them). Returns the final hidden states [n, hidden]: a view of the
-        graphs' memory, valid until the next replay of this bucket."""
-        size, n = self.stage(input_ids, positions, meta.slot_mapping)
+        ``ModelRunner.prepare`` builds them), in the graphs of bucket ``size`` (by default the smallest
+        that holds them; with several ranks, the one the ranks agreed on). Returns the final hidden states
+        [n, hidden]: a view of the graphs' memory, valid until the next replay of this bucket."""
+        size, n = self.stage(input_ids, positions, meta.slot_mapping, size)
+        self._replay_padded(size, n, meta)
+        return self._state[size]["hidden"][:n]
+
+    def run_padding(self, size: int) -> None:
+        """Replay bucket ``size`` with padding rows only (an expert-parallel rank with nothing to run joins
+        the others' step): nothing is written to the KV pool, and the expert counters are corrected as for
+        any padded replay."""
+        empty = self.input_ids[:0]
+        self.stage(empty, empty, empty, size)
+        self._replay_padded(size, 0, None)
+
+    def _replay_padded(self, size: int, n: int, meta: AttentionMetadata | None) -> None:
         self._forward(size, n, meta, replay=True)
         pad = self._pad_counts.get(size)
         if size > n and pad is not None:
             torch._foreach_add_(self._counts, pad, alpha=-(size - n))
         self.replays[size] += 1
-        return self._state[size]["hidden"][:n]
 
     def stage(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        size: int | None = None,
     ) -> tuple[int, int]:
         """Copy a step's inputs into the static buffers and reset the padding rows; returns the bucket
-        and the number of real tokens."""
+        (``size``, or the smallest that holds the tokens) and the number of real tokens."""
         n = input_ids.shape[0]
-        size = self.bucket_for(n)
+        if size is None:
+            size = self.bucket_for(n)
+        elif size not in self._runs or size < n:
+            raise ValueError(f"no {size}-token prefill graph holds a step of {n} tokens")
         if size is None:
             raise ValueError(
                 f"a prefill of {n} tokens exceeds the largest captured graph ({self.max_tokens})"

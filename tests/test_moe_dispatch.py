@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from engine import LLM, SamplingParams
 from mesh.cli import free_port
+from tests.test_prefill_graphs import EagerPieces
 
 # Rank r serves prompt r (data-parallel attention); both ranks see every token in the MoE layers. Here the
 # prompts have the same length, so no rank idles; the uneven case is further down.
@@ -147,9 +148,12 @@ UNEVEN = {
 }
 
 
-def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: dict | None = None) -> None:
+def _lockstep_rank_main(
+    rank: int, world: int, port: int, out: dict, engine_kw: dict | None = None, eager_pieces: int = 0
+) -> None:
     """A rank set up by the engine itself, from its settings (as a worker process is): it joins the group
-    (gloo on the CPU; NCCL and GPU ``rank`` on CUDA) and makes the dispatcher."""
+    (gloo on the CPU; NCCL and GPU ``rank`` on CUDA) and makes the dispatcher. ``eager_pieces`` (CPU):
+    the prefill graphs' path up to that many tokens, the pieces run eagerly (``EagerPieces``)."""
     import torch.distributed as dist
 
     faulthandler.dump_traceback_later(WATCHDOG, exit=True)
@@ -160,6 +164,12 @@ def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: 
             distributed_init_method=f"tcp://127.0.0.1:{port}", **(engine_kw or {}),
         )  # fmt: skip
         assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
+        runner = llm.engine.runner
+        if eager_pieces:  # collective, as a capture is: each bucket's padding pass exchanges tokens
+            pieces = runner.prefill_graphs = EagerPieces(
+                runner.model, runner.kv_pool, eager_pieces, runner.device
+            )
+            pieces.capture()
         prompts, params = UNEVEN[rank]
         first = llm.generate(prompts, params)
         # Then rank 1 has no request at all, and only joins rank 0's passes.
@@ -168,10 +178,13 @@ def _lockstep_rank_main(rank: int, world: int, port: int, out: dict, engine_kw: 
             len(o.prompt_token_ids) - o.num_cached_tokens + len(o.token_ids) - 1 for o in first + second
         )
         blocks = llm.engine.model.moe_blocks()
-        graphs = llm.engine.runner.graphs
+        graphs, pieces = runner.graphs, runner.prefill_graphs
         out[rank] = {
             "graph_passes": llm._lockstep.graph_passes if llm._lockstep else -1,
+            "prefill_graph_passes": llm._lockstep.prefill_graph_passes if llm._lockstep else -1,
+            "forward_passes": runner.forward_passes,
             "replays": sum(graphs.replays.values()) if graphs is not None else 0,
+            "prefill_replays": sum(pieces.replays.values()) if pieces is not None else 0,
             "first": [o.token_ids for o in first],
             "second": [o.token_ids for o in second],
             "idle_passes": llm._lockstep.idle_passes if llm._lockstep else -1,
@@ -213,15 +226,42 @@ def test_gpu_ranks_with_asynchronous_scheduling_match_a_single_rank() -> None:
     check_uneven_work({**GPU_ENGINE, **ASYNC})
 
 
+# One sequence a rank at a time: rank 1's second prompt starts while rank 0 decodes, so rank 0's decode
+# batch joins rank 1's prefill pass.
+ONE_AT_A_TIME = {"max_num_seqs": 1}
+
+
+def check_prefill_passes_joined(engine_kw: dict, eager_pieces: int = 0) -> None:
+    out = check_uneven_work({**engine_kw, **ONE_AT_A_TIME}, eager_pieces)
+    # Rank 0 prefills its prompt twice and never idles; a third prefill-graph pass ran its decode row.
+    assert out[0]["idle_passes"] == 0 and out[0]["prefill_graph_passes"] >= 3
+    assert out[1]["idle_passes"] > 0  # in the second call: rank 0's prefill joined with padding only
+
+
+@pytest.mark.slow
+def test_ranks_join_each_others_prefill_passes_through_the_pieces() -> None:
+    """CPU: the prefill graphs' path with several ranks (the pieces run eagerly, ``EagerPieces``): the ranks
+    agree on one bucket for each pass, a decode batch and an idle rank join another rank's prefill in it,
+    and the tokens and exact expert counts are the single rank's."""
+    check_prefill_passes_joined({}, eager_pieces=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_ranks_join_each_others_prefill_passes_in_the_graphs() -> None:
+    check_prefill_passes_joined(GPU_ENGINE)
+
+
 ASYNC = {"async_scheduling": True, "expert_parallel_async_scheduling": True}
 
 
-def check_uneven_work(engine_kw: dict) -> None:
+def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
     single = LLM("tiny-moe", num_kv_blocks=64, **engine_kw)
     expected = {r: [o.token_ids for o in single.generate(*UNEVEN[r])] for r in (0, 1)}
     del single
     out = mp.Manager().dict()
-    mp.spawn(_lockstep_rank_main, args=(2, free_port(), out, engine_kw or None), nprocs=2, join=True)
+    args = (2, free_port(), out, engine_kw or None, eager_pieces)
+    mp.spawn(_lockstep_rank_main, args=args, nprocs=2, join=True)
     assert out[0]["first"] == expected[0] and out[1]["first"] == expected[1]
     assert out[0]["second"] == expected[0] and out[1]["second"] == []
     # Rank 1's 4-token generations end well before rank 0's 12, and the second call is all idle for it.
@@ -231,12 +271,21 @@ def check_uneven_work(engine_kw: dict) -> None:
     else:
         assert out[0]["lookahead_steps"] == out[1]["lookahead_steps"] == 0
     if engine_kw.get("device") == "cuda":  # the decode passes were graphs, on both ranks alike
-        assert out[0]["graph_passes"] == out[1]["graph_passes"] >= 2 * (PARAMS.max_tokens - 1)
+        assert out[0]["graph_passes"] == out[1]["graph_passes"] >= 2 * (PARAMS.max_tokens - 2)
         assert out[0]["replays"] == out[1]["replays"] == out[0]["graph_passes"]  # rank 1's idle: padding
     else:
         assert out[0]["replays"] == out[1]["replays"] == 0
+    if engine_kw.get("device") == "cuda" or eager_pieces:  # every other pass: the prefill graphs' path
+        # (prompts; on the CPU, with no decode graphs, every pass), on both ranks alike; no eager pass
+        assert out[0]["prefill_graph_passes"] == out[1]["prefill_graph_passes"] >= 2
+        for r in (0, 1):
+            assert out[r]["prefill_replays"] == out[r]["prefill_graph_passes"], r
+            assert out[r]["forward_passes"] == out[r]["graph_passes"] + out[r]["prefill_graph_passes"], r
+    else:
+        assert out[0]["prefill_replays"] == out[1]["prefill_replays"] == 0
     for rank in (0, 1):
         assert out[rank]["pairs"] == [out[rank]["expected_pairs"]] * len(out[rank]["pairs"]), rank
+    return dict(out)
 
 
 def _dying_rank_main(rank: int, world: int, port: int, out: dict) -> None:
