@@ -12,11 +12,15 @@ the ranks step together (``engine.data_parallel.Lockstep``). Per batch, the same
 - ``graphs-async``: the same with asynchronous scheduling (``expert_parallel_async_scheduling``): each
   rank launches a step while the one before runs, so its step time is the timed loop's wall time over its
   steps (no device synchronisation between them);
-- ``eager``: the graphs put aside, every pass runs eagerly (with a host exchange of the ranks' token counts);
+- ``eager``: the graphs (decode and prefill) put aside, every pass runs eagerly (with a host exchange of
+  the ranks' token counts);
 - ``prefill-join``: the graphs in place, and in each timed step a new ``--join-tokens`` prompt joins rank
   0's batch (one output token): what an arriving prompt costs every rank's decoding. With several ranks
-  every rank runs that step's pass eagerly; with ``--world 1`` it is the one GPU's mixed step. Its
-  roofline columns are left empty (nan), and the run's ``max_num_seqs`` has one more sequence for it.
+  every rank replays that step's prefill graphs (the bucket that holds rank 0's step: the other ranks'
+  decode batches are padded to it); with ``--world 1`` it is the one GPU's mixed step. Its roofline
+  columns are left empty (nan), and the run's ``max_num_seqs`` has one more sequence for it;
+- ``prefill-join-eager``: the same with the prefill graphs put aside, so that step runs eagerly on
+  every rank (as it did before the ranks agreed on prefill graphs).
 
 ``--world 1`` runs the same steps on one GPU holding every expert (no exchange), for reference.
 
@@ -77,7 +81,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
     model_dir = write_config(cfg, smoke=args.smoke)
     batches = [int(b) for b in args.batches.split(",")]
     steps = args.warmup + args.steps
-    joins = "prefill-join" in args.modes.split(",")  # room for one joining prompt beside the batch
+    # Room for one joining prompt beside the batch.
+    joins = any(m.startswith("prefill-join") for m in args.modes.split(","))
     blocks = max(batches) * -(-(args.ctx + steps + 16) // 16) + joins * -(-(args.join_tokens + 16) // 16)
     ep = {"expert_parallel_size": world, "expert_parallel_rank": rank} if world > 1 else {}
     engine = LLMEngine(
@@ -92,7 +97,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
     with torch.no_grad():
         engine.kv_pool.normal_()
     runner = engine.runner
-    graphs = runner.graphs
+    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs
     locksteps = {
         "host": Lockstep.for_engine(engine),
         "device": Lockstep.for_engine(engine, flags_on_device=True),
@@ -111,6 +116,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
             lockstep = locksteps["device" if mode == "device-flags" else "host"]
             step = lockstep.step if lockstep else engine.step
             runner.graphs = None if mode == "eager" else graphs  # every rank puts its graphs aside alike
+            runner.prefill_graphs = None if mode in ("eager", "prefill-join-eager") else prefill_graphs
             ahead = mode == "graphs-async"
             engine.config.async_scheduling = ahead  # the engine reads it at each step
             runner.group_batch = lockstep._agree if lockstep else None
@@ -138,7 +144,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
                 prof.__enter__()
             loop_started = time.perf_counter()
             for i in range(args.steps):
-                if mode == "prefill-join" and rank == 0:  # a new prompt joins rank 0's batch this step
+                if mode.startswith("prefill-join") and rank == 0:  # a new prompt joins rank 0's batch
                     engine.add_request(
                         f"j{rank}-b{batch}-{i}", rng.integers(0, vocab, args.join_tokens).tolist(),
                         SamplingParams(max_tokens=1, temperature=0.0),
@@ -156,7 +162,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
                 times = [(time.perf_counter() - loop_started) / args.steps]
             if prof is not None:
                 prof.__exit__(None, None, None)
-                _write_profile(prof, Path(args.out) / f"profile_w{world}_b{batch}_{mode}.txt", args.steps, cuda)
+                _write_profile(
+                    prof, Path(args.out) / f"profile_w{world}_b{batch}_{mode}.txt", args.steps, cuda
+                )
             lookahead = engine.lookahead_steps - lookahead
             sync_ms = ((lockstep.sync_seconds if lockstep else 0.0) - synced) / args.steps * 1e3
             replay_ms = float("nan")
@@ -179,7 +187,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
                      counts=counts.tolist() if counts is not None else None)
             )  # fmt: skip
     out[rank] = {"rows": rows, "hbm": hbm, "wb": wb.__dict__, "layers": engine.model_config.num_layers}
-    runner.graphs = graphs  # the last mode may have put them aside: close releases them before the group
+    # The last mode may have put them aside: close releases them before the group.
+    runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
     engine.close()
 
 
@@ -244,7 +253,7 @@ def main() -> None:
     for i, row in enumerate(out[0]["rows"]):
         counts = [out[r]["rows"][i]["counts"] for r in range(args.world)]
         roof = roofline_ms(out[0]["wb"], counts, args.world, 0, row["batch"], args.ctx, hbm)
-        if row["mode"] == "prefill-join":  # a prefill's step: the decode roofline does not describe it
+        if row["mode"].startswith("prefill-join"):  # a prefill's step: not what the decode roofline says
             roof = float("nan")
         best = row["replay_ms"] if row["replay_ms"] == row["replay_ms"] else row["step_ms"]
         table.append(

@@ -45,24 +45,28 @@ def test_decode_sampling_takes_sampling_params_fields() -> None:
 def test_ep_bench_smoke_steps_two_ranks_through_every_mode(tmp_path: Path) -> None:
     """``benchmarks/ep_bench.py --smoke``: two gloo ranks on the CPU run every mode at every batch (their
     locksteps, the drains between rows, the close at the end) and write a row for each; in prefill-join
-    rows every timed step answers one new prompt on rank 0, and only graphs-async runs ahead."""
+    rows every timed step answers one new prompt on rank 0, and only graphs-async runs ahead; ``--profile``
+    writes rank 0's op tables for the modes it names."""
     import json
     import subprocess
 
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "ep_bench.py"), "--smoke", "--world", "2",
          "--batches", "1,2", "--warmup", "1", "--steps", "2", "--watchdog", "120", "--out", str(tmp_path),
-         "--modes", "graphs,graphs-async,device-flags,eager,prefill-join", "--join-tokens", "24"],
+         "--modes", "graphs,graphs-async,device-flags,eager,prefill-join,prefill-join-eager",
+         "--join-tokens", "24", "--profile", "eager"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "ep_bench_w2.json").read_text())["rows"]
-    assert [(r["batch_per_rank"], r["mode"]) for r in rows] == [
-        (b, m) for b in (1, 2) for m in ("graphs", "graphs-async", "device-flags", "eager", "prefill-join")
-    ]
+    modes = ("graphs", "graphs-async", "device-flags", "eager", "prefill-join", "prefill-join-eager")
+    assert [(r["batch_per_rank"], r["mode"]) for r in rows] == [(b, m) for b in (1, 2) for m in modes]
     for r in rows:
         assert r["world"] == 2 and r["step_ms"] > 0 and r["sync_ms"] > 0
         assert r["tok_s"] == pytest.approx(2 * r["batch_per_rank"] / r["step_ms"] * 1e3)
-        assert r["joined"] == (2 if r["mode"] == "prefill-join" else 0)
+        assert r["joined"] == (2 if r["mode"].startswith("prefill-join") else 0)
         assert (r["lookahead"] > 0) is (r["mode"] == "graphs-async")  # only that mode runs ahead
     assert "| ranks | batch/rank | mode |" in proc.stdout
+    for b in (1, 2):  # per step: the ops rank 0 launched, by host time
+        assert "Self CPU" in (tmp_path / f"profile_w2_b{b}_eager.txt").read_text()
+    assert not list(tmp_path.glob("profile_*_graphs.txt"))
