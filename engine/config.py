@@ -86,10 +86,10 @@ class EngineConfig:
         "that hangs fails the others' step after it).",
     )
     expert_parallel_async_scheduling: bool = setting(
-        False,
+        True,
         "With several expert-parallel ranks: keep async_scheduling (the ranks agree on each lookahead "
-        "step's pass as on any other, while the step before it still runs). Off by default: not yet "
-        "measured on GPUs; without it such engines step synchronously.",
+        "step's pass as on any other, while the step before it still runs; on two H200s decode steps "
+        "5-16% shorter). Off: such engines step synchronously.",
     )
 
     def __post_init__(self) -> None:

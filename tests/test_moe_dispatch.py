@@ -189,6 +189,7 @@ def _lockstep_rank_main(
             "second": [o.token_ids for o in second],
             "idle_passes": llm._lockstep.idle_passes if llm._lockstep else -1,
             "lookahead_steps": llm.engine.lookahead_steps,
+            "async": llm.engine.config.async_scheduling,
             # each rank counts its own tokens' (token, expert) pairs, over all physical experts
             "pairs": [int(b.expert_counts.sum()) for b in blocks],
             "expected_pairs": forwarded * blocks[0].top_k,
@@ -217,7 +218,7 @@ def test_ranks_with_asynchronous_scheduling_match_a_single_rank() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_gpu_ranks_with_uneven_work_step_together_and_match_a_single_rank() -> None:
-    check_uneven_work(GPU_ENGINE)
+    check_uneven_work({**GPU_ENGINE, **SYNC})
 
 
 @pytest.mark.gpu
@@ -246,13 +247,27 @@ def test_ranks_join_each_others_prefill_passes_through_the_pieces() -> None:
     check_prefill_passes_joined({}, eager_pieces=32)
 
 
+@pytest.mark.slow
+def test_ranks_with_asynchronous_scheduling_join_each_others_prefill_passes_through_the_pieces() -> None:
+    """The same with asynchronous scheduling: lookahead steps (decode, and prompts beside decode rows)
+    agree on the pieces' bucket too."""
+    check_prefill_passes_joined(ASYNC, eager_pieces=32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_gpu_ranks_join_each_others_prefill_passes_in_the_graphs() -> None:
-    check_prefill_passes_joined(GPU_ENGINE)
+    check_prefill_passes_joined({**GPU_ENGINE, **SYNC})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_ranks_with_asynchronous_scheduling_join_each_others_prefill_passes_in_the_graphs() -> None:
+    check_prefill_passes_joined({**GPU_ENGINE, **ASYNC})
 
 
 ASYNC = {"async_scheduling": True, "expert_parallel_async_scheduling": True}
+SYNC = {"async_scheduling": False}
 
 
 def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
@@ -266,7 +281,10 @@ def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
     assert out[0]["second"] == expected[0] and out[1]["second"] == []
     # Rank 1's 4-token generations end well before rank 0's 12, and the second call is all idle for it.
     assert out[0]["idle_passes"] == 0 and out[1]["idle_passes"] >= 12
-    if engine_kw.get("async_scheduling"):  # the ranks ran ahead (rank 1 only while it had requests)
+    # Asynchronous scheduling is on by default on CUDA, and expert parallelism keeps it by default.
+    ahead = engine_kw.get("async_scheduling", engine_kw.get("device") == "cuda")
+    assert out[0]["async"] is out[1]["async"] is ahead
+    if ahead:  # the ranks ran ahead (rank 1 only while it had requests)
         assert out[0]["lookahead_steps"] >= 2 * (PARAMS.max_tokens - 2) and out[1]["lookahead_steps"] > 0
     else:
         assert out[0]["lookahead_steps"] == out[1]["lookahead_steps"] == 0
