@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +39,8 @@ class Up:
     """``pdmesh up`` with ``args`` as a child process, its output collected; ``http`` once it is up."""
 
     def __init__(self, *args: str, quiet: bool = True) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -67,7 +69,10 @@ class Up:
                     up.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        assert up.wait(120), "".join(self.lines[-40:])
+        deadline = time.monotonic() + 300  # on a GPU each worker captures its graphs first
+        while not up.wait(0.5) and self.proc.poll() is None and time.monotonic() < deadline:
+            pass
+        assert up.is_set(), "".join(self.lines[-40:])
         time.sleep(0.2)
         self.text = "".join(self.lines)
         self.http = re.search(r"OpenAI HTTP\s+(http://\S+)", self.text).group(1)
@@ -116,26 +121,63 @@ def test_pdmesh_up_with_expert_parallel_ranks_answers_as_one_engine() -> None:
     """Two prefill and two decode workers, each pair the two expert-parallel ranks of tiny-moe
     (``--prefill-expert-parallel --decode-expert-parallel``, a group each): concurrent requests, spread
     over the ranks by the router, get the offline engine's greedy text."""
+    check_expert_parallel_mesh({})
+
+
+# The GPU variant's workers and offline engine: the Triton ops (so CUDA graphs, prefill graphs among
+# them), float32 so that the ranks' partial expert sums cannot round a token differently.
+GPU_WORKERS = {"device": "cuda", "dtype": "float32", "kernel_backend": "triton"}
+
+
+def _nixl_missing() -> bool:
+    from mesh.nixl_transfer import NixlNotInstalledError, import_nixl_api
+
+    try:
+        import_nixl_api()
+    except NixlNotInstalledError:
+        return True
+    return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or _nixl_missing(),
+    reason="needs two CUDA GPUs and NIXL",
+)
+def test_gpu_pdmesh_up_with_expert_parallel_ranks_answers_as_one_engine() -> None:
+    """The same mesh on two GPUs (``pdmesh up --device cuda``): each worker gets one GPU (prefill rank 0
+    GPU 0, prefill rank 1 GPU 1, then the decode ranks likewise), each group's ranks meet over NCCL, and
+    the KV moves between processes on different GPUs over NIXL."""
+    check_expert_parallel_mesh(GPU_WORKERS)
+
+
+def check_expert_parallel_mesh(workers: dict[str, str]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from engine import LLM, SamplingParams
 
     prompts = [f"request {i}: " + "mesh " * (3 * i) for i in range(6)]
     lengths = [12, 3, 8, 1, 16, 5]
-    llm = LLM("tiny-moe", num_kv_blocks=256)
+    llm = LLM("tiny-moe", num_kv_blocks=256, **workers)
     expected = [
         llm.generate(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].text
         for p, n in zip(prompts, lengths, strict=True)
     ]
+    llm.close()
+    gpu = workers.get("device") == "cuda"
+    extra = ["--device", "cuda", "--dtype", workers["dtype"], "--gpus", "0,1"] if gpu else []
+    if gpu:
+        extra += ["--worker-arg=--kernel-backend=" + workers["kernel_backend"]]
     up = Up("--model", "tiny-moe", "--num-kv-blocks", "256", "--num-prefill", "2", "--num-decode", "2",
-            "--prefill-expert-parallel", "--decode-expert-parallel", "--routing", "round_robin",
+            "--prefill-expert-parallel", "--decode-expert-parallel", "--routing", "round_robin", *extra,
             quiet=False)  # fmt: skip
     try:
         assert len(re.findall(r"^\s+decode\s+127\.0\.0\.1:\d+", up.text, re.M)) == 2
         decode_metrics = re.findall(r"pdmesh decode ready: grpc=\S+ metrics=(\S+)", up.text)
         assert len(decode_metrics) == 2
+        backend = "nccl" if gpu else "gloo"
         for rank in (0, 1):  # one prefill and one decode worker each
-            assert up.text.count(f"expert-parallel rank {rank} of 2 (gloo)") == 2
+            assert up.text.count(f"expert-parallel rank {rank} of 2 ({backend})") == 2, up.text[-3000:]
         bodies = [
             {"model": "tiny-moe", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}
             for p, n in zip(prompts, lengths, strict=True)

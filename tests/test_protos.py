@@ -33,6 +33,28 @@ def test_generated_code_has_not_drifted(tmp_path: Path) -> None:
     assert not stale, f"generated code differs from the protos in {stale}: run `python -m protos.generate`"
 
 
+def test_declared_dependencies_cover_the_generated_code() -> None:
+    """The committed code refuses to import under a protobuf runtime older than the one that generated it
+    (or of another major version), and its gRPC stubs under an older grpcio: the package's requirements
+    must not admit such versions."""
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = {r.name: r.specifier for r in map(Requirement, deps)}
+    pb2 = (REPO_ROOT / "protos/pdmesh/v1/worker_pb2.py").read_text()
+    grpc_py = (REPO_ROOT / "protos/pdmesh/v1/worker_pb2_grpc.py").read_text()
+    made_pb = Version(re.search(r"Protobuf Python Version: (\S+)", pb2).group(1))
+    made_grpc = Version(re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", grpc_py).group(1))
+    lowest = lambda s: min(Version(c.version) for c in s if c.operator == ">=")  # noqa: E731
+    assert lowest(spec["protobuf"]) >= made_pb and Version(f"{made_pb.major + 1}") not in spec["protobuf"]
+    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert lowest(spec[name]) >= made_grpc, name
+
+
 def test_generate_request_round_trip_keeps_oneof_and_presence() -> None:
     params = common_pb2.SamplingParams(
         max_tokens=32, temperature=0.0, top_k=-1, seed=1234, stop=["\n\n"], stop_token_ids=[2], logprobs=5
