@@ -210,11 +210,13 @@ class ModelRunner:
         every rank)."""
         if self.prefill_graphs is not None:
             return True
-        if max_tokens < 1 or self.graphs is None:
+        if self.graphs is None:
+            return False
+        if self._multi_rank:  # also when this rank's are off: a rank with graphs waits for the others
+            self._check_same_graph_sizes(max(max_tokens, 0), "prefill", "prefill_graph_tokens")
+        if max_tokens < 1:
             return False
         graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device)
-        if self._multi_rank:
-            self._check_same_graph_sizes(graphs.max_tokens, "prefill", "prefill_graph_tokens")
         graphs.capture()
         self.prefill_graphs = graphs
         return True

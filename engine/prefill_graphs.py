@@ -13,7 +13,10 @@ per piece and bucket of token counts; a step of ``n`` tokens replays the smalles
 Rows ``n..bucket`` are padding: token 0, position 0, KV slot -1 (nothing written). Attention runs on the
 real rows only and its output goes into a static buffer whose padding rows are zero, so every padding row
 computes the same values in every step: as in ``engine/cuda_graphs.py``, a replay with padding only
-measures what one padding row adds to the MoE expert counters, and padded steps subtract it.
+measures what one padding row adds to the MoE expert counters, and padded steps subtract it. With several
+expert-parallel ranks the padding rows' (token, expert) pairs run on no rank (``valid_rows``): a rank
+whose decode batch joins another rank's long prefill pads to that prefill's bucket, and its padding rows,
+all routed alike, would otherwise pile onto the same few experts.
 
 Only for the Triton ops on a GPU. With several expert-parallel ranks the capture is collective (every
 rank captures the same buckets in the same order, the MoE layers' token exchanges captured as NCCL
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -67,6 +71,10 @@ class PrefillGraphs:
         self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         self._counts = [blk.expert_counts for blk in model.moe_blocks()]
+        # With several expert-parallel ranks: the step's real rows, set before each replay, so that the
+        # padding rows' (token, expert) pairs run on no rank (``uniform_batches``' valid_rows).
+        self.valid_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self._masks_padding = model.dispatcher is not None and model.dispatcher.ep_size > 1
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
         self._runs: dict[int, list[Callable[[], None]]] = {}
@@ -143,8 +151,7 @@ class PrefillGraphs:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches()
-        with capturing(), expert_counts_restored(self.model), uniform:
+        with capturing(), expert_counts_restored(self.model), self.uniform_batches():
             for size in reversed(self.sizes):
                 self._runs[size] = self._pieces(size)
                 meta = AttentionMetadata(
@@ -153,6 +160,7 @@ class PrefillGraphs:
                     seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
                     query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
                 )
+                self.valid_rows.fill_(size)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -182,8 +190,13 @@ class PrefillGraphs:
             self.pool_bytes / 2**20,
         )
 
+    def uniform_batches(self) -> AbstractContextManager[None]:
+        """The dispatcher's ``uniform_batches`` for these graphs' passes (their capture)."""
+        return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.valid_rows)
+
     def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
         """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
+        self.valid_rows.fill_(0)
         return padding_counts(
             self._counts,
             lambda: self._forward(size, 0, None, replay=True),
@@ -241,6 +254,8 @@ class PrefillGraphs:
                 f"a prefill of {n} tokens exceeds the largest captured graph ({self.max_tokens})"
             )
         b = self.max_tokens
+        if self._masks_padding:
+            self.valid_rows.fill_(n)
         self.input_ids[:n].copy_(input_ids)  # device to device: prepare() staged them already
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)

@@ -120,11 +120,23 @@ def _uniform_rank_main(rank: int, world: int, port: int, out: dict) -> None:
         with dispatcher.uniform_batches():
             dispatcher.begin_forward()
             uniform = blk(padded)
+        counted = int(blk.expert_counts.sum() - before[0].sum())
+        # The prefill graphs' padding: rows from valid_rows on (here random) run on no expert, any rank's.
+        noisy = torch.cat([x, torch.randn(3 - rows, hidden, generator=gen)])
+        with dispatcher.uniform_batches(valid_rows=torch.tensor(rows)):
+            dispatcher.begin_forward()
+            masked = blk(noisy)
+        with dispatcher.uniform_batches():
+            dispatcher.begin_forward()
+            unmasked = blk(noisy)
         out[rank] = {
             "same": torch.allclose(uniform[:rows], exact, rtol=1e-5, atol=1e-6),
             "rows": tuple(uniform.shape),
-            "counted": int(blk.expert_counts.sum() - before[0].sum()),
+            "counted": counted,
             "top_k": blk.top_k,
+            "masked_same": torch.allclose(masked[:rows], exact, rtol=1e-5, atol=1e-6),
+            "masked_padding_zero": bool(masked[rows:].eq(0).all()),
+            "unmasked_padding_nonzero": bool(unmasked[rows:].ne(0).any(dim=1).all()),
         }
     finally:
         dist.destroy_process_group()
@@ -138,6 +150,9 @@ def test_uniform_batches_dispatch_matches_exchanged_counts() -> None:
         assert out[rank]["same"], rank
         assert out[rank]["rows"] == (3, out[rank]["rows"][1])
         assert out[rank]["counted"] == 3 * out[rank]["top_k"]  # padding rows route too (graphs correct it)
+    # With valid_rows, rank 1's two padding rows add nothing on either rank; rank 0 has none.
+    assert out[0]["masked_same"] and out[1]["masked_same"]
+    assert out[1]["masked_padding_zero"] and out[1]["unmasked_padding_nonzero"]
 
 
 # Ranks with uneven work: rank 0 one long generation, rank 1 two short ones (one prompt a prefix of the

@@ -117,7 +117,8 @@ def test_prefill_pieces_compute_the_model_forward() -> None:
 class EagerPieces(PrefillGraphs):
     """Prefill graphs whose pieces run eagerly instead of replaying (no CUDA on the CPU), so that the
     engine's whole prefill-graph path (bucket choice, staging, padding, attention between the pieces, the
-    padding correction of the expert counters) runs in CI."""
+    padding correction of the expert counters; with several expert-parallel ranks, the exchanges of fixed
+    size the graphs capture, and the padding rows that run on no expert) runs in CI."""
 
     def capture(self) -> None:
         with expert_counts_restored(self.model):
@@ -127,7 +128,8 @@ class EagerPieces(PrefillGraphs):
                 self._pad_counts[size] = self._measure_padding_counts(size)
 
     def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
-        super()._forward(size, n, meta, replay=False)
+        with self.uniform_batches():  # what each replay runs: the pieces as captured
+            super()._forward(size, n, meta, replay=False)
 
 
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
