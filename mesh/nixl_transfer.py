@@ -7,7 +7,8 @@ notification reaches the peer when the read completes. Validation (fingerprints,
 to free them; that is the services' job.
 
 NIXL is optional: it is imported when an agent is created, from ``nixl._api`` (meta-package ``nixl``),
-``nixl_cu12._api`` or ``nixl_cu13._api``, whichever is installed.
+``nixl_cu12._api`` or ``nixl_cu13._api``, whichever is installed (with both, the one of torch's CUDA major
+version first: a wheel built for another CUDA version has a UCX that cannot see device memory).
 """
 
 from __future__ import annotations
@@ -40,17 +41,26 @@ class NixlNotInstalledError(ImportError):
     """NIXL was requested but no NIXL Python package is importable."""
 
 
+def nixl_modules(cuda_version: str | None) -> tuple[str, ...]:
+    """The NIXL modules to try, in order, for torch built with ``cuda_version`` (None: no CUDA): the
+    meta-package, then the wheel of that CUDA major version, then the other."""
+    if cuda_version and cuda_version.split(".")[0] == "13":
+        return ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+    return _NIXL_MODULES
+
+
 def import_nixl_api() -> ModuleType:
     """Return NIXL's ``_api`` module from whichever NIXL wheel is installed."""
     errors = []
-    for module in _NIXL_MODULES:
+    for module in nixl_modules(torch.version.cuda):
         try:
             return importlib.import_module(module)
         except ImportError as e:
             errors.append(f"{module}: {e}")
     raise NixlNotInstalledError(
         "KV transfer kind 'nixl' needs NIXL: `pip install nixl-cu12` (CUDA 12 wheel, also runs on host "
-        "memory with no GPU) or `pip install nixl`; tried " + "; ".join(errors)
+        "memory with no GPU), `pip install nixl-cu13` (CUDA 13) or `pip install nixl`; tried "
+        + "; ".join(errors)
     )
 
 
@@ -113,9 +123,21 @@ class NixlKVTransferAgent(KVTransferAgent):
         if not self._agent.backends:
             raise KVTransferError(f"NIXL could not create any of the backends {list(backends)}")
         # One registration for the whole pool, for the agent's lifetime.
-        self._reg = self._agent.register_memory(
-            [(self.base_address, self.num_blocks * self.block_nbytes, self._dev_id, "")], self.mem_type
-        )
+        try:
+            self._reg = self._agent.register_memory(
+                [(self.base_address, self.num_blocks * self.block_nbytes, self._dev_id, "")], self.mem_type
+            )
+        except Exception as e:  # NIXL raises its own backend errors
+            hint = ""
+            if self.mem_type == "VRAM":  # seen with nixl-cu12 under torch for CUDA 13
+                hint = (
+                    f"; device memory needs a NIXL whose UCX was built for torch's CUDA "
+                    f"({torch.version.cuda}): nixl-cu{(torch.version.cuda or '12').split('.')[0]}, "
+                    f"not {api.__name__.split('.')[0]}?"
+                )
+            raise KVTransferError(
+                f"NIXL could not register the KV pool's {self.mem_type} memory: {e!r}{hint}"
+            ) from e
         # The agent metadata carries the registration, so it is taken after register_memory.
         self._md = self._agent.get_agent_metadata()
         self._local_prepped: Any = None

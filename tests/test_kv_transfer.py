@@ -347,3 +347,13 @@ def test_nixl_read_between_two_processes() -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_nixl_wheel_of_torchs_cuda_major_is_tried_first() -> None:
+    """With both NIXL wheels installed, the one built for torch's CUDA major version is imported: the
+    other's UCX cannot register device memory (nixl-cu12 under torch for CUDA 13 refuses VRAM)."""
+    from mesh.nixl_transfer import nixl_modules
+
+    assert nixl_modules("13.0") == ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+    assert nixl_modules("12.8") == ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+    assert nixl_modules(None) == ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # CPU torch
