@@ -34,7 +34,8 @@ class TokenDispatcher(Protocol):
         """Within it, every rank's forward passes have the same number of tokens (padded batches of one
         agreed size), so ``run`` exchanges no counts and synchronises no host: what a CUDA graph capture
         needs. ``valid_rows`` (a 0-d device tensor the caller sets before each pass): rows from it on are
-        padding, whose pairs no expert runs (their outputs are zero)."""
+        padding, whose pairs no expert runs (their outputs are zero); one rank ignores it, its padding
+        rows run as any."""
         ...
 
     def run(
