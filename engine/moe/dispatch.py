@@ -79,11 +79,12 @@ class AllGatherDispatcher:
     """All-gather tokens over the EP group, compute local experts, sum the partial outputs.
 
     Ranks may have different token counts in a pass: its first MoE layer exchanges them (a host
-    synchronisation), and the gathers pad to the largest. Within ``uniform_batches`` (the decode graphs,
-    whose batches the ranks pad to one agreed size) there is no exchange, and a pass can be captured.
-    Whenever the ranks' counts are equal, the tokens, weights and expert ids go in one packed
-    ``all_gather_into_tensor``, and over NCCL the partial sums come back by one ``reduce_scatter_tensor``:
-    two collectives a layer, each costing its latency more than its bytes at decode sizes."""
+    synchronisation), and each rank pads its rows to the largest, the padding's (token, expert) pairs
+    marked absent (id -1), so they run on no expert. Within ``uniform_batches`` (the graphs, whose batches
+    the ranks pad to one agreed size) there is no exchange, and a pass can be captured. The tokens, weights
+    and expert ids go in one packed ``all_gather_into_tensor``, and over NCCL the partial sums come back by
+    one ``reduce_scatter_tensor``: two collectives a layer, each costing its latency more than its bytes at
+    decode sizes."""
 
     def __init__(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         import torch.distributed as dist
@@ -135,37 +136,28 @@ class AllGatherDispatcher:
         else:
             counts = self._counts
         max_n = max(counts)
-        uniform = min(counts) == max_n
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            padded = t
-            if not uniform:
-                padded = torch.zeros((max_n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                padded[:n_local] = t
-            parts = [torch.empty_like(padded) for _ in range(self.ep_size)]
-            dist.all_gather(parts, padded.contiguous(), group=self.group)
-            return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
-
-        if uniform and n_local:  # one collective for the three
-            all_x, all_ids, all_w = self._gather_packed((x, topk_ids, topk_weights))
-        else:
-            all_x, all_w, all_ids = gather(x), gather(topk_weights), gather(topk_ids)
+        if max_n == 0:  # no rank has a token (every rank sees the same counts)
+            return x
+        if n_local < max_n:  # pad to the largest count; the padding's pairs run on no expert (id -1)
+            pad = (0, 0, 0, max_n - n_local)
+            x = torch.nn.functional.pad(x, pad)
+            topk_weights = torch.nn.functional.pad(topk_weights, pad)
+            topk_ids = torch.nn.functional.pad(topk_ids, pad, value=-1)
+        all_x, all_ids, all_w = self._gather_packed((x, topk_ids, topk_weights))  # one collective
         per_rank = num_physical_experts // self.ep_size
         local_routing = local_routing_torch
         if self._uniform and all_x.is_cuda:  # in a graph: one launch instead of five (eager: fewer host us)
             from kernels.triton_dispatch import local_routing_triton as local_routing
         local_ids, local_w = local_routing(all_ids, all_w, self.ep_rank * per_rank, per_rank)
         y = expert_fn(all_x, local_w, local_ids)
-        if uniform and self.nccl:  # sum the partial outputs and keep this rank's rows in one collective
+        if self.nccl:  # sum the partial outputs and keep this rank's rows in one collective
             out = torch.empty_like(x)
             scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             scatter_single(out, y.contiguous(), group=self.group)
-            return out
-        # Sum the partial outputs across ranks, then keep this rank's own tokens. (An all-reduce rather
-        # than a reduce-scatter: gloo has no reduce-scatter, and the rows per rank may differ.)
+            return out[:n_local]
+        # gloo has no reduce-scatter: sum the partial outputs across ranks, then keep this rank's rows.
         dist.all_reduce(y, group=self.group)
-        start = sum(counts[: self.ep_rank])
-        return y[start : start + n_local]
+        return y[self.ep_rank * max_n : self.ep_rank * max_n + n_local]
 
     def _gather_packed(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
         """All-gather (x, ids, weights) of the same rows as one uint8 buffer (``kernels/dispatch.py``), in
