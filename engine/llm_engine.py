@@ -87,6 +87,10 @@ class EngineStats:
     # host time spent agreeing with them on each step (engine.data_parallel).
     idle_passes: int = 0
     group_sync_seconds: float = 0.0
+    # Forward passes by how they ran: a decode CUDA graph, the piecewise prefill graphs, or eagerly.
+    decode_graph_passes: int = 0
+    prefill_graph_passes: int = 0
+    eager_passes: int = 0
 
 
 @dataclass
@@ -718,6 +722,9 @@ class LLMEngine:
             lookahead_joins=self.lookahead_joins,
             idle_passes=self.runner.idle_passes,
             group_sync_seconds=self.runner.group_sync_seconds,
+            decode_graph_passes=self.runner.pass_kinds["decode_graph"],
+            prefill_graph_passes=self.runner.pass_kinds["prefill_graph"],
+            eager_passes=self.runner.pass_kinds["eager"],
         )
 
     def reset_prefix_cache(self) -> int:

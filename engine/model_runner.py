@@ -62,6 +62,7 @@ class GroupPass(NamedTuple):
 
 
 EAGER = GroupPass()
+PASS_KINDS = ("decode_graph", "prefill_graph", "eager")
 
 
 @dataclass
@@ -134,6 +135,8 @@ class ModelRunner:
         # Forward passes this runner launched (steps and idle passes, eager or replayed): a lockstep of
         # several ranks checks that each step ran one.
         self.forward_passes = 0
+        # Of those, how each ran (for metrics): a decode graph, the prefill graphs' pieces, or eagerly.
+        self.pass_kinds = dict.fromkeys(PASS_KINDS, 0)
         self.idle_passes = 0  # of those, passes of padding only (joining other ranks' steps)
         self.group_sync_seconds = 0.0  # host time in the ranks' per-step agreements (engine.data_parallel)
         # With several ranks: the group's agreement on each pass, given this rank's wish (a decode-graph
@@ -277,12 +280,15 @@ class ModelRunner:
         self.idle_passes += 1
         if group_pass.decode is not None:
             assert self.graphs is not None
+            self.pass_kinds["decode_graph"] += 1
             self.graphs.run_padding(group_pass.decode)
             return
         if group_pass.prefill is not None:
             assert self.prefill_graphs is not None
+            self.pass_kinds["prefill_graph"] += 1
             self.prefill_graphs.run_padding(group_pass.prefill)
             return
+        self.pass_kinds["eager"] += 1
         with expert_counts_restored(self.model):
             self._scratch_forward(1)
 
@@ -374,13 +380,15 @@ class ModelRunner:
         agreed bucket, or eager when the ranks agreed on no graph."""
         pg = self.prefill_graphs
         if self._multi_rank:
-            if agreed.prefill is None:
-                return self.model(input_ids, positions, self.kv_pool, meta)
-            assert pg is not None
-            return pg.run(input_ids, positions, meta, agreed.prefill)
-        if pg is not None and pg.bucket_for(input_ids.shape[0]) is not None:
-            return pg.run(input_ids, positions, meta)
-        return self.model(input_ids, positions, self.kv_pool, meta)
+            size = agreed.prefill
+        else:
+            size = pg.bucket_for(input_ids.shape[0]) if pg is not None else None
+        if size is None:
+            self.pass_kinds["eager"] += 1
+            return self.model(input_ids, positions, self.kv_pool, meta)
+        assert pg is not None
+        self.pass_kinds["prefill_graph"] += 1
+        return pg.run(input_ids, positions, meta, size)
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; returns the sequences that sample now and their logits [n, V] (fp32).
@@ -453,6 +461,7 @@ class ModelRunner:
         bs = self.block_size
         slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
+        self.pass_kinds["decode_graph"] += 1
         logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width, size)
         self.late_point = self.graphs.late_point
         return logits

@@ -30,6 +30,9 @@ from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEven
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+# The engine's kinds of forward pass (its stats' ``<kind>_passes`` fields; engine.model_runner.PASS_KINDS).
+FORWARD_PASS_KINDS = ("decode_graph", "prefill_graph", "eager")
+
 # The trailing metadata entry of an UNAVAILABLE that refused a request before any of it ran (its value: a
 # pdmesh.v1.Refusal name). The router reads it to know that a Decode's KV handle is still intact and can
 # go to another decode worker.
@@ -284,6 +287,14 @@ class WorkerMetrics:
             "seconds",
             "Host time spent agreeing with the other expert-parallel ranks on each step.",
         )
+        self.forward_passes = m.counter(
+            "forward_passes",
+            "total",
+            "Forward passes by how they ran: decode_graph (a captured decode CUDA graph), prefill_graph "
+            "(the piecewise prefill graphs, attention eager between them), eager (every kernel launched "
+            "from the host: CPU, torch ops, or a step larger than the graphs hold).",
+            ["kind"],
+        )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         self._totals = [
             (self.prompt_tokens, "prompt_tokens_total"),
@@ -295,6 +306,7 @@ class WorkerMetrics:
             (self.lookahead_joins, "lookahead_joins"),
             (self.idle_passes, "idle_passes"),
             (self.group_sync, "group_sync_seconds"),
+            *((self.forward_passes.labels(kind=k), f"{k}_passes") for k in FORWARD_PASS_KINDS),
         ]
         self._last = dict.fromkeys((name for _, name in self._totals), 0)
 

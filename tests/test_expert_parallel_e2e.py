@@ -151,6 +151,10 @@ def _check_ranks(prefill_proc: ServiceProcess, ranks: list[ServiceProcess]) -> N
     assert _sample(ranks[1], "pdmesh_decode_expert_parallel_idle_passes_total") > 0
     for rank in ranks:
         assert _sample(rank, "pdmesh_decode_expert_parallel_sync_seconds_total") > 0
+        # On the CPU every pass (idle ones too) runs eagerly, and the workers count them so.
+        passes = 'pdmesh_decode_forward_passes_total{kind="%s"}'
+        assert _sample(rank, passes % "eager") > 0
+        assert _sample(rank, passes % "decode_graph") == _sample(rank, passes % "prefill_graph") == 0
 
 
 def test_a_rank_whose_group_broke_takes_itself_out_of_rotation() -> None:

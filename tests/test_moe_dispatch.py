@@ -198,6 +198,7 @@ def _lockstep_rank_main(
             "graph_passes": llm._lockstep.graph_passes if llm._lockstep else -1,
             "prefill_graph_passes": llm._lockstep.prefill_graph_passes if llm._lockstep else -1,
             "forward_passes": runner.forward_passes,
+            "pass_kinds": dict(runner.pass_kinds),
             "replays": sum(graphs.replays.values()) if graphs is not None else 0,
             "prefill_replays": sum(pieces.replays.values()) if pieces is not None else 0,
             "first": [o.token_ids for o in first],
@@ -318,6 +319,12 @@ def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
         assert out[0]["prefill_replays"] == out[1]["prefill_replays"] == 0
     for rank in (0, 1):
         assert out[rank]["pairs"] == [out[rank]["expected_pairs"]] * len(out[rank]["pairs"]), rank
+        # How each pass ran (the workers' forward_passes metric) is what the ranks agreed on.
+        decode, prefill = out[rank]["graph_passes"], out[rank]["prefill_graph_passes"]
+        assert out[rank]["pass_kinds"] == {
+            "decode_graph": decode, "prefill_graph": prefill,
+            "eager": out[rank]["forward_passes"] - decode - prefill,
+        }, rank  # fmt: skip
     return dict(out)
 
 

@@ -151,6 +151,13 @@ def test_engine_through_prefill_pieces_gives_the_eager_tokens_and_counts(model: 
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(pieces.replays.values()) > 0 and pieces.replays[48] > 0  # full chunks, and padded buckets
     assert sum(n for size, n in pieces.replays.items() if size < 48) > 0
+    # How the passes ran, as the stats (and a worker's metrics) count them: on the CPU no decode graph;
+    # the pieces, and eagerly only the chunks larger than them; the plain engine all eagerly.
+    stats, plain_stats = piecewise.engine.stats(), plain.engine.stats()
+    assert stats.prefill_graph_passes == sum(pieces.replays.values()) and stats.decode_graph_passes == 0
+    assert stats.eager_passes + stats.prefill_graph_passes == runner.forward_passes
+    assert plain_stats.eager_passes == plain.engine.runner.forward_passes > 0
+    assert plain_stats.prefill_graph_passes == plain_stats.decode_graph_passes == 0
     counts_want, counts_got = plain.engine.take_expert_counts(), piecewise.engine.take_expert_counts()
     if counts_want is not None:
         assert counts_got is not None and torch.equal(counts_got, counts_want)

@@ -122,6 +122,14 @@ async def test_a_refused_decode_says_so_in_its_trailing_metadata(
         await server.stop(0)
 
 
+def test_worker_knows_the_engines_kinds_of_forward_pass() -> None:
+    """mesh does not import engine: the worker's list of pass kinds must equal the runner's."""
+    from engine.model_runner import PASS_KINDS
+    from mesh.worker_service import FORWARD_PASS_KINDS
+
+    assert FORWARD_PASS_KINDS == PASS_KINDS
+
+
 def test_worker_counters_follow_the_engines_running_totals() -> None:
     """Each counter that mirrors an engine total (tokens, cached tokens, lookahead steps and drains) ends
     equal to the last total it saw, however many steps reported it."""
@@ -131,13 +139,17 @@ def test_worker_counters_follow_the_engines_running_totals() -> None:
     base = dict(num_waiting=0, num_running=1, num_held=0, running_tokens=0, queued_tokens=0,
                 num_kv_blocks_total=8, num_kv_blocks_free=5, num_preemptions=0)  # fmt: skip
     for step, (prompt, cached, generated, ahead, drains) in enumerate([(10, 4, 1, 0, 0), (10, 4, 7, 5, 1)]):
+        passes = {"decode_graph": 3 * step, "prefill_graph": 1 + step, "eager": 2}
         metrics.update_from(EngineStats(**base, prompt_tokens_total=prompt, cached_prompt_tokens_total=cached,
                                         generated_tokens_total=generated, lookahead_steps=ahead,
-                                        lookahead_drains=drains))  # fmt: skip
+                                        lookahead_drains=drains,
+                                        **{f"{k}_passes": n for k, n in passes.items()}))  # fmt: skip
         sample = metrics.registry.get_sample_value
         assert sample("pdmesh_decode_prompt_tokens_tokens_total") == prompt, step
         assert sample("pdmesh_decode_prompt_tokens_cached_tokens_total", {"tier": "gpu"}) == cached, step
         assert sample("pdmesh_decode_generation_tokens_tokens_total") == generated, step
         assert sample("pdmesh_decode_lookahead_steps_total") == ahead, step
         assert sample("pdmesh_decode_lookahead_drains_total") == drains, step
+        for kind, n in passes.items():
+            assert sample("pdmesh_decode_forward_passes_total", {"kind": kind}) == n, (step, kind)
     assert metrics.registry.get_sample_value("pdmesh_decode_kv_blocks_used_blocks") == 3
