@@ -72,8 +72,6 @@ class Lockstep:
                 ranks=dist.get_process_group_ranks(group or dist.group.WORLD), backend="gloo",
                 timeout=datetime.timedelta(seconds=engine.config.distributed_timeout_s),
             )  # fmt: skip
-        self.graph_passes = 0  # passes the group agreed to replay as decode graphs
-        self.prefill_graph_passes = 0  # passes the group agreed to replay as prefill graphs
         self._stopping = False
         self.passed = False  # whether the group ran a forward pass in the last step
         self.stopped = False  # set in the step in which every rank asked to stop (the same on every rank)
@@ -116,6 +114,16 @@ class Lockstep:
         return outputs if anyone else None
 
     @property
+    def graph_passes(self) -> int:
+        """Passes this rank replayed as decode graphs (the group agreed on each)."""
+        return self.engine.runner.pass_kinds["decode_graph"]
+
+    @property
+    def prefill_graph_passes(self) -> int:
+        """Passes this rank replayed as prefill graphs."""
+        return self.engine.runner.pass_kinds["prefill_graph"]
+
+    @property
     def idle_passes(self) -> int:
         """Passes of padding only this rank ran to join the others' steps."""
         return self.engine.runner.idle_passes
@@ -137,13 +145,9 @@ class Lockstep:
         graph's size; else the prefill graphs' bucket that holds the tokens; else eager."""
         runner = self.engine.runner
         if largest < self._eager and runner.graphs is not None:
-            self.graph_passes += 1
             return GroupPass(decode=runner.graphs.bucket_for(largest))
         bucket = runner.prefill_graphs.bucket_for(tokens) if runner.prefill_graphs is not None else None
-        if bucket is None:
-            return EAGER
-        self.prefill_graph_passes += 1
-        return GroupPass(prefill=bucket)
+        return EAGER if bucket is None else GroupPass(prefill=bucket)
 
     def _vote(self, want: int, tokens: int, has_work: bool) -> tuple[int, int, bool]:
         """The step's one exchange (collective): the largest of the ranks' votes (0: no pass, 1 to the

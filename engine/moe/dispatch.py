@@ -30,12 +30,12 @@ class TokenDispatcher(Protocol):
         tokens, so per-pass facts such as the ranks' token counts can be exchanged once)."""
         ...
 
-    def uniform_batches(self, valid_rows: torch.Tensor | None = None) -> AbstractContextManager[None]:
+    def uniform_batches(self, padding: torch.Tensor | None = None) -> AbstractContextManager[None]:
         """Within it, every rank's forward passes have the same number of tokens (padded batches of one
         agreed size), so ``run`` exchanges no counts and synchronises no host: what a CUDA graph capture
-        needs. ``valid_rows`` (a 0-d device tensor the caller sets before each pass): rows from it on are
-        padding, whose pairs no expert runs (their outputs are zero); one rank ignores it, its padding
-        rows run as any."""
+        needs. ``padding`` (bool [rows, 1] on the device, at least a pass's rows, which the caller sets
+        before each pass): the padding rows, whose pairs no expert runs (their outputs are zero); one
+        rank ignores it, its padding rows run as any."""
         ...
 
     def run(
@@ -61,7 +61,7 @@ class SingleRankDispatcher:
     def begin_forward(self) -> None:
         pass
 
-    def uniform_batches(self, valid_rows: torch.Tensor | None = None) -> AbstractContextManager[None]:
+    def uniform_batches(self, padding: torch.Tensor | None = None) -> AbstractContextManager[None]:
         return nullcontext()
 
     def run(
@@ -95,19 +95,19 @@ class AllGatherDispatcher:
         self.ep_size = dist.get_world_size(group)
         self.nccl = dist.get_backend(group) == "nccl"
         self._uniform = False
-        self._valid_rows: torch.Tensor | None = None  # within uniform_batches: rows before it are real
+        self._padding: torch.Tensor | None = None  # within uniform_batches: which rows are padding
         self._counts: list[int] | None = None  # tokens per rank in the current forward pass
 
     def begin_forward(self) -> None:
         self._counts = None
 
     @contextmanager
-    def uniform_batches(self, valid_rows: torch.Tensor | None = None) -> Iterator[None]:
-        self._uniform, self._valid_rows = True, valid_rows
+    def uniform_batches(self, padding: torch.Tensor | None = None) -> Iterator[None]:
+        self._uniform, self._padding = True, padding
         try:
             yield
         finally:
-            self._uniform, self._valid_rows = False, None
+            self._uniform, self._padding = False, None
 
     def run(
         self,
@@ -121,9 +121,8 @@ class AllGatherDispatcher:
         n_local = x.shape[0]
         if self._uniform:  # every rank has n_local rows: nothing to exchange first, nothing to pad
             counts = [n_local] * self.ep_size
-            if self._valid_rows is not None:  # padding rows' pairs: absent on every rank (id -1)
-                rows = torch.arange(n_local, device=topk_ids.device).unsqueeze(1)
-                topk_ids = topk_ids.masked_fill(rows >= self._valid_rows, -1)
+            if self._padding is not None:  # padding rows' pairs: absent on every rank (id -1), one launch
+                topk_ids = topk_ids.masked_fill(self._padding[:n_local], -1)
         elif self._counts is None:  # the pass's first MoE layer: one exchange (and host sync) per pass
             sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
             dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
