@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_kv_transfer import HAVE_NIXL
+
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,19 +131,9 @@ def test_pdmesh_up_with_expert_parallel_ranks_answers_as_one_engine() -> None:
 GPU_WORKERS = {"device": "cuda", "dtype": "float32", "kernel_backend": "triton"}
 
 
-def _nixl_missing() -> bool:
-    from mesh.nixl_transfer import NixlNotInstalledError, import_nixl_api
-
-    try:
-        import_nixl_api()
-    except NixlNotInstalledError:
-        return True
-    return False
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or _nixl_missing(),
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not HAVE_NIXL,
     reason="needs two CUDA GPUs and NIXL",
 )
 def test_gpu_pdmesh_up_with_expert_parallel_ranks_answers_as_one_engine() -> None:
