@@ -226,8 +226,10 @@ class DecodeGraphs:
         self._dev32[: self.max_batch].copy_(self._host32[: self.max_batch])
         pool = torch.cuda.graph_pool_handle()
         # Warm-ups and calibration replays see no real tokens: the expert counters are restored. Every
-        # pass in here has the graph's batch on every rank.
-        uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches()
+        # pass in here has the graph's batch on every rank. With several expert-parallel ranks the
+        # padding rows (seq_len 0) route to no expert: the pack before the exchange marks their pairs
+        # absent, reading the static seq_lens, so it costs no launch.
+        uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.seq_lens)
         with capturing(), expert_counts_restored(self.model), uniform:
             for size in reversed(self.sizes):
                 pieces = self._pieces(size)

@@ -14,7 +14,7 @@ Rows ``n..bucket`` are padding: token 0, position 0, KV slot -1 (nothing written
 real rows only and its output goes into a static buffer whose padding rows are zero, so every padding row
 computes the same values in every step: as in ``engine/cuda_graphs.py``, a replay with padding only
 measures what one padding row adds to the MoE expert counters, and padded steps subtract it. With several
-expert-parallel ranks the padding rows' (token, expert) pairs run on no rank (``padding``): a rank
+expert-parallel ranks the padding rows' (token, expert) pairs run on no rank (``live``): a rank
 whose decode batch joins another rank's long prefill pads to that prefill's bucket, and its padding rows,
 all routed alike, would otherwise pile onto the same few experts.
 
@@ -71,10 +71,10 @@ class PrefillGraphs:
         self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         self._counts = [blk.expert_counts for blk in model.moe_blocks()]
-        # With several expert-parallel ranks: which rows are padding, set before each replay, so that the
-        # padding rows' (token, expert) pairs run on no rank (``uniform_batches``' padding).
-        self.padding = torch.zeros((b, 1), dtype=torch.bool, device=device)
-        self._rows = torch.arange(b, device=device).unsqueeze(1)
+        # With several expert-parallel ranks: which rows are real (True) and which padding, set before each
+        # replay, so that the padding rows' (token, expert) pairs run on no rank (``uniform_batches``' live).
+        self.live = torch.ones(b, dtype=torch.bool, device=device)
+        self._rows = torch.arange(b, device=device)
         self._masks_padding = model.dispatcher is not None and model.dispatcher.ep_size > 1
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
@@ -161,7 +161,7 @@ class PrefillGraphs:
                     seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
                     query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
                 )
-                self.padding.zero_()
+                self.live.fill_(True)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -193,11 +193,11 @@ class PrefillGraphs:
 
     def uniform_batches(self) -> AbstractContextManager[None]:
         """The dispatcher's ``uniform_batches`` for these graphs' passes (their capture)."""
-        return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.padding)
+        return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.live)
 
     def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
         """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
-        self.padding.fill_(True)
+        self.live.zero_()
         return padding_counts(
             self._counts,
             lambda: self._forward(size, 0, None, replay=True),
@@ -256,7 +256,7 @@ class PrefillGraphs:
             )
         b = self.max_tokens
         if self._masks_padding:
-            torch.ge(self._rows, n, out=self.padding)
+            torch.lt(self._rows, n, out=self.live)
         self.input_ids[:n].copy_(input_ids)  # device to device: prepare() staged them already
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)

@@ -1,7 +1,8 @@
 """The expert-parallel exchange's two row ops (``engine/moe/dispatch.py``): PyTorch reference.
 
 - ``pack_rows_torch``: a rank's hidden rows, expert ids and routing weights into one byte buffer, one
-  row per token, so that one all-gather carries the three.
+  row per token, so that one all-gather carries the three; with ``live``, the ids of padding rows (live 0)
+  become -1, so that those rows run on no expert.
 - ``local_routing_torch``: from the gathered ids and weights (views into the gathered buffer), the ids of
   this rank's experts (``id - first``, or -1 where another rank holds the expert) and the weights,
   contiguous, as the fused MoE reads them.
@@ -38,8 +39,26 @@ def packed_views(packed: torch.Tensor, dtypes_widths: list[tuple[torch.dtype, in
     ]
 
 
-def pack_rows_torch(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """2-D tensors of the same rows -> [rows, row_bytes] uint8 (``packed_layout``; padding not written)."""
+def check_live(live: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``live`` as a 1-D view of its first ``rows`` entries (nonzero: a real row, zero: a padding row; a
+    bool mask, or a graph's ``seq_lens``, zero on its padding rows)."""
+    if live is None:
+        return None
+    flat = live.reshape(-1) if live.dim() > 1 else live
+    if flat.shape[0] < rows or (live.dim() > 1 and live.shape[-1] != 1):
+        raise ValueError(f"pack_rows: live {tuple(live.shape)} does not cover {rows} rows, one value each")
+    return flat[:rows]
+
+
+def pack_rows_torch(
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], live: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(x, ids, weights), 2-D tensors of the same rows -> [rows, row_bytes] uint8 (``packed_layout``;
+    padding bytes not written). ``live`` (at least ``rows`` values, any dtype): where zero, that row's
+    ids are packed as -1."""
+    live = check_live(live, parts[1].shape[0])
+    if live is not None:
+        parts = (parts[0], parts[1].masked_fill((live == 0).unsqueeze(1), -1), parts[2])
     layout = [(p.dtype, p.shape[1]) for p in parts]
     packed = torch.empty(
         (parts[0].shape[0], packed_layout(layout)[1]), dtype=torch.uint8, device=parts[0].device

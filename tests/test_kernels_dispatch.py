@@ -50,6 +50,30 @@ def test_pack_rows_matches_reference(tokens: int, top_k: int, hidden: int, dtype
         ) * g.element_size() % ROW_ALIGN == 0
 
 
+@pytest.mark.parametrize("live_kind", ["bool", "seq_lens", "column"])
+def test_pack_rows_marks_padding_rows_absent(live_kind: str) -> None:
+    """``live`` zero on a row: its ids are packed as -1 (no expert runs it); everything else as without."""
+    torch.manual_seed(301)
+    parts = routing_case(6, 8, 72, torch.bfloat16)
+    real = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool, device=DEVICE)  # longer than the rows
+    live = {
+        "bool": real,
+        "seq_lens": torch.where(real, torch.arange(3, 11, device=DEVICE), 0).to(torch.int32),
+        "column": real.unsqueeze(1),
+    }[live_kind]
+    got, want = pack_rows_triton(parts, live), pack_rows_torch(parts, live)
+    (gx, gids, gw), (wx, wids, ww) = part_views(got, parts), part_views(want, parts)
+    assert torch.equal(gx, wx) and torch.equal(gw, ww) and torch.equal(gids, wids)
+    assert torch.equal(gx, parts[0]) and torch.equal(gw, parts[2])
+    padding = ~real[:6]
+    assert bool(gids[padding].eq(-1).all()) and torch.equal(gids[~padding], parts[1][~padding])
+    assert parts[1].ge(0).all()  # the inputs are untouched
+    with pytest.raises(ValueError, match="does not cover"):
+        pack_rows_triton(parts, real[:5])
+    with pytest.raises(ValueError, match="does not cover"):
+        pack_rows_torch(parts, real.view(2, 4))
+
+
 def test_packed_layout() -> None:
     """Parts in order, each on a 16-byte boundary, rows a multiple of 128 bytes."""
     layout = [(torch.bfloat16, 2048), (torch.int64, 8), (torch.bfloat16, 8)]

@@ -121,11 +121,16 @@ def _uniform_rank_main(rank: int, world: int, port: int, out: dict) -> None:
             dispatcher.begin_forward()
             uniform = blk(padded)
         counted = int(blk.expert_counts.sum() - before[0].sum())
-        # The prefill graphs' padding: rows marked padding (here random) run on no expert, any rank's.
+        # The graphs' padding: rows marked padding (live 0; here random rows) run on no expert, any rank's.
+        # As the prefill graphs mark them (a bool mask) and as the decode graphs do (their seq_lens).
         noisy = torch.cat([x, torch.randn(3 - rows, hidden, generator=gen)])
-        with dispatcher.uniform_batches(padding=torch.arange(3).unsqueeze(1) >= rows):
+        with dispatcher.uniform_batches(live=torch.arange(3) < rows):
             dispatcher.begin_forward()
             masked = blk(noisy)
+        seq_lens = torch.tensor([17, 5, 9][:rows] + [0] * (3 - rows), dtype=torch.int32)
+        with dispatcher.uniform_batches(live=seq_lens):
+            dispatcher.begin_forward()
+            by_lens = blk(noisy)
         with dispatcher.uniform_batches():
             dispatcher.begin_forward()
             unmasked = blk(noisy)
@@ -136,6 +141,7 @@ def _uniform_rank_main(rank: int, world: int, port: int, out: dict) -> None:
             "top_k": blk.top_k,
             "masked_same": torch.allclose(masked[:rows], exact, rtol=1e-5, atol=1e-6),
             "masked_padding_zero": bool(masked[rows:].eq(0).all()),
+            "by_lens_same": torch.equal(by_lens, masked),
             "unmasked_padding_nonzero": bool(unmasked[rows:].ne(0).any(dim=1).all()),
         }
     finally:
@@ -153,6 +159,7 @@ def test_uniform_batches_dispatch_matches_exchanged_counts() -> None:
     # Marked as padding, rank 1's two padding rows add nothing on either rank; rank 0 has none.
     assert out[0]["masked_same"] and out[1]["masked_same"]
     assert out[1]["masked_padding_zero"] and out[1]["unmasked_padding_nonzero"]
+    assert out[0]["by_lens_same"] and out[1]["by_lens_same"]  # seq_lens mark the same rows
 
 
 # Ranks with uneven work: rank 0 one long generation, rank 1 two short ones (one prompt a prefix of the

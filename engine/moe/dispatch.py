@@ -30,12 +30,13 @@ class TokenDispatcher(Protocol):
         tokens, so per-pass facts such as the ranks' token counts can be exchanged once)."""
         ...
 
-    def uniform_batches(self, padding: torch.Tensor | None = None) -> AbstractContextManager[None]:
+    def uniform_batches(self, live: torch.Tensor | None = None) -> AbstractContextManager[None]:
         """Within it, every rank's forward passes have the same number of tokens (padded batches of one
         agreed size), so ``run`` exchanges no counts and synchronises no host: what a CUDA graph capture
-        needs. ``padding`` (bool [rows, 1] on the device, at least a pass's rows, which the caller sets
-        before each pass): the padding rows, whose pairs no expert runs (their outputs are zero); one
-        rank ignores it, its padding rows run as any."""
+        needs. ``live`` (on the device, one value per row for at least a pass's rows, which the caller
+        sets before each pass: a bool mask, or a decode graph's ``seq_lens``): zero marks a padding row,
+        whose pairs no expert runs (its output is zero); one rank ignores it, its padding rows run as
+        any."""
         ...
 
     def run(
@@ -61,7 +62,7 @@ class SingleRankDispatcher:
     def begin_forward(self) -> None:
         pass
 
-    def uniform_batches(self, padding: torch.Tensor | None = None) -> AbstractContextManager[None]:
+    def uniform_batches(self, live: torch.Tensor | None = None) -> AbstractContextManager[None]:
         return nullcontext()
 
     def run(
@@ -95,19 +96,19 @@ class AllGatherDispatcher:
         self.ep_size = dist.get_world_size(group)
         self.nccl = dist.get_backend(group) == "nccl"
         self._uniform = False
-        self._padding: torch.Tensor | None = None  # within uniform_batches: which rows are padding
+        self._live: torch.Tensor | None = None  # within uniform_batches: zero on padding rows
         self._counts: list[int] | None = None  # tokens per rank in the current forward pass
 
     def begin_forward(self) -> None:
         self._counts = None
 
     @contextmanager
-    def uniform_batches(self, padding: torch.Tensor | None = None) -> Iterator[None]:
-        self._uniform, self._padding = True, padding
+    def uniform_batches(self, live: torch.Tensor | None = None) -> Iterator[None]:
+        self._uniform, self._live = True, live
         try:
             yield
         finally:
-            self._uniform, self._padding = False, None
+            self._uniform, self._live = False, None
 
     def run(
         self,
@@ -119,10 +120,10 @@ class AllGatherDispatcher:
     ) -> torch.Tensor:
         dist = self.dist
         n_local = x.shape[0]
+        live = None
         if self._uniform:  # every rank has n_local rows: nothing to exchange first, nothing to pad
             counts = [n_local] * self.ep_size
-            if self._padding is not None:  # padding rows' pairs: absent on every rank (id -1), one launch
-                topk_ids = topk_ids.masked_fill(self._padding[:n_local], -1)
+            live = self._live  # padding rows' pairs: absent on every rank (id -1), marked by the pack
         elif self._counts is None:  # the pass's first MoE layer: one exchange (and host sync) per pass
             sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
             dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
@@ -142,7 +143,7 @@ class AllGatherDispatcher:
             x = torch.nn.functional.pad(x, pad)
             topk_weights = torch.nn.functional.pad(topk_weights, pad)
             topk_ids = torch.nn.functional.pad(topk_ids, pad, value=-1)
-        all_x, all_ids, all_w = self._gather_packed((x, topk_ids, topk_weights))  # one collective
+        all_x, all_ids, all_w = self._gather_packed((x, topk_ids, topk_weights), live)  # one collective
         per_rank = num_physical_experts // self.ep_size
         local_routing = local_routing_torch
         if self._uniform and all_x.is_cuda:  # in a graph: one launch instead of five (eager: fewer host us)
@@ -158,14 +159,18 @@ class AllGatherDispatcher:
         dist.all_reduce(y, group=self.group)
         return y[self.ep_rank * max_n : self.ep_rank * max_n + n_local]
 
-    def _gather_packed(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+    def _gather_packed(
+        self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], live: torch.Tensor | None
+    ) -> list[torch.Tensor]:
         """All-gather (x, ids, weights) of the same rows as one uint8 buffer (``kernels/dispatch.py``), in
-        one collective: an NCCL collective of a few tokens costs its latency, not its bytes. Returns each
-        part over all ranks' rows, as strided views into the gathered buffer (no copies)."""
+        one collective: an NCCL collective of a few tokens costs its latency, not its bytes. ``live``: zero
+        on the padding rows, whose ids are packed as -1. Returns each part over all ranks' rows, as
+        strided views into the gathered buffer (no copies)."""
         pack_rows = pack_rows_torch
-        if self._uniform and parts[0].is_cuda:  # in a graph: one launch instead of three copies
+        if self._uniform and parts[0].is_cuda:  # in a graph: one launch, padding marked, no copies
             from kernels.triton_dispatch import pack_rows_triton as pack_rows
-        packed = pack_rows(tuple(p if p.stride(-1) == 1 else p.contiguous() for p in parts))
+        x, ids, w = (p if p.stride(-1) == 1 else p.contiguous() for p in parts)
+        packed = pack_rows((x, ids, w), live)
         out = torch.empty(
             (self.ep_size * packed.shape[0], packed.shape[1]), dtype=torch.uint8, device=packed.device
         )
