@@ -123,7 +123,8 @@ class AllGatherDispatcher:
         live = None
         if self._uniform:  # every rank has n_local rows: nothing to exchange first, nothing to pad
             counts = [n_local] * self.ep_size
-            live = self._live  # padding rows' pairs: absent on every rank (id -1), marked by the pack
+            if self.ep_size > 1:  # padding rows' pairs: absent on every rank (id -1), marked by the pack
+                live = self._live  # (one rank ignores it: its experts take no absent pairs)
         elif self._counts is None:  # the pass's first MoE layer: one exchange (and host sync) per pass
             sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.ep_size)]
             dist.all_gather(sizes, torch.tensor([n_local], device=x.device), group=self.group)
