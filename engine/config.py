@@ -14,6 +14,14 @@ class EngineConfig:
     )
     device: str = setting("cpu", "Device the model runs on.", choices=("cpu", "cuda"))
     dtype: str = setting("float32", "Weight and KV dtype.", choices=("float32", "bfloat16", "float16"))
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache dtype. auto: the weights' dtype. fp8 (or fp8_e4m3): float8 e4m3, one byte a value, so the "
+        "pool holds twice the tokens of a 16-bit one and decode reads half the KV bytes; values are stored "
+        "unscaled (scale 1.0, as vLLM without calibrated scales), saturating at +-448. Every worker that "
+        "exchanges KV must use the same.",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     block_size: int = setting(16, "Tokens per KV block (a deployment-wide setting; the router checks it).")
     max_model_len: int | None = setting(
         None, "Longest prompt plus output, in tokens; default: the model's own limit."

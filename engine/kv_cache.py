@@ -7,6 +7,23 @@ import torch
 from engine.models.model_config import ModelConfig
 from mesh.kv_layout import KVLayout
 
+# The pool's dtype by name (KVLayout.dtype): the weights' dtypes, and float8 e4m3 (``kv_cache_dtype`` fp8).
+KV_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
+    """The pool dtype's name for the ``kv_cache_dtype`` setting, with ``dtype`` the weights'."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "float8_e4m3fn"
+    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3; got {kv_cache_dtype!r}")
+
 
 def make_layout(cfg: ModelConfig, fingerprint: str, dtype: str, block_size: int) -> KVLayout:
     return KVLayout(fingerprint, dtype, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

@@ -26,8 +26,8 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
-from engine.kv_cache import allocate_pool, make_layout, num_blocks_for
-from engine.loader import DTYPES, load_model
+from engine.kv_cache import KV_DTYPES, allocate_pool, kv_dtype_name, make_layout, num_blocks_for
+from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampler import Sampler
@@ -196,9 +196,10 @@ class LLMEngine:
         # With an engine-wide cache salt the engine is its own cache domain (mesh.block_hash).
         self.model_fingerprint = salted_fingerprint(loaded.fingerprint, config.cache_salt)
         self.eos_token_ids = frozenset(loaded.cfg.eos_token_ids)
-        self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, config.dtype, config.block_size)
+        kv_dtype = kv_dtype_name(config.kv_cache_dtype, config.dtype)
+        self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
-        self.kv_pool = allocate_pool(self.layout, num_blocks, DTYPES[config.dtype], self.device)
+        self.kv_pool = allocate_pool(self.layout, num_blocks, KV_DTYPES[kv_dtype], self.device)
         self.root_hash = root_hash(self.model_fingerprint)
         self.block_pool = BlockPool(
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink

@@ -111,8 +111,9 @@ def _attend_tile(
     if CAUSAL:
         mask = mask & (pos[None, :] <= q_pos[:, None])
     p, alpha, m_new = _softmax_step(tl.where(mask, s, float("-inf")), m_i)
-    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # A float8 pool's values are widened to q's dtype: the products run in q's precision.
+    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, l_i, m_new
 
@@ -165,7 +166,8 @@ def _attend_keys(
     v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
     p, alpha, m_new = _softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # A float8 pool's values are widened to q's dtype (a no-op for a pool of q's dtype).
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, l_i, m_new
 

@@ -2,7 +2,8 @@
 
 Pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, addressed through its strides;
 slot = block_id * block_size + offset; a negative slot (padding) writes nothing. One program writes one
-token's K and V (all KV heads). No host synchronisation: safe inside a captured CUDA graph.
+token's K and V (all KV heads). No host synchronisation: safe inside a captured CUDA graph. ``to_pool``
+is every kernel's cast into the pool (a float8 pool: clamped first, as ``to_pool_dtype``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def to_pool(x, pool_dtype: tl.constexpr):
+    """``x`` cast to the pool's dtype; to float8 e4m3 through fp32 clamped to its finite range (448) and
+    rounded to e4m3's precision (nearest, ties to even) before the cast, which is then exact. Rounding
+    first gives the Triton interpreter's results too (its own fp32 -> fp8 cast loses the carry into the
+    exponent: 31.9 becomes 16, not 32), and costs a few integer operations a value on the GPU."""
+    if pool_dtype == tl.float8e4nv:
+        y = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+        # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the 20 dropped ones away.
+        bits = y.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        # Below 2^-6 e4m3 is subnormal, multiples of 2^-9: adding 1.5 * 2^14 (whose fp32 spacing is 2^-9)
+        # to the magnitude and taking it away again rounds to them; the sign is put back (-0.0 stays).
+        tiny = (tl.abs(y) + 24576.0) - 24576.0
+        tiny = tl.where(bits < 0, -tiny, tiny)
+        return tl.where(tl.abs(y) < 0.015625, tiny, normal).to(pool_dtype)
+    return x.to(pool_dtype)
 
 
 @triton.jit
@@ -53,8 +73,8 @@ def _write_kv_kernel(
     )
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(dst, k.to(pool_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_pool_kv, v.to(pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(k, pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_pool_kv, to_pool(v, pool_ptr.dtype.element_ty), mask=mask)
 
 
 def pool_strides(kv_pool: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kernels.attention import check_out
 from kernels.triton_device import pdl_kwargs, pdl_wait
-from kernels.triton_kv_cache import pool_strides
+from kernels.triton_kv_cache import pool_strides, to_pool
 
 
 @triton.jit
@@ -138,13 +138,13 @@ def _kv_heads(
     o1, o2 = _norm_rotate(
         x1, x2, w_ptr, dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM, row.dtype.element_ty, OUT_DTYPE
     )
-    tl.store(dst, o1.to(pool_dtype), mask=mask)
-    tl.store(dst + HALF, o2.to(pool_dtype), mask=mask)
+    tl.store(dst, to_pool(o1, pool_dtype), mask=mask)
+    tl.store(dst + HALF, to_pool(o2, pool_dtype), mask=mask)
     v_src = k_src + num_kv_heads * HEAD_DIM
     v1 = tl.load(v_src, mask=mask, other=0.0)
     v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
-    tl.store(dst + stride_pool_kv, v1.to(pool_dtype), mask=mask)
-    tl.store(dst + stride_pool_kv + HALF, v2.to(pool_dtype), mask=mask)
+    tl.store(dst + stride_pool_kv, to_pool(v1, pool_dtype), mask=mask)
+    tl.store(dst + stride_pool_kv + HALF, to_pool(v2, pool_dtype), mask=mask)
 
 
 @triton.jit

@@ -15,15 +15,18 @@ import inspect
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import triton_attention, triton_moe
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
-from kernels.kv_cache import write_kv_torch
+from kernels.kv_cache import FP8_E4M3_MAX, to_pool_dtype, write_kv_torch
 from kernels.moe import fused_moe_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.ops import TORCH_OPS, get_ops
 from kernels.rope import apply_rope_torch
+from kernels.triton_kv_cache import to_pool
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
     DEVICE,
@@ -127,6 +130,52 @@ def test_write_kv(dtype: torch.dtype, block_size: int) -> None:
     assert torch.equal(pool, ref_pool)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_kv_into_an_fp8_pool(dtype: torch.dtype) -> None:
+    """A float8 e4m3 pool (``kv_cache_dtype`` fp8): values clamped to +-448 and rounded to nearest even,
+    bit for bit as the reference, from outliers down to subnormals and zero."""
+    torch.manual_seed(51)
+    num_blocks, layers, kv_heads, head_dim, tokens, block_size = 6, 3, 2, 32, 11, 4
+    pool = torch.zeros(num_blocks, layers, 2, block_size, kv_heads, head_dim, device=DEVICE)
+    pool = pool.to(torch.float8_e4m3fn)
+    ref_pool = pool.clone()
+    scales = torch.logspace(-5, 3, tokens * 2 * kv_heads * head_dim, device=DEVICE)
+    kv = (randn(tokens, 2 * kv_heads, head_dim) * scales.view(tokens, 2 * kv_heads, head_dim)).to(dtype)
+    kv[0, 0, :4] = torch.tensor([1e4, -1e4, 449.0, -0.0])  # saturate, saturate, saturate, keep the sign
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[3] = -1
+    TRITON_OPS.write_kv(pool, 1, k, v, slots)
+    write_kv_torch(ref_pool, 1, k, v, slots)
+    assert torch.equal(pool.view(torch.uint8), ref_pool.view(torch.uint8))
+    stored = ref_pool.float()
+    assert float(stored.abs().max()) == FP8_E4M3_MAX and not stored.isnan().any()
+    assert int(pool.view(torch.uint8).ne(0).sum()) > tokens  # something was written
+
+
+def test_fp8_rounding_matches_torch_on_every_edge() -> None:
+    """``to_pool``'s rounding to float8 e4m3 against torch's cast, on every finite value, every midpoint
+    between neighbours (ties to even), values just off the midpoints, and random values from 1e-5 to
+    1e3 (the interpreter's own fp32 -> fp8 cast gets the carry into the exponent wrong: 31.9 -> 16)."""
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = finite[finite.isfinite()].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    off = (mids[:, None] * torch.tensor([1 - 2**-12, 1 + 2**-12])).flatten()
+    gen = torch.Generator().manual_seed(52)
+    spread = torch.randn(4000, generator=gen) * torch.logspace(-5, 3, 4000)
+    x = torch.cat([finite, mids, off, spread, torch.tensor([500.0, -1e6, 0.0, -0.0])]).to(DEVICE)
+    got = torch.empty(len(x), dtype=torch.float8_e4m3fn, device=DEVICE)
+    _to_pool_kernel[(triton.cdiv(len(x), 1024),)](x, got, len(x), BLOCK=1024)
+    want = to_pool_dtype(x, torch.float8_e4m3fn)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@triton.jit
+def _to_pool_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, to_pool(tl.load(x_ptr + i, mask=i < n), y_ptr.dtype.element_ty), mask=i < n)
+
+
 def test_pool_ops_reject_a_pool_strided_in_head_dim() -> None:
     """write_kv, paged_attention and qkv_prologue address the pool with a unit head_dim stride."""
     torch.manual_seed(12)
@@ -158,11 +207,16 @@ def check_attention(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
     **kwargs: int,
-) -> None:
+) -> torch.Tensor:
+    """The Triton attention against the reference on a random case; ``kv_dtype``: the pool's dtype when
+    not q's (a float8 pool: both read the same quantised values). Returns the reference's output."""
     q, pool, bt, sl, qsl = make_paged_case(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
     )
+    if kv_dtype is not None:
+        pool = to_pool_dtype(pool, kv_dtype)
     scale = head_dim**-0.5
     out = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, scale, **kwargs)
     ref = paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, scale)
@@ -170,6 +224,7 @@ def check_attention(
     for b, (q0, q1) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), strict=True)):
         real[q0:q1] = seq_lens[b] > 0
     assert_close(out[real], ref[real], dtype, f"attention q_lens={q_lens} seq_lens={seq_lens}")
+    return ref
 
 
 # (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA 1/2/4, D 16/32/64, block 16/4, each dtype.
@@ -245,6 +300,22 @@ def test_extend_attention_with_and_without_prefix(layout: tuple) -> None:
     heads, kv_heads, head_dim, block_size, dtype = layout
     # prefill without prefix (70 tokens: two query tiles), chunked prefill on a cached prefix, one decode.
     check_attention([70, 5, 9, 1], [70, 42, 9, 20], heads, kv_heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [70, 5, 9, 1]], ids=["decode", "extend"])
+def test_attention_over_an_fp8_pool(q_lens: list[int], dtype: torch.dtype) -> None:
+    """Decode and extend attention read a float8 pool's values widened to q's dtype, as the reference
+    does; and what fp8 costs: against the attention over the unquantised values the outputs differ by
+    e4m3's rounding (3 mantissa bits), a few percent, not more."""
+    torch.manual_seed(53)
+    seq_lens = [130, 42, 9, 20] if q_lens[0] == 1 else [70, 42, 9, 20]
+    case = (q_lens, seq_lens, 8, 2, 32, 4, dtype)
+    ref = check_attention(*case, kv_dtype=torch.float8_e4m3fn)
+    torch.manual_seed(53)
+    exact = check_attention(*case)  # the same random case, the pool unquantised
+    assert float((ref - exact).abs().max()) <= 0.1 * float(exact.abs().max())
+    assert not torch.equal(ref, exact)
 
 
 def test_mixed_query_lengths_in_decode_shape() -> None:
@@ -409,6 +480,17 @@ def test_gpu_decode_attention_llama8b() -> None:
     seq_lens = torch.randint(1, 4097, (64,)).tolist()
     seq_lens[:2] = [4096, 1]
     check_attention([1] * 64, seq_lens, 32, 8, 128, 16, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+def test_gpu_attention_over_an_fp8_pool_llama8b() -> None:
+    torch.manual_seed(22)
+    seq_lens = torch.randint(1, 4097, (64,)).tolist()
+    check_attention([1] * 64, seq_lens, 32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    check_attention(
+        [1024, 300, 1], [1024, 2348, 3000], 32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e4m3fn
+    )
 
 
 @gpu

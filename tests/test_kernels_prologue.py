@@ -33,6 +33,9 @@ from tests.kernel_testing import (
 # multiply-adds; in 16 bits a different rsqrt can flip the norm's or the weight product's rounding, which
 # the final rounding can carry to two ulps: 2^-6 is a quarter of the bound the single-op tests use for bf16.
 TOL = {torch.float32: 1e-5, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6}
+# A float8 pool (kv_cache_dtype fp8): k values that differ in their last 16-bit place can round to
+# neighbouring e4m3 values, one step (2^-3 relative at most) apart.
+TOL[torch.float8_e4m3fn] = 2.0**-3
 LAYERS, LAYER = 3, 1
 
 
@@ -122,9 +125,12 @@ def check(case: Case) -> torch.Tensor:
     q_ref = qkv_prologue_torch(*case.args(ref_pool))
     q = qkv_prologue_triton(*case.args(pool))
     act_dtype = case.qkv.dtype
-    tol = max(TOL[q_ref.dtype], TOL[pool.dtype], TOL[act_dtype])
+    q_tol = max(
+        TOL[q_ref.dtype], TOL[act_dtype], 0.0 if pool.dtype == torch.float8_e4m3fn else TOL[pool.dtype]
+    )
+    tol = max(q_tol, TOL[pool.dtype])
     assert q.is_contiguous()
-    assert_close(q, q_ref, tol, "q")
+    assert_close(q, q_ref, q_tol, "q")
     written = case.written()
     # Padding slots, other slots, other layers: bit-identical to before.
     assert torch.equal(pool[~written], before[~written])
@@ -162,6 +168,9 @@ def test_prologue_matches_reference(
         (torch.float16, torch.bfloat16, None),
         # float32 norm weights over bf16 activations: q (and k before the pool cast) in float32.
         (torch.bfloat16, torch.bfloat16, torch.float32),
+        # A float8 pool (kv_cache_dtype fp8): k and v clamped and rounded to e4m3 as the reference does.
+        (torch.bfloat16, torch.float8_e4m3fn, None),
+        (torch.float32, torch.float8_e4m3fn, None),
     ],
 )
 def test_prologue_pool_and_norm_dtypes(

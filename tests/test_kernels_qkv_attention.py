@@ -19,6 +19,7 @@ import torch
 
 from engine.models.rope_cache import cos_sin_cache
 from kernels import triton_attention
+from kernels.kv_cache import to_pool_dtype
 from kernels.qkv_prologue import qkv_attention_torch
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
@@ -49,11 +50,14 @@ class Case:
         *,
         qk_norm: bool,
         padding_tokens: tuple[int, ...] = (),
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         _, self.pool, self.block_tables, self.seq_lens, self.qsl = make_paged_case(
             q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_layers=LAYERS
         )
+        if kv_dtype is not None:  # a float8 pool (kv_cache_dtype fp8)
+            self.pool = to_pool_dtype(self.pool, kv_dtype)
         positions, slots = [], []
         for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
             for j in range(q_len):
@@ -110,7 +114,8 @@ def check(case: Case) -> torch.Tensor:
     k_rows, v_rows = written.clone(), written.clone()
     k_rows[:, :, 1] = False
     v_rows[:, :, 0] = False
-    assert_close(pool[k_rows], ref_pool[k_rows].float(), dtype, "pool k")
+    k_dtype = torch.float8_e4m3fn if pool.dtype == torch.float8_e4m3fn else dtype
+    assert_close(pool[k_rows], ref_pool[k_rows].float(), k_dtype, "pool k")
     assert torch.equal(pool[v_rows], ref_pool[v_rows]), "pool v"
     return out
 
@@ -141,6 +146,21 @@ def test_decode_folds_the_prologue(
             [1] * 6, [1, 9, 33, 64, 70, 300], heads, kv_heads, head_dim, block_size, dtype, qk_norm=qk_norm
         )
         check(case)
+    assert prologue_launches == []
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_folds_the_prologue_over_an_fp8_pool(
+    splits: int, monkeypatch: pytest.MonkeyPatch, prologue_launches: list[int]
+) -> None:
+    """kv_cache_dtype fp8: the folded prologue writes the new token's k and v as float8 e4m3 (clamped
+    and rounded as the reference) and the split kernel reads old and new keys widened to q's dtype."""
+    torch.manual_seed(30 + splits)
+    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_a: splits)
+    case = Case(
+        [1] * 5, [1, 9, 64, 70, 300], 8, 2, 32, 4, torch.float32, qk_norm=True, kv_dtype=torch.float8_e4m3fn
+    )
+    check(case)
     assert prologue_launches == []
 
 
