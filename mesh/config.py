@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None 
     group = parser.add_argument_group(title or cls.__name__)
     for f, tp in _fields(cls):
         env = env_name(f.name)
-        help_text = f"{f.metadata['help']} [env {env}]"
+        help_text = f"{f.metadata['help']} [env {env}]".replace("%", "%%")  # argparse formats help with %
         base = _base_type(tp)
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if f.metadata.get("choices"):

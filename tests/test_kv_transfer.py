@@ -213,6 +213,36 @@ def test_layout_mismatch_raises_and_moves_no_bytes(kind: str) -> None:
         src.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_pools_move_bytes_and_refuse_a_16_bit_peer(kind: str) -> None:
+    """kv_cache_dtype fp8: float8 e4m3 pools move byte for byte (a block is half a 16-bit one's bytes),
+    and a 16-bit pool of the same model is refused before any byte moves."""
+    fp8 = dataclasses.replace(LAYOUT, dtype="float8_e4m3fn")
+    bf16 = dataclasses.replace(LAYOUT, dtype="bfloat16")
+    assert fp8.block_nbytes * 2 == bf16.block_nbytes and fp8.fingerprint != bf16.fingerprint
+    src = create_transfer_agent(kind, "prefill", random_pool(16, fp8), fp8)
+    wide = create_transfer_agent(kind, "prefill16", random_pool(16, bf16), bf16)
+    dst = create_transfer_agent(
+        kind, "decode", torch.zeros(8, *fp8.block_shape, dtype=torch.float8_e4m3fn), fp8
+    )
+    try:
+        assert dst.pool.dtype == torch.float8_e4m3fn
+        dst.add_peer(src.metadata())
+        h = dst.start_read(src.agent_name, [5, 6, 11], [0, 1, 7], b"req-fp8")
+        dst.wait(h, timeout_s=10)
+        dst.release(h)
+        for local, remote in ((0, 5), (1, 6), (7, 11)):
+            assert same_bytes(dst.pool[local], src.pool[remote])
+        assert bool((dst.pool[2:7].view(torch.uint8) == 0).all())
+        assert dst.bytes_transferred == 3 * fp8.block_nbytes
+        with pytest.raises(LayoutMismatchError, match="fingerprint mismatch"):
+            dst.add_peer(wide.metadata())
+    finally:
+        dst.close()
+        wide.close()
+        src.close()
+
+
 @pytest.mark.parametrize("pair", KINDS, indirect=True)
 @pytest.mark.parametrize(
     ("remote", "local", "message"),

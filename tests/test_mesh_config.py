@@ -131,3 +131,23 @@ def test_up_gives_each_worker_a_gpu_of_its_own_in_turn() -> None:
     assert all(not c.env for c in planned(["--num-decode", "2"], {"CUDA_VISIBLE_DEVICES": "0,1"}).children)
     assert worker_gpus(" 1, 3 ,", {}) == ["1", "3"]
     assert worker_gpus(None, {"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["-m", "prefill_svc"], ["-m", "decode_svc"], ["-m", "router"], ["-m", "mesh.cli", "up"]],
+    ids=["prefill", "decode", "router", "pdmesh-up"],
+)
+def test_every_service_prints_its_help(command: list[str]) -> None:
+    """``--help`` lists every flag: help texts with a percent sign (argparse formats them with %) once
+    made the workers' crash with a TypeError."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, *command, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout and "--host" in done.stdout
+    if command[1] in ("prefill_svc", "decode_svc"):
+        assert "--kv-cache-dtype {auto,fp8,fp8_e4m3}" in done.stdout and "6-25% lower" in done.stdout

@@ -25,7 +25,7 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(0, 256) for _ in range(n)] for n in (5, 17, 33)]
 
 
-def _generate(model: str, backend: str) -> list[list[int]]:
+def _generate(model: str, backend: str, **kw: str) -> list[list[int]]:
     llm = LLM(
         model,
         device=DEVICE,
@@ -33,6 +33,7 @@ def _generate(model: str, backend: str) -> list[list[int]]:
         kernel_backend=backend,
         num_kv_blocks=64,
         max_num_batched_tokens=24,
+        **kw,
     )
     return [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
 
@@ -42,3 +43,12 @@ def test_triton_backend_gives_the_reference_tokens(model: str) -> None:
     expected = _generate(model, "torch")
     assert len({t for e in expected for t in e}) > 8, expected  # varied output: a real check
     assert _generate(model, "triton") == expected
+
+
+def test_fp8_kv_cache_on_the_triton_backend_gives_the_reference_tokens() -> None:
+    """kv_cache_dtype fp8: every kernel that writes the pool (the prologue, folded into decode attention
+    or not) rounds to float8 e4m3 as the reference does, and both attention kernels read it back alike."""
+    expected = _generate("tiny-dense", "torch", kv_cache_dtype="fp8")
+    assert len({t for e in expected for t in e}) > 8, expected
+    assert expected != _generate("tiny-dense", "torch")  # the pool's rounding shows in these tokens
+    assert _generate("tiny-dense", "triton", kv_cache_dtype="fp8") == expected
