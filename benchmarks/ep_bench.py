@@ -102,7 +102,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict)
         "host": Lockstep.for_engine(engine),
         "device": Lockstep.for_engine(engine, flags_on_device=True),
     }
-    wb = count_weights(engine.model_config, engine.kv_pool.element_size())
+    wb = count_weights(
+        engine.model_config, engine.model.embed_tokens.element_size(), engine.kv_pool.element_size()
+    )
     hbm = copy_gbps() if rank == 0 and cuda else float("nan")
 
     def sync() -> None:

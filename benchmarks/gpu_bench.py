@@ -141,6 +141,7 @@ class Plan:
     serve_modes: tuple[str, ...] = ("off", "on", "on-early", "on-drain")  # SERVE_MODES, each at every rate
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: auto (the weights' dtype) or fp8
     # The decode section's sampling, SamplingParams fields (empty: greedy), e.g. {"temperature": 0.8}.
     decode_sampling: dict[str, float] = field(default_factory=dict)
     smoke: bool = False
@@ -171,7 +172,7 @@ class WeightBytes:
     kv_bytes_per_token: float  # all layers, K and V
 
 
-def count_weights(cfg: ModelConfig, itemsize: int) -> WeightBytes:
+def count_weights(cfg: ModelConfig, itemsize: int, kv_itemsize: int | None = None) -> WeightBytes:
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     attn = h * (q + 2 * kv) + q * h
@@ -198,7 +199,7 @@ def count_weights(cfg: ModelConfig, itemsize: int) -> WeightBytes:
         top_k=cfg.num_experts_per_tok,
         matmul_params=matmul,
         lm_head_params=lm_head,
-        kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * d * itemsize,
+        kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * d * (kv_itemsize or itemsize),
     )
 
 
@@ -284,6 +285,7 @@ def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
         max_num_batched_tokens=plan.max_num_batched_tokens,
         max_model_len=plan.max_model_len,
         async_scheduling=plan.async_scheduling,
+        kv_cache_dtype=plan.kv_cache_dtype,
     )
     t = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -295,8 +297,14 @@ def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
         "on" if graphs else "off",
         f" (captured in {graphs.capture_seconds:.1f} s)" if graphs else "",
     )
-    with torch.no_grad():
-        engine.kv_pool.normal_()  # attention never reads zeros (they can run faster than real data)
+    with torch.no_grad():  # attention never reads zeros (they can run faster than real data)
+        pool = engine.kv_pool
+        if pool.element_size() >= 2:
+            pool.normal_()
+        else:  # float8 has no normal_: fill a few blocks at a time through a float32 buffer
+            step = max(1, (256 << 20) // max(1, pool[0].numel() * 2))
+            for i in range(0, pool.shape[0], step):
+                pool[i : i + step].copy_(torch.randn(pool[i : i + step].shape, device=pool.device))
     return engine
 
 
@@ -757,7 +765,7 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
 
     mcfg, _ = resolve_model_config(str(model_dir))
     itemsize = 2 if plan.dtype != "float32" else 4
-    wb = count_weights(mcfg, itemsize)
+    wb = count_weights(mcfg, itemsize, 1 if plan.kv_cache_dtype != "auto" else None)  # fp8 KV: a byte
     block_bytes = wb.kv_bytes_per_token * 16
     fits = {(b, c): blocks_needed(b, c, plan) for b in plan.batches for c in plan.contexts}
     # Every weight in memory: what steps read, all experts, and the input embedding (a step reads a row).
@@ -940,7 +948,7 @@ def summary(res: Results, plan: Plan) -> str:
         lines += [
             "",
             "decode (engine.step: scheduler + graph replay + sampler; graph = replay alone, device time; "
-            f"sampling: {sampling_label(plan)})",
+            f"sampling: {sampling_label(plan)}; KV cache: {plan.kv_cache_dtype})",
             "| model | batch | ctx | step ms | graph ms | tok/s | experts/layer | GB moved | roofline ms "
             "| % roofline (step) | % roofline (graph) | runner ms | launch ms | sampler ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -1057,6 +1065,7 @@ def environment(plan: Plan) -> dict[str, Any]:
         "async_scheduling": EngineConfig(
             device=plan.device, async_scheduling=plan.async_scheduling
         ).async_scheduling,
+        "kv_cache_dtype": plan.kv_cache_dtype,
     }
     try:
         import transformers
@@ -1112,6 +1121,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the decode section samples with these SamplingParams fields, e.g. temperature=0.8,top_p=0.9 "
         "(default: greedy)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="the engines' KV cache dtype (EngineConfig.kv_cache_dtype); fp8 halves the KV bytes a decode "
+        "step reads, and its roofline counts them so",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1144,7 +1160,11 @@ def main(argv: list[str] | None = None) -> None:
     if not set(modes) <= SERVE_MODES.keys():
         parser.error(f"--serve-modes: each of {', '.join(SERVE_MODES)}")
     plan = dataclasses.replace(
-        plan, async_scheduling=args.async_scheduling, serve_modes=modes, decode_sampling=args.decode_sampling
+        plan,
+        async_scheduling=args.async_scheduling,
+        serve_modes=modes,
+        decode_sampling=args.decode_sampling,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl

@@ -156,6 +156,8 @@ class Mesh:
             a.device,
             "--dtype",
             a.dtype,
+            "--kv-cache-dtype",
+            a.kv_cache_dtype,
             "--block-size",
             str(a.block_size),
             "--metrics-port",
@@ -300,6 +302,12 @@ class LauncherSettings:
         "nvidia-smi lists. With fewer GPUs than workers they are reused from the first.",
     )
     dtype: str = setting("float32", "Weight and KV dtype.", choices=("float32", "bfloat16", "float16"))
+    kv_cache_dtype: str = setting(
+        "auto",
+        "The workers' KV cache dtype: auto (the weights' dtype) or fp8 (float8 e4m3, half the bytes of a "
+        "16-bit cache; every worker the same).",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     block_size: int = setting(16, "Tokens per KV block.")
     num_kv_blocks: int = setting(2048, "KV pool size per worker, in blocks.")
     max_model_len: int | None = setting(

@@ -119,6 +119,39 @@ def test_pdmesh_up_serves_and_stops_cleanly_on_sigterm() -> None:
         up.kill()
 
 
+def test_pdmesh_up_with_an_fp8_kv_cache_answers_as_the_offline_engine() -> None:
+    """``--kv-cache-dtype fp8``: both workers keep float8 e4m3 pools, the prefill worker's KV moves to the
+    decode worker (half the bytes of a 16-bit pool, a quarter of float32's), and the answers are the
+    offline engine's with the same KV cache dtype."""
+    from engine import LLM, SamplingParams
+
+    prompts = ["an fp8 cache: " + "mesh " * 100, "and a short one"]  # the first past pd_threshold_tokens
+    llm = LLM("tiny-dense", num_kv_blocks=256, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [llm.generate(p, params)[0].text for p in prompts]
+    block_nbytes = llm.engine.layout.block_nbytes
+    llm.close()
+    up = Up("--num-kv-blocks", "256", "--kv-cache-dtype", "fp8", quiet=False)
+    try:
+        for p, want in zip(prompts, expected, strict=True):
+            body = {
+                "model": "tiny-dense",
+                "prompt": p,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            assert up.complete(body)["choices"][0]["text"] == want
+        address = re.search(r"pdmesh decode ready: grpc=\S+ metrics=(\S+)", up.text).group(1)
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            moved = re.search(r"^pdmesh_decode_kv_transfer_bytes_total (\S+)", resp.read().decode(), re.M)
+        assert moved is not None and float(moved.group(1)) > 0
+        assert float(moved.group(1)) % block_nbytes == 0  # whole float8 blocks
+        up.stop_and_check()
+    finally:
+        up.kill()
+
+
 def test_pdmesh_up_with_expert_parallel_ranks_answers_as_one_engine() -> None:
     """Two prefill and two decode workers, each pair the two expert-parallel ranks of tiny-moe
     (``--prefill-expert-parallel --decode-expert-parallel``, a group each): concurrent requests, spread

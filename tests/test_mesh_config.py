@@ -101,7 +101,7 @@ def test_the_launchers_choices_are_those_of_the_settings_it_passes_them_to() -> 
 
     launcher = choices(LauncherSettings)
     owners = choices(EngineConfig) | choices(RouterConfig) | choices(WorkerSettings)
-    assert set(launcher) == {"device", "dtype", "routing", "kv_transfer"}
+    assert set(launcher) == {"device", "dtype", "kv_cache_dtype", "routing", "kv_transfer"}
     assert all(launcher[name] == owners[name] for name in launcher), (launcher, owners)
 
 
@@ -130,6 +130,12 @@ def test_up_gives_each_worker_a_gpu_of_its_own_in_turn() -> None:
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in shared.children] == ["2", "3", "2", "3"]
     assert all(not c.env for c in planned(["--num-decode", "2"], {"CUDA_VISIBLE_DEVICES": "0,1"}).children)
     assert worker_gpus(" 1, 3 ,", {}) == ["1", "3"]
+    # The workers' KV cache dtype is the launcher's, for every worker (fp8 on one side only would refuse
+    # every KV transfer).
+    fp8 = planned(["--kv-cache-dtype", "fp8", "--num-decode", "2"], {})
+    assert [
+        c.argv[c.argv.index("--kv-cache-dtype") + 1] for c in fp8.children if "--kv-cache-dtype" in c.argv
+    ] == ["fp8"] * 3
     assert worker_gpus(None, {"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
