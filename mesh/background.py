@@ -7,6 +7,12 @@ keeps a strong reference to each task until it ends, logs any exception one rais
 one), and on ``close`` cancels what is still running and awaits it, so that no task outlives its owner.
 
 This module owns the tasks' lifetime; it does not retry, time out or order them.
+
+A task may swallow a cancellation and go on: on Python 3.11 ``asyncio.wait_for`` does so when its inner
+await completes just as the cancellation arrives (cpython#86296, fixed in 3.12), so a loop built on it
+can miss the one ``cancel()`` its owner sends and be awaited forever (a router's registry discovery
+once hung a test's ``close`` for its whole timeout that way). The services use ``asyncio.timeout``
+instead, and ``cancel_until_done`` and ``BackgroundTasks.close`` cancel again until a task has ended.
 """
 
 from __future__ import annotations
@@ -17,6 +23,17 @@ from collections.abc import Coroutine
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+RECANCEL_S = 2.0  # how long a cancelled task may take to end (its cleanup) before it is cancelled again
+
+
+async def cancel_until_done(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling it again every ``RECANCEL_S`` while it runs
+    on (see the module docstring). Its exception, if any, is its owner's to read."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL_S)
 
 
 class BackgroundTasks:
@@ -48,8 +65,9 @@ class BackgroundTasks:
         if self._tasks and grace_s > 0:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
         while self._tasks:
+            # Each task's failure is logged by _done; a task that runs on after its cancellation is
+            # cancelled again (the loop comes back to it while it is still in the set).
             tasks = list(self._tasks)
             for task in tasks:
                 task.cancel()
-            # return_exceptions: one task's failure (logged by _done) must not stop the others' awaiting.
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=RECANCEL_S)

@@ -42,7 +42,6 @@ does not poll workers or choose among them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -51,7 +50,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from mesh.background import BackgroundTasks
+from mesh.background import BackgroundTasks, cancel_until_done
 from mesh.registry import Registry, WorkerInfo
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
@@ -105,9 +104,7 @@ class RegistryDiscovery:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_until_done(self._task)
             self._task = None
         # A sweep cut short here leaves at most a retiring slot, which the next sweep (of any router)
         # finishes once its lease expires.
@@ -123,9 +120,8 @@ class RegistryDiscovery:
         """One read and reconciliation; starts a sweep of the index in the background when one is due (and
         none is running). False when the registry could not be read."""
         try:
-            workers = await asyncio.wait_for(
-                self.registry.list_workers(model_fingerprint=self.pool.model_fingerprint), self.timeout_s
-            )
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: see cancel_until_done
+                workers = await self.registry.list_workers(model_fingerprint=self.pool.model_fingerprint)
         except (RedisError, OSError, TimeoutError) as exc:
             self.metrics.registry_errors.inc()
             if self.up:
@@ -171,9 +167,8 @@ class RegistryDiscovery:
         if indexed is None:
             return  # logged and counted by the index; the next sweep asks again
         try:
-            workers = await asyncio.wait_for(
-                self.registry.list_workers(model_fingerprint=fingerprint), self.timeout_s
-            )
+            async with asyncio.timeout(self.timeout_s):
+                workers = await self.registry.list_workers(model_fingerprint=fingerprint)
         except (RedisError, OSError, TimeoutError) as exc:
             self.metrics.registry_errors.inc()
             log.warning("KV index sweep skipped: registry unreachable (%s: %s)", type(exc).__name__, exc)

@@ -75,7 +75,8 @@ class PrefixIndex:
         index = self._redis_index(model_fingerprint)
         started = time.perf_counter()
         try:
-            matches = await asyncio.wait_for(index.lookup(block_hashes), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: see mesh.background
+                matches = await index.lookup(block_hashes)
         except (RedisError, OSError, TimeoutError) as exc:
             self._went_down(exc)
             return None
@@ -87,9 +88,8 @@ class PrefixIndex:
         ``4 * timeout_s``): one warning and ``pdmesh_router_index_forget_errors_total``, since the sweep
         that asks cannot forget anyone this time; it asks again at its next round."""
         try:
-            return await asyncio.wait_for(
-                self._redis_index(model_fingerprint).worker_ids(), self.timeout_s * 4
-            )
+            async with asyncio.timeout(self.timeout_s * 4):
+                return await self._redis_index(model_fingerprint).worker_ids()
         except (RedisError, OSError, TimeoutError) as exc:
             self.metrics.index_forget_errors.inc()
             log.warning(
@@ -168,7 +168,8 @@ class PrefixIndex:
         while True:
             await asyncio.sleep(self.probe_interval_s)
             try:
-                await asyncio.wait_for(self.redis.ping(), self.timeout_s * 4)
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await self.redis.ping()
             except (RedisError, OSError, TimeoutError):
                 continue
             self.up = True

@@ -116,3 +116,64 @@ async def test_feed_close_leaves_no_subscription_or_forgetting_task_running() ->
         await feed.close()
         await pool.close()
         await server.stop(0)
+
+
+async def _swallows_one_cancellation(ticks: list[int]) -> None:
+    """A loop that misses the first cancellation it gets and runs on, as one built on Python 3.11's
+    ``asyncio.wait_for`` can when its inner await completes as the cancellation arrives (cpython#86296)."""
+    swallowed = False
+    while True:
+        try:
+            await asyncio.sleep(0.01)
+            ticks.append(1)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed = True
+
+
+@async_test
+async def test_close_ends_a_task_that_swallowed_its_cancellation() -> None:
+    from mesh import background
+
+    tasks = BackgroundTasks("test")
+    ticks: list[int] = []
+    task = tasks.spawn(_swallows_one_cancellation(ticks), "stubborn")
+    await asyncio.sleep(0.05)
+    async with asyncio.timeout(background.RECANCEL_S + 5):  # before: awaited forever
+        await tasks.close()
+    assert task.cancelled() and len(tasks) == 0 and ticks
+    other = asyncio.get_running_loop().create_task(_swallows_one_cancellation([]))
+    await asyncio.sleep(0.02)
+    async with asyncio.timeout(background.RECANCEL_S + 5):
+        await background.cancel_until_done(other)
+    assert other.cancelled()
+
+
+@async_test
+async def test_registry_discovery_closes_though_a_read_swallowed_its_cancellation() -> None:
+    """The router's registry discovery loop, cancelled on close: a poll that misses the cancellation
+    (the cpython#86296 race, which hung a CI run's close for the test's whole timeout) is cancelled again."""
+    from mesh import background
+    from router.discovery import RegistryDiscovery
+
+    ticks: list[int] = []
+
+    class Registry:
+        async def list_workers(self, model_fingerprint: str | None = None) -> list[Any]:
+            return []
+
+    discovery = RegistryDiscovery(
+        Registry(), WorkerPool([], [], BS), RouterMetrics(), "tiny-dense", interval_s=0.01
+    )
+    await discovery.start()
+
+    async def poll_once() -> bool:
+        await _swallows_one_cancellation(ticks)
+        return True
+
+    discovery.poll_once = poll_once  # type: ignore[method-assign]
+    await asyncio.sleep(0.05)
+    async with asyncio.timeout(background.RECANCEL_S + 5):
+        await discovery.close()
+    assert ticks
