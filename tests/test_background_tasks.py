@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -174,6 +175,10 @@ async def test_registry_discovery_closes_though_a_read_swallowed_its_cancellatio
 
     discovery.poll_once = poll_once  # type: ignore[method-assign]
     await asyncio.sleep(0.05)
+    loop_task = discovery._task
+    assert loop_task is not None
+    started = time.monotonic()
     async with asyncio.timeout(background.RECANCEL_S + 5):
         await discovery.close()
+    assert loop_task.done() and time.monotonic() - started < background.RECANCEL_S + 3
     assert ticks
