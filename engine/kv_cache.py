@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from engine.loader import DTYPES
 from engine.models.model_config import ModelConfig
 from mesh.kv_layout import KVLayout
 
 # The pool's dtype by name (KVLayout.dtype): the weights' dtypes, and float8 e4m3 (``kv_cache_dtype`` fp8).
-KV_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+KV_DTYPES = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
@@ -33,8 +29,7 @@ def num_blocks_for(layout: KVLayout, memory_gb: float) -> int:
     return max(1, int(memory_gb * (1 << 30)) // layout.block_nbytes)
 
 
-def allocate_pool(
-    layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, contiguous, zero-filled."""
-    return torch.zeros((num_blocks, *layout.block_shape), dtype=dtype, device=device)
+def allocate_pool(layout: KVLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` of the layout's dtype,
+    contiguous, zero-filled."""
+    return torch.zeros((num_blocks, *layout.block_shape), dtype=KV_DTYPES[layout.dtype], device=device)

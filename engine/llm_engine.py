@@ -26,7 +26,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
-from engine.kv_cache import KV_DTYPES, allocate_pool, kv_dtype_name, make_layout, num_blocks_for
+from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
@@ -199,7 +199,7 @@ class LLMEngine:
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, config.dtype)
         self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
-        self.kv_pool = allocate_pool(self.layout, num_blocks, KV_DTYPES[kv_dtype], self.device)
+        self.kv_pool = allocate_pool(self.layout, num_blocks, self.device)
         self.root_hash = root_hash(self.model_fingerprint)
         self.block_pool = BlockPool(
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink

@@ -238,16 +238,16 @@ def test_ranks_with_asynchronous_scheduling_match_a_single_rank() -> None:
     check_uneven_work(ASYNC)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_ranks_with_uneven_work_step_together_and_match_a_single_rank() -> None:
-    check_uneven_work({**GPU_ENGINE, **SYNC})
+ASYNC = {"async_scheduling": True, "expert_parallel_async_scheduling": True}
+SYNC = {"async_scheduling": False}
+SCHEDULING = pytest.mark.parametrize("scheduling", [SYNC, ASYNC], ids=["sync", "async"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_ranks_with_asynchronous_scheduling_match_a_single_rank() -> None:
-    check_uneven_work({**GPU_ENGINE, **ASYNC})
+@SCHEDULING
+def test_gpu_ranks_with_uneven_work_step_together_and_match_a_single_rank(scheduling: dict) -> None:
+    check_uneven_work({**GPU_ENGINE, **scheduling})
 
 
 # One sequence a rank at a time: rank 1's second prompt starts while rank 0 decodes, so rank 0's decode
@@ -279,18 +279,9 @@ def test_ranks_with_asynchronous_scheduling_join_each_others_prefill_passes_thro
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_ranks_join_each_others_prefill_passes_in_the_graphs() -> None:
-    check_prefill_passes_joined({**GPU_ENGINE, **SYNC})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_ranks_with_asynchronous_scheduling_join_each_others_prefill_passes_in_the_graphs() -> None:
-    check_prefill_passes_joined({**GPU_ENGINE, **ASYNC})
-
-
-ASYNC = {"async_scheduling": True, "expert_parallel_async_scheduling": True}
-SYNC = {"async_scheduling": False}
+@SCHEDULING
+def test_gpu_ranks_join_each_others_prefill_passes_in_the_graphs(scheduling: dict) -> None:
+    check_prefill_passes_joined({**GPU_ENGINE, **scheduling})
 
 
 def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
