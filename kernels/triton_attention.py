@@ -24,6 +24,7 @@ any scattered block table work. Softmax runs in base 2 with the scale folded in;
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -133,6 +134,38 @@ def _dot_operand(q, k):
 
 
 @triton.jit
+def _load_fp8_words(base, offs, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Keys or values [len(offs), BLOCK_D] of a float8 e4m3 pool, in float16 (exactly): read as 4-byte words
+    and widened in registers before any layout change (``cvt.rn.f16x2.e4m3x2``, sm_89+; no interpreter).
+
+    Loaded as float8 and cast (``x.to(float16)``), Triton moves the tile into the dot's layout as bytes
+    through shared memory, with a scalar shared load per few bytes and the cast after it; the decode loop
+    was then ~770 instructions a warp per 64-key tile against ~460 for bfloat16 (whose tiles hold twice
+    the bytes), and slower per step than the bfloat16 pool (docs/kernels.md, "A float8 KV pool"). The
+    four halves widened from a word are rejoined in registers, which Triton does not move back past the
+    asm: the keys go from registers into the dot as they are, the values through shared memory in
+    float16 (~550 instructions a tile). Offsets and HEAD_DIM are multiples of 4 (the launcher checks)."""
+    WORDS: tl.constexpr = BLOCK_D // 4
+    words = tl.arange(0, WORDS)
+    mask = valid[:, None] & (words[None, :] < HEAD_DIM // 4)
+    x = tl.load(
+        base.to(tl.pointer_type(tl.int32)) + (offs // 4)[:, None] + words[None, :], mask=mask, other=0
+    )
+    # Bytes 0..3 of a word are dims 4w..4w+3: $0, $1 from the low half, $2, $3 from the high half.
+    d0, d1, d2, d3 = tl.inline_asm_elementwise(
+        "{ .reg .b32 lo, hi; .reg .b16 x, y; mov.b32 {x, y}, $4; cvt.rn.f16x2.e4m3x2 lo, x; "
+        "cvt.rn.f16x2.e4m3x2 hi, y; mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
+        "=h,=h,=h,=h,r",
+        [x],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    # join(join(d0, d2), join(d1, d3))[w, j, i] is d(2j + i): dims 4w..4w+3 in order once flattened.
+    return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (offs.shape[0], BLOCK_D))
+
+
+@triton.jit
 def _softmax_step(s, m_i):
     """The online softmax's step over masked scores ``s`` (base 2): their weights, the factor that rescales
     what came before, and the new running maximum."""
@@ -170,15 +203,24 @@ def _attend_keys(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
 ):
     """``_attend_tile`` without the causal mask, for decode: the keys' pages are given (loaded a tile
-    ahead), and k and v are loaded together, so a tile waits for one memory round trip, not three."""
+    ahead), and k and v are loaded together, so a tile waits for one memory round trip, not three. With
+    FP8_WORDS (a float8 pool on a GPU) k and v come from ``_load_fp8_words``, already in float16."""
     dims = tl.arange(0, BLOCK_D)
     offs = page.to(tl.int64) * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
-    kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
-    k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    qd = _dot_operand(q, k)
+    if FP8_WORDS:
+        k = _load_fp8_words(k_base, offs, valid, HEAD_DIM, BLOCK_D)
+        v = _load_fp8_words(v_base, offs, valid, HEAD_DIM, BLOCK_D)
+        qd = q  # as _dot_operand takes q over a float8 pool: float32 as it is, 16-bit as float16
+        if q.dtype != tl.float32:
+            qd = q.to(tl.float16)
+    else:
+        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        qd = _dot_operand(q, k)
     s = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * scale_log2
     p, alpha, m_new = _softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(qd.dtype), v.to(qd.dtype), input_precision=DOT_PRECISION)
@@ -232,6 +274,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FROM_QKV: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of one query token's GROUP q heads (one KV head) over one split of its keys: partial
@@ -331,7 +374,7 @@ def _decode_split_kernel(
         next_page = tl.load(bt_row_ptr + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
         acc, l_i, m_i = _attend_keys(
             q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, page, key_pos, key_pos < end, scale_log2,
-            stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+            stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION, FP8_WORDS,
         )  # fmt: skip
         page = next_page
     has_keys = l_i > 0.0
@@ -528,6 +571,22 @@ def paged_attention_triton(
     return out
 
 
+def fp8_words(kv_pool: torch.Tensor) -> bool:
+    """Whether the decode kernel reads this pool through ``_load_fp8_words``: float8 e4m3 on a GPU with
+    the e4m3 -> float16 conversion instruction (compute capability 8.9+), every head row starting on a
+    4-byte boundary. Elsewhere (the interpreter included) it loads float8 and casts."""
+    if kv_pool.dtype != torch.float8_e4m3fn or kv_pool.device.type != "cuda":
+        return False
+    index = kv_pool.device.index if kv_pool.device.index is not None else torch.cuda.current_device()
+    aligned = kv_pool.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in pool_strides(kv_pool))
+    return aligned and kv_pool.shape[-1] % 4 == 0 and _capability(index) >= (8, 9)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -597,7 +656,8 @@ def _decode(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=dot_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
-        **pdl_kwargs(out.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        FP8_WORDS=fp8_words(kv_pool), **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
+        num_stages=dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](
         mid_o, mid_lse, out, splits,

@@ -285,7 +285,7 @@ def test_decode_merge_never_reads_an_empty_split(monkeypatch: pytest.MonkeyPatch
         scratch.append(torch.full(shape, float("nan"), dtype=torch.float32, device=device))
         return scratch[-1]
 
-    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_: splits)
+    monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_, n=splits: n)
     monkeypatch.setattr(triton_attention, "_split_scratch", poisoned)
     check_attention([1] * 4, seq_lens, 4, 2, 32, 16, torch.float32)
     mid_o = scratch[0]  # [T, heads, splits, head_dim]; the second is the lse, written by every split
@@ -498,6 +498,40 @@ def test_gpu_attention_over_an_fp8_pool_llama8b() -> None:
     check_attention(
         [1024, 300, 1], [1024, 2348, 3000], 32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e4m3fn
     )
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm_89+ GPU the decode kernel reads a float8 pool as 4-byte words widened in registers
+    (``_load_fp8_words``): it is taken there, it agrees with the reference, and it gives what the kernel
+    gives loading float8 and casting (the same float16 operands, the same dots). head_dim 96 leaves a
+    quarter of each 128-wide tile's words masked; 4 splits put some past the short sequences' ends."""
+    torch.manual_seed(23)
+    seq_lens = [1, 17, 300, 4096] + torch.randint(1, 4097, (28,)).tolist()
+    for splits in (None, 4):
+        if splits is not None:
+            monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_, n=splits: n)
+        torch.manual_seed(24)
+        q, pool, bt, sl, qsl = make_paged_case([1] * 32, seq_lens, 32, 8, head_dim, 16, torch.bfloat16)
+        pool = to_pool_dtype(pool, torch.float8_e4m3fn)
+        assert triton_attention.fp8_words(pool)
+        words = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
+        ref = paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, head_dim**-0.5)
+        assert_close(words, ref, torch.bfloat16, f"fp8 words, head_dim {head_dim}, splits {splits}")
+        with monkeypatch.context() as m:
+            m.setattr(triton_attention, "fp8_words", lambda _pool: False)
+            cast = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
+        diff = float((words.float() - cast.float()).abs().max())
+        assert diff <= 2**-7 * float(cast.float().abs().max()), diff  # at most a bf16 rounding apart
+
+
+def test_fp8_words_only_on_a_gpu_pool_of_float8() -> None:
+    """The interpreter (and any CPU pool) keeps the cast path: the widening asm has no interpreter."""
+    pool = torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.float8_e4m3fn)
+    assert not triton_attention.fp8_words(pool)
+    assert not triton_attention.fp8_words(pool.to(torch.bfloat16))
 
 
 @gpu
