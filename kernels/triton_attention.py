@@ -571,11 +571,24 @@ def paged_attention_triton(
     return out
 
 
-def fp8_words(kv_pool: torch.Tensor) -> bool:
+# Keys a decode split spans at the longest context (max_seq_len / splits) from which it reads a float8 pool
+# as words. The words are register loads, which Triton does not request a tile ahead (the cast path's
+# float8 tiles go to shared memory asynchronously, num_stages deep), so a split of a few tiles waits a
+# memory round trip for each: at batch 1 (32 splits of 256 keys at an 8k limit) the split kernel took
+# 12.3 us a layer against 9.7 us (Qwen3-30B-A3B shape, 4k context, H200). Requesting them a tile ahead
+# by hand cost 160 registers and the large batches' gain. Long splits (batch 64: one or two a sequence)
+# are where the words pay (docs/kernels.md, "A float8 KV pool").
+FP8_WORDS_MIN_KEYS = 1024
+
+
+def fp8_words(kv_pool: torch.Tensor, keys_per_split: int) -> bool:
     """Whether the decode kernel reads this pool through ``_load_fp8_words``: float8 e4m3 on a GPU with
     the e4m3 -> float16 conversion instruction (compute capability 8.9+), every head row starting on a
-    4-byte boundary. Elsewhere (the interpreter included) it loads float8 and casts."""
+    4-byte boundary, and splits of at least ``FP8_WORDS_MIN_KEYS`` keys at the longest context. Elsewhere
+    (the interpreter included) it loads float8 and casts; both give the same float16 operands and dots."""
     if kv_pool.dtype != torch.float8_e4m3fn or kv_pool.device.type != "cuda":
+        return False
+    if keys_per_split < FP8_WORDS_MIN_KEYS:
         return False
     index = kv_pool.device.index if kv_pool.device.index is not None else torch.cuda.current_device()
     aligned = kv_pool.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in pool_strides(kv_pool))
@@ -656,8 +669,8 @@ def _decode(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=dot_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
-        FP8_WORDS=fp8_words(kv_pool), **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
-        num_stages=dcfg.num_stages,
+        FP8_WORDS=fp8_words(kv_pool, max_seq_len // splits), **pdl_kwargs(out.device),
+        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](
         mid_o, mid_lse, out, splits,

@@ -505,33 +505,44 @@ def test_gpu_attention_over_an_fp8_pool_llama8b() -> None:
 @pytest.mark.parametrize("head_dim", [128, 96])
 def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """On an sm_89+ GPU the decode kernel reads a float8 pool as 4-byte words widened in registers
-    (``_load_fp8_words``): it is taken there, it agrees with the reference, and it gives what the kernel
-    gives loading float8 and casting (the same float16 operands, the same dots). head_dim 96 leaves a
-    quarter of each 128-wide tile's words masked; 4 splits put some past the short sequences' ends."""
+    (``_load_fp8_words``) where its splits are long (32 sequences: 2 splits of ~2k keys, and 4 forced
+    ones of ~1k), and loads float8 and casts where they are short (one sequence: 32 splits of 128 keys).
+    Both agree with the reference and give what the other gives: the same float16 operands and dots, so
+    the path a batch's size picks changes no output. head_dim 96 leaves a quarter of each 128-wide tile's
+    words masked; the split counts put some splits past the short sequences' ends."""
+    taken: list[bool] = []
+    choose = triton_attention.fp8_words
+
+    def spied(pool: torch.Tensor, keys_per_split: int) -> bool:
+        taken.append(choose(pool, keys_per_split))
+        return taken[-1]
+
+    monkeypatch.setattr(triton_attention, "fp8_words", spied)
     torch.manual_seed(23)
-    seq_lens = [1, 17, 300, 4096] + torch.randint(1, 4097, (28,)).tolist()
-    for splits in (None, 4):
-        if splits is not None:
-            monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_, n=splits: n)
+    long_lens = [1, 17, 300, 4096] + torch.randint(1, 4097, (28,)).tolist()
+    for seq_lens, splits, words in ((long_lens, None, True), (long_lens, 4, True), ([4096], None, False)):
         torch.manual_seed(24)
-        q, pool, bt, sl, qsl = make_paged_case([1] * 32, seq_lens, 32, 8, head_dim, 16, torch.bfloat16)
+        q, pool, bt, sl, qsl = make_paged_case(
+            [1] * len(seq_lens), seq_lens, 32, 8, head_dim, 16, torch.bfloat16
+        )
         pool = to_pool_dtype(pool, torch.float8_e4m3fn)
-        assert triton_attention.fp8_words(pool)
-        words = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
-        ref = paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, head_dim**-0.5)
-        assert_close(words, ref, torch.bfloat16, f"fp8 words, head_dim {head_dim}, splits {splits}")
         with monkeypatch.context() as m:
-            m.setattr(triton_attention, "fp8_words", lambda _pool: False)
-            cast = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
-        diff = float((words.float() - cast.float()).abs().max())
-        assert diff <= 2**-7 * float(cast.float().abs().max()), diff  # at most a bf16 rounding apart
+            if splits is not None:
+                m.setattr(triton_attention, "num_kv_splits", lambda *_, n=splits: n)
+            got = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
+            assert taken[-1] is words, (seq_lens[:4], splits)
+            m.setattr(triton_attention, "fp8_words", lambda _pool, _keys, w=words: not w)
+            other = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
+        ref = paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, head_dim**-0.5)
+        assert_close(got, ref, torch.bfloat16, f"fp8 pool, head_dim {head_dim}, words {words}")
+        assert torch.equal(got, other), float((got.float() - other.float()).abs().max())
 
 
 def test_fp8_words_only_on_a_gpu_pool_of_float8() -> None:
     """The interpreter (and any CPU pool) keeps the cast path: the widening asm has no interpreter."""
     pool = torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.float8_e4m3fn)
-    assert not triton_attention.fp8_words(pool)
-    assert not triton_attention.fp8_words(pool.to(torch.bfloat16))
+    assert not triton_attention.fp8_words(pool, 4096)
+    assert not triton_attention.fp8_words(pool.to(torch.bfloat16), 4096)
 
 
 @gpu
