@@ -43,6 +43,9 @@ class DecodeConfig:
     block_n: int = 64  # keys per inner step
     num_warps: int = 4
     num_stages: int = 2
+    # Over a float8 pool read as words (long splits only): 0.5-1.5% shorter steps at 64-256 x 4k than 2
+    # stages (H200, two rounds each, performance.md "Twenty-fifth run"); 55 KB of shared memory a program.
+    words_num_stages: int = 3
     min_tokens_per_split: int = 128  # 256 was 8% slower at bs 1, ctx 4k (docs/kernels.md)
     max_splits: int = 32
 
@@ -660,6 +663,7 @@ def _decode(
         eps, stride_qkv, stride_cache = prologue.eps, qkv.stride(0), cache.stride(0)
         q = out  # never read with FROM_QKV
     block_d = _block_d(head_dim)
+    words = fp8_words(kv_pool, max_seq_len // splits)
     _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
         q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
         layer, scale * math.log2(math.e), seq_lens.shape[0], splits,
@@ -669,8 +673,8 @@ def _decode(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=dot_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
-        FP8_WORDS=fp8_words(kv_pool, max_seq_len // splits), **pdl_kwargs(out.device),
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        FP8_WORDS=words, **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
+        num_stages=dcfg.words_num_stages if words else dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](
         mid_o, mid_lse, out, splits,
