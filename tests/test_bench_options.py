@@ -1,9 +1,13 @@
-"""Options of the benchmark scripts that decide what they measure (``benchmarks/gpu_bench.py``)."""
+"""Options of the benchmark scripts that decide what they measure (``benchmarks/gpu_bench.py``), and the
+benchmarks that run without a GPU."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +74,22 @@ def test_ep_bench_smoke_steps_two_ranks_through_every_mode(tmp_path: Path) -> No
     for b in (1, 2):  # per step: the ops rank 0 launched, by host time
         assert "Self CPU" in (tmp_path / f"profile_w2_b{b}_eager.txt").read_text()
     assert not list(tmp_path.glob("profile_*_graphs.txt"))
+
+
+def test_decode_sass_counts_the_words_loop_below_the_cast_one() -> None:
+    """``benchmarks/decode_sass.py`` compiles the decode split kernel for sm_90 with no GPU (Triton's
+    bundled ptxas) and counts its main loop: over a float8 pool, the words path must stay well under the
+    cast path (768 against 540 instructions a warp with Triton 3.6, 783 against 436 with 3.9), or a Triton
+    upgrade has undone what the words path is for (docs/kernels.md, "A float8 KV pool")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_sass.py"), "--batch", "8", "--context", "1024"],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    loops = {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^\| ([^|]+?) \| [^|]+ \| (\d+) \|", out, re.M)
+    }
+    assert set(loops) == {"bfloat16 pool", "float8 pool, cast", "float8 pool, words"}, out
+    assert loops["float8 pool, words"] < 0.8 * loops["float8 pool, cast"], loops
+    assert min(loops.values()) > 100, loops  # a loop was found, not a stray branch
