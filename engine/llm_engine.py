@@ -36,6 +36,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer, find_stop
 from kernels import get_ops
+from kernels.kv_cache import FP8_KV_DTYPES
 from mesh.block_hash import root_hash, salted_fingerprint
 from mesh.kv_events import KVEventSink
 from mesh.kv_layout import KVLayout
@@ -200,6 +201,7 @@ class LLMEngine:
         self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
         self.kv_pool = allocate_pool(self.layout, num_blocks, self.device)
+        _log_kv_scales(self.model, self.kv_pool.dtype)
         self.root_hash = root_hash(self.model_fingerprint)
         self.block_pool = BlockPool(
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
@@ -743,3 +745,18 @@ class LLMEngine:
         if not blocks:
             return None
         return torch.stack([b.take_counts() for b in blocks]).cpu()
+
+
+def _log_kv_scales(model: torch.nn.Module, pool_dtype: torch.dtype) -> None:
+    """Say whether the checkpoint's calibrated KV scales are in use (a float8 pool) or not (16-bit)."""
+    scaled = [
+        m for m in model.modules() if getattr(m, "k_scale", 1.0) != 1.0 or getattr(m, "v_scale", 1.0) != 1.0
+    ]
+    if not scaled:
+        return
+    if pool_dtype in FP8_KV_DTYPES:
+        log.info("KV cache %s with the checkpoint's KV scales (%d layers)", pool_dtype, len(scaled))
+    else:
+        log.info(
+            "the checkpoint's KV scales (%d layers) are not used: the KV cache is %s", len(scaled), pool_dtype
+        )

@@ -173,6 +173,20 @@ def _init_dummy(net: DecoderModel, seed: int) -> None:
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# Calibrated KV-cache scales as quantisation tools write them (one float a layer): compressed-tensors /
+# llm-compressor (self_attn.k_scale, v_scale), the older fp8 format (self_attn.kv_scale, both), NVIDIA
+# ModelOpt (k_proj.k_scale / v_proj.v_scale, or their output_scale). vLLM reads the same names.
+_KV_SCALES = {
+    "self_attn.k_scale": "k",
+    "self_attn.v_scale": "v",
+    "self_attn.kv_scale": "kv",
+    "self_attn.attn.k_scale": "k",
+    "self_attn.attn.v_scale": "v",
+    "self_attn.k_proj.k_scale": "k",
+    "self_attn.v_proj.v_scale": "v",
+    "self_attn.k_proj.output_scale": "k",
+    "self_attn.v_proj.output_scale": "v",
+}
 
 
 def _load_safetensors(
@@ -225,6 +239,13 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
     layer = net.layers[i]
     pre = f"layers.{i}."
     attn = layer.self_attn
+    if rest in _KV_SCALES:
+        value = _kv_scale(name, t)
+        if "k" in _KV_SCALES[rest]:
+            attn.k_scale = value
+        if "v" in _KV_SCALES[rest]:
+            attn.v_scale = value
+        return []  # not a parameter: used by a float8 KV pool only (decoder.Attention.kv_scales)
     q, kv = attn.q_size, attn.kv_size
     simple = {
         "input_layernorm.weight": ("input_layernorm", layer.input_layernorm),
@@ -293,6 +314,18 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
             _copy(which.data[local], full[p2l[lo_phys + local]], name)
         return [pre + ("mlp.w13" if which is mlp.w13 else "mlp.w2")]
     return []
+
+
+def _kv_scale(name: str, t: torch.Tensor) -> float:
+    """One layer's KV scale from its checkpoint tensor: a single positive finite value."""
+    if t.numel() != 1:
+        raise UnsupportedModelError(
+            f"{name}: KV scales of shape {tuple(t.shape)} (per head or channel) are not supported, only one a layer"
+        )
+    value = float(t.float().reshape(()))
+    if not (0.0 < value < float("inf")):
+        raise UnsupportedModelError(f"{name}: a KV scale must be positive and finite, got {value}")
+    return value
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, ModelConfig, str]:

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import check_out
+from kernels.kv_cache import check_kv_scales, inv_scale
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
 from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
@@ -268,6 +269,9 @@ def _decode_split_kernel(
     stride_qkv_t,
     stride_cache,
     eps,
+    k_inv_scale,
+    v_inv_scale,
+    v_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -362,7 +366,8 @@ def _decode_split_kernel(
                     _kv_heads(qkv_ptr + new_token * stride_qkv_t, pool_ptr, k_norm_ptr, slot, layer,
                               kv_head + tl.arange(0, 1), num_q_heads, num_kv_heads,
                               stride_pool_block, stride_pool_layer, stride_pool_kv, stride_pool_slot, stride_pool_head,
-                              half_dims, new_cos, new_sin, eps, HEAD_DIM, HALF, BLOCK_SIZE, HAS_NORM, q_dtype)  # fmt: skip
+                              half_dims, new_cos, new_sin, eps, k_inv_scale, v_inv_scale, HEAD_DIM, HALF, BLOCK_SIZE,
+                              HAS_NORM, q_dtype)  # fmt: skip
             tl.debug_barrier()  # this block's pool writes are visible to its own reads below
         else:
             q = tl.load(
@@ -381,7 +386,7 @@ def _decode_split_kernel(
         )  # fmt: skip
         page = next_page
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale  # a float8 pool's v scale (else 1)
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     mo = mid_o_ptr + token.to(tl.int64) * stride_mo_t + split * stride_mo_s
     # An empty split writes no partial output (the interpreter takes no scalar in a mask: hence the where).
@@ -457,6 +462,7 @@ def _extend_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    v_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -506,7 +512,7 @@ def _extend_kernel(
             stride_pool_block, stride_pool_slot,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_PRECISION,
         )  # fmt: skip
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # a float8 pool's v scale (else 1)
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -536,6 +542,8 @@ def paged_attention_triton(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; block_tables: [B, max_blocks] int32; seq_lens: [B]; query_start_loc: [B+1]. -> [T, Hq, D],
@@ -543,7 +551,10 @@ def paged_attention_triton(
 
     ``max_seq_len`` (optional, an upper bound on ``seq_lens``) only tunes the decode split count; it
     defaults to ``max_blocks * block_size``, read from shapes. Nothing here reads device values on the host.
+    ``k_scale``, ``v_scale``: a float8 pool's KV scales (``kernels.kv_cache``): k_scale is folded into the
+    softmax scale, and the output is multiplied by v_scale.
     """
+    check_kv_scales(kv_pool.dtype, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -556,8 +567,11 @@ def paged_attention_triton(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
+    scales = _Scales(k_scale, v_scale)
     if num_tokens <= num_seqs:
-        _decode(out, q, None, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len)
+        _decode(
+            out, q, None, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len, scales
+        )
         return out
 
     ecfg = EXTEND_CONFIG
@@ -565,9 +579,9 @@ def paged_attention_triton(
     grid = (num_tokens // ecfg.block_m + num_seqs, num_heads)
     _extend_kernel[grid](
         q, kv_pool, block_tables, seq_lens, query_start_loc, out,
-        layer, scale * math.log2(math.e), num_seqs,
+        layer, scale * k_scale * math.log2(math.e), num_seqs,
         q.stride(0), q.stride(1), *pool_strides(kv_pool), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // kv_pool.shape[4], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        v_scale, GROUP=num_heads // kv_pool.shape[4], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=ecfg.num_warps, num_stages=ecfg.num_stages,
     )  # fmt: skip
@@ -614,6 +628,14 @@ def _split_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor
 
 
 @dataclass(frozen=True)
+class _Scales:
+    """A float8 pool's KV scales for one layer (1.0 and 1.0 for any other pool)."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+@dataclass(frozen=True)
 class _Prologue:
     """What the split kernel needs to fold the QKV prologue in (``qkv_attention_triton``)."""
 
@@ -637,6 +659,7 @@ def _decode(
     query_start_loc: torch.Tensor,
     scale: float,
     max_seq_len: int | None,
+    scales: _Scales,
 ) -> None:
     """The split-KV decode attention into ``out`` [T, Hq, D], from q, or from the raw QKV projection with the
     prologue folded into the split kernel (exactly one of ``q`` and ``prologue``)."""
@@ -666,11 +689,11 @@ def _decode(
     words = fp8_words(kv_pool, max_seq_len // splits)
     _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
         q, kv_pool, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
-        layer, scale * math.log2(math.e), seq_lens.shape[0], splits,
+        layer, scale * scales.k * math.log2(math.e), seq_lens.shape[0], splits,
         q.stride(0), q.stride(1), *pool_strides(kv_pool), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         qkv, pos, slots, cache, q_norm, k_norm, num_heads, num_kv_heads, stride_qkv, stride_cache, eps,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        inv_scale(scales.k), inv_scale(scales.v), scales.v, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=dot_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
         FP8_WORDS=words, **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
@@ -702,13 +725,17 @@ def qkv_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """``kernels.attention.qkv_attention_torch`` on the GPU: the QKV prologue (which writes k and v into the
     pool) and attention, from the raw projection. In the decode shape (T <= B) the prologue is folded into
     the split kernel: one launch less per layer, and q never goes through memory. Elsewhere, or where the
     fold does not apply (head_dim not a power of two of at least 16, norm weights of another dtype than
-    qkv), the prologue kernel and then ``paged_attention_triton``."""
+    qkv), the prologue kernel and then ``paged_attention_triton``. ``k_scale``, ``v_scale``: a float8
+    pool's KV scales (``kernels.kv_cache``)."""
+    check_kv_scales(kv_pool.dtype, k_scale, v_scale)
     num_tokens, num_seqs = qkv.shape[0], seq_lens.shape[0]
     foldable = (
         0 < num_tokens <= num_seqs
@@ -719,9 +746,9 @@ def qkv_attention_triton(
     )
     if not foldable:
         q = qkv_prologue_triton(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, positions,
-                                cos_sin_cache, kv_pool, layer, slot_mapping)  # fmt: skip
+                                cos_sin_cache, kv_pool, layer, slot_mapping, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return paged_attention_triton(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale,
-                                      max_seq_len=max_seq_len)  # fmt: skip
+                                      max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     prologue = _Prologue(
         qkv if qkv.stride(-1) == 1 else qkv.contiguous(),
@@ -734,5 +761,6 @@ def qkv_attention_triton(
     )
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    _decode(out, None, prologue, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len)
+    _decode(out, None, prologue, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, max_seq_len,
+            _Scales(k_scale, v_scale))  # fmt: skip
     return out

@@ -12,15 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import check_kv_scales, inv_scale
+
 
 @triton.jit
-def to_pool(x, pool_dtype: tl.constexpr):
-    """``x`` cast to the pool's dtype; to float8 e4m3 through fp32 clamped to its finite range (448) and
-    rounded to e4m3's precision (nearest, ties to even) before the cast, which is then exact. Rounding
+def to_pool(x, pool_dtype: tl.constexpr, inv_scale):
+    """``x`` cast to the pool's dtype; to float8 e4m3 through fp32 times ``inv_scale`` (1 / the layer's k
+    or v scale), clamped to its finite range (448) and rounded to e4m3's precision (nearest, ties to
+    even) before the cast, which is then exact. A 16-bit pool takes x as it is (its scale is 1). Rounding
     first gives the Triton interpreter's results too (its own fp32 -> fp8 cast loses the carry into the
     exponent: 31.9 becomes 16, not 32), and costs a few integer operations a value on the GPU."""
     if pool_dtype == tl.float8e4nv:
-        y = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+        y = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
         # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the 20 dropped ones away.
         bits = y.to(tl.int32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
@@ -49,6 +52,8 @@ def _write_kv_kernel(
     stride_pool_kv,
     stride_pool_slot,
     stride_pool_head,
+    k_inv_scale,
+    v_inv_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -73,8 +78,8 @@ def _write_kv_kernel(
     )
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(dst, to_pool(k, pool_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_pool_kv, to_pool(v, pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(k, pool_ptr.dtype.element_ty, k_inv_scale), mask=mask)
+    tl.store(dst + stride_pool_kv, to_pool(v, pool_ptr.dtype.element_ty, v_inv_scale), mask=mask)
 
 
 def pool_strides(kv_pool: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -85,9 +90,18 @@ def pool_strides(kv_pool: torch.Tensor) -> tuple[int, int, int, int, int]:
 
 
 def write_kv_triton(
-    kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    kv_pool: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """k, v: [T, Hkv, D]; slot_mapping: [T] int (negative slots are skipped: padding)."""
+    """k, v: [T, Hkv, D]; slot_mapping: [T] int (negative slots are skipped: padding); k_scale, v_scale:
+    the layer's KV scales (``kernels.kv_cache``)."""
+    check_kv_scales(kv_pool.dtype, k_scale, v_scale)
     strides = pool_strides(kv_pool)
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -108,6 +122,8 @@ def write_kv_triton(
         v.stride(0),
         v.stride(1),
         *strides,
+        inv_scale(k_scale),
+        inv_scale(v_scale),
         BLOCK_SIZE=kv_pool.shape[3],
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import check_out
+from kernels.kv_cache import check_kv_scales, inv_scale
 from kernels.triton_device import pdl_kwargs, pdl_wait
 from kernels.triton_kv_cache import pool_strides, to_pool
 
@@ -113,6 +114,8 @@ def _kv_heads(
     cos,
     sin,
     eps,
+    k_inv_scale,
+    v_inv_scale,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -120,8 +123,8 @@ def _kv_heads(
     OUT_DTYPE: tl.constexpr,
 ):
     """k heads ``heads`` (norm, rotate) and v heads (copy) of one token into its pool slot, cast to the
-    pool dtype; k is first rounded to OUT_DTYPE, q's dtype (promote(norm weight, qkv), as in the
-    reference)."""
+    pool dtype (a float8 pool: times the layer's inverse k and v scales first); k is first rounded to
+    OUT_DTYPE, q's dtype (promote(norm weight, qkv), as in the reference)."""
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF)
     dst = (
         pool_ptr
@@ -138,13 +141,13 @@ def _kv_heads(
     o1, o2 = _norm_rotate(
         x1, x2, w_ptr, dims, cos, sin, eps, HEAD_DIM, HALF, HAS_NORM, row.dtype.element_ty, OUT_DTYPE
     )
-    tl.store(dst, to_pool(o1, pool_dtype), mask=mask)
-    tl.store(dst + HALF, to_pool(o2, pool_dtype), mask=mask)
+    tl.store(dst, to_pool(o1, pool_dtype, k_inv_scale), mask=mask)
+    tl.store(dst + HALF, to_pool(o2, pool_dtype, k_inv_scale), mask=mask)
     v_src = k_src + num_kv_heads * HEAD_DIM
     v1 = tl.load(v_src, mask=mask, other=0.0)
     v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
-    tl.store(dst + stride_pool_kv, to_pool(v1, pool_dtype), mask=mask)
-    tl.store(dst + stride_pool_kv + HALF, to_pool(v2, pool_dtype), mask=mask)
+    tl.store(dst + stride_pool_kv, to_pool(v1, pool_dtype, v_inv_scale), mask=mask)
+    tl.store(dst + stride_pool_kv + HALF, to_pool(v2, pool_dtype, v_inv_scale), mask=mask)
 
 
 @triton.jit
@@ -170,6 +173,8 @@ def _qkv_prologue_kernel(
     stride_pool_slot,
     stride_pool_head,
     eps,
+    k_inv_scale,
+    v_inv_scale,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -232,6 +237,8 @@ def _qkv_prologue_kernel(
                 cos,
                 sin,
                 eps,
+                k_inv_scale,
+                v_inv_scale,
                 HEAD_DIM,
                 HALF,
                 BLOCK_SIZE,
@@ -260,9 +267,13 @@ def qkv_prologue_triton(
     slot_mapping: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """qkv: [T, (Hq + 2 Hk) * D]; q_norm/k_norm: [D] or None (both or neither). Returns q: [T, Hq, D],
-    written into ``out`` where given (of q's dtype, unit last stride: the prefill graphs' static buffer)."""
+    written into ``out`` where given (of q's dtype, unit last stride: the prefill graphs' static buffer).
+    ``k_scale``, ``v_scale``: the layer's KV scales (``kernels.kv_cache``)."""
+    check_kv_scales(kv_pool.dtype, k_scale, v_scale)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm must be given together (Qwen3) or both be None (Llama)")
     if q_norm is not None and q_norm.dtype != k_norm.dtype:
@@ -304,6 +315,8 @@ def qkv_prologue_triton(
         cache.stride(0),
         *strides,
         eps,
+        inv_scale(k_scale),
+        inv_scale(v_scale),
         HEAD_DIM=head_dim,
         HALF=half,
         BLOCK_SIZE=kv_pool.shape[3],

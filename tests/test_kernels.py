@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels import triton_attention, triton_moe
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
-from kernels.kv_cache import FP8_E4M3_MAX, to_pool_dtype, write_kv_torch
+from kernels.kv_cache import FP8_E4M3_MAX, inv_scale, to_pool_dtype, write_kv_torch
 from kernels.moe import fused_moe_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.ops import TORCH_OPS, get_ops
@@ -151,6 +151,63 @@ def test_write_kv_into_an_fp8_pool(dtype: torch.dtype) -> None:
     stored = ref_pool.float()
     assert float(stored.abs().max()) == FP8_E4M3_MAX and not stored.isnan().any()
     assert int(pool.view(torch.uint8).ne(0).sum()) > tokens  # something was written
+    # With a layer's KV scales the pool holds k / k_scale and v / v_scale, still bit for bit.
+    TRITON_OPS.write_kv(pool, 2, k, v, slots, k_scale=20.0, v_scale=0.01)
+    write_kv_torch(ref_pool, 2, k, v, slots, k_scale=20.0, v_scale=0.01)
+    assert_same_fp8(pool, ref_pool)
+    assert not torch.equal(ref_pool[:, 2].float(), ref_pool[:, 1].float())
+
+
+def test_kv_scales_keep_large_keys_from_saturating() -> None:
+    """What calibrated KV scales are for: keys of magnitude ~1000 (as some models' are) saturate a float8
+    pool at +-448 and the attention goes wrong; stored divided by a k_scale of amax / 448 and read back
+    times it, they keep e4m3's relative precision. The Triton attention (decode and extend) applies the
+    scales as the reference does."""
+    torch.manual_seed(57)
+    q_lens, seq_lens = [1, 1, 1], [40, 17, 64]
+    q, pool, bt, sl, qsl = make_paged_case(q_lens, seq_lens, 4, 2, 32, 4, torch.float32)
+    pool[:, :, 0] *= 1000.0  # large keys
+    q = q * 0.01
+    exact = paged_attention_torch(q, pool, 1, bt, sl, qsl, 32**-0.5)
+    k_scale = float(pool[:, :, 0].abs().max()) / FP8_E4M3_MAX
+    unscaled = to_pool_dtype(pool, torch.float8_e4m3fn)
+    scaled = pool.clone()
+    scaled[:, :, 0] = to_pool_dtype(pool[:, :, 0], torch.float8_e4m3fn, inv_scale(k_scale)).float()
+    scaled = scaled.to(torch.float8_e4m3fn)
+    error_unscaled = (paged_attention_torch(q, unscaled, 1, bt, sl, qsl, 32**-0.5) - exact).abs().max()
+    ref = paged_attention_torch(q, scaled, 1, bt, sl, qsl, 32**-0.5, k_scale=k_scale)
+    error_scaled = (ref - exact).abs().max()
+    assert float(error_scaled) < 0.25 * float(error_unscaled), (error_scaled, error_unscaled)
+    got = TRITON_OPS.paged_attention(q, scaled, 1, bt, sl, qsl, 32**-0.5, k_scale=k_scale, v_scale=1.0)
+    assert_close(got, ref, torch.float32, "scaled decode attention")
+    # an extend (prefill over the cached prefix) with both scales
+    qx = randn(9, 4, 32) * 0.01
+    qsl_x = torch.tensor([0, 4, 6, 9], dtype=torch.int32, device=DEVICE)
+    ref_x = paged_attention_torch(qx, scaled, 1, bt, sl, qsl_x, 32**-0.5, k_scale=k_scale, v_scale=2.5)
+    got_x = TRITON_OPS.paged_attention(qx, scaled, 1, bt, sl, qsl_x, 32**-0.5, k_scale=k_scale, v_scale=2.5)
+    assert_close(got_x, ref_x, torch.float32, "scaled extend attention")
+
+
+@pytest.mark.parametrize("op", ["write_kv", "paged_attention"])
+def test_kv_scales_are_for_fp8_pools_and_positive(op: str) -> None:
+    """A 16-bit pool stores values as they are: a scale other than 1.0 for it is an error, as is a
+    non-positive or non-finite scale for any pool."""
+    q, pool, bt, sl, qsl = make_paged_case([1, 1], [5, 9], 4, 2, 32, 4, torch.float32)
+    kv, slots = randn(2, 2, 32), torch.tensor([0, 5], device=DEVICE)
+    fp8 = pool.to(torch.float8_e4m3fn)
+    for backend in (TORCH_OPS, TRITON_OPS):
+        call = (
+            (lambda p, b=backend, **kw: b.write_kv(p, 1, kv, kv, slots, **kw))
+            if op == "write_kv"
+            else (lambda p, b=backend, **kw: b.paged_attention(q, p, 1, bt, sl, qsl, 0.2, **kw))
+        )
+        with pytest.raises(ValueError, match="scales apply to float8 pools"):
+            call(pool, k_scale=2.0)
+        for bad in (0.0, -1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="positive and finite"):
+                call(fp8, v_scale=bad)
+        call(pool, k_scale=1.0, v_scale=1.0)  # 1.0 is every pool's
+        call(fp8, k_scale=0.5, v_scale=4.0)
 
 
 def test_fp8_rounding_matches_torch_on_every_edge() -> None:
@@ -165,9 +222,15 @@ def test_fp8_rounding_matches_torch_on_every_edge() -> None:
     spread = torch.randn(4000, generator=gen) * torch.logspace(-5, 3, 4000)
     x = torch.cat([finite, mids, off, spread, torch.tensor([500.0, -1e6, 0.0, -0.0])]).to(DEVICE)
     got = torch.empty(len(x), dtype=torch.float8_e4m3fn, device=DEVICE)
-    _to_pool_kernel[(triton.cdiv(len(x), 1024),)](x, got, len(x), BLOCK=1024)
-    want = to_pool_dtype(x, torch.float8_e4m3fn)
-    assert_same_fp8(got, want)
+    _to_pool_kernel[(triton.cdiv(len(x), 1024),)](x, got, len(x), 1.0, BLOCK=1024)
+    assert_same_fp8(got, to_pool_dtype(x, torch.float8_e4m3fn))
+    # A layer's KV scale: the value times 1 / scale in float32, then rounded as above (scales below 1
+    # spread values over more of e4m3's range, above 1 saturate fewer).
+    for scale in (0.37, 3.0):
+        _to_pool_kernel[(triton.cdiv(len(x), 1024),)](x, got, len(x), inv_scale(scale), BLOCK=1024)
+        want = to_pool_dtype(x, torch.float8_e4m3fn, inv_scale(scale))
+        assert_same_fp8(got, want)
+        assert not torch.equal(want.float(), to_pool_dtype(x, torch.float8_e4m3fn).float())
 
 
 def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -178,9 +241,9 @@ def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @triton.jit
-def _to_pool_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _to_pool_kernel(x_ptr, y_ptr, n, inv, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + i, to_pool(tl.load(x_ptr + i, mask=i < n), y_ptr.dtype.element_ty), mask=i < n)
+    tl.store(y_ptr + i, to_pool(tl.load(x_ptr + i, mask=i < n), y_ptr.dtype.element_ty, inv), mask=i < n)
 
 
 def test_pool_ops_reject_a_pool_strided_in_head_dim() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from engine.models.rope_cache import cos_sin_cache
 from kernels import triton_attention
-from kernels.kv_cache import to_pool_dtype
+from kernels.kv_cache import inv_scale, to_pool_dtype
 from kernels.qkv_prologue import qkv_attention_torch
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
@@ -51,13 +51,19 @@ class Case:
         qk_norm: bool,
         padding_tokens: tuple[int, ...] = (),
         kv_dtype: torch.dtype | None = None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         _, self.pool, self.block_tables, self.seq_lens, self.qsl = make_paged_case(
             q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_layers=LAYERS
         )
+        # A layer's KV scales (a float8 pool's): the ops take them, the old context is stored divided by them.
+        self.kv_scales = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
         if kv_dtype is not None:  # a float8 pool (kv_cache_dtype fp8)
-            self.pool = to_pool_dtype(self.pool, kv_dtype)
+            pool = self.pool.clone()
+            for i, scale in enumerate(kv_scales or (1.0, 1.0)):
+                pool[:, :, i] = to_pool_dtype(self.pool[:, :, i], kv_dtype, inv_scale(scale)).to(pool.dtype)
+            self.pool = pool.to(kv_dtype)
         positions, slots = [], []
         for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
             for j in range(q_len):
@@ -93,9 +99,9 @@ def prologue_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     calls: list[int] = []
     original = triton_attention.qkv_prologue_triton
 
-    def counting(qkv: torch.Tensor, *args: object) -> torch.Tensor:
+    def counting(qkv: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(qkv.shape[0])
-        return original(qkv, *args)
+        return original(qkv, *args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "qkv_prologue_triton", counting)
     yield calls
@@ -104,8 +110,8 @@ def prologue_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def check(case: Case) -> torch.Tensor:
     before = case.pool.clone()
     ref_pool, pool = case.pool.clone(), case.pool.clone()
-    ref = qkv_attention_torch(*case.args(ref_pool))
-    out = TRITON_OPS.qkv_attention(*case.args(pool))
+    ref = qkv_attention_torch(*case.args(ref_pool), **case.kv_scales)
+    out = TRITON_OPS.qkv_attention(*case.args(pool), **case.kv_scales)
     dtype = case.qkv.dtype
     assert out.dtype == dtype and out.shape == ref.shape
     assert_close(out, ref.float(), dtype, "attention output")
@@ -149,19 +155,32 @@ def test_decode_folds_the_prologue(
     assert prologue_launches == []
 
 
+@pytest.mark.parametrize("kv_scales", [None, (0.05, 3.0)], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_folds_the_prologue_over_an_fp8_pool(
-    splits: int, monkeypatch: pytest.MonkeyPatch, prologue_launches: list[int]
+    splits: int,
+    kv_scales: tuple[float, float] | None,
+    monkeypatch: pytest.MonkeyPatch,
+    prologue_launches: list[int],
 ) -> None:
-    """kv_cache_dtype fp8: the folded prologue writes the new token's k and v as float8 e4m3 (clamped
-    and rounded as the reference) and the split kernel reads old and new keys widened to q's dtype."""
+    """kv_cache_dtype fp8: the folded prologue writes the new token's k and v as float8 e4m3 (divided by
+    the layer's KV scales where it has some, clamped and rounded as the reference) and the split kernel
+    reads old and new keys widened to q's dtype (times the scales)."""
     torch.manual_seed(30 + splits)
     monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_a: splits)
-    case = Case(
-        [1] * 5, [1, 9, 64, 70, 300], 8, 2, 32, 4, torch.float32, qk_norm=True, kv_dtype=torch.float8_e4m3fn
-    )
+    case = Case([1] * 5, [1, 9, 64, 70, 300], 8, 2, 32, 4, torch.float32, qk_norm=True,
+                kv_dtype=torch.float8_e4m3fn, kv_scales=kv_scales)  # fmt: skip
     check(case)
     assert prologue_launches == []
+
+
+def test_prefill_over_an_fp8_pool_with_kv_scales(prologue_launches: list[int]) -> None:
+    """A prefill over a cached float8 prefix with KV scales: the separate prologue writes k / k_scale and
+    v / v_scale, and the extend kernel reads them back times the scales, as the reference."""
+    torch.manual_seed(41)
+    check(Case([5, 3], [5, 20], 4, 2, 32, 4, torch.bfloat16, qk_norm=True, kv_dtype=torch.float8_e4m3fn,
+               kv_scales=(0.05, 3.0)))  # fmt: skip
+    assert prologue_launches == [8]
 
 
 def test_decode_shape_with_several_tokens_of_one_sequence(

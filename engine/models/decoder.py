@@ -17,6 +17,7 @@ from engine.models.rope_cache import cos_sin_cache
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.layer import MoEBlock
 from kernels import Ops
+from kernels.kv_cache import FP8_KV_DTYPES
 
 
 @dataclass
@@ -50,6 +51,10 @@ class Attention(nn.Module):
         self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
         self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        # The checkpoint's calibrated KV scales (``k_scale`` / ``v_scale``, set by the loader; 1.0 where it
+        # has none), used with a float8 KV pool only: it stores k / k_scale and v / v_scale (vLLM's rule).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def project(
         self,
@@ -64,7 +69,7 @@ class Attention(nn.Module):
         ``DecoderLayer.qkv``): q/k norms and RoPE; writes K and V into the pool at ``slot_mapping`` (-1:
         write nothing) and returns q [T, heads, head_dim] (in ``q_out`` where given)."""
         args = self._prologue_args(positions, cos_sin, kv_pool, slot_mapping)
-        return self.ops.qkv_prologue(qkv, *args, out=q_out)
+        return self.ops.qkv_prologue(qkv, *args, out=q_out, **self.kv_scales(kv_pool))
 
     def project_and_attend(
         self,
@@ -83,7 +88,14 @@ class Attention(nn.Module):
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
+            **self.kv_scales(kv_pool),
         )
+
+    def kv_scales(self, kv_pool: torch.Tensor) -> dict[str, float]:
+        """The KV scales the pool's ops take: the layer's over a float8 pool, none over a 16-bit one."""
+        if kv_pool.dtype in FP8_KV_DTYPES:
+            return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        return {}
 
     def _prologue_args(
         self,
@@ -109,6 +121,7 @@ class Attention(nn.Module):
             meta.query_start_loc,
             self.scale,
             out=out,
+            **self.kv_scales(kv_pool),
         )
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
