@@ -572,7 +572,8 @@ def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytes
     ones of ~1k), and loads float8 and casts where they are short (one sequence: 32 splits of 128 keys).
     Both agree with the reference and give what the other gives: the same float16 operands and dots, so
     the path a batch's size picks changes no output. head_dim 96 leaves a quarter of each 128-wide tile's
-    words masked; the split counts put some splits past the short sequences' ends."""
+    words masked; the split counts put some splits past the short sequences' ends. With KV scales (the
+    attention folds k_scale into its softmax scale and multiplies its output by v_scale, either path)."""
     taken: list[bool] = []
     choose = triton_attention.fp8_words
 
@@ -589,14 +590,15 @@ def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytes
             [1] * len(seq_lens), seq_lens, 32, 8, head_dim, 16, torch.bfloat16
         )
         pool = to_pool_dtype(pool, torch.float8_e4m3fn)
+        scales = {"k_scale": 0.5, "v_scale": 2.0}
         with monkeypatch.context() as m:
             if splits is not None:
                 m.setattr(triton_attention, "num_kv_splits", lambda *_, n=splits: n)
-            got = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
+            got = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5, **scales)
             assert taken[-1] is words, (seq_lens[:4], splits)
             m.setattr(triton_attention, "fp8_words", lambda _pool, _keys, w=words: not w)
-            other = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5)
-        ref = paged_attention_torch(q.float(), pool.float(), 1, bt, sl, qsl, head_dim**-0.5)
+            other = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5, **scales)
+        ref = paged_attention_torch(q.float(), pool, 1, bt, sl, qsl, head_dim**-0.5, **scales)
         assert_close(got, ref, torch.bfloat16, f"fp8 pool, head_dim {head_dim}, words {words}")
         assert torch.equal(got, other), float((got.float() - other.float()).abs().max())
 
