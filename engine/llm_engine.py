@@ -201,7 +201,7 @@ class LLMEngine:
         self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
         self.kv_pool = allocate_pool(self.layout, num_blocks, self.device)
-        _log_kv_scales(self.model, self.kv_pool.dtype)
+        self.kv_scaled_layers = _kv_scales_in_use(self.model, self.kv_pool.dtype)
         self.root_hash = root_hash(self.model_fingerprint)
         self.block_pool = BlockPool(
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
@@ -705,6 +705,17 @@ class LLMEngine:
                 dist.destroy_process_group()
             self._owns_group = False
 
+    def cache_info(self) -> dict[str, str]:
+        """The KV cache's configuration as strings: the labels of the workers' ``cache_config_info``
+        metric (vLLM's ``cache_config_info`` has the same role)."""
+        return {
+            "block_size": str(self.config.block_size),
+            "cache_dtype": self.layout.dtype,
+            "num_blocks": str(self.kv_pool.shape[0]),
+            "kv_scales": "checkpoint" if self.kv_scaled_layers else "none",
+            "prefix_caching": "true" if self.config.enable_prefix_caching else "false",
+        }
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
@@ -747,16 +758,18 @@ class LLMEngine:
         return torch.stack([b.take_counts() for b in blocks]).cpu()
 
 
-def _log_kv_scales(model: torch.nn.Module, pool_dtype: torch.dtype) -> None:
-    """Say whether the checkpoint's calibrated KV scales are in use (a float8 pool) or not (16-bit)."""
+def _kv_scales_in_use(model: torch.nn.Module, pool_dtype: torch.dtype) -> int:
+    """How many layers' calibrated KV scales from the checkpoint the pool uses (a float8 pool uses them,
+    a 16-bit one does not), said in the log where the checkpoint has any."""
     scaled = [
         m for m in model.modules() if getattr(m, "k_scale", 1.0) != 1.0 or getattr(m, "v_scale", 1.0) != 1.0
     ]
     if not scaled:
-        return
+        return 0
     if pool_dtype in FP8_KV_DTYPES:
         log.info("KV cache %s with the checkpoint's KV scales (%d layers)", pool_dtype, len(scaled))
-    else:
-        log.info(
-            "the checkpoint's KV scales (%d layers) are not used: the KV cache is %s", len(scaled), pool_dtype
-        )
+        return len(scaled)
+    log.info(
+        "the checkpoint's KV scales (%d layers) are not used: the KV cache is %s", len(scaled), pool_dtype
+    )
+    return 0

@@ -224,6 +224,11 @@ class EventFanout:
 ENGINE_WATCH_S = 0.5
 
 
+# The labels of cache_config_info: the keys of engine.LLMEngine.cache_info (mesh does not import engine; a
+# test checks that they agree).
+CACHE_INFO_LABELS = ("block_size", "cache_dtype", "num_blocks", "kv_scales", "prefix_caching")
+
+
 class WorkerMetrics:
     """The metrics both worker roles expose, named ``pdmesh_<role>_<what>_<unit>``."""
 
@@ -245,6 +250,12 @@ class WorkerMetrics:
         self.kv_free = m.gauge("kv_blocks_free", "blocks", "KV blocks free or evictable.")
         self.kv_held = m.gauge(
             "kv_held", "requests", "Prefill results holding KV blocks for a decode worker."
+        )
+        self.cache_config = m.gauge(
+            "cache_config",
+            "info",
+            "The KV cache's configuration in the labels; the value is 1 (as vLLM's cache_config_info).",
+            CACHE_INFO_LABELS,
         )
         self.prompt_tokens = m.counter("prompt_tokens", "tokens", "Prompt tokens served.")
         self.cached_tokens = m.counter(
@@ -309,6 +320,10 @@ class WorkerMetrics:
             *((self.forward_passes.labels(kind=k), f"{k}_passes") for k in FORWARD_PASS_KINDS),
         ]
         self._last = dict.fromkeys((name for _, name in self._totals), 0)
+
+    def set_cache_info(self, info: dict[str, str]) -> None:
+        """The engine's KV cache configuration (``LLMEngine.cache_info``), once at start."""
+        self.cache_config.labels(**{name: info[name] for name in CACHE_INFO_LABELS}).set(1)
 
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
@@ -507,6 +522,7 @@ async def serve_worker(
     engine = aengine.engine
     events.model_fingerprint = engine.model_fingerprint
     metrics = WorkerMetrics(role)
+    metrics.set_cache_info(engine.cache_info())
     aengine.on_step = lambda eng: metrics.update_from(eng.stats())
     from mesh.kv_transfer import create_transfer_agent
 

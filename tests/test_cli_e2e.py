@@ -144,9 +144,12 @@ def test_pdmesh_up_with_an_fp8_kv_cache_answers_as_the_offline_engine() -> None:
             assert up.complete(body)["choices"][0]["text"] == want
         address = re.search(r"pdmesh decode ready: grpc=\S+ metrics=(\S+)", up.text).group(1)
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-            moved = re.search(r"^pdmesh_decode_kv_transfer_bytes_total (\S+)", resp.read().decode(), re.M)
+            text = resp.read().decode()
+        moved = re.search(r"^pdmesh_decode_kv_transfer_bytes_total (\S+)", text, re.M)
         assert moved is not None and float(moved.group(1)) > 0
         assert float(moved.group(1)) % block_nbytes == 0  # whole float8 blocks
+        info = r'^pdmesh_decode_cache_config_info\{[^}]*cache_dtype="float8_e4m3fn"[^}]*\} 1\.0$'
+        assert re.search(info, text, re.M), text  # the dashboards' view of the cache
         up.stop_and_check()
     finally:
         up.kill()

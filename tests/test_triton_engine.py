@@ -85,6 +85,7 @@ def test_fp8_kv_cache_uses_the_checkpoints_kv_scales(tmp_path: Path) -> None:
     llm, expected = run(scaled, "torch", "fp8")
     layers = [layer.self_attn for layer in llm.engine.model.layers]
     assert [(a.k_scale, a.v_scale) for a in layers] == [(0.0625, 4.0), (2.0, 0.5), (0.375, 0.375)]
+    assert llm.engine.cache_info()["kv_scales"] == "checkpoint"
     assert len({t for e in expected for t in e}) > 8, expected
     unscaled, _ = run(plain, "torch", "fp8")
     keys, plain_keys = llm.engine.kv_pool[:, 0, 0].float(), unscaled.engine.kv_pool[:, 0, 0].float()
@@ -93,7 +94,9 @@ def test_fp8_kv_cache_uses_the_checkpoints_kv_scales(tmp_path: Path) -> None:
     assert not torch.equal(keys[written], plain_keys[written])  # stored 16 times larger
     torch.testing.assert_close(keys[written] * 0.0625, plain_keys[written], rtol=0.15, atol=0.02)
     assert run(scaled, "triton", "fp8")[1] == expected
-    assert run(scaled, "torch", "auto")[1] == run(plain, "torch", "auto")[1]  # a 16-bit cache ignores them
+    auto, tokens = run(scaled, "torch", "auto")
+    assert tokens == run(plain, "torch", "auto")[1]  # a 16-bit cache ignores them
+    assert auto.engine.cache_info()["kv_scales"] == "none"
 
 
 def test_kv_scales_of_more_than_one_value_are_refused(tmp_path: Path) -> None:

@@ -153,3 +153,21 @@ def test_worker_counters_follow_the_engines_running_totals() -> None:
         for kind, n in passes.items():
             assert sample("pdmesh_decode_forward_passes_total", {"kind": kind}) == n, (step, kind)
     assert metrics.registry.get_sample_value("pdmesh_decode_kv_blocks_used_blocks") == 3
+
+
+def test_cache_config_info_labels_the_engines_kv_cache() -> None:
+    """``pdmesh_<role>_cache_config_info`` (value 1) carries the engine's KV cache configuration as labels,
+    vLLM's cache_config_info for the same dashboards: block size, cache dtype, blocks, whether KV scales
+    from the checkpoint are in use, prefix caching."""
+    from engine import LLM
+    from mesh.worker_service import CACHE_INFO_LABELS
+
+    for kv_cache_dtype, dtype_name in (("auto", "float32"), ("fp8", "float8_e4m3fn")):
+        engine = LLM("tiny-dense", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=24, block_size=8).engine
+        info = engine.cache_info()
+        assert tuple(info) == CACHE_INFO_LABELS
+        metrics = WorkerMetrics("prefill")
+        metrics.set_cache_info(info)
+        labels = {"block_size": "8", "cache_dtype": dtype_name, "num_blocks": "24", "kv_scales": "none",
+                  "prefix_caching": "true"}  # fmt: skip
+        assert metrics.registry.get_sample_value("pdmesh_prefill_cache_config_info", labels) == 1
