@@ -1124,7 +1124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "fp8"),
+        choices=("auto", "fp8", "fp8_e5m2"),
         help="the engines' KV cache dtype (EngineConfig.kv_cache_dtype); fp8 halves the KV bytes a decode "
         "step reads, and its roofline counts them so",
     )

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from mesh.config import setting
 
+# kv_cache_dtype's values, as vLLM and SGLang name them (engine.kv_cache.kv_dtype_name maps them to dtypes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 @dataclass
 class EngineConfig:
@@ -18,9 +21,11 @@ class EngineConfig:
         "auto",
         "KV cache dtype. auto: the weights' dtype. fp8 (or fp8_e4m3): float8 e4m3, one byte a value, so the "
         "pool holds twice the tokens of a 16-bit one and decode reads half the KV bytes; values are stored "
-        "unscaled (scale 1.0, as vLLM without calibrated scales), saturating at +-448. Every worker that "
-        "exchanges KV must use the same.",
-        choices=("auto", "fp8", "fp8_e4m3"),
+        "divided by the checkpoint's calibrated KV scales where it has them (k_scale / v_scale, else 1.0, as "
+        "vLLM), saturating at +-448. fp8_e5m2: float8 e5m2, the same size with 2 mantissa bits instead of 3 "
+        "and a range to +-57344 (SGLang's and vLLM's fp8_e5m2). Every worker that exchanges KV must use the "
+        "same.",
+        choices=KV_CACHE_DTYPES,
     )
     block_size: int = setting(16, "Tokens per KV block (a deployment-wide setting; the router checks it).")
     max_model_len: int | None = setting(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import KV_CACHE_DTYPES
 from engine.loader import DTYPES
 from engine.models.model_config import ModelConfig
 from mesh.kv_layout import KVLayout
 
-# The pool's dtype by name (KVLayout.dtype): the weights' dtypes, and float8 e4m3 (``kv_cache_dtype`` fp8).
-KV_DTYPES = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+# The pool's dtype by name (KVLayout.dtype): the weights' dtypes, float8 e4m3 (``kv_cache_dtype`` fp8) and
+# float8 e5m2 (fp8_e5m2).
+KV_DTYPES = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
@@ -18,7 +20,9 @@ def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
         return dtype
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return "float8_e4m3fn"
-    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3; got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8_e5m2":
+        return "float8_e5m2"
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
 
 
 def make_layout(cfg: ModelConfig, fingerprint: str, dtype: str, block_size: int) -> KVLayout:

@@ -2,7 +2,7 @@
 
 Pool: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; a slot is
 ``block_id * block_size + offset``. The pool's dtype is the model's, or float8 e4m3 (``kv_cache_dtype``
-fp8): values are then stored divided by the layer's k or v scale (a checkpoint's calibrated ``k_scale`` /
+fp8, or e5m2 with fp8_e5m2): values are then stored divided by the layer's k or v scale (a checkpoint's calibrated ``k_scale`` /
 ``v_scale``, else 1.0, as vLLM does), clamped to the format's largest finite value, and rounded to nearest
 even; readers widen them back and multiply by the scale. A 16-bit pool stores values as they are.
 """
@@ -13,8 +13,10 @@ import functools
 
 import torch
 
-FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
+FP8_E5M2_MAX = 57344.0  # the largest finite float8 e5m2 value
+FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 
 def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype, inv_scale: float = 1.0) -> torch.Tensor:
@@ -25,7 +27,7 @@ def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype, inv_scale: float = 1.0) -
         y = x.float()
         if inv_scale != 1.0:
             y = y * torch.tensor(inv_scale, dtype=torch.float32, device=x.device)
-        return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+        return y.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
     return x.to(dtype)
 
 

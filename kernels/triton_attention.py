@@ -132,7 +132,7 @@ def _dot_operand(q, k):
     bfloat16 q is exact in float16 but for magnitudes past float16's range (65504, never an attention
     query's) or below its normal ones (6e-5, which add nothing a dot product keeps)."""
     out = q
-    if k.dtype == tl.float8e4nv and q.dtype != tl.float32:  # static; one return, of one type
+    if (k.dtype == tl.float8e4nv or k.dtype == tl.float8e5) and q.dtype != tl.float32:  # static; one type
         out = q.to(tl.float16)
     return out
 

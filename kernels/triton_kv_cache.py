@@ -17,11 +17,20 @@ from kernels.kv_cache import check_kv_scales, inv_scale
 
 @triton.jit
 def to_pool(x, pool_dtype: tl.constexpr, inv_scale):
-    """``x`` cast to the pool's dtype; to float8 e4m3 through fp32 times ``inv_scale`` (1 / the layer's k
-    or v scale), clamped to its finite range (448) and rounded to e4m3's precision (nearest, ties to
-    even) before the cast, which is then exact. A 16-bit pool takes x as it is (its scale is 1). Rounding
+    """``x`` cast to the pool's dtype; to float8 e4m3 (or e5m2) through fp32 times ``inv_scale`` (1 / the
+    layer's k or v scale), clamped to its finite range (448; e5m2 57344) and rounded to its precision
+    (nearest, ties to even) before the cast, which is then exact. A 16-bit pool takes x as it is (its scale is 1). Rounding
     first gives the Triton interpreter's results too (its own fp32 -> fp8 cast loses the carry into the
     exponent: 31.9 becomes 16, not 32), and costs a few integer operations a value on the GPU."""
+    if pool_dtype == tl.float8e5:
+        # e5m2: 2 mantissa bits, normal from 2^-14, subnormals multiples of 2^-16 (192 = 1.5 * 2^7 has an
+        # fp32 spacing of 2^-16), finite to 57344.
+        y = tl.clamp(x.to(tl.float32) * inv_scale, -57344.0, 57344.0)
+        bits = y.to(tl.int32, bitcast=True)
+        normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & -0x200000).to(tl.float32, bitcast=True)
+        tiny = (tl.abs(y) + 192.0) - 192.0
+        tiny = tl.where(bits < 0, -tiny, tiny)
+        return tl.where(tl.abs(y) < 0.00006103515625, tiny, normal).to(pool_dtype)
     if pool_dtype == tl.float8e4nv:
         y = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
         # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the 20 dropped ones away.

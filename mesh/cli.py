@@ -304,9 +304,10 @@ class LauncherSettings:
     dtype: str = setting("float32", "Weight and KV dtype.", choices=("float32", "bfloat16", "float16"))
     kv_cache_dtype: str = setting(
         "auto",
-        "The workers' KV cache dtype: auto (the weights' dtype) or fp8 (float8 e4m3, half the bytes of a "
-        "16-bit cache; every worker the same).",
-        choices=("auto", "fp8", "fp8_e4m3"),
+        "The workers' KV cache dtype: auto (the weights' dtype), fp8 (float8 e4m3, half the bytes of a "
+        "16-bit cache, with the checkpoint's KV scales where it has them) or fp8_e5m2 (float8 e5m2: wider "
+        "range, less precision); every worker the same.",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
     )
     block_size: int = setting(16, "Tokens per KV block.")
     num_kv_blocks: int = setting(2048, "KV pool size per worker, in blocks.")

@@ -156,4 +156,4 @@ def test_every_service_prints_its_help(command: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout and "--host" in done.stdout
     if command[1] in ("prefill_svc", "decode_svc"):
-        assert "--kv-cache-dtype {auto,fp8,fp8_e4m3}" in done.stdout and "6-25% lower" in done.stdout
+        assert "--kv-cache-dtype {auto,fp8,fp8_e4m3,fp8_e5m2}" in done.stdout and "6-25% lower" in done.stdout
