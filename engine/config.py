@@ -6,8 +6,14 @@ from dataclasses import dataclass
 
 from mesh.config import setting
 
-# kv_cache_dtype's values, as vLLM and SGLang name them (engine.kv_cache.kv_dtype_name maps them to dtypes).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# kv_cache_dtype's values, as vLLM and SGLang name them, and the pool dtype each names (KVLayout.dtype; auto:
+# the weights' dtype).
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 
 
 @dataclass
@@ -25,7 +31,7 @@ class EngineConfig:
         "vLLM), saturating at +-448. fp8_e5m2: float8 e5m2, the same size with 2 mantissa bits instead of 3 "
         "and a range to +-57344 (SGLang's and vLLM's fp8_e5m2). Every worker that exchanges KV must use the "
         "same.",
-        choices=KV_CACHE_DTYPES,
+        choices=tuple(KV_CACHE_DTYPES),
     )
     block_size: int = setting(16, "Tokens per KV block (a deployment-wide setting; the router checks it).")
     max_model_len: int | None = setting(

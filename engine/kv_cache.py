@@ -16,13 +16,11 @@ KV_DTYPES = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torc
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
     """The pool dtype's name for the ``kv_cache_dtype`` setting, with ``dtype`` the weights'."""
-    if kv_cache_dtype == "auto":
-        return dtype
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return "float8_e4m3fn"
-    if kv_cache_dtype == "fp8_e5m2":
-        return "float8_e5m2"
-    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
 
 
 def make_layout(cfg: ModelConfig, fingerprint: str, dtype: str, block_size: int) -> KVLayout:

@@ -111,7 +111,7 @@ def _attend_tile(
     offs = page * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
     kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
     k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    qd = _dot_operand(q, k)
+    qd = _dot_operand(q, k.dtype)
     s = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * scale_log2
     mask = valid[None, :]
     if CAUSAL:
@@ -124,15 +124,15 @@ def _attend_tile(
 
 
 @triton.jit
-def _dot_operand(q, k):
-    """q as the dots take it: as it is over a pool of q's dtype; over a float8 pool, in float16 when q is
+def _dot_operand(q, kv_dtype: tl.constexpr):
+    """q as the dots take it, for a pool of ``kv_dtype``: as it is over a pool of q's dtype; over a float8 pool, in float16 when q is
     16-bit. Every e4m3 value is exact in float16, and the e4m3 -> float16 cast is one instruction for two
     values on the GPU, where casting to bfloat16 goes through float32 (the first fp8 kernels, widening to
     bf16, were slower than the bf16 pool: 14.5 against 12.8 ms a step, Llama-3.1-8B shape, 64 x 4k). A
     bfloat16 q is exact in float16 but for magnitudes past float16's range (65504, never an attention
     query's) or below its normal ones (6e-5, which add nothing a dot product keeps)."""
     out = q
-    if (k.dtype == tl.float8e4nv or k.dtype == tl.float8e5) and q.dtype != tl.float32:  # static; one type
+    if (kv_dtype == tl.float8e4nv or kv_dtype == tl.float8e5) and q.dtype != tl.float32:  # static; one type
         out = q.to(tl.float16)
     return out
 
@@ -217,14 +217,11 @@ def _attend_keys(
     if FP8_WORDS:
         k = _load_fp8_words(k_base, offs, valid, HEAD_DIM, BLOCK_D)
         v = _load_fp8_words(v_base, offs, valid, HEAD_DIM, BLOCK_D)
-        qd = q  # as _dot_operand takes q over a float8 pool: float32 as it is, 16-bit as float16
-        if q.dtype != tl.float32:
-            qd = q.to(tl.float16)
     else:
         kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        qd = _dot_operand(q, k)
+    qd = _dot_operand(q, k_base.dtype.element_ty)  # the pool's dtype: the words are float16 already
     s = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * scale_log2
     p, alpha, m_new = _softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(qd.dtype), v.to(qd.dtype), input_precision=DOT_PRECISION)

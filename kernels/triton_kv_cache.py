@@ -18,30 +18,32 @@ from kernels.kv_cache import check_kv_scales, inv_scale
 @triton.jit
 def to_pool(x, pool_dtype: tl.constexpr, inv_scale):
     """``x`` cast to the pool's dtype; to float8 e4m3 (or e5m2) through fp32 times ``inv_scale`` (1 / the
-    layer's k or v scale), clamped to its finite range (448; e5m2 57344) and rounded to its precision
-    (nearest, ties to even) before the cast, which is then exact. A 16-bit pool takes x as it is (its scale is 1). Rounding
-    first gives the Triton interpreter's results too (its own fp32 -> fp8 cast loses the carry into the
-    exponent: 31.9 becomes 16, not 32), and costs a few integer operations a value on the GPU."""
-    if pool_dtype == tl.float8e5:
-        # e5m2: 2 mantissa bits, normal from 2^-14, subnormals multiples of 2^-16 (192 = 1.5 * 2^7 has an
-        # fp32 spacing of 2^-16), finite to 57344.
-        y = tl.clamp(x.to(tl.float32) * inv_scale, -57344.0, 57344.0)
-        bits = y.to(tl.int32, bitcast=True)
-        normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & -0x200000).to(tl.float32, bitcast=True)
-        tiny = (tl.abs(y) + 192.0) - 192.0
-        tiny = tl.where(bits < 0, -tiny, tiny)
-        return tl.where(tl.abs(y) < 0.00006103515625, tiny, normal).to(pool_dtype)
-    if pool_dtype == tl.float8e4nv:
-        y = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
-        # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the 20 dropped ones away.
-        bits = y.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-        # Below 2^-6 e4m3 is subnormal, multiples of 2^-9: adding 1.5 * 2^14 (whose fp32 spacing is 2^-9)
-        # to the magnitude and taking it away again rounds to them; the sign is put back (-0.0 stays).
-        tiny = (tl.abs(y) + 24576.0) - 24576.0
-        tiny = tl.where(bits < 0, -tiny, tiny)
-        return tl.where(tl.abs(y) < 0.015625, tiny, normal).to(pool_dtype)
+    layer's k or v scale), clamped to its finite range and rounded to its precision (``_round_fp8``)
+    before the cast, which is then exact. A 16-bit pool takes x as it is (its scale is 1). Rounding first
+    gives the Triton interpreter's results too (its own fp32 -> fp8 cast loses the carry into the
+    exponent: 31.9 becomes 16, not 32 in e4m3), and costs a few integer operations a value on the GPU."""
+    if pool_dtype == tl.float8e4nv:  # 3 mantissa bits, normal from 2^-6, finite to 448
+        return _round_fp8(x, inv_scale, 20, 0.015625, 24576.0, 448.0).to(pool_dtype)
+    if pool_dtype == tl.float8e5:  # 2 mantissa bits, normal from 2^-14, finite to 57344
+        return _round_fp8(x, inv_scale, 21, 0.00006103515625, 192.0, 57344.0).to(pool_dtype)
     return x.to(pool_dtype)
+
+
+@triton.jit
+def _round_fp8(x, inv_scale, DROP: tl.constexpr, MIN_NORMAL: tl.constexpr, TINY: tl.constexpr,
+               MAX: tl.constexpr):  # fmt: skip
+    """``x * inv_scale`` in fp32, clamped to +-MAX and rounded (nearest, ties to even) to a float8 format
+    whose normal values keep 23 - DROP of fp32's mantissa bits and start at MIN_NORMAL; below it the
+    format is subnormal, in steps of fp32's spacing at TINY (1.5 * 2^k): adding TINY to the magnitude and
+    taking it away again rounds to them, and the sign is put back (-0.0 stays)."""
+    y = tl.clamp(x.to(tl.float32) * inv_scale, -MAX, MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & -(1 << DROP)).to(
+        tl.float32, bitcast=True
+    )
+    tiny = (tl.abs(y) + TINY) - TINY
+    tiny = tl.where(bits < 0, -tiny, tiny)
+    return tl.where(tl.abs(y) < MIN_NORMAL, tiny, normal)
 
 
 @triton.jit
