@@ -109,6 +109,8 @@ def main() -> None:
         ("bfloat16 pool", torch.bfloat16, False),
         ("float8 pool, cast", torch.float8_e4m3fn, False),
         ("float8 pool, words", torch.float8_e4m3fn, True),
+        ("float8 e5m2 pool, cast", torch.float8_e5m2, False),
+        ("float8 e5m2 pool, words", torch.float8_e5m2, True),
     ):
         triton_attention.fp8_words = lambda _pool, _keys, w=words: w  # a CPU pool would never take words
         b, d, hk, block = args.batch, args.head_dim, args.kv_heads, 16

@@ -138,9 +138,24 @@ def _dot_operand(q, kv_dtype: tl.constexpr):
 
 
 @triton.jit
+def _widen_fp8_words(x, PAIR: tl.constexpr):
+    """The four float8 bytes of each int32 in x as four float16s (``cvt.rn.f16x2.<PAIR>``, sm_89+)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 lo, hi; .reg .b16 x, y; mov.b32 {x, y}, $4; cvt.rn.f16x2." + PAIR + " lo, x; "
+        "cvt.rn.f16x2." + PAIR + " hi, y; mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
+        "=h,=h,=h,=h,r",
+        [x],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _load_fp8_words(base, offs, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Keys or values [len(offs), BLOCK_D] of a float8 e4m3 pool, in float16 (exactly): read as 4-byte words
-    and widened in registers before any layout change (``cvt.rn.f16x2.e4m3x2``, sm_89+; no interpreter).
+    """Keys or values [len(offs), BLOCK_D] of a float8 pool (e4m3 or e5m2), in float16 (exactly): read as
+    4-byte words and widened in registers before any layout change (``cvt.rn.f16x2.e4m3x2`` or
+    ``.e5m2x2``, sm_89+; no interpreter).
 
     Loaded as float8 and cast (``x.to(float16)``), Triton moves the tile into the dot's layout as bytes
     through shared memory, with a scalar shared load per few bytes and the cast after it; the decode loop
@@ -156,15 +171,10 @@ def _load_fp8_words(base, offs, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.const
         base.to(tl.pointer_type(tl.int32)) + (offs // 4)[:, None] + words[None, :], mask=mask, other=0
     )
     # Bytes 0..3 of a word are dims 4w..4w+3: $0, $1 from the low half, $2, $3 from the high half.
-    d0, d1, d2, d3 = tl.inline_asm_elementwise(
-        "{ .reg .b32 lo, hi; .reg .b16 x, y; mov.b32 {x, y}, $4; cvt.rn.f16x2.e4m3x2 lo, x; "
-        "cvt.rn.f16x2.e4m3x2 hi, y; mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
-        "=h,=h,=h,=h,r",
-        [x],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
+    if base.dtype.element_ty == tl.float8e5:  # static: the same layout, e5m2's conversion
+        d0, d1, d2, d3 = _widen_fp8_words(x, "e5m2x2")
+    else:
+        d0, d1, d2, d3 = _widen_fp8_words(x, "e4m3x2")
     # join(join(d0, d2), join(d1, d3))[w, j, i] is d(2j + i): dims 4w..4w+3 in order once flattened.
     return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (offs.shape[0], BLOCK_D))
 
@@ -596,11 +606,11 @@ FP8_WORDS_MIN_KEYS = 1024
 
 
 def fp8_words(kv_pool: torch.Tensor, keys_per_split: int) -> bool:
-    """Whether the decode kernel reads this pool through ``_load_fp8_words``: float8 e4m3 on a GPU with
-    the e4m3 -> float16 conversion instruction (compute capability 8.9+), every head row starting on a
+    """Whether the decode kernel reads this pool through ``_load_fp8_words``: float8 (e4m3 or e5m2) on a
+    GPU with the float8 -> float16 conversion instructions (compute capability 8.9+), every head row starting on a
     4-byte boundary, and splits of at least ``FP8_WORDS_MIN_KEYS`` keys at the longest context. Elsewhere
     (the interpreter included) it loads float8 and casts; both give the same float16 operands and dots."""
-    if kv_pool.dtype != torch.float8_e4m3fn or kv_pool.device.type != "cuda":
+    if kv_pool.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or kv_pool.device.type != "cuda":
         return False
     if keys_per_split < FP8_WORDS_MIN_KEYS:
         return False

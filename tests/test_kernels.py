@@ -574,15 +574,20 @@ def test_gpu_attention_over_an_fp8_pool_llama8b() -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("head_dim", [128, 96])
-def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "head_dim, kv_dtype", [(128, torch.float8_e4m3fn), (96, torch.float8_e4m3fn), (128, torch.float8_e5m2)]
+)
+def test_gpu_decode_reads_an_fp8_pool_as_words(
+    head_dim: int, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On an sm_89+ GPU the decode kernel reads a float8 pool as 4-byte words widened in registers
     (``_load_fp8_words``) where its splits are long (32 sequences: 2 splits of ~2k keys, and 4 forced
     ones of ~1k), and loads float8 and casts where they are short (one sequence: 32 splits of 128 keys).
     Both agree with the reference and give what the other gives: the same float16 operands and dots, so
     the path a batch's size picks changes no output. head_dim 96 leaves a quarter of each 128-wide tile's
     words masked; the split counts put some splits past the short sequences' ends. With KV scales (the
-    attention folds k_scale into its softmax scale and multiplies its output by v_scale, either path)."""
+    attention folds k_scale into its softmax scale and multiplies its output by v_scale, either path).
+    e4m3 and e5m2 pools alike (the same words, each format's conversion)."""
     taken: list[bool] = []
     choose = triton_attention.fp8_words
 
@@ -598,7 +603,7 @@ def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytes
         q, pool, bt, sl, qsl = make_paged_case(
             [1] * len(seq_lens), seq_lens, 32, 8, head_dim, 16, torch.bfloat16
         )
-        pool = to_pool_dtype(pool, torch.float8_e4m3fn)
+        pool = to_pool_dtype(pool, kv_dtype)
         scales = {"k_scale": 0.5, "v_scale": 2.0}
         with monkeypatch.context() as m:
             if splits is not None:
@@ -608,7 +613,7 @@ def test_gpu_decode_reads_an_fp8_pool_as_words(head_dim: int, monkeypatch: pytes
             m.setattr(triton_attention, "fp8_words", lambda _pool, _keys, w=words: not w)
             other = TRITON_OPS.paged_attention(q, pool, 1, bt, sl, qsl, head_dim**-0.5, **scales)
         ref = paged_attention_torch(q.float(), pool, 1, bt, sl, qsl, head_dim**-0.5, **scales)
-        assert_close(got, ref, torch.bfloat16, f"fp8 pool, head_dim {head_dim}, words {words}")
+        assert_close(got, ref, torch.bfloat16, f"{kv_dtype} pool, head_dim {head_dim}, words {words}")
         assert torch.equal(got, other), float((got.float() - other.float()).abs().max())
 
 
@@ -616,6 +621,7 @@ def test_fp8_words_only_on_a_gpu_pool_of_float8() -> None:
     """The interpreter (and any CPU pool) keeps the cast path: the widening asm has no interpreter."""
     pool = torch.zeros(4, 2, 2, 16, 2, 32, dtype=torch.float8_e4m3fn)
     assert not triton_attention.fp8_words(pool, 4096)
+    assert not triton_attention.fp8_words(pool.to(torch.float8_e5m2), 4096)
     assert not triton_attention.fp8_words(pool.to(torch.bfloat16), 4096)
 
 
