@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import UnsupportedModelError
+from engine.fp8_weights import FLOAT8_DTYPES, SCALE_SUFFIXES, checkpoint_quantization, dequantize, scale_name
 from engine.models.decoder import DecoderModel
 from engine.models.model_config import ModelConfig
 from engine.moe.dispatch import TokenDispatcher
@@ -49,7 +50,9 @@ def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise UnsupportedModelError(f"{cfg_path} is missing: a checkpoint directory needs config.json")
-    cfg = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    hf = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_hf_dict(hf)
+    checkpoint_quantization(hf, path)  # an unsupported quantisation fails here, before any weight is read
     gen_path = path / "generation_config.json"
     if gen_path.exists():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
@@ -198,12 +201,30 @@ def _load_safetensors(
     expected = {n for n, _ in net.named_parameters()}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head")
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    quant = checkpoint_quantization(json.loads((path / "config.json").read_text()), path)
+    scales: dict[str, torch.Tensor] = {}
+    if quant is not None:  # float8 weights: their scales first (small), wherever the shards put them
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                scales.update((n, f.get_tensor(n)) for n in f.keys() if n.endswith(SCALE_SUFFIXES))  # noqa: SIM118
+    widened = 0
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 tensor = f.get_tensor(name)
+                if tensor.dtype in FLOAT8_DTYPES:
+                    scale = scales.get(scale_name(name, scales) or "")  # none without a quantisation config
+                    tensor = dequantize(name, tensor, scale, quant.block if quant is not None else None)
+                    widened += 1
+                elif not tensor.is_floating_point() and name.endswith("weight"):
+                    raise UnsupportedModelError(f"{name} is {tensor.dtype}: pdmesh reads float weights only")
                 for target in _assign(net, cfg, name, tensor):
                     loaded.add(target)
+    if widened:
+        log.info(
+            "%s: %d float8 weights (%s) widened to %s at load", path, widened, quant.method, net.norm.dtype
+        )
     missing = sorted(expected - loaded)
     if missing:
         raise UnsupportedModelError(

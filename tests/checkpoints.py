@@ -172,3 +172,104 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+FP8_FORMATS = ("fp8", "compressed-tensors", "modelopt")
+
+
+def quantize_checkpoint(
+    src: Path, dst: Path, fmt: str, block: tuple[int, int] = (16, 16)
+) -> dict[str, torch.Tensor]:
+    """A float8 copy of checkpoint ``src`` in ``dst``, every linear projection's weight (attention, MLP and
+    experts; not the router, embeddings, norms or LM head) in float8 e4m3 with float32 scales, laid out as
+    quantisation tools write them:
+
+    - ``fp8``: transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3): ``weight_scale_inv`` per block of
+      ``block`` (edge blocks partial where the block does not divide the weight), in quantization_config;
+    - ``compressed-tensors``: llm-compressor's float-quantised, ``weight_scale`` [rows, 1] per output channel,
+      a static ``input_scale`` beside it;
+    - ``modelopt``: ModelOpt's FP8, one ``weight_scale`` per tensor, described in ``hf_quant_config.json``.
+
+    Returns what each quantised weight stands for (float8 value x scale, float32), computed here with
+    reshapes, independently of the loader."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    meant: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not name.endswith("_proj.weight"):
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        if fmt == "fp8":
+            b0, b1 = block
+            g0, g1 = -(-rows // b0), -(-cols // b1)
+            padded = torch.zeros(g0 * b0, g1 * b1)
+            padded[:rows, :cols] = w.float()
+            blocks = padded.reshape(g0, b0, g1, b1)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            q = (
+                (blocks / scale[:, None, :, None])
+                .reshape(g0 * b0, g1 * b1)[:rows, :cols]
+                .to(torch.float8_e4m3fn)
+            )
+            q_padded = torch.zeros(g0 * b0, g1 * b1)
+            q_padded[:rows, :cols] = q.float()
+            meant[name] = (q_padded.reshape(g0, b0, g1, b1) * scale[:, None, :, None]).reshape(g0 * b0, -1)
+            meant[name] = meant[name][:rows, :cols]
+            out[name], out[name + "_scale_inv"] = q, scale
+        elif fmt == "compressed-tensors":
+            scale = w.float().abs().amax(dim=1, keepdim=True) / 448.0
+            q = (w.float() / scale).to(torch.float8_e4m3fn)
+            meant[name] = q.float() * scale
+            out[name], out[name + "_scale"] = q, scale
+            out[name[: -len("weight")] + "input_scale"] = torch.tensor([0.05])
+        elif fmt == "modelopt":
+            scale = w.float().abs().amax() / 448.0
+            q = (w.float() / scale).to(torch.float8_e4m3fn)
+            meant[name] = q.float() * scale
+            out[name], out[name + "_scale"] = q, scale.reshape(())
+            out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
+        else:
+            raise ValueError(fmt)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    if fmt == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "weight_block_size": list(block)}  # fmt: skip
+    elif fmt == "compressed-tensors":
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False},
+            }},
+        }  # fmt: skip
+    else:
+        quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+        (dst / "hf_quant_config.json").write_text(
+            json.dumps({"producer": {"name": "modelopt"}, "quantization": quant})
+        )
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / extra).exists():
+            (dst / extra).write_bytes((src / extra).read_bytes())
+    return meant
+
+
+def write_weights(src: Path, dst: Path, replaced: dict[str, torch.Tensor]) -> Path:
+    """A copy of checkpoint ``src`` in ``dst`` (float32) with the tensors in ``replaced`` swapped in."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update({name: t.contiguous() for name, t in replaced.items()})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for extra in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / extra).exists():
+            (dst / extra).write_bytes((src / extra).read_bytes())
+    return dst
