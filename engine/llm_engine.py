@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
-from engine.loader import load_model
+from engine.loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampler import Sampler
@@ -173,6 +173,8 @@ class LLMEngine:
                 "(expert_parallel_async_scheduling keeps it)"
             )
             config = dataclasses.replace(config, async_scheduling=False)
+        if config.dtype == "auto":
+            config = dataclasses.replace(config, dtype=resolve_dtype(config.model, config.dtype))
         self.config = config
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'")

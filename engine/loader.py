@@ -61,6 +61,19 @@ def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
     return cfg, path
 
 
+def resolve_dtype(model: str, dtype: str) -> str:
+    """``dtype`` itself, or for "auto" the checkpoint's (config.json's ``dtype``, or ``torch_dtype`` in
+    older files) where it is one pdmesh computes in; float32 for the built-in models and otherwise."""
+    if dtype != "auto":
+        return dtype
+    _, path = resolve_model_config(model)
+    if path is None:
+        return "float32"
+    hf = json.loads((path / "config.json").read_text())
+    named = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    return named if named in DTYPES else "float32"
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():

@@ -172,3 +172,28 @@ def test_unsupported_quantization_is_refused_by_name(tmp_path: Path) -> None:
     (fp8 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="is float8"):
         _llm(fp8)
+
+
+def test_dtype_auto_is_the_checkpoints(tmp_path: Path) -> None:
+    """``dtype`` auto (the default, as vLLM's): a checkpoint's config.json ``dtype`` (or ``torch_dtype``)
+    chooses the weights' and the KV cache's dtype, bfloat16 for a float8 checkpoint that names it;
+    float32 for the built-in models and for checkpoints naming none; an explicit dtype wins."""
+    src = make_checkpoint("qwen3", tmp_path / "src", seed=8)
+    quantize_checkpoint(src, tmp_path / "fp8", "fp8")
+    _rewrite(tmp_path / "fp8", {"dtype": "bfloat16"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    older = write_weights(src, tmp_path / "older", {})
+    _rewrite(older, {"torch_dtype": "bfloat16"})
+    for model, dtype, expected in (
+        (str(tmp_path / "fp8"), "auto", torch.bfloat16),
+        (str(tmp_path / "fp8"), "float32", torch.float32),
+        (str(older), "auto", torch.bfloat16),
+        (str(src), "auto", torch.float32),
+        ("tiny-dense", "auto", torch.float32),
+    ):
+        llm = LLM(model, device="cpu", dtype=dtype, num_kv_blocks=16)
+        assert llm.engine.config.dtype == str(expected).removeprefix("torch."), (model, dtype)
+        assert llm.engine.model.norm.dtype == llm.engine.kv_pool.dtype == expected, (model, dtype)
+        assert len(llm.generate([PROMPTS[0]], GREEDY)[0].token_ids) == NEW_TOKENS
