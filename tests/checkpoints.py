@@ -155,11 +155,12 @@ def make_checkpoint(
     return path
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy continuation of one prompt (EOS ignored), float32."""
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **load: Any) -> list[int]:
+    """transformers' own greedy continuation of one prompt (EOS ignored), float32; ``load``: more
+    ``from_pretrained`` arguments."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **load).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(

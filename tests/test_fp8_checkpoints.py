@@ -10,19 +10,28 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import FineGrainedFP8Config
 
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.fp8_weights import dequantize
 from tests.checkpoints import hf_greedy, make_checkpoint, quantize_checkpoint, write_weights
+from tests.kernel_testing import needs_gpu
 
 NEW_TOKENS = 24
 PROMPTS = [[5, 9, 100, 200, 7], [3, 17, 250, 61, 88, 140, 201, 33, 12, 9, 4]]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def _llm(path: Path) -> LLM:
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+def _llm(path: Path, **kwargs: object) -> LLM:
+    settings = {
+        "device": "cpu",
+        "dtype": "float32",
+        "num_kv_blocks": 64,
+        "max_num_batched_tokens": 64,
+        **kwargs,
+    }
+    return LLM(str(path), **settings)
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -33,6 +42,7 @@ def _check_weights(llm: LLM, meant: dict[str, torch.Tensor]) -> None:
     """The engine's fused parameters hold exactly the widened weights: q, k, v rows of qkv_proj, o_proj,
     and the MLP's or the first expert's gate, up and down."""
     model = llm.engine.model
+    meant = {name: w.to(llm.engine.device) for name, w in meant.items()}
     checked = 0
     for i, layer in enumerate(model.layers):
         attn, pre = layer.self_attn, f"model.layers.{i}."
@@ -61,8 +71,8 @@ def _check_weights(llm: LLM, meant: dict[str, torch.Tensor]) -> None:
 def test_fine_grained_fp8_checkpoint_matches_transformers(arch: str, tmp_path: Path) -> None:
     """A Qwen3-*-FP8-style checkpoint (float8 weights, ``weight_scale_inv`` per 16 x 16 block, experts
     included): the engine's weights are the float8 values times their block's scale, bit for bit, and its
-    greedy tokens are transformers' own on the same checkpoint (which, without a GPU, dequantises it the
-    same way). Widening is not a no-op: the float8 values alone are far from the weights."""
+    greedy tokens are transformers' own on the same checkpoint (``FineGrainedFP8Config(dequantize=True)``,
+    which it also does by itself without a GPU: the same arithmetic). Widening is not a no-op: the float8 values alone are far from the weights."""
     src = make_checkpoint(arch, tmp_path / "src", seed=5)
     meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 16))
     llm = _llm(tmp_path / "fp8")
@@ -71,7 +81,10 @@ def test_fine_grained_fp8_checkpoint_matches_transformers(arch: str, tmp_path: P
     assert (raw.float() - meant["model.layers.0.self_attn.o_proj.weight"]).abs().max() > 10
     tokens = _tokens(llm)
     assert all(len(set(t)) >= 4 for t in tokens), tokens  # varied output: matching it is a real check
-    assert tokens == [hf_greedy(tmp_path / "fp8", p, NEW_TOKENS) for p in PROMPTS]
+    # What transformers does with it on a machine without a GPU; asked for explicitly, so that a GPU
+    # machine runs the same reference rather than its float8 GEMMs (which quantise activations too).
+    widened = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    assert tokens == [hf_greedy(tmp_path / "fp8", p, NEW_TOKENS, **widened) for p in PROMPTS]
 
 
 @pytest.mark.parametrize(
@@ -197,3 +210,17 @@ def test_dtype_auto_is_the_checkpoints(tmp_path: Path) -> None:
         assert llm.engine.config.dtype == str(expected).removeprefix("torch."), (model, dtype)
         assert llm.engine.model.norm.dtype == llm.engine.kv_pool.dtype == expected, (model, dtype)
         assert len(llm.generate([PROMPTS[0]], GREEDY)[0].token_ids) == NEW_TOKENS
+
+
+@needs_gpu
+def test_gpu_fp8_checkpoint_on_the_fast_path(tmp_path: Path) -> None:
+    """On a GPU the widened weights are the same bits, and the Triton ops with CUDA graphs give the eager
+    reference ops' greedy tokens over them (float32: identical)."""
+    src = make_checkpoint("qwen3_moe", tmp_path / "src", seed=5)
+    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 16))
+    fast = _llm(tmp_path / "fp8", device="cuda", kernel_backend="triton", cuda_graphs=True)
+    _check_weights(fast, meant)
+    reference = _tokens(_llm(tmp_path / "fp8", device="cuda", kernel_backend="torch", cuda_graphs=False))
+    assert all(len(set(t)) >= 4 for t in reference), reference
+    assert _tokens(fast) == reference
+    assert sum(fast.engine.runner.graphs.replays.values()) >= NEW_TOKENS - 1  # decode ran as graphs
