@@ -89,6 +89,16 @@ def loop_counts(kernel: object) -> tuple[str, int, collections.Counter[str]]:
     return resources, len(body), collections.Counter(op.split(".")[0] for op in body)
 
 
+def dot_kwidths(kernel: object) -> list[int]:
+    """The operand register width (``kWidth``) Triton gave each ``tt.dot``, in program order (the decode
+    loop's q.k then p.v)."""
+    return [
+        int(m.group(1))
+        for line in kernel.asm["ttgir"].splitlines()  # type: ignore[attr-defined]
+        if " tt.dot " in line and (m := re.search(r"kWidth = (\d+)", line))
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=32)
@@ -103,7 +113,9 @@ def main() -> None:
     compiled: list[Compiled] = []
     compile_instead_of_launching(compiled)
     triton_attention.sm_count = lambda _device: 132  # an H200's, so the split count is the GPU's
-    words_path = triton_attention.fp8_words
+    words_path, opaque = triton_attention.fp8_words, triton_attention.opaque_values
+    # As on a GPU: a float8 pool's values pass through the opaque move (a CPU pool would not).
+    triton_attention.opaque_values = lambda pool: pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     rows = []
     for label, dtype, words in (
         ("bfloat16 pool", torch.bfloat16, False),
@@ -126,12 +138,13 @@ def main() -> None:
         split = next(c.kernel for c in compiled if c.name == "_decode_split_kernel")
         resources, length, ops = loop_counts(split)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        rows.append(f"| {label} | {resources} | {length} | {top} |")
-    triton_attention.fp8_words = words_path
+        widths = "/".join(str(w) for w in dot_kwidths(split))
+        rows.append(f"| {label} | {resources} | {length} | {widths} | {top} |")
+    triton_attention.fp8_words, triton_attention.opaque_values = words_path, opaque
     print(f"decode split kernel, sm_90, Triton {triton.__version__}: {args.heads} q heads, {args.kv_heads} KV "
           f"heads, head_dim {args.head_dim}, {args.batch} x {args.context}")  # fmt: skip
-    print("| pool | resources | loop instructions a warp | most frequent |")
-    print("|---|---|---:|---|")
+    print("| pool | resources | loop instructions a warp | dots' kWidth (q.k/p.v) | most frequent |")
+    print("|---|---|---:|---|---|")
     print("\n".join(rows))
 
 

@@ -180,6 +180,26 @@ def _load_fp8_words(base, offs, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
+def _opaque(x):
+    """x itself, through a register move the compiler cannot see through (float16 only; anything else is
+    returned as it is).
+
+    For a dot with float16 operands Triton 3.6 picks the operands' register layout (``kWidth``) from the
+    narrowest load it finds by walking back from each operand through pure elementwise ops and views, and
+    it halves that width again past a ``tl.join``: values widened from float8 (either decode path) are
+    taken for 8-bit data and given ``kWidth = 4``, so the softmax weights p went to their dot through
+    shared memory and the value tile was reshuffled byte by byte. Behind this move the walk stops at
+    float16 and the dot gets ``kWidth = 2``, as over a 16-bit pool: p stays in registers and the values
+    load with ``ldmatrix``. The same move on the keys made the steps slower (measured), so only values
+    take it (docs/kernels.md, "A float8 KV pool")."""
+    if x.dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2
+        )
+    return x
+
+
+@triton.jit
 def _softmax_step(s, m_i):
     """The online softmax's step over masked scores ``s`` (base 2): their weights, the factor that rescales
     what came before, and the new running maximum."""
@@ -218,10 +238,12 @@ def _attend_keys(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_WORDS: tl.constexpr,
+    OPAQUE_V: tl.constexpr,
 ):
     """``_attend_tile`` without the causal mask, for decode: the keys' pages are given (loaded a tile
     ahead), and k and v are loaded together, so a tile waits for one memory round trip, not three. With
-    FP8_WORDS (a float8 pool on a GPU) k and v come from ``_load_fp8_words``, already in float16."""
+    FP8_WORDS (a float8 pool on a GPU) k and v come from ``_load_fp8_words``, already in float16. With
+    OPAQUE_V (a float8 pool on a GPU, either path) the values reach their dot through ``_opaque``."""
     dims = tl.arange(0, BLOCK_D)
     offs = page.to(tl.int64) * stride_pool_block + (pos % BLOCK_SIZE) * stride_pool_slot
     if FP8_WORDS:
@@ -232,9 +254,12 @@ def _attend_keys(
         k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     qd = _dot_operand(q, k_base.dtype.element_ty)  # the pool's dtype: the words are float16 already
+    v = v.to(qd.dtype)
+    if OPAQUE_V:
+        v = _opaque(v)
     s = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * scale_log2
     p, alpha, m_new = _softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(qd.dtype), v.to(qd.dtype), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(qd.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, l_i, m_new
 
@@ -289,6 +314,7 @@ def _decode_split_kernel(
     FROM_QKV: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8_WORDS: tl.constexpr,
+    OPAQUE_V: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of one query token's GROUP q heads (one KV head) over one split of its keys: partial
@@ -390,6 +416,7 @@ def _decode_split_kernel(
         acc, l_i, m_i = _attend_keys(
             q, acc, l_i, m_i, k_base, k_base + stride_pool_kv, page, key_pos, key_pos < end, scale_log2,
             stride_pool_block, stride_pool_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION, FP8_WORDS,
+            OPAQUE_V,
         )  # fmt: skip
         page = next_page
     has_keys = l_i > 0.0
@@ -619,6 +646,12 @@ def fp8_words(kv_pool: torch.Tensor, keys_per_split: int) -> bool:
     return aligned and kv_pool.shape[-1] % 4 == 0 and _capability(index) >= (8, 9)
 
 
+def opaque_values(kv_pool: torch.Tensor) -> bool:
+    """Whether the decode kernel passes the values through ``_opaque`` (inline asm: not the interpreter):
+    a float8 pool on a GPU, for both of its paths, which then give the same dots bit for bit."""
+    return kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and kv_pool.device.type == "cuda"
+
+
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -703,7 +736,7 @@ def _decode(
         inv_scale(scales.k), inv_scale(scales.v), scales.v, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=dcfg.block_n,
         DOT_PRECISION=dot_precision(out.dtype), FROM_QKV=prologue is not None, HAS_NORM=has_norm,
-        FP8_WORDS=words, **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
+        FP8_WORDS=words, OPAQUE_V=opaque_values(kv_pool), **pdl_kwargs(out.device), num_warps=dcfg.num_warps,
         num_stages=dcfg.words_num_stages if words else dcfg.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_tokens, num_heads)](
