@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.config import setting
+from mesh.config import dtype_setting, setting
 
 # kv_cache_dtype's values, as vLLM and SGLang name them, and the pool dtype each names (KVLayout.dtype; auto:
 # the weights' dtype).
@@ -22,13 +22,7 @@ class EngineConfig:
         "tiny-dense", "Built-in model name (tiny-dense, tiny-moe) or a Hugging Face checkpoint directory."
     )
     device: str = setting("cpu", "Device the model runs on.", choices=("cpu", "cuda"))
-    dtype: str = setting(
-        "auto",
-        "Weight dtype (and the KV cache's where kv_cache_dtype is auto). auto: the checkpoint's own "
-        "(config.json's dtype or torch_dtype: bfloat16 for most, float8 checkpoints included), float32 for "
-        "the built-in models and for checkpoints that name none, as vLLM's --dtype auto.",
-        choices=("auto", "float32", "bfloat16", "float16"),
-    )
+    dtype: str = dtype_setting()
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache dtype. auto: the weights' dtype. fp8 (or fp8_e4m3): float8 e4m3, one byte a value, so the "

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mesh.config import add_arguments, from_sources, setting
+from mesh.config import add_arguments, dtype_setting, from_sources, setting
 
 SERVICES = {
     "router": "router",
@@ -301,13 +301,7 @@ class LauncherSettings:
         "workers first, as their CUDA_VISIBLE_DEVICES; default: CUDA_VISIBLE_DEVICES's ids, else every GPU "
         "nvidia-smi lists. With fewer GPUs than workers they are reused from the first.",
     )
-    dtype: str = setting(
-        "auto",
-        "Weight dtype (and the KV cache's where kv_cache_dtype is auto). auto: the checkpoint's own "
-        "(config.json's dtype or torch_dtype: bfloat16 for most, float8 checkpoints included), float32 for "
-        "the built-in models and for checkpoints that name none, as vLLM's --dtype auto.",
-        choices=("auto", "float32", "bfloat16", "float16"),
-    )
+    dtype: str = dtype_setting()
     kv_cache_dtype: str = setting(
         "auto",
         "The workers' KV cache dtype: auto (the weights' dtype), fp8 (float8 e4m3, half the bytes of a "

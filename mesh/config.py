@@ -28,6 +28,17 @@ def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, cl
     return dataclasses.field(default=default, metadata=meta)
 
 
+def dtype_setting() -> Any:
+    """The weights' ``dtype`` field, one declaration for the engine's settings and ``pdmesh up``'s."""
+    return setting(
+        "auto",
+        "Weight dtype (and the KV cache's where kv_cache_dtype is auto). auto: the checkpoint's own "
+        "(config.json's dtype or torch_dtype: bfloat16 for most, float8 checkpoints included), float32 for "
+        "the built-in models and for checkpoints that name none, as vLLM's --dtype auto.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
