@@ -33,7 +33,9 @@ import torch
 from engine.errors import UnsupportedModelError
 
 FP8_METHODS = ("fp8", "compressed-tensors", "modelopt", "fbgemm_fp8")
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Every one-byte float format torch reads from safetensors (the fnuz ones are AMD's): each is widened
+# with its scale, never read as a weight as it is.
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 # The scale of tensor <name> is <name>_scale_inv (fp8: a multiplier despite the name) or <name>_scale.
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 

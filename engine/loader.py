@@ -63,7 +63,8 @@ def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
 
 def resolve_dtype(model: str, dtype: str) -> str:
     """``dtype`` itself, or for "auto" the checkpoint's (config.json's ``dtype``, or ``torch_dtype`` in
-    older files) where it is one pdmesh computes in; float32 for the built-in models and otherwise."""
+    older files) where it is one pdmesh computes in; float32 for the built-in models and for checkpoints
+    that name none or another."""
     if dtype != "auto":
         return dtype
     _, path = resolve_model_config(model)

@@ -14,7 +14,7 @@ from transformers import FineGrainedFP8Config
 
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
-from engine.fp8_weights import dequantize
+from engine.fp8_weights import FLOAT8_DTYPES, dequantize
 from tests.checkpoints import hf_greedy, make_checkpoint, quantize_checkpoint, write_weights
 from tests.kernel_testing import needs_gpu
 
@@ -108,7 +108,8 @@ def test_scale_layouts_widen_to_what_the_checkpoint_means(
 
 def test_dequantize_layouts() -> None:
     """Each scale layout against the elementwise definition: per tensor, per row ([rows] and [rows, 1]),
-    blocks (even and partial), stacked experts with a scale each, and E8M0 exponent bytes."""
+    blocks (even and partial), stacked experts with a scale each, AMD's fnuz formats, and E8M0 exponent
+    bytes."""
     torch.manual_seed(0)
     w = (torch.randn(2, 10, 12) * 50).to(torch.float8_e4m3fn)
     wf = w.float()
@@ -127,6 +128,10 @@ def test_dequantize_layouts() -> None:
     )
     per_expert = torch.tensor([0.5, 2.0])
     assert torch.equal(dequantize("w", w, per_expert, None), wf * per_expert[:, None, None])
+    for fmt in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):  # AMD's formats: their own values x scale
+        amd = (torch.randn(10, 12) * 20).to(fmt)
+        assert fmt in FLOAT8_DTYPES
+        assert torch.equal(dequantize("w", amd, rows, None), amd.float() * rows[:, None])
     exponents = torch.tensor([[126, 127]], dtype=torch.uint8)  # 2^-1 and 2^0 per 10 x 6 block
     assert torch.equal(dequantize("w", w[0], exponents, (10, 6)), wf[0] * torch.tensor([0.5] * 6 + [1.0] * 6))
     with pytest.raises(UnsupportedModelError, match=r"scale shape \(3, 3\) fits none"):
