@@ -5,15 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import dtype_setting, setting
-
-# kv_cache_dtype's values, as vLLM and SGLang name them, and the pool dtype each names (KVLayout.dtype; auto:
-# the weights' dtype).
-KV_CACHE_DTYPES = {
-    "auto": None,
-    "fp8": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-}
+from mesh.kv_layout import KV_CACHE_DTYPES
 
 
 @dataclass

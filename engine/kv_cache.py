@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import KV_CACHE_DTYPES
 from engine.loader import DTYPES
 from engine.models.model_config import ModelConfig
-from mesh.kv_layout import KVLayout
+from mesh.kv_layout import KV_CACHE_DTYPES, KVLayout
 
 # The pool's dtype by name (KVLayout.dtype): the weights' dtypes, float8 e4m3 (``kv_cache_dtype`` fp8) and
 # float8 e5m2 (fp8_e5m2).

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import check_out
-from kernels.kv_cache import check_kv_scales, inv_scale
+from kernels.kv_cache import FP8_KV_DTYPES, check_kv_scales, inv_scale
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_kv_cache import pool_strides
 from kernels.triton_prologue import _kv_heads, _norm_rotate, qkv_prologue_triton
@@ -125,8 +125,8 @@ def _attend_tile(
 
 @triton.jit
 def _dot_operand(q, kv_dtype: tl.constexpr):
-    """q as the dots take it, for a pool of ``kv_dtype``: as it is over a pool of q's dtype; over a float8 pool, in float16 when q is
-    16-bit. Every e4m3 value is exact in float16, and the e4m3 -> float16 cast is one instruction for two
+    """q as the dots take it, for a pool of ``kv_dtype``: as it is over a pool of q's dtype; over a float8
+    pool, in float16 when q is 16-bit. Every e4m3 value is exact in float16, and the e4m3 -> float16 cast is one instruction for two
     values on the GPU, where casting to bfloat16 goes through float32 (the first fp8 kernels, widening to
     bf16, were slower than the bf16 pool: 14.5 against 12.8 ms a step, Llama-3.1-8B shape, 64 x 4k). A
     bfloat16 q is exact in float16 but for magnitudes past float16's range (65504, never an attention
@@ -157,13 +157,13 @@ def _load_fp8_words(base, offs, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.const
     4-byte words and widened in registers before any layout change (``cvt.rn.f16x2.e4m3x2`` or
     ``.e5m2x2``, sm_89+; no interpreter).
 
-    Loaded as float8 and cast (``x.to(float16)``), Triton moves the tile into the dot's layout as bytes
-    through shared memory, with a scalar shared load per few bytes and the cast after it; the decode loop
-    was then ~770 instructions a warp per 64-key tile against ~460 for bfloat16 (whose tiles hold twice
-    the bytes), and slower per step than the bfloat16 pool (docs/kernels.md, "A float8 KV pool"). The
-    four halves widened from a word are rejoined in registers, which Triton does not move back past the
-    asm: the keys go from registers into the dot as they are, the values through shared memory in
-    float16 (~550 instructions a tile). Offsets and HEAD_DIM are multiples of 4 (the launcher checks)."""
+    Loaded as float8 and cast (``x.to(float16)``), each tile reaches the keys' dot as bytes through shared
+    memory and is cast there. The four halves widened from a word are rejoined in registers, which Triton
+    does not move back past the asm: the keys go from registers into their dot as they are, the values
+    through shared memory in float16. Since the values pass ``_opaque`` on both paths the two run close,
+    the words 1.5-2.5% faster at 64-256 x 4k (before it, 550 against 768 loop instructions and the words
+    made fp8 steps faster than bf16's; docs/kernels.md, "A float8 KV pool"). Offsets and HEAD_DIM are
+    multiples of 4 (the launcher checks)."""
     WORDS: tl.constexpr = BLOCK_D // 4
     words = tl.arange(0, WORDS)
     mask = valid[:, None] & (words[None, :] < HEAD_DIM // 4)
@@ -634,10 +634,11 @@ FP8_WORDS_MIN_KEYS = 1024
 
 def fp8_words(kv_pool: torch.Tensor, keys_per_split: int) -> bool:
     """Whether the decode kernel reads this pool through ``_load_fp8_words``: float8 (e4m3 or e5m2) on a
-    GPU with the float8 -> float16 conversion instructions (compute capability 8.9+), every head row starting on a
-    4-byte boundary, and splits of at least ``FP8_WORDS_MIN_KEYS`` keys at the longest context. Elsewhere
-    (the interpreter included) it loads float8 and casts; both give the same float16 operands and dots."""
-    if kv_pool.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or kv_pool.device.type != "cuda":
+    GPU with the float8 -> float16 conversion instructions (compute capability 8.9+), every head row
+    starting on a 4-byte boundary, and splits of at least ``FP8_WORDS_MIN_KEYS`` keys at the longest
+    context. Elsewhere (the interpreter included) it loads float8 and casts; both give the same float16
+    operands and dots."""
+    if kv_pool.dtype not in FP8_KV_DTYPES or kv_pool.device.type != "cuda":
         return False
     if keys_per_split < FP8_WORDS_MIN_KEYS:
         return False
@@ -649,7 +650,7 @@ def fp8_words(kv_pool: torch.Tensor, keys_per_split: int) -> bool:
 def opaque_values(kv_pool: torch.Tensor) -> bool:
     """Whether the decode kernel passes the values through ``_opaque`` (inline asm: not the interpreter):
     a float8 pool on a GPU, for both of its paths, which then give the same dots bit for bit."""
-    return kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and kv_pool.device.type == "cuda"
+    return kv_pool.dtype in FP8_KV_DTYPES and kv_pool.device.type == "cuda"
 
 
 @functools.cache

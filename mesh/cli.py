@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mesh.config import add_arguments, dtype_setting, from_sources, setting
+from mesh.kv_layout import KV_CACHE_DTYPES
 
 SERVICES = {
     "router": "router",
@@ -307,7 +308,7 @@ class LauncherSettings:
         "The workers' KV cache dtype: auto (the weights' dtype), fp8 (float8 e4m3, half the bytes of a "
         "16-bit cache, with the checkpoint's KV scales where it has them) or fp8_e5m2 (float8 e5m2: wider "
         "range, less precision); every worker the same.",
-        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        choices=tuple(KV_CACHE_DTYPES),
     )
     block_size: int = setting(16, "Tokens per KV block.")
     num_kv_blocks: int = setting(2048, "KV pool size per worker, in blocks.")

@@ -9,6 +9,16 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+# kv_cache_dtype's values, as vLLM and SGLang name them, and the pool dtype each names (KVLayout.dtype; auto:
+# the weights' dtype). Here, not in the engine, so that ``pdmesh up`` offers the same choices without
+# importing the engine.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
 
 @dataclass(frozen=True)
 class KVLayout:

@@ -623,6 +623,7 @@ def test_fp8_words_only_on_a_gpu_pool_of_float8() -> None:
     assert not triton_attention.fp8_words(pool, 4096)
     assert not triton_attention.fp8_words(pool.to(torch.float8_e5m2), 4096)
     assert not triton_attention.fp8_words(pool.to(torch.bfloat16), 4096)
+    assert not triton_attention.opaque_values(pool)  # inline asm: the interpreter has none
 
 
 @gpu

@@ -50,8 +50,9 @@ def test_triton_backend_gives_the_reference_tokens(model: str) -> None:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_fp8_kv_cache_on_the_triton_backend_gives_the_reference_tokens(kv_cache_dtype: str) -> None:
-    """kv_cache_dtype fp8: every kernel that writes the pool (the prologue, folded into decode attention
-    or not) rounds to float8 e4m3 as the reference does, and both attention kernels read it back alike."""
+    """kv_cache_dtype fp8 and fp8_e5m2: every kernel that writes the pool (the prologue, folded into decode
+    attention or not) rounds to float8 e4m3 or e5m2 as the reference does, and both attention kernels read
+    it back alike."""
     expected = _generate("tiny-dense", "torch", kv_cache_dtype=kv_cache_dtype)
     assert len({t for e in expected for t in e}) > 8, expected
     assert expected != _generate("tiny-dense", "torch")  # the pool's rounding shows in these tokens
