@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.config import dtype_setting, setting
+from mesh.config import dtype_setting, quantization_setting, setting
 from mesh.kv_layout import KV_CACHE_DTYPES
 
 
@@ -15,6 +15,7 @@ class EngineConfig:
     )
     device: str = setting("cpu", "Device the model runs on.", choices=("cpu", "cuda"))
     dtype: str = dtype_setting()
+    quantization: str = quantization_setting()
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache dtype. auto: the weights' dtype. fp8 (or fp8_e4m3): float8 e4m3, one byte a value, so the "

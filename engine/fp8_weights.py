@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 
 from engine.errors import UnsupportedModelError
+from engine.models.model_config import ModelConfig
+from kernels.fp8_weight import Fp8Layout, Fp8Weight, kernel_layout_ok
 
 FP8_METHODS = ("fp8", "compressed-tensors", "modelopt", "fbgemm_fp8")
 # Every one-byte float format torch reads from safetensors (the fnuz ones are AMD's): each is widened
@@ -122,3 +125,115 @@ def _scale_values(name: str, scale: torch.Tensor) -> torch.Tensor:
     if not scale.is_floating_point():
         raise UnsupportedModelError(f"{name}: scales of dtype {scale.dtype} are not supported")
     return scale.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Keeping float8 weights float8 (``quantization`` auto / fp8): which layout, and storing each tensor in it
+
+# Checkpoint tensors that become the model's float8 weights: attention and MLP projections and experts
+# (``.weight`` of each; the router ``mlp.gate``, the embeddings and the LM head stay in the model's dtype).
+_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj"
+    r"|(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))\.weight$"
+)
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
+_SAFETENSORS_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+ONLINE_BLOCK = (128, 128)
+
+
+def _row_boundaries(cfg: ModelConfig) -> list[int]:
+    """Where the fused weights' parts start: a block layout's row blocks must not straddle them."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [q, kv, cfg.intermediate_size, cfg.moe_intermediate_size]
+
+
+def _shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    shapes = [(q + 2 * kv, h), (h, q)]
+    for inter in (cfg.intermediate_size, cfg.moe_intermediate_size):
+        if inter:
+            shapes += [(2 * inter, h), (h, inter)]
+    return shapes
+
+
+def _block_fits(cfg: ModelConfig, block: tuple[int, int]) -> bool:
+    return all(kernel_layout_ok(block, n, k) for n, k in _shapes(cfg)) and all(
+        b % block[0] == 0 for b in _row_boundaries(cfg) if b
+    )
+
+
+def online_fp8_layout(cfg: ModelConfig) -> Fp8Layout:
+    """``quantization="fp8"`` over 16-bit weights: 128 x 128 blocks where every fused part is whole blocks,
+    else a scale per row."""
+    return Fp8Layout(ONLINE_BLOCK if _block_fits(cfg, ONLINE_BLOCK) else None)
+
+
+def checkpoint_fp8_layout(
+    cfg: ModelConfig, path: Path, quant: WeightQuantization, files: list[Path]
+) -> tuple[Fp8Layout | None, str]:
+    """The layout a float8 checkpoint's weights keep on the device, or None (widened at load) with the
+    reason: every attention, MLP and expert weight must be float8 of one format, their scales one layout
+    (blocks of one power-of-two size that fused parts do not straddle, or per row / per tensor)."""
+    from safetensors import safe_open
+
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}  # every tensor's dtype and shape, from the headers
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                sl = f.get_slice(name)
+                meta[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+    fp8_dtype, block, per_row, count = None, None, False, 0
+    for name, (dtype, shape) in sorted(meta.items()):
+        if _FUSED_EXPERTS.match(name) and dtype in _SAFETENSORS_FP8:
+            return None, f"{name}: float8 fused-experts tensors are widened"
+        if not _LINEAR.match(name):
+            continue
+        kind = _SAFETENSORS_FP8.get(dtype)
+        if kind is None:
+            return None, f"{name} is {dtype}, not float8 e4m3 or e5m2"
+        if fp8_dtype not in (None, kind):
+            return None, "the weights mix float8 formats"
+        fp8_dtype, count = kind, count + 1
+        rows, cols = shape
+        sname = scale_name(name, meta)
+        if sname is None:
+            return None, f"{name} has no scale"
+        grid = meta[sname][1]
+        if math.prod(grid) == 1 or grid in ((rows,), (rows, 1)):
+            per_row = True
+        elif len(grid) == 2:
+            b = tuple(quant.block or (rows // grid[0], cols // grid[1]))
+            if block not in (None, b):
+                return None, f"{name}: scale blocks {b} differ from {block}"
+            block = b
+        else:
+            return None, f"{name}: scale shape {grid} fits no layout"
+    if count == 0:
+        return None, "no float8 attention, MLP or expert weights"
+    if block is not None and per_row:
+        return None, "scales mix blocks and rows"
+    if block is not None and not _block_fits(cfg, block):  # type: ignore[arg-type]
+        return None, f"scale blocks {block} are not a layout the kernels read for these shapes"
+    return Fp8Layout(block, fp8_dtype), ""  # type: ignore[arg-type]
+
+
+def store_fp8(target: Fp8Weight, name: str, values: torch.Tensor, scale: torch.Tensor | None,
+              rows: slice | None = None, expert: int | None = None) -> None:  # fmt: skip
+    """A checkpoint's float8 tensor ``values`` [rows, K] with its ``scale`` into ``target`` (its layout from
+    ``checkpoint_fp8_layout``): a per-tensor or per-row scale down the rows, block scales as they are."""
+    if scale is None:
+        raise UnsupportedModelError(
+            f"{name} is float8 ({values.dtype}) but the checkpoint has no scale for it"
+        )
+    s = _scale_values(name, scale)
+    n = values.shape[0]
+    if target.block[0] == 1 and target.weight_scale.shape[-1] == 1:  # a scale per row
+        if s.numel() == 1:
+            s = s.reshape(1, 1).expand(n, 1)
+        elif tuple(s.shape) in ((n,), (n, 1)):
+            s = s.reshape(n, 1)
+        else:
+            raise UnsupportedModelError(
+                f"{name}: scale shape {tuple(scale.shape)} is not per tensor or per row"
+            )
+    target.store_(values, s, rows, expert)

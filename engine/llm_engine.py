@@ -191,6 +191,7 @@ class LLMEngine:
             load_format=config.load_format,
             seed=config.seed,
             dispatcher=dispatcher,
+            quantization=config.quantization,
         )
         self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg

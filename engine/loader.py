@@ -7,23 +7,35 @@ downloaded: a name that is neither a built-in model nor a directory is an error.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.fp8_weights import FLOAT8_DTYPES, SCALE_SUFFIXES, checkpoint_quantization, dequantize, scale_name
+from engine.fp8_weights import (
+    FLOAT8_DTYPES,
+    SCALE_SUFFIXES,
+    checkpoint_fp8_layout,
+    checkpoint_quantization,
+    dequantize,
+    online_fp8_layout,
+    scale_name,
+    store_fp8,
+)
 from engine.models.decoder import DecoderModel
 from engine.models.model_config import ModelConfig
 from engine.moe.dispatch import TokenDispatcher
 from engine.tiny_models import TINY_MODELS, tiny_model_config
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kernels import Ops
+from kernels.fp8_weight import Fp8Layout, Fp8Weight
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +105,11 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model: str, path: Path | None, dtype: str, load_format: str = "auto") -> str:
+def model_fingerprint(
+    model: str, path: Path | None, dtype: str, load_format: str = "auto", fp8: Fp8Layout | None = None
+) -> str:
+    if fp8 is not None:  # float8 weights compute other values than the same checkpoint widened
+        dtype = f"{dtype}:w{fp8.describe().replace(' ', '_')}"
     if path is None:
         return f"{model}-v1:{dtype}"
     h = hashlib.sha256((path / "config.json").read_bytes())
@@ -115,13 +131,18 @@ def load_model(
     seed: int = 0,
     dispatcher: TokenDispatcher | None = None,
     physical_to_logical: list[list[int]] | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """``max_positions``: the longest sequence the RoPE cache covers (None: the checkpoint's
-    ``max_position_embeddings``)."""
+    ``max_position_embeddings``); ``quantization``: the engine setting (float8 weights kept, made or
+    widened)."""
     cfg, path = resolve_model_config(model)
     max_positions = max_positions or cfg.max_position_embeddings
     torch_dtype = DTYPES[dtype]
-    net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical)
+    fp8 = fp8_layout(cfg, path, quantization, load_format)
+    if fp8 is not None:
+        log.info("%s: attention, MLP and expert weights kept in float8 (%s)", model, fp8.describe())
+    net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical, fp8)
     if path is None:
         _init_tiny(net, seed=1234)
         tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size)
@@ -133,7 +154,31 @@ def load_model(
         tokenizer = _checkpoint_tokenizer(path, cfg, load_format)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
-    return LoadedModel(cfg, net, tokenizer, model_fingerprint(model, path, dtype, load_format))
+    return LoadedModel(cfg, net, tokenizer, model_fingerprint(model, path, dtype, load_format, fp8))
+
+
+def fp8_layout(cfg: ModelConfig, path: Path | None, quantization: str, load_format: str) -> Fp8Layout | None:
+    """How the model keeps its linear weights in float8 under the ``quantization`` setting (None: in its
+    dtype): a float8 checkpoint's own layout (auto, fp8) unless the kernels cannot read it; 16-bit
+    weights quantised at load with fp8."""
+    if quantization not in ("auto", "fp8", "none"):
+        raise ValueError(f"quantization must be auto, fp8 or none, got {quantization!r}")
+    if quantization == "none":
+        return None
+    quant = (
+        None
+        if path is None
+        else checkpoint_quantization(json.loads((path / "config.json").read_text()), path)
+    )
+    if quant is None:
+        return online_fp8_layout(cfg) if quantization == "fp8" else None
+    if load_format == "dummy":  # random weights in the checkpoint's kind of layout
+        layout = online_fp8_layout(cfg)
+        return layout if quant.block and layout.block == tuple(quant.block) else Fp8Layout(None)
+    layout, why = checkpoint_fp8_layout(cfg, path, quant, safetensors_files(path))  # type: ignore[arg-type]
+    if layout is None:
+        log.info("%s: float8 weights widened to the model dtype at load: %s", path, why)
+    return layout
 
 
 def _checkpoint_tokenizer(path: Path, cfg: ModelConfig, load_format: str) -> Tokenizer:
@@ -148,21 +193,44 @@ def _norm_params(net: DecoderModel) -> set[str]:
     return {n for n, _ in net.named_parameters() if n.endswith(("layernorm", "norm", "q_norm", "k_norm"))}
 
 
+def _fp8_owner(net: DecoderModel, name: str, modules: dict) -> Fp8Weight | None:
+    """The float8 weight whose parameter ``name`` is (its values or its scales), if any."""
+    owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+    return owner if isinstance(owner, Fp8Weight) else None
+
+
+def _set(
+    p: torch.nn.Parameter, fp8: Fp8Weight | None, values: torch.Tensor, expert: int | None = None
+) -> None:
+    if fp8 is not None:
+        fp8.quantize_(values, expert=expert)
+    elif expert is None:
+        p.data.copy_(values.to(p.dtype))
+    else:
+        p.data[expert].copy_(values.to(p.dtype))
+
+
 def _init_tiny(net: DecoderModel, seed: int) -> None:
-    """Deterministic weights, scaled so greedy output is varied rather than one repeated token."""
+    """Deterministic weights, scaled so greedy output is varied rather than one repeated token. A float8
+    weight holds the quantised values of the same draw."""
     from engine.moe.layer import MoEBlock
 
     gen = torch.Generator().manual_seed(seed)
     norms = _norm_params(net)
     modules = dict(net.named_modules())
     for name, p in sorted(net.named_parameters()):
+        fp8 = _fp8_owner(net, name, modules)
+        if fp8 is not None:
+            if name.endswith(".weight_scale"):
+                continue
+            name = name.rsplit(".", 1)[0]  # the weight's own name, so the draws match a 16-bit model's
         owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
         if isinstance(owner, MoEBlock) and name.endswith((".w13", ".w2")):
             # Weights are drawn per logical expert, then placed: replicas hold identical copies.
             logical = torch.randn((owner.num_logical, *p.shape[1:]), generator=gen) * p.shape[-1] ** -0.5
             n_local = p.shape[0]
             lo = owner.dispatcher.ep_rank * n_local
-            p.data.copy_(logical[owner.placement.physical_to_logical[lo : lo + n_local].cpu()].to(p.dtype))
+            _set(p, fp8, logical[owner.placement.physical_to_logical[lo : lo + n_local].cpu()])
             continue
         if name in norms:
             values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
@@ -174,15 +242,27 @@ def _init_tiny(net: DecoderModel, seed: int) -> None:
                 printable = torch.zeros(p.shape[0], dtype=torch.bool)
                 printable[32:127] = True
                 values = torch.where(printable.unsqueeze(1), values * 3.0, values * 0.5)
-        p.data.copy_(values.to(p.dtype))
+        _set(p, fp8, values)
 
 
 def _init_dummy(net: DecoderModel, seed: int) -> None:
-    """Random weights (never zeros) of the checkpoint's shapes, generated on the model's device."""
+    """Random weights (never zeros) of the checkpoint's shapes, generated on the model's device; float8
+    weights quantised from such values (expert by expert, which bounds the scratch memory)."""
     gen = torch.Generator(device=net.norm.device).manual_seed(seed)
     norms = _norm_params(net)
+    modules = dict(net.named_modules())
     for name, p in net.named_parameters():
-        if name in norms:
+        fp8 = _fp8_owner(net, name, modules)
+        if fp8 is not None:
+            if name.endswith(".weight_scale"):
+                continue
+            for expert in range(p.shape[0]) if p.dim() == 3 else [None]:
+                shape = p.shape[1:] if expert is not None else p.shape
+                values = torch.empty(shape, dtype=fp8.dtype, device=p.device).normal_(
+                    0.0, 0.02, generator=gen
+                )
+                _set(p, fp8, values, expert)
+        elif name in norms:
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
@@ -212,38 +292,72 @@ def _load_safetensors(
     from safetensors import safe_open
 
     loaded: set[str] = set()
-    expected = {n for n, _ in net.named_parameters()}
+    modules = dict(net.named_modules())
+    # Parameter names, a float8 weight's two (values, scales) as the weight's own name
+    expected = {n.rsplit(".", 1)[0] if _fp8_owner(net, n, modules) else n for n, _ in net.named_parameters()}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head")
     files = safetensors_files(path)
     quant = checkpoint_quantization(json.loads((path / "config.json").read_text()), path)
+    block = quant.block if quant is not None else None
     scales: dict[str, torch.Tensor] = {}
     if quant is not None:  # float8 weights: their scales first (small), wherever the shards put them
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 scales.update((n, f.get_tensor(n)) for n in f.keys() if n.endswith(SCALE_SUFFIXES))  # noqa: SIM118
-    widened = 0
+    float8 = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 tensor = f.get_tensor(name)
+                scale = None
                 if tensor.dtype in FLOAT8_DTYPES:
                     scale = scales.get(scale_name(name, scales) or "")  # none without a quantisation config
-                    tensor = dequantize(name, tensor, scale, quant.block if quant is not None else None)
-                    widened += 1
+                    float8 += 1
                 elif not tensor.is_floating_point() and name.endswith("weight"):
                     raise UnsupportedModelError(f"{name} is {tensor.dtype}: pdmesh reads float weights only")
-                for target in _assign(net, cfg, name, tensor):
+                put = functools.partial(_put, name=name, scale=scale, block=block)
+                for target in _assign(net, cfg, name, tensor, put):
                     loaded.add(target)
-    if widened:
-        log.info(
-            "%s: %d float8 weights (%s) widened to %s at load", path, widened, quant.method, net.norm.dtype
-        )
+    if float8:
+        how = f"kept in float8 ({net.fp8.describe()})" if net.fp8 else f"widened to {net.norm.dtype}"
+        log.info("%s: %d float8 weights (%s) %s at load", path, float8, quant.method, how)  # type: ignore[union-attr]
     missing = sorted(expected - loaded)
     if missing:
         raise UnsupportedModelError(
             f"checkpoint {path} lacks weights for: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
+
+
+def _put(
+    target: torch.nn.Parameter | Fp8Weight,
+    t: torch.Tensor,
+    *,
+    name: str,
+    scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    rows: slice | None = None,
+    expert: int | None = None,
+) -> None:
+    """Checkpoint tensor ``name`` (with its float8 ``scale``, where it has one) into rows ``rows`` of expert
+    ``expert`` of ``target``: a float8 weight stores float8 values as they are and quantises others; a
+    parameter takes float8 values widened."""
+    if isinstance(target, Fp8Weight):
+        dst = target.views(expert)[0]
+        dst = dst if rows is None else dst[rows]
+        if tuple(dst.shape) != tuple(t.shape):
+            raise UnsupportedModelError(
+                f"weight {name}: checkpoint shape {tuple(t.shape)} != expected {tuple(dst.shape)}"
+            )
+        if t.dtype in FLOAT8_DTYPES:
+            store_fp8(target, name, t, scale, rows, expert)
+        else:
+            target.quantize_(t, rows, expert)
+        return
+    if t.dtype in FLOAT8_DTYPES:
+        t = dequantize(name, t, scale, block)
+    dst = target.data if expert is None else target.data[expert]
+    _copy(dst if rows is None else dst[rows], t, name)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -254,18 +368,19 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
-def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> list[str]:
-    """Copy one checkpoint tensor into the model; returns the parameter names it (partly) fills."""
+def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put: Callable) -> list[str]:
+    """Put one checkpoint tensor into the model (``put(target, t, rows=, expert=)``: ``_put`` with the
+    tensor's name and scale); returns the parameter names it (partly) fills."""
     if name == "model.embed_tokens.weight":
-        _copy(net.embed_tokens.data, t, name)
+        put(net.embed_tokens, t)
         return ["embed_tokens"]
     if name == "lm_head.weight":
         if cfg.tie_word_embeddings:
             return []
-        _copy(net.lm_head.data, t, name)
+        put(net.lm_head, t)
         return ["lm_head"]
     if name == "model.norm.weight":
-        _copy(net.norm.data, t, name)
+        put(net.norm, t)
         return ["norm"]
     m = _LAYER.match(name)
     if not m:
@@ -293,17 +408,17 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
         target, param = simple[rest]
         if param is None:
             return []
-        _copy(param.data, t, name)
+        put(param, t)
         return [pre + target]
     qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     for proj, (lo, hi) in qkv_rows.items():
         if rest == f"self_attn.{proj}.weight":
-            _copy(attn.qkv_proj.data[lo:hi], t, name)
+            put(attn.qkv_proj, t, rows=slice(lo, hi))
             return [pre + "self_attn.qkv_proj"]
         if rest == f"self_attn.{proj}.bias":
             if attn.qkv_bias is None:
                 raise UnsupportedModelError(f"{name}: unexpected attention bias for {cfg.architecture}")
-            _copy(attn.qkv_bias.data[lo:hi], t, name)
+            put(attn.qkv_bias, t, rows=slice(lo, hi))
             return [pre + "self_attn.qkv_bias"]
     mlp = layer.mlp
     from engine.moe.layer import MoEBlock
@@ -311,17 +426,17 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
     if not isinstance(mlp, MoEBlock):
         inter = mlp.down_proj.shape[1]
         if rest == "mlp.gate_proj.weight":
-            _copy(mlp.gate_up_proj.data[:inter], t, name)
+            put(mlp.gate_up_proj, t, rows=slice(0, inter))
             return [pre + "mlp.gate_up_proj"]
         if rest == "mlp.up_proj.weight":
-            _copy(mlp.gate_up_proj.data[inter:], t, name)
+            put(mlp.gate_up_proj, t, rows=slice(inter, 2 * inter))
             return [pre + "mlp.gate_up_proj"]
         if rest == "mlp.down_proj.weight":
-            _copy(mlp.down_proj.data, t, name)
+            put(mlp.down_proj, t)
             return [pre + "mlp.down_proj"]
         return []
     if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
-        _copy(mlp.gate.data, t, name)
+        put(mlp.gate, t)
         return [pre + "mlp.gate"]
     em = _EXPERT.match(rest)
     if em:
@@ -333,11 +448,11 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
         targets = [p - lo_phys for p in range(lo_phys, lo_phys + n_local) if p2l[p] == logical]
         for local in targets:
             if proj in ("gate_proj", "w1"):
-                _copy(mlp.w13.data[local, :inter], t, name)
+                put(mlp.w13, t, rows=slice(0, inter), expert=local)
             elif proj in ("up_proj", "w3"):
-                _copy(mlp.w13.data[local, inter:], t, name)
+                put(mlp.w13, t, rows=slice(inter, 2 * inter), expert=local)
             elif proj in ("down_proj", "w2"):
-                _copy(mlp.w2.data[local], t, name)
+                put(mlp.w2, t, expert=local)
         return [pre + "mlp.w13", pre + "mlp.w2"]
     if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # fused-experts checkpoints
         which = mlp.w13 if rest.endswith("gate_up_proj") else mlp.w2
@@ -346,7 +461,7 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor) -> 
         lo_phys = mlp.dispatcher.ep_rank * n_local
         p2l = mlp.placement.physical_to_logical.tolist()
         for local in range(n_local):
-            _copy(which.data[local], full[p2l[lo_phys + local]], name)
+            put(which, full[p2l[lo_phys + local]], expert=local)
         return [pre + ("mlp.w13" if which is mlp.w13 else "mlp.w2")]
     return []
 

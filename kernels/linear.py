@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_weight import Fp8Weight, as_dense
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 
 
-def linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, K]; w: [N, K] -> x @ w.T, [M, N]."""
-    return x @ w.t()
+def linear_torch(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """x: [M, K]; w: [N, K] -> x @ w.T, [M, N]. A float8 weight computes as the tensor it stands for."""
+    return x @ as_dense(w).t()
 
 
 def add_rms_norm_linear_torch(
@@ -17,7 +18,7 @@ def add_rms_norm_linear_torch(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    w: torch.Tensor,
+    w: torch.Tensor | Fp8Weight,
     need_normed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A layer's norm and the projection that consumes it, as one op so that a backend can fuse them:

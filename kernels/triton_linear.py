@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
@@ -282,9 +283,13 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; w: [N, K], contiguous last dim -> x @ w.T, [M, N] in x's dtype. One GEMV launch where
     ``use_gemv`` says so (one row), one skinny launch where ``use_skinny`` does (2 to SKINNY_MAX_M rows),
-    cuBLAS otherwise."""
+    cuBLAS otherwise. A float8 weight (``Fp8Weight``) takes ``kernels/triton_fp8_linear.py``'s kernels."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if isinstance(w, Fp8Weight):
+        from kernels.triton_fp8_linear import fp8_linear_triton  # it imports this module
+
+        return fp8_linear_triton(x, w)
     (m, k), n = x.shape, w.shape[0]
     if w.stride(-1) != 1 or not (use_gemv(m, n, k) or use_skinny(m, n, k)):
         return x @ w.t()
@@ -396,9 +401,14 @@ def add_rms_norm_linear_triton(
     """``kernels.linear.add_rms_norm_linear_torch`` on the GPU: (linear(h, w), h if need_normed,
     x + residual) with h = rms_norm(x + residual) * norm_weight (no add where residual is None, and the sum
     is x itself). One fused launch where ``use_norm_gemv`` says so and the rows are plain (same dtypes,
-    unit last strides); otherwise the norm kernel, then ``linear_triton``."""
+    unit last strides); otherwise the norm kernel, then ``linear_triton``. A float8 weight takes
+    ``kernels/triton_fp8_linear.py``'s."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if isinstance(w, Fp8Weight):
+        from kernels.triton_fp8_linear import fp8_add_rms_norm_linear_triton  # it imports this module
+
+        return fp8_add_rms_norm_linear_triton(x, residual, norm_weight, eps, w, need_normed)
     (m, k), n = x.shape, w.shape[0]
     plain = (
         x.stride(-1) == 1

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mesh.config import add_arguments, dtype_setting, from_sources, setting
+from mesh.config import add_arguments, dtype_setting, from_sources, quantization_setting, setting
 from mesh.kv_layout import KV_CACHE_DTYPES
 
 SERVICES = {
@@ -157,6 +157,8 @@ class Mesh:
             a.device,
             "--dtype",
             a.dtype,
+            "--quantization",
+            a.quantization,
             "--kv-cache-dtype",
             a.kv_cache_dtype,
             "--block-size",
@@ -303,6 +305,7 @@ class LauncherSettings:
         "nvidia-smi lists. With fewer GPUs than workers they are reused from the first.",
     )
     dtype: str = dtype_setting()
+    quantization: str = quantization_setting()
     kv_cache_dtype: str = setting(
         "auto",
         "The workers' KV cache dtype: auto (the weights' dtype), fp8 (float8 e4m3, half the bytes of a "

@@ -39,6 +39,21 @@ def dtype_setting() -> Any:
     )
 
 
+def quantization_setting() -> Any:
+    """The weights' ``quantization`` field, one declaration for the engine's settings and ``pdmesh up``'s."""
+    return setting(
+        "auto",
+        "How linear weights are held. auto: a float8 checkpoint's weights stay float8 on the device (half "
+        "the memory of 16-bit weights, and decode streams half the bytes), with their scales, where the "
+        "kernels read its layout (a scale per 128x128 block, per channel or per tensor); 16-bit checkpoints "
+        "stay as they are. fp8: also quantise 16-bit checkpoints' attention, MLP and expert weights to "
+        "float8 e4m3 as they load (a scale per 128x128 block where the shapes allow, else per row; vLLM's "
+        "--quantization fp8). none: widen float8 checkpoints to dtype as they load. The router, embeddings "
+        "and LM head keep dtype; activations are not quantised (w8a16).",
+        choices=("auto", "fp8", "none"),
+    )
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 

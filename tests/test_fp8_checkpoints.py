@@ -1,6 +1,8 @@
-"""Float8 checkpoints (``engine/fp8_weights.py``): every float8 weight widened at load to exactly what the
-checkpoint means (float8 value x scale), greedy tokens equal to transformers' on the same checkpoint, and
-the quantised checkpoints pdmesh cannot read refused by name before a weight is read."""
+"""Float8 checkpoints (``engine/fp8_weights.py``): every float8 weight kept in float8 with its scales
+(``kernels.fp8_weight.Fp8Weight``) where the kernels read its layout, else widened at load, standing for
+exactly what the checkpoint means (float8 value x scale); greedy tokens equal to transformers' on the same
+checkpoint; ``quantization="fp8"`` over a 16-bit checkpoint; and the quantised checkpoints pdmesh cannot
+read refused by name before a weight is read."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers import FineGrainedFP8Config
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.fp8_weights import FLOAT8_DTYPES, dequantize
+from kernels.fp8_weight import Fp8Weight, as_dense
 from tests.checkpoints import hf_greedy, make_checkpoint, quantize_checkpoint, write_weights
 from tests.kernel_testing import needs_gpu
 
@@ -39,32 +42,49 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 def _check_weights(llm: LLM, meant: dict[str, torch.Tensor]) -> None:
-    """The engine's fused parameters hold exactly the widened weights: q, k, v rows of qkv_proj, o_proj,
-    and the MLP's or the first expert's gate, up and down."""
-    model = llm.engine.model
-    meant = {name: w.to(llm.engine.device) for name, w in meant.items()}
-    checked = 0
-    for i, layer in enumerate(model.layers):
+    """The engine's fused weights stand for exactly the widened weights (float8 ones dequantized): q, k, v
+    rows of qkv_proj, o_proj, and the MLP's or the first expert's gate, up and down."""
+    for name, w in _engine_weights(llm).items():
+        if name in meant:
+            assert torch.equal(w, meant[name].to(w.device)), name
+    assert {n for n in meant if ".experts." not in n or ".experts.0." in n} <= set(_engine_weights(llm))
+
+
+def _moe_layer(llm: LLM) -> torch.nn.Module:
+    return next(layer for layer in llm.engine.model.layers if hasattr(layer.mlp, "w13"))
+
+
+def _engine_weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """The engine's attention, MLP and expert weights under their checkpoint names, float8 ones as the
+    tensors they stand for."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(llm.engine.model.layers):
         attn, pre = layer.self_attn, f"model.layers.{i}."
         q, kv = attn.q_size, attn.kv_size
-        fused = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-        for proj, (lo, hi) in fused.items():
-            assert torch.equal(attn.qkv_proj[lo:hi], meant[f"{pre}self_attn.{proj}.weight"]), (i, proj)
-        assert torch.equal(attn.o_proj, meant[f"{pre}self_attn.o_proj.weight"]), i
+        qkv = as_dense(attn.qkv_proj)
+        for proj, (lo, hi) in {
+            "q_proj": (0, q),
+            "k_proj": (q, q + kv),
+            "v_proj": (q + kv, q + 2 * kv),
+        }.items():
+            out[f"{pre}self_attn.{proj}.weight"] = qkv[lo:hi]
+        out[f"{pre}self_attn.o_proj.weight"] = as_dense(attn.o_proj)
         mlp = layer.mlp
         if hasattr(mlp, "w13"):
-            inter = mlp.w2.shape[2]
-            expert = f"{pre}mlp.experts.0."
-            assert torch.equal(mlp.w13[0, :inter], meant[expert + "gate_proj.weight"]), i
-            assert torch.equal(mlp.w13[0, inter:], meant[expert + "up_proj.weight"]), i
-            assert torch.equal(mlp.w2[0], meant[expert + "down_proj.weight"]), i
+            w13, w2 = as_dense(mlp.w13), as_dense(mlp.w2)
+            inter = w2.shape[2]
+            for e in range(w13.shape[0]):
+                expert = f"{pre}mlp.experts.{e}."
+                out[expert + "gate_proj.weight"] = w13[e, :inter]
+                out[expert + "up_proj.weight"] = w13[e, inter:]
+                out[expert + "down_proj.weight"] = w2[e]
         else:
-            inter = mlp.down_proj.shape[1]
-            assert torch.equal(mlp.gate_up_proj[:inter], meant[f"{pre}mlp.gate_proj.weight"]), i
-            assert torch.equal(mlp.gate_up_proj[inter:], meant[f"{pre}mlp.up_proj.weight"]), i
-            assert torch.equal(mlp.down_proj, meant[f"{pre}mlp.down_proj.weight"]), i
-        checked += 1
-    assert checked == len(model.layers) > 0
+            gate_up, down = as_dense(mlp.gate_up_proj), as_dense(mlp.down_proj)
+            inter = down.shape[1]
+            out[f"{pre}mlp.gate_proj.weight"] = gate_up[:inter]
+            out[f"{pre}mlp.up_proj.weight"] = gate_up[inter:]
+            out[f"{pre}mlp.down_proj.weight"] = down
+    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
@@ -76,6 +96,7 @@ def test_fine_grained_fp8_checkpoint_matches_transformers(arch: str, tmp_path: P
     src = make_checkpoint(arch, tmp_path / "src", seed=5)
     meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 16))
     llm = _llm(tmp_path / "fp8")
+    assert not isinstance(llm.engine.model.layers[0].self_attn.o_proj, Fp8Weight)  # 16-wide blocks: widened
     _check_weights(llm, meant)
     raw = load_file(str(tmp_path / "fp8" / "model.safetensors"))["model.layers.0.self_attn.o_proj.weight"]
     assert (raw.float() - meant["model.layers.0.self_attn.o_proj.weight"]).abs().max() > 10
@@ -90,20 +111,82 @@ def test_fine_grained_fp8_checkpoint_matches_transformers(arch: str, tmp_path: P
 @pytest.mark.parametrize(
     "fmt, block", [("compressed-tensors", None), ("modelopt", None), ("fp8", (24, 40))], ids=str
 )
-def test_scale_layouts_widen_to_what_the_checkpoint_means(
+def test_scale_layouts_stand_for_what_the_checkpoint_means(
     fmt: str, block: tuple[int, int] | None, tmp_path: Path
 ) -> None:
     """llm-compressor's per-channel ``weight_scale`` (with static ``input_scale``s, not used: activations
-    stay unquantised), ModelOpt's per-tensor scale described in ``hf_quant_config.json``, and fine-grained
-    blocks that do not divide the weights (partial edge blocks, as DeepSeek-V3's): the engine's weights are
-    what each format means, and its greedy tokens are transformers' on those weights written out in
-    float32 (transformers reads none of these formats without their tools or a GPU)."""
+    stay unquantised) and ModelOpt's per-tensor scale described in ``hf_quant_config.json``, both kept in
+    float8 with a scale per row (q, k and v's per-tensor scales down their rows of the fused weight), and
+    fine-grained blocks that do not divide the weights (partial edge blocks, as DeepSeek-V3's; 24 rows is
+    no block the kernels index, so widened): the engine's weights are what each format means, and its greedy
+    tokens are transformers' on those weights written out in float32 (transformers reads none of these
+    formats without their tools or a GPU)."""
     src = make_checkpoint("qwen3_moe", tmp_path / "src", seed=6)
     meant = quantize_checkpoint(src, tmp_path / "q", fmt, **({"block": block} if block else {}))
     llm = _llm(tmp_path / "q")
+    layer = _moe_layer(llm)
+    kept = [
+        isinstance(w, Fp8Weight) for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.w13)
+    ]
+    assert kept == [fmt != "fp8"] * 3, kept
+    if fmt != "fp8":
+        assert layer.self_attn.qkv_proj.weight_scale.shape[-1] == 1  # a scale per row
     _check_weights(llm, meant)
     reference = write_weights(src, tmp_path / "widened", meant)
     assert _tokens(llm) == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_float8_weights_stay_float8_with_the_widened_tokens(tmp_path: Path) -> None:
+    """A Qwen3-MoE checkpoint with scales per 16 x 128 block (one block along these 64-wide rows, as
+    Qwen3-FP8's 128 x 128 on 2048-wide ones): the engine keeps its attention and expert weights in float8
+    with those scales (a byte a weight and its scales; the router stays 16-bit), they stand for the
+    checkpoint's weights bit for bit, its tokens are transformers' on the checkpoint and the same as the
+    engine's with the weights widened (``quantization="none"``), and the two are told apart in the model
+    fingerprint, the root of every prefix-cache key."""
+    src = make_checkpoint("qwen3_moe", tmp_path / "src", seed=5)
+    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 128))
+    kept, widened = (
+        _llm(tmp_path / "fp8"),
+        _llm(tmp_path / "fp8", quantization="none"),
+    )
+    layer, wide = _moe_layer(kept), _moe_layer(widened)
+    assert isinstance(layer.self_attn.qkv_proj, Fp8Weight) and isinstance(layer.mlp.w13, Fp8Weight)
+    assert layer.mlp.w13.weight.dtype == torch.float8_e4m3fn and layer.mlp.w13.block == (16, 64)
+    assert not isinstance(layer.mlp.gate, Fp8Weight) and not isinstance(wide.mlp.w13, Fp8Weight)
+    for fp8, dense in (
+        (layer.mlp.w13, wide.mlp.w13),
+        (layer.mlp.w2, wide.mlp.w2),
+        (layer.self_attn.qkv_proj, wide.self_attn.qkv_proj),
+    ):
+        assert fp8.nbytes() < 0.3 * dense.numel() * dense.element_size()  # float32: 4 bytes
+        assert torch.equal(fp8.dequantize(), dense)
+    _check_weights(kept, meant)
+    tokens = _tokens(kept)
+    assert all(len(set(t)) >= 4 for t in tokens), tokens
+    assert tokens == _tokens(widened)
+    reference = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    assert tokens == [hf_greedy(tmp_path / "fp8", p, NEW_TOKENS, **reference) for p in PROMPTS]
+    assert kept.engine.model_fingerprint != widened.engine.model_fingerprint
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_quantization_fp8_quantises_a_16_bit_checkpoint(arch: str, tmp_path: Path) -> None:
+    """``quantization="fp8"`` over a 16-bit checkpoint: attention, MLP and expert weights become float8 e4m3
+    with a scale per row (64-wide rows: no 128 x 128 blocks), each within half a float8 step of the
+    checkpoint's weight, and the engine's greedy tokens are transformers' on the weights they stand for."""
+    src = make_checkpoint(arch, tmp_path / "src", seed=8)
+    llm = _llm(src, quantization="fp8")
+    assert isinstance(llm.engine.model.layers[0].self_attn.o_proj, Fp8Weight)
+    original = load_file(str(src / "model.safetensors"))
+    stands_for = _engine_weights(llm)
+    for name, w in stands_for.items():
+        err = (w - original[name].float()).abs()
+        assert (err <= original[name].float().abs() / 16 + 1e-6).all(), name
+        assert not torch.equal(w, original[name].float()), name  # quantised, not copied
+    reference = write_weights(src, tmp_path / "dequantized", stands_for)
+    tokens = _tokens(llm)
+    assert all(len(set(t)) >= 4 for t in tokens), tokens
+    assert tokens == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_dequantize_layouts() -> None:

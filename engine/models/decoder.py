@@ -17,6 +17,7 @@ from engine.models.rope_cache import cos_sin_cache
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.layer import MoEBlock
 from kernels import Ops
+from kernels.fp8_weight import Fp8Layout, linear_weight
 from kernels.kv_cache import FP8_KV_DTYPES
 
 
@@ -34,7 +35,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8: Fp8Layout | None = None,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -44,11 +51,11 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_proj = linear_weight((self.q_size + 2 * self.kv_size, cfg.hidden_size), fp8, dtype, device)
         self.qkv_bias = (
             _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.attention_bias else None
         )
-        self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_proj = linear_weight((cfg.hidden_size, self.q_size), fp8, dtype, device)
         self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         # The checkpoint's calibrated KV scales (``k_scale`` / ``v_scale``, set by the loader; 1.0 where it
@@ -130,11 +137,19 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8: Fp8Layout | None = None,
+    ) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = _param(2 * inter, hidden, dtype=dtype, device=device)
-        self.down_proj = _param(hidden, inter, dtype=dtype, device=device)
+        self.gate_up_proj = linear_weight((2 * inter, hidden), fp8, dtype, device)
+        self.down_proj = linear_weight((hidden, inter), fp8, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.ops.linear(x, self.gate_up_proj))
@@ -154,13 +169,14 @@ class DecoderLayer(nn.Module):
         device: torch.device,
         dispatcher: TokenDispatcher | None,
         physical_to_logical: list[int] | None,
+        fp8: Fp8Layout | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg, layer, ops, dtype, device)
+        self.self_attn = Attention(cfg, layer, ops, dtype, device, fp8)
         self.mlp: nn.Module
         if cfg.moe_layers and cfg.moe_layers[layer]:
             self.mlp = MoEBlock(
@@ -174,9 +190,10 @@ class DecoderLayer(nn.Module):
                 device,
                 physical_to_logical=physical_to_logical,
                 dispatcher=dispatcher,
+                fp8=fp8,
             )
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, device)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, device, fp8)
 
     def forward(
         self,
@@ -243,9 +260,13 @@ class DecoderModel(nn.Module):
         max_positions: int,
         dispatcher: TokenDispatcher | None = None,
         physical_to_logical: list[list[int]] | None = None,
+        fp8: Fp8Layout | None = None,
     ) -> None:
+        """``fp8``: the attention, MLP and expert projections are kept in float8 in that layout (the
+        router, the embeddings and the LM head stay in ``dtype``)."""
         super().__init__()
         self.cfg = cfg
+        self.fp8 = fp8
         self.ops = ops
         self.dispatcher = dispatcher
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
@@ -258,6 +279,7 @@ class DecoderModel(nn.Module):
                 device,
                 dispatcher,
                 physical_to_logical[i] if physical_to_logical else None,
+                fp8,
             )
             for i in range(cfg.num_layers)
         )

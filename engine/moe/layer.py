@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.moe.dispatch import SingleRankDispatcher, TokenDispatcher
 from kernels import Ops
+from kernels.fp8_weight import Fp8Layout, linear_weight
 
 
 class ExpertPlacement:
@@ -45,6 +46,7 @@ class MoEBlock(nn.Module):
         device: torch.device,
         physical_to_logical: list[int] | None = None,
         dispatcher: TokenDispatcher | None = None,
+        fp8: Fp8Layout | None = None,
     ) -> None:
         super().__init__()
         self.num_logical = num_experts
@@ -61,12 +63,8 @@ class MoEBlock(nn.Module):
         n_local = self.num_physical // ep
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, **kw), requires_grad=False)
-        self.w13 = nn.Parameter(
-            torch.empty(n_local, 2 * intermediate_size, hidden_size, **kw), requires_grad=False
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(n_local, hidden_size, intermediate_size, **kw), requires_grad=False
-        )
+        self.w13 = linear_weight((n_local, 2 * intermediate_size, hidden_size), fp8, dtype, device)
+        self.w2 = linear_weight((n_local, hidden_size, intermediate_size), fp8, dtype, device)
         self.register_buffer(
             "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         )
