@@ -142,6 +142,7 @@ class Plan:
     gpu_mem_fraction: float = 0.80  # of free memory, for weights + KV pool
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: auto (the weights' dtype) or fp8
+    quantization: str = "auto"  # EngineConfig.quantization: fp8 keeps the linear weights in float8
     # The decode section's sampling, SamplingParams fields (empty: greedy), e.g. {"temperature": 0.8}.
     decode_sampling: dict[str, float] = field(default_factory=dict)
     smoke: bool = False
@@ -172,7 +173,12 @@ class WeightBytes:
     kv_bytes_per_token: float  # all layers, K and V
 
 
-def count_weights(cfg: ModelConfig, itemsize: int, kv_itemsize: int | None = None) -> WeightBytes:
+def count_weights(
+    cfg: ModelConfig, itemsize: int, kv_itemsize: int | None = None, linear_itemsize: float | None = None
+) -> WeightBytes:
+    """``linear_itemsize``: bytes a weight of the attention, MLP and expert projections (float8: one, plus
+    its share of a float32 scale per 128 x 128 block); the router, norms, embeddings and LM head take
+    ``itemsize``."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     attn = h * (q + 2 * kv) + q * h
@@ -191,9 +197,11 @@ def count_weights(cfg: ModelConfig, itemsize: int, kv_itemsize: int | None = Non
         + dense_layers * dense_mlp
         + moe_layers * (router + cfg.num_experts_per_tok * per_expert)
     )
+    linear = linear_itemsize or itemsize
+    linear_dense = cfg.num_layers * attn + dense_layers * dense_mlp  # in dense_params, at `linear` bytes
     return WeightBytes(
-        per_step_dense=dense_params * itemsize,
-        per_expert=per_expert * itemsize,
+        per_step_dense=(dense_params - linear_dense) * itemsize + linear_dense * linear,
+        per_expert=per_expert * linear,
         moe_layers=moe_layers,
         num_experts=cfg.num_experts,
         top_k=cfg.num_experts_per_tok,
@@ -286,6 +294,7 @@ def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
         max_model_len=plan.max_model_len,
         async_scheduling=plan.async_scheduling,
         kv_cache_dtype=plan.kv_cache_dtype,
+        quantization=plan.quantization,
     )
     t = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -765,7 +774,8 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
 
     mcfg, _ = resolve_model_config(str(model_dir))
     itemsize = 2 if plan.dtype != "float32" else 4
-    wb = count_weights(mcfg, itemsize, 1 if plan.kv_cache_dtype != "auto" else None)  # fp8 KV: a byte
+    fp8_weights = 1 + 4 / 128**2 if plan.quantization == "fp8" else None  # a byte, a scale per block
+    wb = count_weights(mcfg, itemsize, 1 if plan.kv_cache_dtype != "auto" else None, fp8_weights)
     block_bytes = wb.kv_bytes_per_token * 16
     fits = {(b, c): blocks_needed(b, c, plan) for b in plan.batches for c in plan.contexts}
     # Every weight in memory: what steps read, all experts, and the input embedding (a step reads a row).
@@ -948,7 +958,7 @@ def summary(res: Results, plan: Plan) -> str:
         lines += [
             "",
             "decode (engine.step: scheduler + graph replay + sampler; graph = replay alone, device time; "
-            f"sampling: {sampling_label(plan)}; KV cache: {plan.kv_cache_dtype})",
+            f"sampling: {sampling_label(plan)}; KV cache: {plan.kv_cache_dtype}; weights: {plan.quantization})",
             "| model | batch | ctx | step ms | graph ms | tok/s | experts/layer | GB moved | roofline ms "
             "| % roofline (step) | % roofline (graph) | runner ms | launch ms | sampler ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -1066,6 +1076,7 @@ def environment(plan: Plan) -> dict[str, Any]:
             device=plan.device, async_scheduling=plan.async_scheduling
         ).async_scheduling,
         "kv_cache_dtype": plan.kv_cache_dtype,
+        "quantization": plan.quantization,
     }
     try:
         import transformers
@@ -1128,6 +1139,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the engines' KV cache dtype (EngineConfig.kv_cache_dtype); fp8 halves the KV bytes a decode "
         "step reads, and its roofline counts them so",
     )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="the engines' weight quantization (EngineConfig.quantization); fp8 keeps the attention, MLP and "
+        "expert weights in float8 (128 x 128 scale blocks), and the roofline counts them at a byte",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1165,6 +1183,7 @@ def main(argv: list[str] | None = None) -> None:
         serve_modes=modes,
         decode_sampling=args.decode_sampling,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl

@@ -1,7 +1,8 @@
 """Mixture-of-experts expert computation over physical experts: PyTorch reference.
 
 Routing (softmax, top-k, renormalisation, logical-to-physical mapping) happens in the model's MoE layer;
-this op only runs the chosen experts and combines their outputs with the routing weights.
+this op only runs the chosen experts and combines their outputs with the routing weights. Float8 expert
+weights (``Fp8Weight``) compute as the tensor they stand for, ``dequantize()``.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_weight import Fp8Weight, as_dense
+
 
 def fused_moe_torch(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     has_absent: bool = False,
@@ -22,8 +25,10 @@ def fused_moe_torch(
 
     Returns sum_k weight_k * expert_k(x) in x's dtype, [T, H]. A negative id is a pair whose expert this
     rank does not hold (an expert-parallel group's other ranks compute it): it adds nothing
-    (``has_absent`` says such ids may occur; the reference handles them either way).
+    (``has_absent`` says such ids may occur; the reference handles them either way). An ``Fp8Weight`` is
+    dequantised whole, once a call: a reference, not a fast path.
     """
+    w13, w2 = as_dense(w13), as_dense(w2)
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)

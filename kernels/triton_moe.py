@@ -29,6 +29,13 @@ Grouped path (prefill and larger batches):
    pair's routing weight -> ``[T*k, H]``.
 3. SiLU-and-mul between them (``kernels/triton_activation.py``), and a sum over top-k at the end (torch,
    which accumulates in fp32).
+
+Float8 weights (``w13`` / ``w2`` given as ``kernels.fp8_weight.Fp8Weight``): the same paths read the float8
+values and multiply float32 partial sums by their scales, K steps never straddling two scale blocks
+(``KERNEL_K_STEP``). The grouped GEMM and the small down kernel take a ``W_FP8`` switch (one scale per
+weight row per K step of at most KERNEL_K_STEP); the small gate-up kernel has a float8 twin,
+``_moe_small_gate_up_fp8_kernel``, whose long steps are pieces of KERNEL_K_STEP with a scale each. 16-bit
+weights pass None for the scale arguments: constexprs, so their kernels compile to the code they had.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_weight import KERNEL_K_STEP, Fp8Weight, scale_args
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
 
@@ -359,6 +367,10 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_cm,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTING_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -366,10 +378,17 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """c[pair, :] = a[pair // A_ROW_DIV, :] @ w[expert].T (times topk_weight[pair]) for one tile; zeros for
-    a tile of expert ``num_experts`` (the pairs whose experts other ranks hold, ``has_absent``)."""
+    a tile of expert ``num_experts`` (the pairs whose experts other ranks hold, ``has_absent``).
+
+    W_FP8: w is float8 with float32 scales at ``s_ptr`` (``kernels.fp8_weight.scale_args``); each K step
+    (BLOCK_K divides the scale block) is its own dot, widened to a's dtype (exact), times its columns'
+    scales. Otherwise the scale arguments are None and unused."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_rows, BLOCK_M)
@@ -397,12 +416,18 @@ def _moe_gemm_kernel(
     w_ptrs = (
         w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     )
+    if W_FP8:
+        s_cols = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        if W_FP8:
+            scale = tl.load(s_cols + (k0 // SCALE_BK) * stride_sk, mask=offs_n < N, other=0.0)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if MUL_ROUTING_WEIGHT:
@@ -410,9 +435,28 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+def _scale_args(w: torch.Tensor | Fp8Weight, block_k: int) -> tuple[tuple, dict[str, int | bool]]:
+    """The scale arguments of a kernel with a ``W_FP8`` switch whose K steps are ``block_k`` long:
+    (scales, stride over experts, over row blocks, over K blocks) and the constexprs. For a tensor, Nones:
+    constexprs, which leave the 16-bit kernel's parameters (and so its code) as they were."""
+    if not isinstance(w, Fp8Weight):
+        return (None, None, None, None), {"W_FP8": False, "SCALE_BN": 1, "SCALE_BK": 1}
+    if KERNEL_K_STEP % block_k:
+        raise ValueError(
+            f"K steps of {block_k} straddle float8 scale blocks (steps must divide {KERNEL_K_STEP})"
+        )
+    se, sn, sk, bn, bk = scale_args(w)
+    return (w.weight_scale, se, sn, sk), {"W_FP8": True, "SCALE_BN": bn, "SCALE_BK": bk}
+
+
+def _values(w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """The tensor a kernel reads a weight's elements from: a float8 weight's values, or the weight."""
+    return w.weight if isinstance(w, Fp8Weight) else w
+
+
 def _grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | Fp8Weight,
     out: torch.Tensor,
     topk_weights: torch.Tensor,
     sorted_ids: torch.Tensor,
@@ -422,16 +466,18 @@ def _grouped_gemm(
     mul_routing_weight: bool,
     cfg: MoeTileConfig,
 ) -> None:
+    scale, fp8 = _scale_args(w, cfg.block_k)
+    w = _values(w)
     n, k = w.shape[1], w.shape[2]
     max_rows = sorted_ids.shape[0]
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, num_rows_padded,
         max_rows, n, k, out.shape[0], w.shape[0],
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), *scale,
         A_ROW_DIV=a_row_div, MUL_ROUTING_WEIGHT=mul_routing_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION=dot_precision(a.dtype),
+        DOT_PRECISION=dot_precision(a.dtype), **fp8,
         **pdl_kwargs(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -496,6 +542,17 @@ def moe_small_config(device: torch.device) -> MoeSmallConfig:
     return MoeSmallConfig(1, 1024, 1, 1, 128, 4, gate_up_num_stages=2, down_num_stages=4)
 
 
+def moe_small_fp8_config(device: torch.device) -> MoeSmallConfig:
+    """Block sizes for the small path over float8 weights. Unmeasured (no GPU sweep yet): the 16-bit tiles
+    taken as they are. Gate-up 1 x 1024 in one warp reads its step as 8 pieces of KERNEL_K_STEP, one scale
+    each: half the bytes of a 16-bit step, which by ``moe_small_config``'s reasoning should still keep
+    enough in flight (to be measured). Down 1 x 128 in 4 warps: one scale per expert row a step. The down
+    kernel's BLOCK_K must divide KERNEL_K_STEP, the gate-up's be a power of two."""
+    if device.type != "cuda":  # the interpreter: steps of two pieces; down steps of half a scale block
+        return MoeSmallConfig(64, 2 * KERNEL_K_STEP, 4, 64, KERNEL_K_STEP // 2, 4)
+    return MoeSmallConfig(1, 1024, 1, 1, KERNEL_K_STEP, 4, gate_up_num_stages=2, down_num_stages=4)
+
+
 @triton.jit
 def _moe_small_gate_up_kernel(
     x_ptr,
@@ -550,6 +607,77 @@ def _moe_small_gate_up_kernel(
 
 
 @triton.jit
+def _moe_small_gate_up_fp8_kernel(
+    x_ptr,
+    w13_ptr,
+    s_ptr,
+    act_ptr,
+    topk_ids_ptr,
+    inter,
+    hidden,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    up_offset,
+    stride_am,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PIECES: tl.constexpr,
+    PIECE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+    HAS_ABSENT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``_moe_small_gate_up_kernel`` over float8 w13 with float32 scales at ``s_ptr``: a step of
+    PIECES * PIECE columns is a [BLOCK_N, PIECES, PIECE] tile, each piece inside one scale block (PIECE
+    divides KERNEL_K_STEP), and each piece's products are weighed by its block's scale."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if HAS_ABSENT:  # noqa: SIM102  (as the 16-bit kernel)
+        if expert < 0:  # another rank holds this pair's expert: the down kernel skips its row
+            return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    pieces = tl.arange(0, PIECES) * PIECE  # each piece's first column in a step
+    offs_k = pieces[:, None] + tl.arange(0, PIECE)[None, :]  # [PIECES, PIECE]
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_k
+    gate_ptrs = (
+        w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
+    )
+    up_ptrs = gate_ptrs + up_offset  # I rows on; from the host, so 64-bit when it must be
+    gate_s_rows = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
+    up_s_rows = s_ptr + expert * stride_se + ((inter + offs_n) // SCALE_BN) * stride_sn
+    gate_acc = tl.zeros((BLOCK_N, PIECES, PIECE), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_N, PIECES, PIECE), dtype=tl.float32)
+    for k0 in range(0, hidden, PIECES * PIECE):
+        k_mask = offs_k < hidden - k0
+        mask = n_mask[:, None, None] & k_mask[None, :, :]
+        xk = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :, :]
+        # Pieces past the row's end are masked: their block index would be past the scale grid's.
+        s_mask = n_mask[:, None] & (pieces < hidden - k0)[None, :]
+        s_cols = ((k0 + pieces) // SCALE_BK * stride_sk)[None, :]
+        gate_s = tl.load(gate_s_rows[:, None] + s_cols, mask=s_mask, other=0.0)[:, :, None]
+        up_s = tl.load(up_s_rows[:, None] + s_cols, mask=s_mask, other=0.0)[:, :, None]
+        gate_acc += tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32) * gate_s * xk
+        up_acc += tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32) * up_s * xk
+        x_ptrs += PIECES * PIECE
+        gate_ptrs += PIECES * PIECE
+        up_ptrs += PIECES * PIECE
+    # The 16-bit kernel's roundings: gate_up to x's dtype, then SiLU (fp32, rounded) times up.
+    dtype = act_ptr.dtype.element_ty
+    gate = tl.sum(tl.sum(gate_acc, axis=2), axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(tl.sum(up_acc, axis=2), axis=1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (silu * up).to(dtype), mask=n_mask)
+
+
+@triton.jit
 def _moe_small_down_kernel(
     act_ptr,
     w2_ptr,
@@ -562,11 +690,18 @@ def _moe_small_down_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
     TOP_K: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_ABSENT: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
@@ -577,7 +712,10 @@ def _moe_small_down_kernel(
 
     The ids and weights are also inputs of the gate-up kernel launched just before this one, so they were
     complete before that kernel passed its own PDL wait, which it did before this kernel could start:
-    they are read before this kernel's wait, and only ``act`` after it."""
+    they are read before this kernel's wait, and only ``act`` after it.
+
+    W_FP8: w2 is float8 with float32 scales at ``s_ptr``; BLOCK_K divides the scale block, so each step
+    weighs every expert row's products by one scale. Otherwise the scale arguments are None and unused."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
@@ -597,12 +735,20 @@ def _moe_small_down_kernel(
         + offs_k[None, None, :]
     )
     a_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if W_FP8:
+        s_rows = s_ptr + experts[:, None] * stride_se + (offs_n // SCALE_BN)[None, :] * stride_sn  # [J, N]
     acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if W_FP8:
+            s_mask = j_mask[:, None] & n_mask[None, :]
+            w = (
+                w.to(tl.float32)
+                * tl.load(s_rows + (k0 // SCALE_BK) * stride_sk, mask=s_mask, other=0.0)[:, :, None]
+            )
         acc += w.to(tl.float32) * (a * weights[:, None])[:, None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -612,8 +758,8 @@ def _moe_small_down_kernel(
 
 def _fused_moe_small(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     cfg: MoeSmallConfig,
@@ -626,20 +772,33 @@ def _fused_moe_small(
     top_k = topk_ids.shape[1]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    down_scale, down_fp8 = _scale_args(w2, cfg.down_block_k)  # checked before anything launches
     # Pair (token) is grid axis 0, the fastest: pairs sharing an expert read its tile at about the same time.
     grid_a = (num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_block_n))
-    _moe_small_gate_up_kernel[grid_a](
-        x, w13, act, topk_ids, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, HAS_ABSENT=has_absent,
-        **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
-    )  # fmt: skip
+    if isinstance(w13, Fp8Weight):
+        se, sn, sk, bn, bk = scale_args(w13)
+        values, piece = w13.weight, min(cfg.gate_up_block_k, KERNEL_K_STEP)
+        _moe_small_gate_up_fp8_kernel[grid_a](
+            x, values, w13.weight_scale, act, topk_ids, inter, hidden,
+            x.stride(0), values.stride(0), values.stride(1), inter * values.stride(1), act.stride(0), se, sn, sk,
+            TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, PIECES=cfg.gate_up_block_k // piece, PIECE=piece,
+            SCALE_BN=bn, SCALE_BK=bk, HAS_ABSENT=has_absent,
+            **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
+        )  # fmt: skip
+    else:
+        _moe_small_gate_up_kernel[grid_a](
+            x, w13, act, topk_ids, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), inter * w13.stride(1), act.stride(0),
+            TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, HAS_ABSENT=has_absent,
+            **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
+        )  # fmt: skip
+    w2 = _values(w2)
     grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
     _moe_small_down_kernel[grid_b](
         act, w2, out, topk_weights, topk_ids, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *down_scale,
         TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        HAS_ABSENT=has_absent,
+        HAS_ABSENT=has_absent, **down_fp8,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
@@ -651,8 +810,8 @@ def _fused_moe_small(
 
 def fused_moe_triton(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     has_absent: bool = False,
@@ -667,6 +826,10 @@ def fused_moe_triton(
     one more expert whose tiles write zeros). Without it a negative id is out of range; the flag is a
     compile-time switch, so one GPU's kernels carry no check (a runtime check cost ~1% of a batch-1 MoE
     step on the H200).
+
+    Either weight may be an ``Fp8Weight``: the kernels then read its float8 values and scale their float32
+    partial sums (module docstring), which differs from ``fused_moe_torch``'s dequantised weights by those
+    weights' rounding to the model's dtype.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -676,13 +839,13 @@ def fused_moe_triton(
         return torch.zeros_like(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+    if _values(w13).stride(-1) != 1 or _values(w2).stride(-1) != 1:
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
     if use_small_path(num_pairs, num_experts):
-        return _fused_moe_small(
-            x, w13, w2, topk_weights, topk_ids.contiguous(), moe_small_config(x.device), has_absent
-        )
+        fp8 = isinstance(w13, Fp8Weight) or isinstance(w2, Fp8Weight)
+        cfg = moe_small_fp8_config(x.device) if fp8 else moe_small_config(x.device)
+        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), cfg, has_absent)
     cfg = moe_tile_config(num_pairs, num_experts, x.device)
     if has_absent:  # the absent pairs as expert E, after the real ones
         topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)

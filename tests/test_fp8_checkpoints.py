@@ -301,14 +301,43 @@ def test_dtype_auto_is_the_checkpoints(tmp_path: Path) -> None:
 
 
 @needs_gpu
-def test_gpu_fp8_checkpoint_on_the_fast_path(tmp_path: Path) -> None:
-    """On a GPU the widened weights are the same bits, and the Triton ops with CUDA graphs give the eager
-    reference ops' greedy tokens over them (float32: identical)."""
+@pytest.mark.parametrize("block", [(16, 16), (16, 128)], ids=["widened", "kept"])
+def test_gpu_fp8_checkpoint_on_the_fast_path(block: tuple[int, int], tmp_path: Path) -> None:
+    """On a GPU, a float8 checkpoint widened at load (16 x 16 blocks) and one kept in float8 (16 x 128):
+    the weights stand for the same bits, and the Triton ops with CUDA graphs give the eager reference ops'
+    greedy tokens over them (float32: identical)."""
     src = make_checkpoint("qwen3_moe", tmp_path / "src", seed=5)
-    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 16))
+    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=block)
     fast = _llm(tmp_path / "fp8", device="cuda", kernel_backend="triton", cuda_graphs=True)
+    assert isinstance(_moe_layer(fast).mlp.w13, Fp8Weight) == (block[1] == 128)
     _check_weights(fast, meant)
     reference = _tokens(_llm(tmp_path / "fp8", device="cuda", kernel_backend="torch", cuda_graphs=False))
     assert all(len(set(t)) >= 4 for t in reference), reference
     assert _tokens(fast) == reference
     assert sum(fast.engine.runner.graphs.replays.values()) >= NEW_TOKENS - 1  # decode ran as graphs
+
+
+@needs_gpu
+def test_gpu_quantization_fp8_at_real_shapes(tmp_path: Path) -> None:
+    """``quantization="fp8"`` on the GPU over a 16-bit checkpoint whose projections are whole 128 x 128
+    blocks (hidden 256, a dense layer and three MoE layers): bfloat16, Triton ops with CUDA graphs; the greedy tokens of the
+    first steps equal the eager reference ops' over the same float8 weights (bfloat16 allows later ties to
+    break either way), and the float8 weights take about half the 16-bit ones' bytes."""
+    src = make_checkpoint(
+        "qwen3_moe",
+        tmp_path / "src",
+        seed=9,
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        head_dim=64,
+    )
+    fast = _llm(src, device="cuda", dtype="bfloat16", kernel_backend="triton", quantization="fp8")
+    eager = _llm(
+        src, device="cuda", dtype="bfloat16", kernel_backend="torch", quantization="fp8", cuda_graphs=False
+    )
+    w13 = _moe_layer(fast).mlp.w13
+    assert isinstance(w13, Fp8Weight) and w13.block == (128, 128)
+    assert w13.nbytes() < 0.52 * w13.weight.numel() * 2
+    a, b = _tokens(fast), _tokens(eager)
+    assert [t[:4] for t in a] == [t[:4] for t in b], (a, b)
