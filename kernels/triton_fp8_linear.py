@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels.fp8_weight import KERNEL_K_STEP, Fp8Weight, scale_args
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
+from kernels.triton_fp8 import fp8_byte_to_f32, fp8_word_factor, fp8_word_shift
 from kernels.triton_linear import NORM_GEMV_MAX_K, SKINNY_BLOCK_M, SKINNY_MAX_M, LinearConfig
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
@@ -60,78 +61,132 @@ def _fp8_gemv_kernel(
     s_sn,
     s_sk,
     eps,
+    half_factor,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
     ROW_SCALES: tl.constexpr,
+    SHARED_SCALES: tl.constexpr,
     FUSE_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
+    SHIFT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PIECES: tl.constexpr,
-    PIECE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[n] = x . dequant(w[n]) for BLOCK_N rows n, fp32 accumulation. With FUSE_NORM, x is first
-    rms_norm(x + res) * g (one step covers the row; program 0 writes x + res, and the normalised row where
-    WRITE_NORMED), with ``_norm_gemv_kernel``'s roundings. ROW_SCALES: one scale a row (multiplied once, at
-    the end); otherwise each [BLOCK_N, PIECE] piece takes its block's scale."""
+    """out[n] = x . dequant(w[n]) for BLOCK_N rows n, fp32 accumulation, over w read as 32-bit words of
+    four float8 values (``stride_wn`` in words; ``kernels/triton_fp8.py``): a step is [BLOCK_N, PIECES, 32]
+    words, each piece of 32 words (KERNEL_K_STEP values) in one scale block; byte J of word i multiplies
+    x[4 i + J]. The float8 values come out times 2**-(bias difference); x is multiplied by ``half_factor``
+    (the square root of the restoring factor) and by the step's scales where the program's rows share
+    them (SHARED_SCALES), the sums by ``half_factor`` at the end, so products stay normal floats.
+
+    FUSE_NORM: x is first rms_norm(x + res) * g (one step covers the row; program 0 writes x + res, and the
+    normalised row where WRITE_NORMED), with ``_norm_gemv_kernel``'s roundings. ROW_SCALES: one scale a row,
+    multiplied at the end; otherwise each piece takes its block's scale, times x (SHARED_SCALES) or times
+    the piece's products."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    WORDS: tl.constexpr = 32  # words a piece
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, PIECES)[:, None] * PIECE + tl.arange(0, PIECE)[None, :]  # [PIECES, PIECE]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
+    offs_w = tl.arange(0, PIECES)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [PIECES, WORDS]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_w[None, :, :]
     s_rows = s_ptr + (offs_n // SCALE_BN) * s_sn  # [BLOCK_N]
-    if FUSE_NORM:
-        k_mask = offs_k < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0)  # in flight first
-        first = offs_k < tl.where(pid == 0, K, 0)  # program 0 writes the row outputs
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            summed = (x + r).to(sum_ptr.dtype.element_ty)
-            tl.store(sum_ptr + offs_k, summed, mask=first)
-            s = summed.to(tl.float32)
-            in_dtype = sum_ptr.dtype.element_ty
+    s_shared = s_ptr + (pid * BLOCK_N // SCALE_BN) * s_sn  # the program's row block, where SHARED_SCALES
+    piece_k = tl.arange(0, PIECES) * (4 * WORDS)  # each piece's first value in a step
+    lanes = tl.zeros((BLOCK_N, PIECES, WORDS), dtype=tl.float32)
+    for k0 in range(0, K, PIECES * 4 * WORDS):
+        w_mask = n_mask[:, None, None] & (offs_w < (K - k0) // 4)[None, :, :]
+        words = tl.load(w_ptrs, mask=w_mask, other=0)  # in flight before the norm's reductions
+        if FUSE_NORM:  # one step: the whole row
+            x0, x1, x2, x3 = _norm_row(
+                x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, 4 * offs_w, K, eps, pid == 0, HAS_RESIDUAL,
+                WRITE_NORMED,
+            )  # fmt: skip
         else:
-            s = x
-            in_dtype = x_ptr.dtype.element_ty
-        inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=1), axis=0) / K + eps)
-        h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
-        if WRITE_NORMED:
-            tl.store(normed_ptr + offs_k, h, mask=first)
-        prod = w.to(tl.float32) * h.to(tl.float32)[None, :, :]
-        if ROW_SCALES:
-            out = tl.sum(tl.sum(prod, axis=2), axis=1) * tl.load(s_rows, mask=n_mask, other=0.0)
+            x0 = tl.load(x_ptr + k0 + 4 * offs_w, mask=4 * offs_w < K - k0, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + k0 + 4 * offs_w + 1, mask=4 * offs_w + 1 < K - k0, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + k0 + 4 * offs_w + 2, mask=4 * offs_w + 2 < K - k0, other=0.0).to(tl.float32)
+            x3 = tl.load(x_ptr + k0 + 4 * offs_w + 3, mask=4 * offs_w + 3 < K - k0, other=0.0).to(tl.float32)
+        if SHARED_SCALES and not ROW_SCALES:
+            shared = tl.load(s_shared + (k0 + piece_k) // SCALE_BK * s_sk, mask=piece_k < K - k0, other=0.0)
+            xscale = half_factor * shared[:, None]
         else:
-            scales = tl.load(
-                s_rows[:, None] + (tl.arange(0, PIECES) * PIECE // SCALE_BK)[None, :] * s_sk,
-                mask=n_mask[:, None] & (tl.arange(0, PIECES) * PIECE < K)[None, :],
+            xscale = half_factor
+        prod = fp8_byte_to_f32(words, 0, SHIFT) * (x0 * xscale)[None, :, :]
+        prod += fp8_byte_to_f32(words, 1, SHIFT) * (x1 * xscale)[None, :, :]
+        prod += fp8_byte_to_f32(words, 2, SHIFT) * (x2 * xscale)[None, :, :]
+        prod += fp8_byte_to_f32(words, 3, SHIFT) * (x3 * xscale)[None, :, :]
+        if not ROW_SCALES and not SHARED_SCALES:  # rows of several scale blocks: a scale per row and piece
+            piece_scales = tl.load(
+                s_rows[:, None] + ((k0 + piece_k) // SCALE_BK * s_sk)[None, :],
+                mask=n_mask[:, None] & (piece_k < K - k0)[None, :],
                 other=0.0,
             )
-            out = tl.sum(tl.sum(prod, axis=2) * scales, axis=1)
-    else:
-        lanes = tl.zeros((BLOCK_N, PIECES, PIECE), dtype=tl.float32)
-        for k0 in range(0, K, PIECES * PIECE):
-            k_mask = offs_k < K - k0
-            w = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0).to(tl.float32)
-            xk = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            if ROW_SCALES:
-                lanes += w * xk[None, :, :]
-            else:
-                pieces = (k0 + tl.arange(0, PIECES) * PIECE) // SCALE_BK
-                scales = tl.load(
-                    s_rows[:, None] + pieces[None, :] * s_sk,
-                    mask=n_mask[:, None] & (k0 + tl.arange(0, PIECES) * PIECE < K)[None, :],
-                    other=0.0,
-                )
-                lanes += w * xk[None, :, :] * scales[:, :, None]
-            w_ptrs += PIECES * PIECE
-        out = tl.sum(tl.sum(lanes, axis=2), axis=1)
-        if ROW_SCALES:
-            out = out * tl.load(s_rows, mask=n_mask, other=0.0)
+            prod = prod * piece_scales[:, :, None]
+        lanes += prod
+        w_ptrs += PIECES * WORDS
+    out = tl.sum(tl.sum(lanes, axis=2), axis=1) * half_factor
+    if ROW_SCALES:
+        out = out * tl.load(s_rows, mask=n_mask, other=0.0)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _norm_row(x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, offs, K, eps, WRITES, HAS_RESIDUAL: tl.constexpr,
+              WRITE_NORMED: tl.constexpr):  # fmt: skip
+    """The normalised row h = rms_norm(x + res) * g as four float32 tiles, h[offs + J] (J = 0..3), with
+    ``_norm_gemv_kernel``'s roundings; where WRITES, stores x + res (and h where WRITE_NORMED)."""
+    if HAS_RESIDUAL:
+        in_dtype = sum_ptr.dtype.element_ty
+    else:
+        in_dtype = x_ptr.dtype.element_ty
+    s0 = _summed(x_ptr, res_ptr, sum_ptr, offs, K, WRITES, HAS_RESIDUAL)
+    s1 = _summed(x_ptr, res_ptr, sum_ptr, offs + 1, K, WRITES, HAS_RESIDUAL)
+    s2 = _summed(x_ptr, res_ptr, sum_ptr, offs + 2, K, WRITES, HAS_RESIDUAL)
+    s3 = _summed(x_ptr, res_ptr, sum_ptr, offs + 3, K, WRITES, HAS_RESIDUAL)
+    squares = s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
+    inv_rms = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
+    h0 = _normed(g_ptr, normed_ptr, s0, inv_rms, offs, K, WRITES, in_dtype, WRITE_NORMED)
+    h1 = _normed(g_ptr, normed_ptr, s1, inv_rms, offs + 1, K, WRITES, in_dtype, WRITE_NORMED)
+    h2 = _normed(g_ptr, normed_ptr, s2, inv_rms, offs + 2, K, WRITES, in_dtype, WRITE_NORMED)
+    h3 = _normed(g_ptr, normed_ptr, s3, inv_rms, offs + 3, K, WRITES, in_dtype, WRITE_NORMED)
+    return h0, h1, h2, h3
+
+
+@triton.jit
+def _summed(x_ptr, res_ptr, sum_ptr, offs, K, WRITES, HAS_RESIDUAL: tl.constexpr):
+    """x + res at ``offs`` (rounded to its dtype; stored where WRITES), or x, as float32."""
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs, summed, mask=offs < tl.where(WRITES, K, 0))
+        x = summed.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _normed(
+    g_ptr, normed_ptr, s, inv_rms, offs, K, WRITES, in_dtype: tl.constexpr, WRITE_NORMED: tl.constexpr
+):
+    """g * rms-normalised s at ``offs`` (stored where WRITES and WRITE_NORMED), as float32."""
+    mask = offs < K
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
+    if WRITE_NORMED:
+        tl.store(normed_ptr + offs, h, mask=offs < tl.where(WRITES, K, 0))
+    return h.to(tl.float32)
+
+
+def _words(w: Fp8Weight) -> torch.Tensor | None:
+    """The weight's float8 values as int32 words of four (None where rows are not whole words)."""
+    v = w.weight
+    if v.shape[-1] % 4 or v.stride(-2) % 4 or v.stride(-1) != 1 or v.data_ptr() % 4:
+        return None
+    return v.view(torch.int32)
 
 
 def _gemv(
@@ -141,9 +196,12 @@ def _gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     need_normed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """One row: (x @ dequant(w).T, the normalised row where asked, x + residual) with the norm fused where
-    ``norm_weight`` is given."""
+    ``norm_weight`` is given; None where the weight's rows are not whole 32-bit words."""
+    words = _words(w)
+    if words is None:
+        return None
     (n, k), fuse = w.shape, norm_weight is not None
     _, s_sn, s_sk, bn, bk = scale_args(w)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -151,10 +209,11 @@ def _gemv(
     normed = torch.empty_like(x) if need_normed else out  # `out` only lends its dtype when nothing is written
     cfg = fp8_gemv_config(n, k, x.device, fuse)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, residual if residual is not None else x, norm_weight if fuse else x, w.weight, w.weight_scale,
-        out, summed, normed, n, k, w.weight.stride(0), s_sn, s_sk, eps,
-        SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0, FUSE_NORM=fuse, HAS_RESIDUAL=residual is not None,
-        WRITE_NORMED=need_normed, BLOCK_N=cfg.block_n, PIECES=cfg.block_k // KERNEL_K_STEP, PIECE=KERNEL_K_STEP,
+        x, residual if residual is not None else x, norm_weight if fuse else x, words, w.weight_scale,
+        out, summed, normed, n, k, words.stride(0), s_sn, s_sk, eps, fp8_word_factor(w.weight.dtype) ** 0.5,
+        SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0, SHARED_SCALES=bn % cfg.block_n == 0,
+        FUSE_NORM=fuse, HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed,
+        SHIFT=fp8_word_shift(w.weight.dtype), BLOCK_N=cfg.block_n, PIECES=cfg.block_k // KERNEL_K_STEP,
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, (normed if need_normed else None), summed
@@ -174,56 +233,86 @@ def _fp8_skinny_kernel(
     stride_om,
     s_sn,
     s_sk,
+    factor,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
+    SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[m, n] = x[m] . dequant(w[n]) for BLOCK_M rows m and BLOCK_N weight rows n (out.T = w @ x.T on
-    tensor cores, as ``_skinny_kernel``); each K step's MMA result times that step's scales."""
+    tensor cores, as ``_skinny_kernel``), over w read as 32-bit words (``_fp8_gemv_kernel``). A K step is
+    one piece of KERNEL_K_STEP values; byte J of its words and x's values 4 i + J make one MMA of K 32, the
+    four summed. The widened values times ``factor`` (a power of two) are the float8 values exactly, in x's
+    dtype (every float8 value is a bfloat16 and a float16 value); the sums are multiplied by the scales once
+    at the end with ROW_SCALES, else each step's sums by its scales."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    WORDS: tl.constexpr = 32
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m
     pid_n = pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, WORDS)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_w[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 4 * offs_w[:, None]  # [WORDS, BLOCK_M]
     s_rows = s_ptr + (offs_n // SCALE_BN) * s_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        scale = tl.load(s_rows + (k0 // SCALE_BK) * s_sk, mask=n_mask, other=0.0)
-        part = tl.dot(w.to(xt.dtype), xt, input_precision=DOT_PRECISION)
-        acc += part * scale[:, None]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    for k0 in range(0, K, 4 * WORDS):
+        w_mask = n_mask[:, None] & (offs_w < (K - k0) // 4)[None, :]
+        words = tl.load(w_ptrs, mask=w_mask, other=0)
+        xm = m_mask[None, :]
+        x0 = tl.load(x_ptrs, mask=xm & (4 * offs_w < K - k0)[:, None], other=0.0)
+        x1 = tl.load(x_ptrs + 1, mask=xm & (4 * offs_w + 1 < K - k0)[:, None], other=0.0)
+        x2 = tl.load(x_ptrs + 2, mask=xm & (4 * offs_w + 2 < K - k0)[:, None], other=0.0)
+        x3 = tl.load(x_ptrs + 3, mask=xm & (4 * offs_w + 3 < K - k0)[:, None], other=0.0)
+        dt = x0.dtype
+        if ROW_SCALES:
+            part = acc
+        else:
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        part = tl.dot((fp8_byte_to_f32(words, 0, SHIFT) * factor).to(dt), x0, part,
+                      input_precision=DOT_PRECISION)  # fmt: skip
+        part = tl.dot((fp8_byte_to_f32(words, 1, SHIFT) * factor).to(dt), x1, part,
+                      input_precision=DOT_PRECISION)  # fmt: skip
+        part = tl.dot((fp8_byte_to_f32(words, 2, SHIFT) * factor).to(dt), x2, part,
+                      input_precision=DOT_PRECISION)  # fmt: skip
+        part = tl.dot((fp8_byte_to_f32(words, 3, SHIFT) * factor).to(dt), x3, part,
+                      input_precision=DOT_PRECISION)  # fmt: skip
+        if ROW_SCALES:
+            acc = part
+        else:
+            acc += part * tl.load(s_rows + (k0 // SCALE_BK) * s_sk, mask=n_mask, other=0.0)[:, None]
+        w_ptrs += WORDS
+        x_ptrs += 4 * WORDS
+    if ROW_SCALES:
+        acc = acc * tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def _skinny(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+def _skinny(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor | None:
+    """2 to SKINNY_MAX_M rows; None where the weight's rows are not whole 32-bit words."""
+    words = _words(w)
+    if words is None:
+        return None
     (m, k), n = x.shape, w.shape[0]
     _, s_sn, s_sk, bn, bk = scale_args(w)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n = 64 if x.device.type == "cuda" else 16
-    block_k = KERNEL_K_STEP if x.device.type == "cuda" else 32  # the interpreter: several K steps
-    if s_sk and bk % block_k:
-        raise ValueError(f"scale blocks of {bk} along K do not hold whole {block_k}-long steps")
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * triton.cdiv(n, block_n),)
     _fp8_skinny_kernel[grid](
-        x, w.weight, w.weight_scale, out, m, n, k, x.stride(0), w.weight.stride(0), out.stride(0), s_sn, s_sk,
-        SCALE_BN=bn, SCALE_BK=bk, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), **pdl_kwargs(x.device), num_warps=4, num_stages=4,
+        x, words, w.weight_scale, out, m, n, k, x.stride(0), words.stride(0), out.stride(0), s_sn, s_sk,
+        fp8_word_factor(w.weight.dtype),
+        SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0, SHIFT=fp8_word_shift(w.weight.dtype),
+        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n, DOT_PRECISION=dot_precision(x.dtype),
+        **pdl_kwargs(x.device), num_warps=4, num_stages=4,
     )  # fmt: skip
     return out
 
@@ -274,10 +363,10 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     m = x.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if m == 1:
-        return _gemv(x, w)[0]
-    if m <= SKINNY_MAX_M:
-        return _skinny(x, w)
+    if m == 1 and (done := _gemv(x, w)) is not None:
+        return done[0]
+    if 1 <= m <= SKINNY_MAX_M and (done := _skinny(x, w)) is not None:
+        return done
     return x @ dequantize_triton(w).t()
 
 
@@ -298,7 +387,9 @@ def fp8_add_rms_norm_linear_triton(
         and norm_weight.dtype == x.dtype
     )
     if plain and x.shape[0] == 1 and x.shape[1] <= NORM_GEMV_MAX_K:
-        return _gemv(x, w, residual, norm_weight, eps, need_normed)
+        done = _gemv(x, w, residual, norm_weight, eps, need_normed)
+        if done is not None:
+            return done
     if residual is None:
         h, summed = rms_norm_triton(x, norm_weight, eps), x
     else:

@@ -319,10 +319,10 @@ def test_gpu_fp8_checkpoint_on_the_fast_path(block: tuple[int, int], tmp_path: P
 
 @needs_gpu
 def test_gpu_quantization_fp8_at_real_shapes(tmp_path: Path) -> None:
-    """``quantization="fp8"`` on the GPU over a 16-bit checkpoint whose projections are whole 128 x 128
-    blocks (hidden 256, a dense layer and three MoE layers): bfloat16, Triton ops with CUDA graphs; the greedy tokens of the
-    first steps equal the eager reference ops' over the same float8 weights (bfloat16 allows later ties to
-    break either way), and the float8 weights take about half the 16-bit ones' bytes."""
+    """``quantization="fp8"`` on the GPU over a checkpoint whose projections are whole 128 x 128 blocks
+    (hidden 256, a dense layer and three MoE layers): the Triton ops with CUDA graphs (the float8 GEMV,
+    skinny and MoE kernels, prefill through the widened weight) give the eager reference ops' greedy tokens
+    over the same float8 weights (float32: identical), which take about a byte a weight."""
     src = make_checkpoint(
         "qwen3_moe",
         tmp_path / "src",
@@ -332,12 +332,12 @@ def test_gpu_quantization_fp8_at_real_shapes(tmp_path: Path) -> None:
         moe_intermediate_size=128,
         head_dim=64,
     )
-    fast = _llm(src, device="cuda", dtype="bfloat16", kernel_backend="triton", quantization="fp8")
-    eager = _llm(
-        src, device="cuda", dtype="bfloat16", kernel_backend="torch", quantization="fp8", cuda_graphs=False
-    )
+    fast = _llm(src, device="cuda", kernel_backend="triton", quantization="fp8")
+    eager = _llm(src, device="cuda", kernel_backend="torch", quantization="fp8", cuda_graphs=False)
     w13 = _moe_layer(fast).mlp.w13
     assert isinstance(w13, Fp8Weight) and w13.block == (128, 128)
-    assert w13.nbytes() < 0.52 * w13.weight.numel() * 2
-    a, b = _tokens(fast), _tokens(eager)
-    assert [t[:4] for t in a] == [t[:4] for t in b], (a, b)
+    assert w13.nbytes() < 1.01 * w13.weight.numel()
+    reference = _tokens(eager)
+    assert all(len(set(t)) >= 4 for t in reference), reference
+    assert _tokens(fast) == reference
+    assert sum(fast.engine.runner.graphs.replays.values()) >= NEW_TOKENS - 1  # decode ran as graphs
