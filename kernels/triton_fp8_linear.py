@@ -91,6 +91,7 @@ def _fp8_gemv_kernel(
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, PIECES)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [PIECES, WORDS]
+    offs_x = tl.arange(0, PIECES)[:, None] * (4 * WORDS) + tl.arange(0, WORDS)[None, :]  # byte 0's values
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_w[None, :, :]
     s_rows = s_ptr + (offs_n // SCALE_BN) * s_sn  # [BLOCK_N]
     s_shared = s_ptr + (pid * BLOCK_N // SCALE_BN) * s_sn  # the program's row block, where SHARED_SCALES
@@ -101,14 +102,17 @@ def _fp8_gemv_kernel(
         words = tl.load(w_ptrs, mask=w_mask, other=0)  # in flight before the norm's reductions
         if FUSE_NORM:  # one step: the whole row
             x0, x1, x2, x3 = _norm_row(
-                x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, 4 * offs_w, K, eps, pid == 0, HAS_RESIDUAL,
-                WRITE_NORMED,
+                x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, offs_x, K, eps, pid == 0, HAS_RESIDUAL, WRITE_NORMED,
             )  # fmt: skip
         else:
-            x0 = tl.load(x_ptr + k0 + 4 * offs_w, mask=4 * offs_w < K - k0, other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + k0 + 4 * offs_w + 1, mask=4 * offs_w + 1 < K - k0, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptr + k0 + 4 * offs_w + 2, mask=4 * offs_w + 2 < K - k0, other=0.0).to(tl.float32)
-            x3 = tl.load(x_ptr + k0 + 4 * offs_w + 3, mask=4 * offs_w + 3 < K - k0, other=0.0).to(tl.float32)
+            x0 = tl.load(x_ptr + k0 + offs_x, mask=offs_x < K - k0, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + k0 + offs_x + WORDS, mask=offs_x + WORDS < K - k0, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + k0 + offs_x + 2 * WORDS, mask=offs_x + 2 * WORDS < K - k0, other=0.0).to(
+                tl.float32
+            )
+            x3 = tl.load(x_ptr + k0 + offs_x + 3 * WORDS, mask=offs_x + 3 * WORDS < K - k0, other=0.0).to(
+                tl.float32
+            )
         if SHARED_SCALES and not ROW_SCALES:
             shared = tl.load(s_shared + (k0 + piece_k) // SCALE_BK * s_sk, mask=piece_k < K - k0, other=0.0)
             xscale = half_factor * shared[:, None]
@@ -136,22 +140,22 @@ def _fp8_gemv_kernel(
 @triton.jit
 def _norm_row(x_ptr, res_ptr, g_ptr, sum_ptr, normed_ptr, offs, K, eps, WRITES, HAS_RESIDUAL: tl.constexpr,
               WRITE_NORMED: tl.constexpr):  # fmt: skip
-    """The normalised row h = rms_norm(x + res) * g as four float32 tiles, h[offs + J] (J = 0..3), with
+    """The normalised row h = rms_norm(x + res) * g as four float32 tiles, h[offs + 32 J] (J = 0..3), with
     ``_norm_gemv_kernel``'s roundings; where WRITES, stores x + res (and h where WRITE_NORMED)."""
     if HAS_RESIDUAL:
         in_dtype = sum_ptr.dtype.element_ty
     else:
         in_dtype = x_ptr.dtype.element_ty
     s0 = _summed(x_ptr, res_ptr, sum_ptr, offs, K, WRITES, HAS_RESIDUAL)
-    s1 = _summed(x_ptr, res_ptr, sum_ptr, offs + 1, K, WRITES, HAS_RESIDUAL)
-    s2 = _summed(x_ptr, res_ptr, sum_ptr, offs + 2, K, WRITES, HAS_RESIDUAL)
-    s3 = _summed(x_ptr, res_ptr, sum_ptr, offs + 3, K, WRITES, HAS_RESIDUAL)
+    s1 = _summed(x_ptr, res_ptr, sum_ptr, offs + 32, K, WRITES, HAS_RESIDUAL)
+    s2 = _summed(x_ptr, res_ptr, sum_ptr, offs + 64, K, WRITES, HAS_RESIDUAL)
+    s3 = _summed(x_ptr, res_ptr, sum_ptr, offs + 96, K, WRITES, HAS_RESIDUAL)
     squares = s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
     inv_rms = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
     h0 = _normed(g_ptr, normed_ptr, s0, inv_rms, offs, K, WRITES, in_dtype, WRITE_NORMED)
-    h1 = _normed(g_ptr, normed_ptr, s1, inv_rms, offs + 1, K, WRITES, in_dtype, WRITE_NORMED)
-    h2 = _normed(g_ptr, normed_ptr, s2, inv_rms, offs + 2, K, WRITES, in_dtype, WRITE_NORMED)
-    h3 = _normed(g_ptr, normed_ptr, s3, inv_rms, offs + 3, K, WRITES, in_dtype, WRITE_NORMED)
+    h1 = _normed(g_ptr, normed_ptr, s1, inv_rms, offs + 32, K, WRITES, in_dtype, WRITE_NORMED)
+    h2 = _normed(g_ptr, normed_ptr, s2, inv_rms, offs + 64, K, WRITES, in_dtype, WRITE_NORMED)
+    h3 = _normed(g_ptr, normed_ptr, s3, inv_rms, offs + 96, K, WRITES, in_dtype, WRITE_NORMED)
     return h0, h1, h2, h3
 
 
@@ -182,9 +186,10 @@ def _normed(
 
 
 def _words(w: Fp8Weight) -> torch.Tensor | None:
-    """The weight's float8 values as int32 words of four (None where rows are not whole words)."""
+    """An interleaved weight's values as int32 words of four (None for a weight in its values' order,
+    which the word kernels do not read)."""
     v = w.weight
-    if v.shape[-1] % 4 or v.stride(-2) % 4 or v.stride(-1) != 1 or v.data_ptr() % 4:
+    if not w.interleaved or v.stride(-2) % 4 or v.stride(-1) != 1 or v.data_ptr() % 4:
         return None
     return v.view(torch.int32)
 
@@ -261,17 +266,16 @@ def _fp8_skinny_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_w[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 4 * offs_w[:, None]  # [WORDS, BLOCK_M]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_w[:, None]  # [WORDS, BLOCK_M]: byte 0
     s_rows = s_ptr + (offs_n // SCALE_BN) * s_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, 4 * WORDS):
-        w_mask = n_mask[:, None] & (offs_w < (K - k0) // 4)[None, :]
-        words = tl.load(w_ptrs, mask=w_mask, other=0)
+        words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
         xm = m_mask[None, :]
-        x0 = tl.load(x_ptrs, mask=xm & (4 * offs_w < K - k0)[:, None], other=0.0)
-        x1 = tl.load(x_ptrs + 1, mask=xm & (4 * offs_w + 1 < K - k0)[:, None], other=0.0)
-        x2 = tl.load(x_ptrs + 2, mask=xm & (4 * offs_w + 2 < K - k0)[:, None], other=0.0)
-        x3 = tl.load(x_ptrs + 3, mask=xm & (4 * offs_w + 3 < K - k0)[:, None], other=0.0)
+        x0 = tl.load(x_ptrs, mask=xm, other=0.0)  # K is whole pieces (interleaved weights)
+        x1 = tl.load(x_ptrs + WORDS, mask=xm, other=0.0)
+        x2 = tl.load(x_ptrs + 2 * WORDS, mask=xm, other=0.0)
+        x3 = tl.load(x_ptrs + 3 * WORDS, mask=xm, other=0.0)
         dt = x0.dtype
         if ROW_SCALES:
             part = acc
@@ -329,14 +333,20 @@ def _fp8_dequant_kernel(
     s_sk,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[n, k] = w[n, k] x its scale, rounded once to out's dtype (``Fp8Weight.dequantize``)."""
+    """out[n, k] = w[n, k] x its scale, rounded once to out's dtype (``Fp8Weight.dequantize``); value k of
+    an INTERLEAVED row at its byte in the piece, 4 (k % 32) + k % KERNEL_K_STEP // 32."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    if INTERLEAVED:
+        at = offs_k // 128 * 128 + 4 * (offs_k % 32) + offs_k % 128 // 32  # 128: KERNEL_K_STEP
+    else:
+        at = offs_k
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + at[None, :], mask=mask, other=0.0)
     s = tl.load(
         s_ptr + (offs_n // SCALE_BN * s_sn)[:, None] + (offs_k // SCALE_BK * s_sk)[None, :], mask=mask
     )
@@ -352,7 +362,7 @@ def dequantize_triton(w: Fp8Weight) -> torch.Tensor:
     block_n, block_k = (32, 128) if w.device.type == "cuda" else (16, 32)
     _fp8_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         w.weight, w.weight_scale, out, n, k, w.weight.stride(0), s_sn, s_sk,
-        SCALE_BN=bn, SCALE_BK=bk, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        SCALE_BN=bn, SCALE_BK=bk, INTERLEAVED=w.interleaved, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -30,26 +30,28 @@ from tests.kernel_testing import (
     randn,
 )
 
-N, K = 40, 300  # not multiples of any block; three 128-long K blocks, the last partial
-# (rows, K) a scale block: 16 x 128 blocks (edges partial on both sides), one scale a row, one in all.
-LAYOUTS = {"blocks": (16, 128), "rows": (1, K), "tensor": (N, K)}
+N, K = 40, 384  # N no multiple of the blocks; K three KERNEL_K_STEP pieces (the word kernels' rows)
+# (rows, K) a scale block: 16 x 256 blocks (edges partial on both sides), one scale a row, one in all.
+LAYOUTS = {"blocks": (16, 256), "rows": (1, K), "tensor": (N, K)}
 
 
-def make_fp8(n: int, k: int, block: tuple[int, int], dtype: torch.dtype, seed: int = 0) -> Fp8Weight:
+def make_fp8(
+    n: int, k: int, block: tuple[int, int], dtype: torch.dtype, seed: int = 0, interleaved: bool = True
+) -> Fp8Weight:
     """A float8 weight quantised from random values whose magnitude varies by row and by column block,
-    so that every scale differs."""
+    so that every scale differs (interleaved for the word kernels unless asked otherwise)."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(n, k, generator=gen) * k**-0.5
     values *= torch.rand(n, 1, generator=gen) + 0.5
     values *= (torch.rand(1, -(-k // 128), generator=gen) + 0.5).repeat_interleave(128, dim=1)[:, :k]
-    w = Fp8Weight((n, k), block, dtype, DEVICE)
+    w = Fp8Weight((n, k), block, dtype, DEVICE, interleaved=interleaved)
     w.quantize_(values.to(DEVICE))
     return w
 
 
 def exact(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """x . (float8 value x scale) in float32, with no rounding of the weight to the model's dtype."""
-    return x.float() @ (w.weight.float() * w.full_scales()).t()
+    return x.float() @ (w.values().float() * w.full_scales()).t()
 
 
 def record(monkeypatch: pytest.MonkeyPatch, kernel_name: str) -> list[dict]:
@@ -86,17 +88,25 @@ def test_quantize_round_trip_and_layouts() -> None:
         w = Fp8Weight((N, K), block, torch.float32, DEVICE)
         w.quantize_(values)
         assert w.weight.dtype == torch.float8_e4m3fn and w.weight.shape == (N, K)
-        grid = {"blocks": (3, 3), "rows": (N, 1), "tensor": (1, 1)}[name]
+        grid = {"blocks": (3, 2), "rows": (N, 1), "tensor": (1, 1)}[name]
         assert tuple(w.weight_scale.shape) == grid, name
         # e4m3 keeps 3 mantissa bits: each value within half a step (1/16 relative) of the original
         err = (w.dequantize() - values).abs()
         assert (err <= values.abs() / 16 + w.full_scales() * 2.0**-9).all(), name
         assert w.nbytes() < values.numel() * 2 // 1.9  # about a byte a weight
+        # The word kernels' order holds the same values: value 32 j + i of a piece at byte 4 i + j
+        inter = Fp8Weight((N, K), block, torch.float32, DEVICE, interleaved=True)
+        inter.quantize_(values)
+        assert torch.equal(inter.dequantize(), w.dequantize()) and torch.equal(inter.values(), w.weight), name
+        raw = inter.weight.view(torch.uint8)
+        assert torch.equal(raw[:, 128 + 4 * 5 + 2], w.weight.view(torch.uint8)[:, 128 + 32 * 2 + 5]), name
     assert not kernel_layout_ok((24, 128), N, K) and not kernel_layout_ok((16, 64), N, K)
     with pytest.raises(ValueError, match="not one the kernels read"):
         Fp8Weight((N, K), (16, 96), torch.float32, DEVICE)
     stacked = Fp8Weight((3, N, K), (16, 128), torch.float32, DEVICE)
     assert tuple(stacked.weight_scale.shape) == (3, 3, 3) and scale_args(stacked)[0] == 9
+    with pytest.raises(ValueError, match="multiple of 128"):
+        Fp8Weight((N, 300), (16, 128), torch.float32, DEVICE, interleaved=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -121,8 +131,21 @@ def test_fp8_linear_matches_reference(
 def test_dequantize_kernel_equals_the_reference_bit_for_bit() -> None:
     for name, block in LAYOUTS.items():
         for dtype in DTYPES:
-            w = make_fp8(N, K, block, dtype, seed=3)
-            assert torch.equal(triton_fp8_linear.dequantize_triton(w), w.dequantize()), (name, dtype)
+            for interleaved in (True, False):
+                w = make_fp8(N, K, block, dtype, seed=3, interleaved=interleaved)
+                what = (name, dtype, interleaved)
+                assert torch.equal(triton_fp8_linear.dequantize_triton(w), w.dequantize()), what
+
+
+def test_weights_in_their_values_order_take_the_widened_weight(gemvs: list, skinnies: list) -> None:
+    """Rows that are not whole KERNEL_K_STEP pieces (300 long) cannot be interleaved: the word kernels do
+    not read them, and every batch multiplies the widened weight."""
+    torch.manual_seed(5)
+    w = make_fp8(N, 300, (16, 128), torch.bfloat16, seed=4, interleaved=False)
+    for m in (1, 3):
+        x = randn(m, 300, dtype=torch.bfloat16)
+        assert_close(TRITON_OPS.linear(x, w), exact(x, w), torch.bfloat16, f"M={m}")
+    assert gemvs == [] and skinnies == []
 
 
 @pytest.mark.parametrize("layout", ["blocks", "rows"])
@@ -152,7 +175,7 @@ def test_fp8_add_rms_norm_linear(m: int, dtype: torch.dtype, layout: str, gemvs:
 
 def test_fp8_linear_strided_input_and_e5m2(gemvs: list) -> None:
     torch.manual_seed(30)
-    w = Fp8Weight((N, K), (16, 128), torch.bfloat16, DEVICE, fp8_dtype=torch.float8_e5m2)
+    w = Fp8Weight((N, K), (16, 128), torch.bfloat16, DEVICE, fp8_dtype=torch.float8_e5m2, interleaved=True)
     w.quantize_(randn(N, K, scale=K**-0.5))
     x = randn(1, 2 * K, dtype=torch.bfloat16)[:, ::2]
     assert_close(TRITON_OPS.linear(x, w), exact(x, w), torch.bfloat16, "e5m2, strided x")
