@@ -43,9 +43,7 @@ SHAPES = [
 
 
 def fp8_weight(shape: tuple[int, ...], block: tuple[int, int]) -> Fp8Weight:
-    """Random float8 weights as the model holds them: a linear weight interleaved for the word kernels,
-    stacked experts (3-D) in their values' order."""
-    w = Fp8Weight(shape, block, BF16, "cuda", interleaved=len(shape) == 2)
+    w = Fp8Weight(shape, block, BF16, "cuda")
     w.quantize_(torch.randn(*shape, device="cuda") * shape[-1] ** -0.5)
     return w
 

@@ -12,12 +12,7 @@ byte a weight instead of two. Two layouts, each a grid of scales over blocks of 
   parts with different scales.
 
 The weight stands for ``dequantize()``: each value times its scale in float32, rounded once to the model's
-dtype; the PyTorch reference ops compute with exactly that tensor.
-
-``interleaved`` weights (rows a multiple of ``KERNEL_K_STEP`` long) hold each row's values in the order the
-word kernels read them (``kernels/triton_fp8.py``): in every piece of KERNEL_K_STEP values, value
-32 j + i sits at byte 4 i + j, so byte j of the piece's 32-bit word i is value 32 j + i, and a kernel
-multiplies byte j of 32 consecutive words by 32 consecutive activations. The Triton kernels read the float8
+dtype; the PyTorch reference ops compute with exactly that tensor. The Triton kernels read the float8
 values and apply the scales to their float32 partial sums instead (a block's sum times its scale), as
 float8 GEMMs do: they differ from the reference by the rounding of each weight to the model's dtype.
 """
@@ -61,7 +56,6 @@ class Fp8Weight(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-        interleaved: bool = False,
     ) -> None:
         super().__init__()
         if fp8_dtype not in FP8_WEIGHT_DTYPES:
@@ -70,11 +64,8 @@ class Fp8Weight(nn.Module):
         bn, bk = min(block[0], n), min(block[1], k)
         if not kernel_layout_ok((bn, bk), n, k):
             raise ValueError(f"scale block {block} of a [{n}, {k}] weight is not one the kernels read")
-        if interleaved and k % KERNEL_K_STEP:
-            raise ValueError(f"interleaved rows must be a multiple of {KERNEL_K_STEP} long, not {k}")
         self.block = (bn, bk)
         self.dtype = dtype
-        self.interleaved = interleaved
         self.weight = nn.Parameter(torch.empty(*shape, dtype=fp8_dtype, device=device), requires_grad=False)
         grid = (-(-n // bn), -(-k // bk))
         self.weight_scale = nn.Parameter(
@@ -101,13 +92,9 @@ class Fp8Weight(nn.Module):
         s = self.weight_scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
         return s[..., :n, :k]
 
-    def values(self) -> torch.Tensor:
-        """The float8 values in their logical order."""
-        return deinterleave(self.weight) if self.interleaved else self.weight
-
     def dequantize(self) -> torch.Tensor:
         """The weight it stands for: float8 values times their scales in float32, rounded once to ``dtype``."""
-        return (self.values().to(torch.float32) * self.full_scales()).to(self.dtype)
+        return (self.weight.to(torch.float32) * self.full_scales()).to(self.dtype)
 
     def views(self, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The values and scales of one stacked expert (of the whole weight where None), as views."""
@@ -136,8 +123,7 @@ class Fp8Weight(nn.Module):
                 f"float8 values {tuple(values.shape)} with scales {tuple(scales.shape)} do not fit rows "
                 f"{rows.start}:{rows.stop} of {tuple(weight.shape)} with scales {tuple(scale.shape)}"
             )
-        values = values.to(device=weight.device, dtype=weight.dtype)
-        weight[rows] = interleave(values) if self.interleaved else values
+        weight[rows] = values.to(device=weight.device, dtype=weight.dtype)
         scale[grid_rows] = scales.to(device=scale.device, dtype=torch.float32)
 
     def quantize_(self, w: torch.Tensor, rows: slice | None = None, expert: int | None = None) -> None:
@@ -157,27 +143,11 @@ class Fp8Weight(nn.Module):
         del pad
         block_scale = (amax / fp8_max(weight.dtype)).clamp(min=torch.finfo(torch.float32).tiny)
         full = block_scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
-        values = (w / full).to(weight.dtype)
-        weight[..., rows, :] = interleave(values) if self.interleaved else values
+        weight[..., rows, :] = (w / full).to(weight.dtype)
         scale[..., grid_rows, :] = block_scale
 
     def extra_repr(self) -> str:
-        order = ", interleaved" if self.interleaved else ""
-        return f"shape={tuple(self.weight.shape)}, {self.weight.dtype}, block={self.block}{order}, as {self.dtype}"
-
-
-def interleave(values: torch.Tensor) -> torch.Tensor:
-    """Rows [..., K] of float8 values in the word kernels' order (``Fp8Weight``'s docstring)."""
-    *lead, k = values.shape
-    pieces = values.view(torch.uint8).reshape(*lead, k // KERNEL_K_STEP, 4, KERNEL_K_STEP // 4)
-    return pieces.transpose(-1, -2).reshape(*lead, k).view(values.dtype)
-
-
-def deinterleave(values: torch.Tensor) -> torch.Tensor:
-    """``interleave``'s inverse."""
-    *lead, k = values.shape
-    pieces = values.view(torch.uint8).reshape(*lead, k // KERNEL_K_STEP, KERNEL_K_STEP // 4, 4)
-    return pieces.transpose(-1, -2).reshape(*lead, k).view(values.dtype)
+        return f"shape={tuple(self.weight.shape)}, {self.weight.dtype}, block={self.block}, as {self.dtype}"
 
 
 def as_dense(w: torch.Tensor | Fp8Weight) -> torch.Tensor:
@@ -214,11 +184,8 @@ def linear_weight(
     fp8: Fp8Layout | None,
     dtype: torch.dtype,
     device: torch.device | str,
-    interleaved: bool = True,
 ) -> nn.Parameter | Fp8Weight:
-    """A model's linear weight [..., N, K]: a parameter of ``dtype``, or float8 in ``fp8``'s layout
-    (interleaved for the word kernels where asked and the rows allow)."""
+    """A model's linear weight [..., N, K]: a parameter of ``dtype``, or float8 in ``fp8``'s layout."""
     if fp8 is None:
         return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-    order = interleaved and shape[-1] % KERNEL_K_STEP == 0
-    return Fp8Weight(shape, fp8.block or (1, shape[-1]), dtype, device, fp8.fp8_dtype, order)
+    return Fp8Weight(shape, fp8.block or (1, shape[-1]), dtype, device, fp8.fp8_dtype)

@@ -801,14 +801,15 @@ def test_every_pdl_kernel_waits_before_its_first_load() -> None:
 
     from kernels import (
         triton_activation,
+        triton_fp8_linear,
         triton_linear,
         triton_moe_routing,
         triton_norm,
         triton_prologue,
     )
 
-    modules = (triton_activation, triton_attention, triton_linear, triton_moe, triton_moe_routing, triton_norm,
-               triton_prologue)  # fmt: skip
+    modules = (triton_activation, triton_attention, triton_fp8_linear, triton_linear, triton_moe,
+               triton_moe_routing, triton_norm, triton_prologue)  # fmt: skip
     checked = 0
     for module in modules:
         source = inspect.getsource(module)
@@ -832,7 +833,7 @@ def test_every_pdl_kernel_waits_before_its_first_load() -> None:
             )
             checked += 1
     # Every kernel that declares the switch was found: norm, SiLU, attention x2, GEMV, norm + GEMV, the
-    # skinny kernel, its one-weight-row variant and its split-K sum, prologue, routing, MoE x6 (a kernel
-    # whose signature the pattern misses would otherwise go unchecked).
+    # skinny kernel, its one-weight-row variant and its split-K sum, the float8 GEMV, prologue, routing,
+    # MoE x9 (a kernel whose signature the pattern misses would otherwise go unchecked).
     declared = sum(inspect.getsource(m).count("USE_PDL: tl.constexpr") for m in modules)
-    assert checked == declared == 17
+    assert checked == declared == 21

@@ -63,9 +63,8 @@ class MoEBlock(nn.Module):
         n_local = self.num_physical // ep
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, **kw), requires_grad=False)
-        # Float8 experts keep the values' own order: the MoE kernels read them so (not interleaved)
-        self.w13 = linear_weight((n_local, 2 * intermediate_size, hidden_size), fp8, dtype, device, False)
-        self.w2 = linear_weight((n_local, hidden_size, intermediate_size), fp8, dtype, device, False)
+        self.w13 = linear_weight((n_local, 2 * intermediate_size, hidden_size), fp8, dtype, device)
+        self.w2 = linear_weight((n_local, hidden_size, intermediate_size), fp8, dtype, device)
         self.register_buffer(
             "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         )
