@@ -31,6 +31,7 @@ import triton  # noqa: E402
 
 from benchmarks.common import copy_gbps  # noqa: E402
 from kernels import triton_attention, triton_device, triton_linear, triton_moe  # noqa: E402
+from kernels.fp8_weight import Fp8Weight  # noqa: E402
 from kernels.ops import TORCH_OPS  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
@@ -692,6 +693,65 @@ def sweep_moe_small(narrow: bool = False, tokens: tuple[int, ...] = (1,)) -> Non
     print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:5]), flush=True)
 
 
+def sweep_moe_small_fp8() -> None:
+    """The small MoE path over float8 weights (Qwen3-30B-A3B-FP8's layout: e4m3, 128 x 128 scale blocks) at
+    one token: the word kernels' gate-up tiles with the down tile fixed, then down tiles (float8 K steps;
+    BLOCK_N/BLOCK_K/warps/stages); and for comparison the bf16 pair and the conversion kernels (the word
+    kernels' fallback) with the tiles they had. One weight set, routing rotated as in ``moe_case``."""
+    print("\n## sweep: MoE small path over float8 weights, 1 token (us; BLOCK_N/BLOCK_K/warps/stages)")
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+
+    def fp8(n: int, k: int) -> Fp8Weight:
+        w = Fp8Weight((experts, n, k), (128, 128), DTYPE, "cuda")
+        w.weight.copy_((torch.randn(experts, n, k, device="cuda", dtype=DTYPE) * 64).to(w.weight.dtype))
+        w.weight_scale.copy_(torch.rand_like(w.weight_scale) * k**-0.5 / 64)
+        return w
+
+    w13, w2 = fp8(2 * inter, hidden), fp8(hidden, inter)
+    rot = min(8, rotations(top_k * 3 * hidden * inter))
+    xs = [torch.randn(1, hidden, device="cuda", dtype=DTYPE) for _ in range(rot)]
+    ids = [torch.rand(1, experts, device="cuda").topk(top_k, dim=-1).indices for _ in range(rot)]
+    weights = [torch.rand(1, top_k, device="cuda").softmax(-1) for _ in range(rot)]
+    base, words, chooser = triton_moe.moe_small_fp8_config, triton_moe._fp8_words, triton_moe.use_small_path
+    current = base(torch.device("cuda"))
+
+    def timed(cfg: triton_moe.MoeSmallConfig, conversion: bool = False) -> float:
+        triton_moe.moe_small_fp8_config = lambda *_a: cfg
+        triton_moe.use_small_path = lambda *_a: True
+        if conversion:
+            triton_moe._fp8_words = lambda _w: None
+        try:
+            calls = [lambda i=i: TRITON_OPS.fused_moe(xs[i], w13, w2, weights[i], ids[i]) for i in range(rot)]
+            return time_graph(calls)[0]
+        except Exception as exc:  # a config that does not compile
+            print(f"  {cfg}: {type(exc).__name__}")
+            return float("inf")
+        finally:
+            triton_moe.moe_small_fp8_config, triton_moe._fp8_words = base, words
+            triton_moe.use_small_path = chooser
+
+    bf16 = moe_case(1, reference=False, path="small").triton_us
+    conversion = timed(dataclasses.replace(current, gate_up_block_k=1024, down_block_k=128), conversion=True)
+    print(f"bf16 pair {bf16:.1f} us; float8 conversion kernels (1/1024/1, 1/128/4) {conversion:.1f} us")
+    print(f"float8 words, current {current}: {timed(current):.1f} us", flush=True)
+    gate_up = [
+        (timed(dataclasses.replace(current, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_warps=w,
+                                   gate_up_num_stages=st)), (bn, bk, w, st))
+        for bn, bk, w, st in ((1, 512, 1, 2), (1, 1024, 1, 2), (1, 1024, 1, 3), (1, 1024, 2, 2), (2, 512, 1, 2),
+                              (2, 1024, 1, 2), (1, 2048, 1, 2), (1, 2048, 2, 2), (4, 512, 2, 2))
+    ]  # fmt: skip
+    gate_up.sort()
+    print("gate-up best:", ", ".join(f"{us:.1f} us {c}" for us, c in gate_up[:4]), flush=True)
+    down = [
+        (timed(dataclasses.replace(current, down_block_n=bn, down_block_k=bk, down_num_warps=w,
+                                   down_num_stages=st)), (bn, bk, w, st))
+        for bn, bk, w, st in ((1, 128, 4, 4), (1, 256, 4, 4), (1, 256, 4, 2), (1, 256, 2, 4), (1, 256, 8, 4),
+                              (1, 512, 4, 4), (1, 512, 8, 4), (2, 256, 4, 4), (2, 128, 2, 4))
+    ]  # fmt: skip
+    down.sort()
+    print("down best:", ", ".join(f"{us:.1f} us {c}" for us, c in down[:4]), flush=True)
+
+
 def sweep_moe_prefill() -> None:
     """The grouped MoE path at prefill sizes (512 and 2048 tokens: 32 and 128 pairs per expert) against a
     grid of tile configs (BLOCK_M, BLOCK_N, BLOCK_K, group, warps, stages), current config first."""
@@ -812,6 +872,11 @@ def main() -> None:
         "--sweep-moe-small", action="store_true", help="only: small MoE path tiles at batch 1"
     )
     parser.add_argument(
+        "--sweep-moe-small-fp8",
+        action="store_true",
+        help="only: small MoE path tiles over float8 weights at batch 1, with the bf16 pair",
+    )
+    parser.add_argument(
         "--sweep-moe-prefill", action="store_true", help="only: grouped MoE tiles at 512 and 2048 tokens"
     )
     parser.add_argument(
@@ -857,9 +922,17 @@ def main() -> None:
     if args.sweep_skinny:
         sweep_skinny()
         return
-    if args.sweep_linear or args.pdl or args.sweep_moe_small or args.sweep_moe_prefill:
+    if (
+        args.sweep_linear
+        or args.pdl
+        or args.sweep_moe_small
+        or args.sweep_moe_prefill
+        or args.sweep_moe_small_fp8
+    ):
         if args.sweep_moe_prefill:
             sweep_moe_prefill()
+        if args.sweep_moe_small_fp8:
+            sweep_moe_small_fp8()
         if args.sweep_moe_small:
             sweep_moe_small(narrow=args.narrow, tokens=tuple(int(t) for t in args.moe_tokens.split(",")))
         if args.pdl:

@@ -32,14 +32,22 @@ Grouped path (prefill and larger batches):
 
 Float8 weights (``w13`` / ``w2`` given as ``kernels.fp8_weight.Fp8Weight``): the same paths read the float8
 values and multiply float32 partial sums by their scales, K steps never straddling two scale blocks
-(``KERNEL_K_STEP``). The grouped GEMM and the small down kernel take a ``W_FP8`` switch (one scale per
-weight row per K step of at most KERNEL_K_STEP); the small gate-up kernel has a float8 twin,
-``_moe_small_gate_up_fp8_kernel``, whose long steps are pieces of KERNEL_K_STEP with a scale each. 16-bit
-weights pass None for the scale arguments: constexprs, so their kernels compile to the code they had.
+(``KERNEL_K_STEP``). The grouped GEMM takes a ``W_FP8`` switch (one scale per weight row per K step of at
+most KERNEL_K_STEP). The small path has float8 twins of both kernels that read the values as 32-bit words
+of four and widen each byte with integer operations (``kernels/triton_fp8.py``):
+``_moe_small_gate_up_fp8_words_kernel`` and ``_moe_small_down_fp8_words_kernel``, whose steps are pieces of
+KERNEL_K_STEP values with a scale each. Widening with conversion instructions (quarter rate on Hopper)
+made these byte-streaming kernels issue-bound: the pair took 23.9 us at one token against 21.8 for bf16
+weights (H200, Qwen3-30B-A3B), though it reads half the bytes; the word kernels take 19.8 us
+(``moe_small_fp8_config``). Weights whose K or strides are not
+multiples of 4 (no real model's) take the conversion kernels: ``_moe_small_gate_up_fp8_kernel`` and the
+down kernel's ``W_FP8`` switch. 16-bit weights pass None for the scale arguments: constexprs, so their
+kernels compile to the code they had.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +57,7 @@ import triton.language as tl
 from kernels.fp8_weight import KERNEL_K_STEP, Fp8Weight, scale_args
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
+from kernels.triton_fp8 import fp8_byte_to_f32, fp8_word_factor, fp8_word_shift
 
 
 @dataclass(frozen=True)
@@ -543,14 +552,19 @@ def moe_small_config(device: torch.device) -> MoeSmallConfig:
 
 
 def moe_small_fp8_config(device: torch.device) -> MoeSmallConfig:
-    """Block sizes for the small path over float8 weights. Unmeasured (no GPU sweep yet): the 16-bit tiles
-    taken as they are. Gate-up 1 x 1024 in one warp reads its step as 8 pieces of KERNEL_K_STEP, one scale
-    each: half the bytes of a 16-bit step, which by ``moe_small_config``'s reasoning should still keep
-    enough in flight (to be measured). Down 1 x 128 in 4 warps: one scale per expert row a step. The down
-    kernel's BLOCK_K must divide KERNEL_K_STEP, the gate-up's be a power of two."""
-    if device.type != "cuda":  # the interpreter: steps of two pieces; down steps of half a scale block
-        return MoeSmallConfig(64, 2 * KERNEL_K_STEP, 4, 64, KERNEL_K_STEP // 2, 4)
-    return MoeSmallConfig(1, 1024, 1, 1, KERNEL_K_STEP, 4, gate_up_num_stages=2, down_num_stages=4)
+    """Block sizes for the small path over float8 weights (K steps in float8 values; the word kernels read
+    a step as pieces of KERNEL_K_STEP values, one scale each, so a step is a power of two; the conversion
+    kernels, their fallback, cut the down step to KERNEL_K_STEP).
+
+    ``kernel_bench.py --sweep-moe-small-fp8`` (H200, 2026-12-01, Qwen3-30B-A3B-FP8's layout, one token,
+    one run): gate-up 1 x 1024 in one warp (as the 16-bit tile), down 1 x 256 in four warps ([top-8, 1,
+    256] words' bytes: the 16-bit [top-8, 1, 128]'s): the pair took 19.8 us against 21.8 for bf16 weights
+    and 23.9 for the conversion kernels. The gate-up tiles tried were within 0.3 us of one another (1 x 512,
+    2 x 1024, 2 x 512 in one warp; 1 x 2048 in one warp, 225 registers, was 22.7), the down ones 1 x 256 in
+    four warps best by 0.6 us (1 x 128: 23.6 with the 1 x 2048 gate-up). Unmeasured at 2-8 tokens."""
+    if device.type != "cuda":  # the interpreter: steps of two pieces in both kernels
+        return MoeSmallConfig(64, 2 * KERNEL_K_STEP, 4, 64, 2 * KERNEL_K_STEP, 4)
+    return MoeSmallConfig(1, 1024, 1, 1, 256, 4, gate_up_num_stages=2, down_num_stages=4)
 
 
 @triton.jit
@@ -634,7 +648,8 @@ def _moe_small_gate_up_fp8_kernel(
 ):
     """``_moe_small_gate_up_kernel`` over float8 w13 with float32 scales at ``s_ptr``: a step of
     PIECES * PIECE columns is a [BLOCK_N, PIECES, PIECE] tile, each piece inside one scale block (PIECE
-    divides KERNEL_K_STEP), and each piece's products are weighed by its block's scale."""
+    divides KERNEL_K_STEP), and each piece's products are weighed by its block's scale. The fallback of
+    ``_moe_small_gate_up_fp8_words_kernel``, for weights that cannot be read as words (``_fp8_words``)."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pair = tl.program_id(0)
     token = pair // TOP_K
@@ -678,6 +693,145 @@ def _moe_small_gate_up_fp8_kernel(
 
 
 @triton.jit
+def _four_values(ptrs, mask, QUADS: tl.constexpr, dtype: tl.constexpr):
+    """The values v[4 i + J] (J = 0..3) that byte J of float8 word i multiplies, as four float32 tiles of
+    the words' shape. QUADS: ``ptrs`` point at 64-bit words of four 16-bit values of ``dtype``, word i's at
+    i, so the load has the float8 words' layout (strided 16-bit loads got a layout of their own, and
+    Triton converted between the two through shared memory every step); otherwise at value 4 i, one
+    strided load for each J (float32 values, which take that conversion: no real model's case)."""
+    if QUADS:
+        quads = tl.load(ptrs, mask=mask, other=0)
+        lo = quads.to(tl.int32)
+        hi = (quads >> 32).to(tl.int32)
+        if dtype == tl.bfloat16:  # a bfloat16 is a float32's top half
+            v0 = (lo << 16).to(tl.float32, bitcast=True)
+            v1 = (lo & -65536).to(tl.float32, bitcast=True)
+            v2 = (hi << 16).to(tl.float32, bitcast=True)
+            v3 = (hi & -65536).to(tl.float32, bitcast=True)
+        else:
+            v0 = lo.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+            v1 = (lo >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+            v2 = hi.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+            v3 = (hi >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+    else:
+        v0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        v1 = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(ptrs + 2, mask=mask, other=0.0).to(tl.float32)
+        v3 = tl.load(ptrs + 3, mask=mask, other=0.0).to(tl.float32)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _moe_small_gate_up_fp8_words_kernel(
+    x_ptr,
+    w13_ptr,
+    s_ptr,
+    act_ptr,
+    topk_ids_ptr,
+    inter,
+    hidden_words,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    up_offset,
+    stride_am,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PIECES: tl.constexpr,
+    PIECE_W: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+    SHIFT: tl.constexpr,
+    HALF_FACTOR: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
+    X_QUADS: tl.constexpr,
+    HAS_ABSENT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``_moe_small_gate_up_fp8_kernel`` over w13 read as 32-bit words of four float8 values
+    (``kernels/triton_fp8.py``: widened with integer operations, not conversions; strides and ``up_offset``
+    in words, ``hidden_words`` = H / 4). A step is a [BLOCK_N, PIECES, PIECE_W] tile of words, each piece
+    inside one scale block; byte J of word i multiplies x[4 i + J] (``_four_values``; X_QUADS: x as 64-bit
+    words, ``stride_xm`` in them). The words' offsets are declared contiguous in pairs only: the x quads'
+    loads (16 bytes a lane at most) then take the words' layout.
+
+    The widened values lack the factor 2**(bias difference): x is multiplied by its square root
+    (HALF_FACTOR) and the sums by it again at the end, so products stay normal floats. A piece's four
+    products per word are summed before its scale multiplies them: one multiply-add a word, where scaling x
+    would take one multiply per x element for gate and again for up. With one scale along K (SCALE_BK 1:
+    per-row or per-expert scales) the scales multiply the row sums at the end instead. ACT_SCALE multiplies
+    the act written (the down kernel's half factor, ``_fused_moe_small``); a power of two, so it commutes
+    with the rounding to act's dtype."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if HAS_ABSENT:  # noqa: SIM102  (as the 16-bit kernel)
+        if expert < 0:  # another rank holds this pair's expert: the down kernel skips its row
+            return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    pieces = tl.arange(0, PIECES) * PIECE_W  # each piece's first word in a step
+    offs_w = tl.max_contiguous(pieces[:, None] + tl.arange(0, PIECE_W)[None, :], [1, 2])  # [PIECES, PIECE_W]
+    X_STEP: tl.constexpr = 1 if X_QUADS else 4  # x's elements a word
+    x_ptrs = tl.broadcast_to(
+        x_ptr + token.to(tl.int64) * stride_xm + X_STEP * offs_w[None, :, :], (BLOCK_N, PIECES, PIECE_W)
+    )
+    gate_ptrs = (
+        w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_w[None, :, :]
+    )
+    up_ptrs = gate_ptrs + up_offset  # I rows on; from the host, so 64-bit when it must be
+    gate_s_rows = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
+    up_s_rows = s_ptr + expert * stride_se + ((inter + offs_n) // SCALE_BN) * stride_sn
+    gate_acc = tl.zeros((BLOCK_N, PIECES, PIECE_W), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_N, PIECES, PIECE_W), dtype=tl.float32)
+    for w0 in range(0, hidden_words, PIECES * PIECE_W):
+        k_mask = offs_w < hidden_words - w0
+        mask = n_mask[:, None, None] & k_mask[None, :, :]
+        gate_words = tl.load(gate_ptrs, mask=mask, other=0)
+        up_words = tl.load(up_ptrs, mask=mask, other=0)
+        x0, x1, x2, x3 = _four_values(x_ptrs, mask, X_QUADS, act_ptr.dtype.element_ty)
+        x0, x1, x2, x3 = x0 * HALF_FACTOR, x1 * HALF_FACTOR, x2 * HALF_FACTOR, x3 * HALF_FACTOR
+        gate = fp8_byte_to_f32(gate_words, 0, SHIFT) * x0
+        gate += fp8_byte_to_f32(gate_words, 1, SHIFT) * x1
+        gate += fp8_byte_to_f32(gate_words, 2, SHIFT) * x2
+        gate += fp8_byte_to_f32(gate_words, 3, SHIFT) * x3
+        up = fp8_byte_to_f32(up_words, 0, SHIFT) * x0
+        up += fp8_byte_to_f32(up_words, 1, SHIFT) * x1
+        up += fp8_byte_to_f32(up_words, 2, SHIFT) * x2
+        up += fp8_byte_to_f32(up_words, 3, SHIFT) * x3
+        if SCALE_BK == 1:  # one scale along K: applied to the sums at the end
+            gate_acc += gate
+            up_acc += up
+        else:
+            # Pieces past the row's end are masked: their block index would be past the scale grid's.
+            s_mask = n_mask[:, None] & (pieces < hidden_words - w0)[None, :]
+            s_cols = (4 * (w0 + pieces) // SCALE_BK * stride_sk)[None, :]
+            gate_acc += gate * tl.load(gate_s_rows[:, None] + s_cols, mask=s_mask, other=0.0)[:, :, None]
+            up_acc += up * tl.load(up_s_rows[:, None] + s_cols, mask=s_mask, other=0.0)[:, :, None]
+        x_ptrs += X_STEP * PIECES * PIECE_W
+        gate_ptrs += PIECES * PIECE_W
+        up_ptrs += PIECES * PIECE_W
+    gate = tl.sum(tl.sum(gate_acc, axis=2), axis=1) * HALF_FACTOR
+    up = tl.sum(tl.sum(up_acc, axis=2), axis=1) * HALF_FACTOR
+    if SCALE_BK == 1:
+        gate = gate * tl.load(gate_s_rows, mask=n_mask, other=0.0)
+        up = up * tl.load(up_s_rows, mask=n_mask, other=0.0)
+    # The 16-bit kernel's roundings: gate_up to x's dtype, then SiLU (fp32, rounded) times up.
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = silu * up
+    if ACT_SCALE != 1.0:
+        act = act * ACT_SCALE
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(dtype), mask=n_mask)
+
+
+@triton.jit
 def _moe_small_down_kernel(
     act_ptr,
     w2_ptr,
@@ -715,7 +869,8 @@ def _moe_small_down_kernel(
     they are read before this kernel's wait, and only ``act`` after it.
 
     W_FP8: w2 is float8 with float32 scales at ``s_ptr``; BLOCK_K divides the scale block, so each step
-    weighs every expert row's products by one scale. Otherwise the scale arguments are None and unused."""
+    weighs every expert row's products by one scale (the fallback of ``_moe_small_down_fp8_words_kernel``,
+    for weights that cannot be read as words). Otherwise the scale arguments are None and unused."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
@@ -756,6 +911,140 @@ def _moe_small_down_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _moe_small_down_fp8_words_kernel(
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    hidden,
+    inter_words,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PIECES: tl.constexpr,
+    PIECE_W: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+    SHIFT: tl.constexpr,
+    HALF_FACTOR: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    A_QUADS: tl.constexpr,
+    HAS_ABSENT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``_moe_small_down_kernel`` over w2 read as 32-bit words of four float8 values (strides in words,
+    ``inter_words`` = I / 4), as ``_moe_small_gate_up_fp8_words_kernel`` reads w13.
+
+    A step is a [top-k, BLOCK_N * PIECES, PIECE_W] tile of words: its middle axis runs over (row, piece),
+    each piece inside one scale block, and the pieces' sums of a row are added at the end. Byte J of word i
+    multiplies act[pair, 4 i + J] (``_four_values``; A_QUADS: act as 64-bit words, ``stride_am`` in
+    them). act comes multiplied by HALF_FACTOR from the float8 gate-up kernel, or
+    the kernel multiplies it by A_SCALE (1.0: no multiply); the sums take HALF_FACTOR again at the end, and
+    the routing weights there too (per pair and row, not per element). Scales: per piece, or with one
+    along K (SCALE_BK 1), on the sums."""
+    ROWS: tl.constexpr = BLOCK_N * PIECES
+    token = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    offs_n = tl.program_id(1) * BLOCK_N + rows // PIECES  # [ROWS]: each (row, piece)'s weight row
+    n_mask = offs_n < hidden
+    pieces = rows % PIECES * PIECE_W  # [ROWS]: each (row, piece)'s first word in a step
+    js = tl.arange(0, BLOCK_J)
+    j_mask = js < TOP_K
+    pairs = token * TOP_K + js
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_mask, other=0).to(tl.int64)  # pre-wait: gate-up's input
+    weights = tl.load(topk_weights_ptr + pairs, mask=j_mask, other=0.0).to(tl.float32)  # pre-wait: same
+    if HAS_ABSENT:  # a negative id: another rank's expert, whose act row the gate-up did not write
+        j_mask = j_mask & (experts >= 0)
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    offs_w = tl.max_contiguous(pieces[:, None] + tl.arange(0, PIECE_W)[None, :], [1, 2])  # [ROWS, PIECE_W]
+    A_STEP: tl.constexpr = 1 if A_QUADS else 4  # act's elements a word
+    w_ptrs = (
+        w2_ptr
+        + experts[:, None, None] * stride_we
+        + offs_n.to(tl.int64)[None, :, None] * stride_wn
+        + offs_w[None, :, :]
+    )
+    a_ptrs = act_ptr + pairs.to(tl.int64)[:, None, None] * stride_am + A_STEP * offs_w[None, :, :]
+    s_rows = s_ptr + experts[:, None] * stride_se + (offs_n // SCALE_BN)[None, :] * stride_sn  # [J, ROWS]
+    acc = tl.zeros((BLOCK_J, ROWS, PIECE_W), dtype=tl.float32)
+    for w0 in range(0, inter_words, PIECES * PIECE_W):
+        a_mask = j_mask[:, None, None] & (offs_w < inter_words - w0)[None, :, :]
+        words = tl.load(w_ptrs, mask=a_mask & n_mask[None, :, None], other=0)
+        a0, a1, a2, a3 = _four_values(a_ptrs, a_mask, A_QUADS, out_ptr.dtype.element_ty)
+        if A_SCALE != 1.0:
+            a0, a1, a2, a3 = a0 * A_SCALE, a1 * A_SCALE, a2 * A_SCALE, a3 * A_SCALE
+        part = fp8_byte_to_f32(words, 0, SHIFT) * a0
+        part += fp8_byte_to_f32(words, 1, SHIFT) * a1
+        part += fp8_byte_to_f32(words, 2, SHIFT) * a2
+        part += fp8_byte_to_f32(words, 3, SHIFT) * a3
+        if SCALE_BK == 1:  # one scale along K: applied to the sums at the end
+            acc += part
+        else:
+            # Pieces past the row's end are masked: their block index would be past the scale grid's.
+            s_mask = j_mask[:, None] & (n_mask & (pieces < inter_words - w0))[None, :]
+            s_cols = (4 * (w0 + pieces) // SCALE_BK * stride_sk)[None, :]
+            acc += part * tl.load(s_rows + s_cols, mask=s_mask, other=0.0)[:, :, None]
+        a_ptrs += A_STEP * PIECES * PIECE_W
+        w_ptrs += PIECES * PIECE_W
+    sums = tl.sum(acc, axis=2)  # [J, ROWS]
+    if SCALE_BK == 1:
+        sums = sums * tl.load(s_rows, mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+    out = tl.sum(sums * weights[:, None], axis=0) * HALF_FACTOR  # [ROWS]
+    if PIECES > 1:
+        out = tl.sum(tl.reshape(out, (BLOCK_N, PIECES)), axis=1)
+    offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_om + offs_out,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_out < hidden,
+    )
+
+
+def _fp8_words(w: torch.Tensor | Fp8Weight) -> torch.Tensor | None:
+    """A float8 weight's values as int32 words of four (what the word kernels read), or None: a 16-bit
+    weight, or one whose K, a stride or its offset is not a multiple of 4 (no real model's: those take the
+    conversion kernels, ``_moe_small_gate_up_fp8_kernel`` and ``_moe_small_down_kernel``'s W_FP8)."""
+    if not isinstance(w, Fp8Weight):
+        return None
+    values = w.weight
+    if values.shape[-1] % 4 or values.storage_offset() % 4 or any(s % 4 for s in values.stride()[:-1]):
+        return None
+    return values.view(torch.int32)
+
+
+def _word_pieces(block_k: int) -> tuple[int, int]:
+    """A word kernel's K step of ``block_k`` float8 values as (pieces, words a piece): pieces of
+    KERNEL_K_STEP values, each inside one scale block, or one shorter piece."""
+    if block_k < 4 or block_k & (block_k - 1):
+        raise ValueError(f"float8 K steps must be powers of two of at least 4 values, not {block_k}")
+    piece = min(block_k, KERNEL_K_STEP)
+    return block_k // piece, piece // 4
+
+
+def _quads(t: torch.Tensor) -> torch.Tensor:
+    """Rows of 16-bit values (a multiple of 4 a row, contiguous) as 64-bit words of four, what the word
+    kernels read them as; copied where the rows or the offset are not aligned to such words."""
+    if t.stride(0) % 4 or t.storage_offset() % 4:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.int64)
+
+
+def _half_factor(w: Fp8Weight) -> float:
+    """The square root of the factor a word kernel's widened values lack (2**60 for e4m3, 2**56 for
+    e5m2): exact, a power of two."""
+    return math.sqrt(fp8_word_factor(w.weight.dtype))
+
+
 def _fused_moe_small(
     x: torch.Tensor,
     w13: torch.Tensor | Fp8Weight,
@@ -766,16 +1055,44 @@ def _fused_moe_small(
     has_absent: bool = False,
 ) -> torch.Tensor:
     """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller);
-    with ``has_absent``, pairs of negative ids are skipped."""
+    with ``has_absent``, pairs of negative ids are skipped.
+
+    Float8 weights take the word kernels where ``_fp8_words`` gives words, the conversion kernels otherwise.
+    Where both weights take the word kernels and act's dtype has float32's range (not float16), the gate-up
+    writes act times the down kernel's half factor, which saves that kernel a multiply per act element
+    (an act past 2**68, ~3e20, would overflow; no model's comes near)."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    down_scale, down_fp8 = _scale_args(w2, cfg.down_block_k)  # checked before anything launches
+    gate_up_words, down_words = _fp8_words(w13), _fp8_words(w2)
+    # Checked before anything launches.
+    if gate_up_words is not None:
+        gate_up_pieces = _word_pieces(cfg.gate_up_block_k)
+    if down_words is not None:
+        down_pieces = _word_pieces(cfg.down_block_k)
+    else:  # the conversion kernel's float8 steps never straddle scale blocks
+        down_block_k = min(cfg.down_block_k, KERNEL_K_STEP) if isinstance(w2, Fp8Weight) else cfg.down_block_k
+        down_scale, down_fp8 = _scale_args(w2, down_block_k)
+    act_scale = 1.0
+    if gate_up_words is not None and down_words is not None and x.dtype != torch.float16:
+        act_scale = _half_factor(w2)
     # Pair (token) is grid axis 0, the fastest: pairs sharing an expert read its tile at about the same time.
     grid_a = (num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_block_n))
-    if isinstance(w13, Fp8Weight):
+    quads = x.element_size() == 2  # x and act read as 64-bit words of four (``_four_values``)
+    if gate_up_words is not None:
+        se, sn, sk, bn, bk = scale_args(w13)
+        words, xq = gate_up_words, _quads(x) if quads else x
+        _moe_small_gate_up_fp8_words_kernel[grid_a](
+            xq, words, w13.weight_scale, act, topk_ids, inter, hidden // 4,
+            xq.stride(0), words.stride(0), words.stride(1), inter * words.stride(1), act.stride(0), se, sn, sk,
+            TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, PIECES=gate_up_pieces[0], PIECE_W=gate_up_pieces[1],
+            SCALE_BN=bn, SCALE_BK=bk, SHIFT=fp8_word_shift(w13.weight.dtype), HALF_FACTOR=_half_factor(w13),
+            ACT_SCALE=act_scale, X_QUADS=quads, HAS_ABSENT=has_absent,
+            **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
+        )  # fmt: skip
+    elif isinstance(w13, Fp8Weight):
         se, sn, sk, bn, bk = scale_args(w13)
         values, piece = w13.weight, min(cfg.gate_up_block_k, KERNEL_K_STEP)
         _moe_small_gate_up_fp8_kernel[grid_a](
@@ -792,12 +1109,25 @@ def _fused_moe_small(
             TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, HAS_ABSENT=has_absent,
             **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
         )  # fmt: skip
-    w2 = _values(w2)
     grid_b = (num_tokens, triton.cdiv(hidden, cfg.down_block_n))
+    if down_words is not None:
+        se, sn, sk, bn, bk = scale_args(w2)
+        words, aq = down_words, _quads(act) if quads else act
+        _moe_small_down_fp8_words_kernel[grid_b](
+            aq, words, out, topk_weights, topk_ids, hidden, inter // 4,
+            aq.stride(0), words.stride(0), words.stride(1), out.stride(0), w2.weight_scale, se, sn, sk,
+            TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n,
+            PIECES=down_pieces[0], PIECE_W=down_pieces[1], SCALE_BN=bn, SCALE_BK=bk,
+            SHIFT=fp8_word_shift(w2.weight.dtype), HALF_FACTOR=_half_factor(w2),
+            A_SCALE=1.0 if act_scale != 1.0 else _half_factor(w2), A_QUADS=quads, HAS_ABSENT=has_absent,
+            **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
+        )  # fmt: skip
+        return out
+    w2 = _values(w2)
     _moe_small_down_kernel[grid_b](
         act, w2, out, topk_weights, topk_ids, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *down_scale,
-        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=down_block_k,
         HAS_ABSENT=has_absent, **down_fp8,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip

@@ -46,6 +46,39 @@ LAYOUTS: dict[str, tuple[int, int, tuple[int, int] | None]] = {
 }
 
 
+SMALL_KERNELS = (
+    "_moe_small_gate_up_kernel",
+    "_moe_small_gate_up_fp8_kernel",
+    "_moe_small_gate_up_fp8_words_kernel",
+    "_moe_small_down_kernel",
+    "_moe_small_down_fp8_words_kernel",
+)
+# What the small path launches when both weights are float8 and can be read as 32-bit words.
+WORD_KERNELS = ["_moe_small_gate_up_fp8_words_kernel", "_moe_small_down_fp8_words_kernel"]
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the small path's kernels as they launch, so that a silent switch between the word and
+    the conversion kernels cannot pass for coverage."""
+    names: list[str] = []
+
+    class Recording:
+        def __init__(self, name: str) -> None:
+            self.name, self.kernel = name, getattr(triton_moe, name)
+
+        def __getitem__(self, grid: tuple) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                names.append(self.name)
+                self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in SMALL_KERNELS:
+        monkeypatch.setattr(triton_moe, name, Recording(name))
+    return names
+
+
 @pytest.fixture(params=["small", "grouped"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The path the op takes, whatever the number of pairs (``use_small_path`` patched)."""
@@ -125,7 +158,9 @@ def test_layouts_have_partial_blocks() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp8_weights_match_reference(path: str, layout: str, dtype: torch.dtype) -> None:
+def test_fp8_weights_match_reference(path: str, layout: str, dtype: torch.dtype, launched: list[str]) -> None:
+    """Both layouts in every dtype; the small path reads the weights as words (float16: the down kernel
+    scales act itself, which the gate-up cannot write scaled in float16's range)."""
     torch.manual_seed(200)
     experts, tokens, top_k = 4, 3, 2  # few experts: the grouped path's few tiles keep the interpreter quick
     w13, w2 = moe_weights(experts, layout, dtype)
@@ -134,10 +169,11 @@ def test_fp8_weights_match_reference(path: str, layout: str, dtype: torch.dtype)
     ids = random_ids(tokens, top_k, experts)
     ids[1] = ids[0]  # tokens sharing their experts
     check(x, w13, w2, weights, ids)
+    assert launched == (WORD_KERNELS if path == "small" else [])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp8_weights_skip_absent_pairs(path: str, layout: str) -> None:
+def test_fp8_weights_skip_absent_pairs(path: str, layout: str, launched: list[str]) -> None:
     """An expert-parallel rank's pairs whose experts another rank holds (id -1) add nothing, and read no
     scales; the last token has no pair on this rank."""
     torch.manual_seed(210)
@@ -146,9 +182,10 @@ def test_fp8_weights_skip_absent_pairs(path: str, layout: str) -> None:
     w13, w2 = moe_weights(4, layout, torch.bfloat16)
     out = check(x, w13, w2, weights, ids, has_absent=True)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert launched == (WORD_KERNELS if path == "small" else [])
 
 
-def test_fp8_e5m2_one_scale_per_expert(path: str) -> None:
+def test_fp8_e5m2_one_scale_per_expert(path: str, launched: list[str]) -> None:
     """e5m2 values under a scale block the size of the weight: one scale per expert, stride 0 along both
     sides (what a per-tensor scale would give)."""
     torch.manual_seed(220)
@@ -160,11 +197,13 @@ def test_fp8_e5m2_one_scale_per_expert(path: str) -> None:
     x = randn(3, hidden, dtype=torch.bfloat16)
     weights = torch.rand(3, 2, device=DEVICE).softmax(-1)
     check(x, w13, w2, weights, random_ids(3, 2, 4))
+    assert launched == (WORD_KERNELS if path == "small" else [])
 
 
 @pytest.mark.parametrize("fp8", ["w13", "w2"])
-def test_one_fp8_weight(path: str, fp8: str) -> None:
-    """One weight float8, the other bfloat16: each kernel reads its own weight as it is."""
+def test_one_fp8_weight(path: str, fp8: str, launched: list[str]) -> None:
+    """One weight float8, the other bfloat16: each kernel reads its own weight as it is (the float8 gate-up
+    writes act unscaled for the 16-bit down kernel; the float8 down kernel scales the 16-bit one's act)."""
     torch.manual_seed(230)
     w13, w2 = moe_weights(4, "rows", torch.bfloat16)
     if fp8 == "w13":
@@ -174,18 +213,48 @@ def test_one_fp8_weight(path: str, fp8: str) -> None:
     x = randn(3, LAYOUTS["rows"][0], dtype=torch.bfloat16)
     weights = torch.rand(3, 2, device=DEVICE).softmax(-1)
     check(x, w13, w2, weights, random_ids(3, 2, 4))
+    if path == "small":
+        gate_up, down = WORD_KERNELS if fp8 == "w13" else ("_moe_small_gate_up_kernel", WORD_KERNELS[1])
+        assert launched == [gate_up, down if fp8 == "w2" else "_moe_small_down_kernel"]
+
+
+@pytest.mark.parametrize(("hidden", "inter"), [(42, 48), (40, 46)], ids=["h42", "i46"])
+def test_fp8_weights_not_in_words_take_conversion_kernels(
+    monkeypatch: pytest.MonkeyPatch, launched: list[str], hidden: int, inter: int
+) -> None:
+    """A weight whose K is not a multiple of 4 cannot be read as 32-bit words: its kernel is the
+    conversion one, the other weight's the word one (act written unscaled for the conversion down kernel,
+    and scaled by the word down kernel itself). No real model has such a K."""
+    monkeypatch.setattr(triton_moe, "use_small_path", lambda *_a: True)
+    torch.manual_seed(250)
+    w13 = quantized(4, 2 * inter, hidden, None, torch.bfloat16)
+    w2 = quantized(4, hidden, inter, None, torch.bfloat16)
+    x = randn(3, hidden, dtype=torch.bfloat16)
+    weights = torch.rand(3, 2, device=DEVICE).softmax(-1)
+    check(x, w13, w2, weights, random_ids(3, 2, 4))
+    if hidden % 4:
+        assert launched == ["_moe_small_gate_up_fp8_kernel", WORD_KERNELS[1]]
+    else:
+        assert launched == [WORD_KERNELS[0], "_moe_small_down_kernel"]
 
 
 def test_fp8_rejects_k_steps_across_scale_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A down step longer than KERNEL_K_STEP would straddle two scale blocks: refused before any launch."""
-    config = triton_moe.MoeSmallConfig(64, 256, 4, 64, 256, 4)
-    monkeypatch.setattr(triton_moe, "moe_small_fp8_config", lambda _device: config)
+    """Refused before any launch: a grouped K step longer than KERNEL_K_STEP, which would straddle two
+    scale blocks; a small-path float8 step that is not a power of two (pieces of KERNEL_K_STEP)."""
+    monkeypatch.setattr(triton_moe, "use_small_path", lambda *_a: False)
+    monkeypatch.setattr(
+        triton_moe, "moe_tile_config", lambda *_a: triton_moe.MoeTileConfig(16, 32, 256, 1, 4, 1)
+    )
     w13, w2 = moe_weights(4, "blocks", torch.bfloat16)
     x = randn(1, LAYOUTS["blocks"][0], dtype=torch.bfloat16)
+    args = (x, w13, w2, torch.ones(1, 1, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="straddle"):
-        TRITON_OPS.fused_moe(
-            x, w13, w2, torch.ones(1, 1, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64)
-        )
+        TRITON_OPS.fused_moe(*args)
+    monkeypatch.setattr(triton_moe, "use_small_path", lambda *_a: True)
+    config = triton_moe.MoeSmallConfig(64, 256, 4, 64, 192, 4)
+    monkeypatch.setattr(triton_moe, "moe_small_fp8_config", lambda _device: config)
+    with pytest.raises(ValueError, match="powers of two"):
+        TRITON_OPS.fused_moe(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------
