@@ -5,9 +5,9 @@ copy rate, at the benchmark models' decode shapes.
 
 Each case is a CUDA graph of calls over rotated weights (so that L2 holds none, as ``kernel_bench.py``):
 the bf16 GEMV, the float8 GEMV with 128 x 128 scale blocks and with a scale per row, the float8 GEMV with
-the input norm fused, the skinny kernels at 4 and 16 rows, and the small MoE path at one token (Qwen3-30B-
+the input norm fused, 4 and 16 rows (bf16: the skinny kernel), and the small MoE path at one token (Qwen3-30B-
 A3B's experts). "bytes" is the weight (plus scales) read once; "% copy" is bytes / time against the
-device-to-device copy rate. ``--sweep`` times GEMV tiles for the float8 kernel. Needs a CUDA GPU.
+device-to-device copy rate. ``--sweep`` times float8 GEMV tiles at 1, 4 and 16 rows. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from benchmarks.common import copy_gbps  # noqa: E402
 from benchmarks.kernel_bench import rotations, time_graph  # noqa: E402
 from kernels import triton_fp8_linear  # noqa: E402
 from kernels.fp8_weight import Fp8Weight  # noqa: E402
-from kernels.triton_linear import LinearConfig  # noqa: E402
+from kernels.triton_fp8_linear import Fp8GemvConfig  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -104,7 +104,7 @@ def linear_cases(copy_bw: float) -> None:
                 lambda w, xm=xm: TRITON_OPS.linear(xm, w),
                 nbytes,
             )
-            row(name, f"{m} rows: bf16 skinny {b16:.1f} us; fp8", us, nbytes, copy_bw, b16)
+            row(name, f"{m} rows: bf16 {b16:.1f} us; fp8 GEMV", us, nbytes, copy_bw, b16)
 
 
 def moe_cases(copy_bw: float) -> None:
@@ -135,32 +135,29 @@ def moe_cases(copy_bw: float) -> None:
 
 
 def sweep(copy_bw: float) -> None:
+    """Float8 GEMV tiles (rows a program, warps; 8 pieces a step) at 1, 4 and 16 rows of x."""
     base = triton_fp8_linear.fp8_gemv_config
-    grid = [LinearConfig(bn, bk, w, st) for bn in (1, 2, 4) for bk, w in ((512, 4), (1024, 4), (2048, 4), (2048, 8))
-            for st in (2, 4)]  # fmt: skip
-    for name, n, k in SHAPES:
-        results = []
-        for cfg in grid:
-            if cfg.block_k > triton.next_power_of_2(k):
-                continue
-            triton_fp8_linear.fp8_gemv_config = lambda *_a, cfg=cfg: cfg
-            x = torch.randn(1, k, device="cuda", dtype=BF16)
-            try:
-                us = timed(
-                    lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
-                    lambda w, x=x: TRITON_OPS.linear(x, w),
-                    n * k,
-                )
-            except Exception as exc:  # a tile that does not compile
-                print(f"  {name} {cfg}: {type(exc).__name__}")
-                continue
-            results.append((us, cfg))
-        triton_fp8_linear.fp8_gemv_config = base
-        results.sort(key=lambda r: r[0])
-        best = ", ".join(
-            f"{us:.1f} us {c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}" for us, c in results[:4]
-        )
-        print(f"{name} ({n} x {k}, {n * k / 1e6:.0f} MB fp8): {best}", flush=True)
+    grid = [Fp8GemvConfig(bn, 8, w) for bn in (1, 2, 4) for w in (1, 2, 4)]
+    for name, n, k in (SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[5]):
+        for m in (1, 4, 16):
+            results = []
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            for cfg in grid:
+                triton_fp8_linear.fp8_gemv_config = lambda *_a, cfg=cfg: cfg
+                try:
+                    us = timed(
+                        lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
+                        lambda w, x=x: TRITON_OPS.linear(x, w),
+                        n * k,
+                    )
+                except Exception as exc:  # a tile that does not compile
+                    print(f"  {name} {cfg}: {type(exc).__name__}")
+                    continue
+                results.append((us, cfg))
+            triton_fp8_linear.fp8_gemv_config = base
+            results.sort(key=lambda r: r[0])
+            best = ", ".join(f"{us:.1f} us {c.block_n}/{c.pieces}/{c.num_warps}" for us, c in results[:4])
+            print(f"{name} ({n} x {k}), {m} rows: {best}", flush=True)
 
 
 def main() -> None:
