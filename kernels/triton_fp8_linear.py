@@ -33,8 +33,11 @@ import triton.language as tl
 
 from kernels.fp8_weight import KERNEL_K_STEP, Fp8Weight, scale_args
 from kernels.triton_device import pdl_kwargs, pdl_wait
-from kernels.triton_linear import SKINNY_MAX_M
+from kernels.triton_linear import SKINNY_MAX_M, skinny_linear_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
+
+FP8_GEMV_MAX_M = 1  # rows on the GEMV; more (to SKINNY_MAX_M) on the skinny kernel
+FUSE_NORM = True  # one row's input norm inside the GEMV
 
 
 @dataclass(frozen=True)
@@ -271,12 +274,15 @@ def dequantize_triton(w: Fp8Weight) -> torch.Tensor:
 
 
 def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x [M, K] @ dequant(w).T in x's dtype: the float8 GEMV for up to SKINNY_MAX_M rows, the widened weight
-    through cuBLAS past that."""
+    """x [M, K] @ dequant(w).T in x's dtype: the float8 GEMV for up to FP8_GEMV_MAX_M rows, the skinny
+    kernel (tensor cores) up to SKINNY_MAX_M, the widened weight through cuBLAS past that."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if 1 <= x.shape[0] <= SKINNY_MAX_M and w.weight.stride(-1) == 1:
-        return _gemv(x, w)[0]
+    m = x.shape[0]
+    if 1 <= m <= SKINNY_MAX_M and w.weight.stride(-1) == 1:
+        if m <= FP8_GEMV_MAX_M:
+            return _gemv(x, w)[0]
+        return skinny_linear_triton(x, w)
     return x @ dequantize_triton(w).t()
 
 
@@ -297,7 +303,7 @@ def fp8_add_rms_norm_linear_triton(
         and norm_weight.dtype == x.dtype
         and w.weight.stride(-1) == 1
     )
-    if plain and x.shape[0] == 1:
+    if plain and x.shape[0] == 1 and FUSE_NORM:
         return _gemv(x, w, residual, norm_weight, eps, need_normed)
     if residual is None:
         h, summed = rms_norm_triton(x, norm_weight, eps), x

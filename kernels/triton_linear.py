@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_weight import Fp8Weight
+from kernels.fp8_weight import Fp8Weight, scale_args
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
@@ -122,6 +122,7 @@ def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
 def _skinny_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     M,
     N,
@@ -130,6 +131,12 @@ def _skinny_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    s_sn,
+    s_sk,
+    W_FP8: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -141,7 +148,12 @@ def _skinny_kernel(
     """out[m, n] = x[m] . w[n] for BLOCK_M rows m and BLOCK_N weight rows n, fp32 accumulation. The grid's
     first axis is the M tiles, fastest, so the programs that share a weight tile run together and read
     it from HBM once. With SPLIT_K > 1 each program takes ``k_split`` of K (a multiple of BLOCK_K) and
-    writes its fp32 sums to ``out_ptr`` as [SPLIT_K, M, N] partials, which ``_sum_splits_kernel`` adds."""
+    writes its fp32 sums to ``out_ptr`` as [SPLIT_K, M, N] partials, which ``_sum_splits_kernel`` adds.
+
+    W_FP8: ``w`` holds float8 values (``Fp8Weight``) with scales at ``s_ptr`` over SCALE_BN x SCALE_BK
+    blocks; each tile is widened to x's dtype (exact) for its MMA, and the step's fp32 result times the
+    step's scales (a BLOCK_K step lies in one block along K), or with ROW_SCALES (one scale a row) the
+    sums once at the end."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -157,6 +169,7 @@ def _skinny_kernel(
     n_mask = offs_n < N
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + k_start + offs_k[:, None]
+    s_rows = s_ptr + (offs_n // SCALE_BN) * s_sn  # W_FP8 only
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
@@ -166,9 +179,17 @@ def _skinny_kernel(
             k_mask = offs_k < k_end - k0
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        if not W_FP8:
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        elif ROW_SCALES:
+            acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=DOT_PRECISION)
+        else:
+            scale = tl.load(s_rows + (k0 // SCALE_BK) * s_sk, mask=n_mask, other=0.0)
+            acc += tl.dot(w.to(xt.dtype), xt, input_precision=DOT_PRECISION) * scale[:, None]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if W_FP8 and ROW_SCALES:
+        acc *= tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
         out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -249,25 +270,36 @@ def _skinny_rows_kernel(
     tl.store(out_ptr + offs_m.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=m_mask)
 
 
-def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T for a few rows (unit last strides): ``_skinny_rows_kernel`` for weights of few
-    rows, ``_skinny_kernel`` otherwise."""
+def skinny_linear_triton(
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, cfg: LinearConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T for a few rows (unit last strides): ``_skinny_rows_kernel`` for 16-bit weights
+    of few rows, ``_skinny_kernel`` otherwise (a float8 weight with its scales, W_FP8). ``cfg`` overrides
+    ``skinny_config`` (the benchmarks' sweeps)."""
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if use_skinny_rows(n, x.device):
+    fp8 = isinstance(w, Fp8Weight)
+    if not fp8 and use_skinny_rows(n, x.device):
         block_m, block_k = (SKINNY_ROWS_BLOCK_M, 1024) if x.device.type == "cuda" else (4, 32)
         _skinny_rows_kernel[(n, triton.cdiv(m, block_m))](
             x, w, out, m, k, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_K=block_k, **pdl_kwargs(x.device), num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
-    cfg = skinny_config(n, k, x.device)
+    cfg = cfg or skinny_config(n, k, x.device)
+    if fp8:
+        values, scales, (_, s_sn, s_sk, bn, bk) = w.weight, w.weight_scale, scale_args(w)
+        if s_sk and bk % cfg.block_k:
+            raise ValueError(f"scale blocks {bk} long along K do not hold whole {cfg.block_k}-long steps")
+    else:
+        values, scales, (s_sn, s_sk, bn, bk) = w, w, (0, 0, 1, 1)
     split_k = cfg.split_k  # by the weight's shape and the device: a row's sums do not depend on the batch
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
     _skinny_kernel[grid](
-        x, w, dest, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        x, values, scales, dest, m, n, k, k_split, x.stride(0), values.stride(0), out.stride(0), s_sn, s_sk,
+        W_FP8=fp8, SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0,
         BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

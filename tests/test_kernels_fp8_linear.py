@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import triton_fp8_linear
+from kernels import triton_fp8_linear, triton_linear
 from kernels.fp8_weight import Fp8Weight, kernel_layout_ok, scale_args
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -52,10 +52,12 @@ def exact(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return x.float() @ (w.weight.float() * w.full_scales()).t()
 
 
-def record(monkeypatch: pytest.MonkeyPatch, kernel_name: str) -> list[dict]:
-    """Records the constexpr keyword arguments of each launch of ``triton_fp8_linear.<kernel_name>``."""
+def record(
+    monkeypatch: pytest.MonkeyPatch, kernel_name: str, module: object = triton_fp8_linear
+) -> list[dict]:
+    """Records the constexpr keyword arguments of each launch of ``<module>.<kernel_name>``."""
     launched: list[dict] = []
-    kernel = getattr(triton_fp8_linear, kernel_name)
+    kernel = getattr(module, kernel_name)
 
     class Recording:
         def __getitem__(self, grid: tuple) -> object:
@@ -65,13 +67,25 @@ def record(monkeypatch: pytest.MonkeyPatch, kernel_name: str) -> list[dict]:
 
             return launch
 
-    monkeypatch.setattr(triton_fp8_linear, kernel_name, Recording())
+    monkeypatch.setattr(module, kernel_name, Recording())
     return launched
 
 
 @pytest.fixture
 def gemvs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
     yield record(monkeypatch, "_fp8_gemv_kernel")
+
+
+@pytest.fixture
+def skinnies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
+    yield record(monkeypatch, "_skinny_kernel", triton_linear)
+
+
+def gemv_rows(m: int) -> list[int]:
+    """ROWS of each GEMV launch ``linear`` makes for m rows (1, 2 or 4 a program)."""
+    if not 1 <= m <= triton_fp8_linear.FP8_GEMV_MAX_M:
+        return []
+    return [1 if m == 1 else (2 if m == 2 else 4)]
 
 
 def test_quantize_round_trip_and_layouts() -> None:
@@ -97,7 +111,9 @@ def test_quantize_round_trip_and_layouts() -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 2, 7, 17])
-def test_fp8_linear_matches_reference(m: int, dtype: torch.dtype, layout: str, gemvs: list) -> None:
+def test_fp8_linear_matches_reference(
+    m: int, dtype: torch.dtype, layout: str, gemvs: list, skinnies: list
+) -> None:
     torch.manual_seed(10 + m)
     w = make_fp8(N, K, LAYOUTS[layout], dtype, seed=m)
     x = randn(m, K, dtype=dtype)
@@ -106,11 +122,30 @@ def test_fp8_linear_matches_reference(m: int, dtype: torch.dtype, layout: str, g
     ref = exact(x, w)
     assert_close(out, ref, dtype, f"fp8 linear {layout}, M={m}")
     assert_close(linear_torch(x, w), ref, dtype, f"reference {layout}, M={m}")
-    # The GEMV up to 16 rows (1, 2 or 4 a program; 7 rows: two programs along the rows, the second with
-    # three), cuBLAS over the widened weight past that
-    assert [g["ROWS"] for g in gemvs] == ({1: [1], 2: [2], 7: [4]}.get(m, []))
-    if gemvs:
-        assert gemvs[0]["ROW_SCALES"] == (layout != "blocks") and not gemvs[0]["FUSE_NORM"]
+    # The GEMV up to FP8_GEMV_MAX_M rows, the skinny kernel to 16, cuBLAS over the widened weight past that
+    assert [g["ROWS"] for g in gemvs] == gemv_rows(m)
+    assert len(skinnies) == (1 if triton_fp8_linear.FP8_GEMV_MAX_M < m <= 16 else 0)
+    for launch in gemvs:
+        assert launch["ROW_SCALES"] == (layout != "blocks") and not launch["FUSE_NORM"]
+    for launch in skinnies:
+        assert launch["W_FP8"] and launch["ROW_SCALES"] == (layout != "blocks")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_gemv_and_skinny_at_several_rows(
+    dtype: torch.dtype, layout: str, gemvs: list, skinnies: list
+) -> None:
+    """Both kernels at 2 and 7 rows, whichever ``linear`` routes them to: the GEMV with 2 and 4 rows a
+    program (7 rows: the second program along the rows has three), the skinny kernel with K in parts."""
+    for m in (2, 7):
+        torch.manual_seed(50 + m)
+        w = make_fp8(N, K, LAYOUTS[layout], dtype, seed=m)
+        x = randn(m, K, dtype=dtype)
+        assert_close(triton_fp8_linear._gemv(x, w)[0], exact(x, w), dtype, f"GEMV {layout}, M={m}")
+        assert_close(triton_linear.skinny_linear_triton(x, w), exact(x, w), dtype, f"skinny {layout}, M={m}")
+    assert [g["ROWS"] for g in gemvs] == [2, 4]
+    assert [s["W_FP8"] for s in skinnies] == [True, True] and skinnies[0]["SPLIT_K"] == 2
 
 
 def test_dequantize_kernel_equals_the_reference_bit_for_bit() -> None:
@@ -142,8 +177,10 @@ def test_fp8_add_rms_norm_linear(m: int, dtype: torch.dtype, layout: str, gemvs:
                 assert_close(normed, h, dtype, what)
             ref_out, _, _ = add_rms_norm_linear_torch(x, residual, g, 1e-6, w, need_normed)
             assert_close(ref_out, exact(h, w), dtype, "reference " + what)
-    # One row: the norm fused into the GEMV; two: the norm kernel, then the GEMV over both rows
-    assert len(gemvs) == 4 and all(launch["FUSE_NORM"] == (m == 1) for launch in gemvs)
+    # One row: the norm fused into the GEMV where FUSE_NORM; else the norm kernel, then the projection
+    fused = m == 1 and triton_fp8_linear.FUSE_NORM
+    assert len(gemvs) == 4 * (m <= triton_fp8_linear.FP8_GEMV_MAX_M)
+    assert all(launch["FUSE_NORM"] == fused for launch in gemvs)
 
 
 def test_fp8_linear_strided_input_and_e5m2(gemvs: list) -> None:
@@ -165,7 +202,7 @@ REAL_SHAPES = [(5120, 2048), (2048, 4096), (6144, 4096), (28672, 4096), (4096, 1
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), REAL_SHAPES, ids=lambda v: str(v))
-def test_gpu_fp8_linear_real_shapes(n: int, k: int, gemvs: list) -> None:
+def test_gpu_fp8_linear_real_shapes(n: int, k: int, gemvs: list, skinnies: list) -> None:
     torch.manual_seed(40)
     dtype = torch.bfloat16
     for block in ((128, 128), (1, k)):
@@ -173,9 +210,17 @@ def test_gpu_fp8_linear_real_shapes(n: int, k: int, gemvs: list) -> None:
         for m in (1, 4, 16, 17, 300):
             x = randn(m, k, dtype=dtype)
             assert_close(TRITON_OPS.linear(x, w), exact(x, w), dtype, f"fp8 {n}x{k} {block}, M={m}")
+            if 2 <= m <= 16:  # also the kernel the routing does not take
+                on_gemv = m <= triton_fp8_linear.FP8_GEMV_MAX_M
+                other = (
+                    triton_linear.skinny_linear_triton(x, w) if on_gemv else triton_fp8_linear._gemv(x, w)[0]
+                )
+                assert_close(other, exact(x, w), dtype, f"fp8 {n}x{k} {block}, M={m}, both kernels")
         g, res = randn(k, dtype=dtype, scale=0.1) + 1, randn(1, k, dtype=dtype)
         x = randn(1, k, dtype=dtype)
         out, _, _ = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False)
         h, _ = fused_add_rms_norm_torch(x, res, g, 1e-6)
         assert_close(out, exact(h, w), dtype, f"fp8 norm {n}x{k} {block}")
-    assert [g["ROWS"] for g in gemvs] == [1, 4, 4, 1] * 2  # M = 1, 4, 16 (17 and 300: cuBLAS); the norm
+    # M = 1, 4, 16 (17 and 300: cuBLAS), the norm; each of 4 and 16 on both kernels
+    assert [g["ROWS"] for g in gemvs] == [1, 4, 4, 1] * 2
+    assert len(skinnies) == 4 and all(s["W_FP8"] for s in skinnies)
