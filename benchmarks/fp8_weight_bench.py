@@ -29,7 +29,7 @@ from benchmarks.common import copy_gbps  # noqa: E402
 from benchmarks.kernel_bench import rotations, time_graph  # noqa: E402
 from kernels import triton_fp8_linear, triton_linear  # noqa: E402
 from kernels.fp8_weight import Fp8Weight  # noqa: E402
-from kernels.triton_fp8_linear import FP8_GEMV_MAX_M, FUSE_NORM, Fp8GemvConfig  # noqa: E402
+from kernels.triton_fp8_linear import FP8_GEMV_MAX_M, NORM_IN_GEMV, Fp8GemvConfig  # noqa: E402
 from kernels.triton_linear import LinearConfig, skinny_linear_triton  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
@@ -96,7 +96,7 @@ def linear_cases(copy_bw: float) -> None:
         )
         row(name, "bf16 norm + GEMV (fused)", b16_norm, bf, copy_bw)
         for fuse in (True, False):
-            triton_fp8_linear.FUSE_NORM = fuse
+            triton_fp8_linear.NORM_IN_GEMV = fuse
             us = timed(
                 lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
                 lambda w, x=x, res=res, g=g: TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False),
@@ -110,7 +110,7 @@ def linear_cases(copy_bw: float) -> None:
                 copy_bw,
                 b16_norm,
             )
-        triton_fp8_linear.FUSE_NORM = FUSE_NORM
+        triton_fp8_linear.NORM_IN_GEMV = NORM_IN_GEMV
         for m in (2, 4, 8, 16):
             xm = torch.randn(m, k, device="cuda", dtype=BF16)
             b16 = timed(
@@ -166,7 +166,7 @@ def sweep(copy_bw: float) -> None:
             res, g = torch.randn_like(x), torch.ones(k, device="cuda", dtype=BF16)
             fn = (lambda w, x=x, res=res, g=g: TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False)) if m == "norm" else (
                 lambda w, x=x: TRITON_OPS.linear(x, w))  # fmt: skip
-            triton_fp8_linear.FP8_GEMV_MAX_M = 16
+            triton_fp8_linear.FP8_GEMV_MAX_M, triton_fp8_linear.NORM_IN_GEMV = 16, True
             for cfg in grid:
                 triton_fp8_linear.fp8_gemv_config = lambda *_a, cfg=cfg: cfg
                 try:
@@ -176,7 +176,7 @@ def sweep(copy_bw: float) -> None:
                     continue
                 results.append((us, cfg))
             triton_fp8_linear.fp8_gemv_config = base
-            triton_fp8_linear.FP8_GEMV_MAX_M = FP8_GEMV_MAX_M
+            triton_fp8_linear.FP8_GEMV_MAX_M, triton_fp8_linear.NORM_IN_GEMV = FP8_GEMV_MAX_M, NORM_IN_GEMV
             results.sort(key=lambda r: r[0])
             best = ", ".join(f"{us:.1f} us {c.block_n}/{c.pieces}/{c.num_warps}" for us, c in results[:4])
             print(f"GEMV {name} ({n} x {k}), {m} rows: {best}", flush=True)

@@ -4,20 +4,23 @@
 At decode sizes a projection streams its whole weight from HBM, so a float8 weight moves half the bytes
 of a 16-bit one.
 
-- 1 to ``SKINNY_MAX_M`` rows: ``_fp8_gemv_kernel``, on CUDA cores. Each program streams ``BLOCK_N`` weight
-  rows in pieces of ``KERNEL_K_STEP`` values (``PIECES`` pieces a loop step, unrolled), so every piece lies
-  in one scale block and takes one scale, and multiplies each piece, widened to float32 once, by ``ROWS``
-  (1, 2 or 4) rows of x; more rows take more programs along the grid's second axis, which read the same
-  weight tiles at about the same time (from L2). With one row the input norm can be fused in (``FUSE_NORM``,
-  as ``_norm_gemv_kernel``): a first pass over x reduces the row's norm, the second normalises each piece
-  as it multiplies it.
+- one row (up to ``FP8_GEMV_MAX_M``): ``_fp8_gemv_kernel``, on CUDA cores. Each program streams
+  ``BLOCK_N`` weight rows in pieces of ``KERNEL_K_STEP`` values (``PIECES`` pieces a loop step, unrolled),
+  so every piece lies in one scale block and takes one scale, and multiplies each piece, widened to
+  float32 once, by ``ROWS`` (1, 2 or 4) rows of x; more rows take more programs along the grid's second
+  axis. The input norm can be fused in (the kernel's ``FUSE_NORM``, as ``_norm_gemv_kernel``; the switch
+  ``NORM_IN_GEMV``): a first pass over x reduces the row's norm, the second normalises each piece as it
+  multiplies it. Both measured slower than the alternatives (the constants' comments), so the GEMV takes
+  one row and the norm runs in its own kernel; the paths stay tested.
+- 2 to ``SKINNY_MAX_M`` rows: ``kernels.triton_linear._skinny_kernel`` with ``W_FP8`` (tensor cores, each
+  tile widened in registers, exact, for its MMA; K in 4 parts).
 - more rows (prefill): ``_fp8_dequant_kernel`` widens the weight into a scratch tensor of the model's
   dtype, which cuBLAS multiplies (compute-bound, where reading the weight twice costs little).
 
-Every tile is 2-D ([BLOCK_N, KERNEL_K_STEP] weights against [KERNEL_K_STEP] of x). Tiles of three
+Every GEMV tile is 2-D ([BLOCK_N, KERNEL_K_STEP] weights against [KERNEL_K_STEP] of x). Tiles of three
 dimensions (pieces as an axis) made Triton move x through shared memory with a barrier every step, and
 were slower (docs/performance.md, "Twenty-seventh run"), as were kernels that widened float8 with integer
-shifts instead of conversion instructions, or ran 2 to 16 rows on tensor cores with a scale every step.
+shifts instead of conversion instructions.
 
 Scales multiply float32 partial sums (module docstring of ``kernels/fp8_weight.py``): one-row-scale
 layouts once at the end; block layouts each piece, on x where the program's rows share a row block.
@@ -36,8 +39,17 @@ from kernels.triton_device import pdl_kwargs, pdl_wait
 from kernels.triton_linear import SKINNY_MAX_M, skinny_linear_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
-FP8_GEMV_MAX_M = 1  # rows on the GEMV; more (to SKINNY_MAX_M) on the skinny kernel
-FUSE_NORM = True  # one row's input norm inside the GEMV
+# Rows on the GEMV; more (to SKINNY_MAX_M) on the skinny kernel. One H200, ``fp8_weight_bench.py``
+# (2026-12-02 01:50 UTC, 128 x 128 blocks, us): at 2 rows the GEMV took Qwen3-30B-A3B QKV 8.7, o-proj 7.7,
+# Llama-3.1-8B QKV 16.3, o-proj 11.5, gate-up 66.1, down 37.0; the skinny kernel (K in 4 parts) 8.6 at 4
+# rows on QKV, 14.4, 46.8 and 28.5 on Llama's: the GEMV's cost grows with its rows (each row's products on
+# CUDA cores: 4 rows 12.5-113 us), the skinny kernel's hardly does.
+FP8_GEMV_MAX_M = 1
+# One row's input norm inside the GEMV (``FUSE_NORM`` of the kernel), or the norm kernel first. The same
+# run: fused 11.8 / 18.0 / 21.5 / 21.2 / 81.2 / 80.2 us on the six shapes, the norm kernel and the GEMV
+# 6.8 / 7.1 / 12.2 / 9.1 / 41.9 / 26.6 (the fused kernel's first pass over x and its per-piece norm cost
+# more than the launch it saves); so off, kept for the record and tested.
+NORM_IN_GEMV = False
 
 
 @dataclass(frozen=True)
@@ -48,11 +60,12 @@ class Fp8GemvConfig:
 
 
 def fp8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Fp8GemvConfig:
-    """Tile of ``_fp8_gemv_kernel``. From a sweep on one H200 (2026-12-01, ``tmp`` experiment recorded in
-    docs/performance.md, "Twenty-seventh run"; CUDA graphs over rotated weights, 128 x 128 blocks): two
-    weight rows a program, 8 pieces a step, one warp was best or within 0.5 us of it on every decode shape
-    (Qwen3-30B-A3B QKV 6.6 us against 6.9 for the bf16 GEMV, o-proj 5.7 / 6.1; Llama-3.1-8B QKV 11.9 /
-    13.9, gate-up 36.3 / 56-64, down 22.4 / 30.4). Several rows of x reuse the tile (unmeasured)."""
+    """Tile of ``_fp8_gemv_kernel``: two weight rows a program, 8 pieces a step, one warp. From
+    ``fp8_weight_bench.py --sweep`` (one H200, 2026-12-02 01:50 UTC, CUDA graphs over rotated weights,
+    128 x 128 blocks; block_n 1-16 x 1, 2, 4 warps): best at one row Qwen3-30B-A3B QKV 6.5 us (4/8/1; this
+    tile 7.1), Llama-3.1-8B QKV 11.5 (1/8/1; 13.0), gate-up 38.6 (4/8/1; 41.7), down 24.1 (this tile): no
+    other tile was within 1 us of the best on all four. With 4 rows one weight row a program was best
+    (11.4 / 25.0 / 106.0 / 56.1 us), still far slower than the skinny kernel; ``rows`` is unused."""
     if device.type != "cuda":  # the interpreter: several programs and steps, masked edges
         return Fp8GemvConfig(4, 1, 4)
     return Fp8GemvConfig(2, 8 if k >= 8 * KERNEL_K_STEP else max(1, k // KERNEL_K_STEP), 1)
@@ -303,7 +316,7 @@ def fp8_add_rms_norm_linear_triton(
         and norm_weight.dtype == x.dtype
         and w.weight.stride(-1) == 1
     )
-    if plain and x.shape[0] == 1 and FUSE_NORM:
+    if plain and x.shape[0] == 1 and NORM_IN_GEMV:
         return _gemv(x, w, residual, norm_weight, eps, need_normed)
     if residual is None:
         h, summed = rms_norm_triton(x, norm_weight, eps), x

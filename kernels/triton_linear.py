@@ -102,7 +102,7 @@ def use_skinny(m: int, n: int, k: int) -> bool:
     return 2 <= m <= SKINNY_MAX_M and n > 0 and k > 0
 
 
-def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
+def skinny_config(n: int, k: int, device: torch.device, fp8: bool = False) -> LinearConfig:
     """Tile of ``_skinny_kernel`` by the shape of ``w`` and the device only (never by M, so results are
     batch-invariant): 64 weight rows per program in 128-wide steps, with K split where the tiles alone
     would leave SMs idle: into as many parts as make about one program per SM (at most 4, each at least
@@ -111,9 +111,18 @@ def skinny_config(n: int, k: int, device: torch.device) -> LinearConfig:
     6.7 against 9.1 / 8.0 for the 16-row tile unsplit; Llama-3.1-8B's o-proj (4096 x 4096, 2 parts) 10.7 /
     10.8 against 11.5 / 11.5 for 64 x 256 unsplit, its down (4096 x 14336, 4 parts) 30.3 / 31.1 against
     30.9 / 31.8; QKV and gate-up (80 tiles and more) unsplit, where splitting was 0-7% slower. A part past
-    the end of K (more parts than steps) adds zeros."""
+    the end of K (more parts than steps) adds zeros.
+
+    A float8 weight (``fp8``) splits K into 4 parts of at least 512 wherever it can: its tiles are widened
+    in registers before their MMAs, so a program streams more slowly and more programs must be in flight.
+    ``fp8_weight_bench.py --sweep`` (one H200, 2026-12-02 01:50 UTC, us at 4 / 16 rows, 128 x 128 scale
+    blocks): Qwen3-30B-A3B QKV 8.6 / 9.4 against 13.0 / 12.6 unsplit, Llama-3.1-8B QKV 14.4 / 14.8 against
+    23.9 / 22.9, gate-up 46.8 / 48.8 against 59.3 / 59.7, down (already 4 parts) 28.5 / 29.0; 3 stages
+    beat 5 by 0.2-7 us, 64 weight rows beat 32 and 128."""
     if device.type != "cuda":  # the interpreter: tiny shapes, several K steps, masked edges, split K
         return LinearConfig(16, 32, 4, 1, split_k=2 if k > 64 else 1)
+    if fp8:
+        return LinearConfig(64, 128, 4, 3, split_k=max(1, min(4, k // 512)))
     split = 4 if k > 4096 else max(1, min(4, sm_count(device) // triton.cdiv(n, 64), k // 1024))
     return LinearConfig(64, 128, 4, 4, split_k=split)
 
@@ -286,7 +295,7 @@ def skinny_linear_triton(
             BLOCK_M=block_m, BLOCK_K=block_k, **pdl_kwargs(x.device), num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
-    cfg = cfg or skinny_config(n, k, x.device)
+    cfg = cfg or skinny_config(n, k, x.device, fp8)
     if fp8:
         values, scales, (_, s_sn, s_sk, bn, bk) = w.weight, w.weight_scale, scale_args(w)
         if s_sk and bk % cfg.block_k:

@@ -155,10 +155,14 @@ def test_dequantize_kernel_equals_the_reference_bit_for_bit() -> None:
             assert torch.equal(triton_fp8_linear.dequantize_triton(w), w.dequantize()), (name, dtype)
 
 
+@pytest.mark.parametrize("in_gemv", [True, False], ids=["norm-in-gemv", "norm-kernel"])
 @pytest.mark.parametrize("layout", ["blocks", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 2])
-def test_fp8_add_rms_norm_linear(m: int, dtype: torch.dtype, layout: str, gemvs: list) -> None:
+def test_fp8_add_rms_norm_linear(
+    m: int, dtype: torch.dtype, layout: str, in_gemv: bool, gemvs: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(triton_fp8_linear, "NORM_IN_GEMV", in_gemv)
     torch.manual_seed(20 + m)
     w = make_fp8(N, K, LAYOUTS[layout], dtype, seed=7)
     x, res, g = randn(m, K, dtype=dtype), randn(m, K, dtype=dtype), randn(K, dtype=dtype, scale=0.1) + 1
@@ -178,7 +182,7 @@ def test_fp8_add_rms_norm_linear(m: int, dtype: torch.dtype, layout: str, gemvs:
             ref_out, _, _ = add_rms_norm_linear_torch(x, residual, g, 1e-6, w, need_normed)
             assert_close(ref_out, exact(h, w), dtype, "reference " + what)
     # One row: the norm fused into the GEMV where FUSE_NORM; else the norm kernel, then the projection
-    fused = m == 1 and triton_fp8_linear.FUSE_NORM
+    fused = m == 1 and triton_fp8_linear.NORM_IN_GEMV
     assert len(gemvs) == 4 * (m <= triton_fp8_linear.FP8_GEMV_MAX_M)
     assert all(launch["FUSE_NORM"] == fused for launch in gemvs)
 
