@@ -208,11 +208,49 @@ def sweep(copy_bw: float) -> None:
             )
 
 
+def sweep_wide(copy_bw: float) -> None:
+    """64 to 256 rows: bf16 (cuBLAS), float8 widened then cuBLAS, and the skinny kernel's wide tiles (x rows
+    a tile, weight rows, K parts, warps); the default tile (``fp8_wide_config``) marked."""
+    tiles = [
+        LinearConfig(bn, 128, 8 if bm == 128 else 4, 3, sp, bm)
+        for bm in (32, 64, 128)
+        for bn in (64, 128)
+        for sp in (1, 2, 4)
+    ]
+    for name, n, k in (SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[5]):
+        default = triton_fp8_linear.fp8_wide_config(n, k, torch.device("cuda"))
+        if default not in tiles:
+            tiles.append(default)
+        for m in (64, 128, 256):
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            b16 = timed(lambda n=n, k=k: (torch.randn(n, k, device="cuda", dtype=BF16),),
+                        lambda w, x=x: TRITON_OPS.linear(x, w), n * k * 2)  # fmt: skip
+            make = lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),)  # noqa: E731
+            deq = timed(make, lambda w, x=x: x @ triton_fp8_linear.dequantize_triton(w).t(), n * k)
+            results = []
+            for cfg in tiles:
+                try:
+                    us = timed(make, lambda w, x=x, cfg=cfg: skinny_linear_triton(x, w, cfg), n * k)
+                except Exception as exc:  # a tile that does not compile or fit
+                    print(f"  {name} {cfg}: {type(exc).__name__}")
+                    continue
+                results.append((us, cfg))
+            results.sort(key=lambda r: r[0])
+            mine = next((us for us, c in results if c == default), float("nan"))
+            best = ", ".join(
+                f"{us:.1f} us {c.block_m}x{c.block_n}/{c.num_warps}w/split {c.split_k}"
+                for us, c in results[:4]
+            )
+            print(f"wide {name} ({n} x {k}), {m} rows: bf16 {b16:.1f}, fp8 dequant + cuBLAS {deq:.1f}, "
+                  f"default tile {mine:.1f}; best {best}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sweep", action="store_true", help="also: float8 GEMV tiles per shape")
+    parser.add_argument("--sweep", action="store_true", help="also: float8 GEMV and skinny tiles per shape")
+    parser.add_argument("--sweep-wide", action="store_true", help="only: the skinny kernel at 64-256 rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_weight_bench.py needs a CUDA GPU")
@@ -221,6 +259,9 @@ def main() -> None:
     copy_bw = copy_gbps() * 1e9
     print(f"# {props.name}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
+    if args.sweep_wide:
+        sweep_wide(copy_bw)
+        return
     linear_cases(copy_bw)
     moe_cases(copy_bw)
     if args.sweep:

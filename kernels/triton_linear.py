@@ -42,6 +42,7 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1  # the skinny kernel only: K cut into this many parts, summed by a second launch
+    block_m: int = 16  # the skinny kernel only: x rows a tile (SKINNY_BLOCK_M; wider for float8 past 16 rows)
 
 
 def linear_config(n: int, k: int, device: torch.device) -> LinearConfig:
@@ -305,11 +306,11 @@ def skinny_linear_triton(
     split_k = cfg.split_k  # by the weight's shape and the device: a row's sums do not depend on the batch
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, SKINNY_BLOCK_M) * split_k * triton.cdiv(n, cfg.block_n),)
+    grid = (triton.cdiv(m, cfg.block_m) * split_k * triton.cdiv(n, cfg.block_n),)
     _skinny_kernel[grid](
         x, values, scales, dest, m, n, k, k_split, x.stride(0), values.stride(0), out.stride(0), s_sn, s_sk,
         W_FP8=fp8, SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0,
-        BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

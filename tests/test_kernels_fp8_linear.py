@@ -110,7 +110,7 @@ def test_quantize_round_trip_and_layouts() -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 2, 7, 17])
+@pytest.mark.parametrize("m", [1, 2, 7, 17, 300])
 def test_fp8_linear_matches_reference(
     m: int, dtype: torch.dtype, layout: str, gemvs: list, skinnies: list
 ) -> None:
@@ -122,9 +122,11 @@ def test_fp8_linear_matches_reference(
     ref = exact(x, w)
     assert_close(out, ref, dtype, f"fp8 linear {layout}, M={m}")
     assert_close(linear_torch(x, w), ref, dtype, f"reference {layout}, M={m}")
-    # The GEMV up to FP8_GEMV_MAX_M rows, the skinny kernel to 16, cuBLAS over the widened weight past that
+    # The GEMV up to FP8_GEMV_MAX_M rows, the skinny kernel to FP8_WIDE_MAX_M (16-row tiles to 16 rows,
+    # wider past that), cuBLAS over the widened weight past that
     assert [g["ROWS"] for g in gemvs] == gemv_rows(m)
-    assert len(skinnies) == (1 if triton_fp8_linear.FP8_GEMV_MAX_M < m <= 16 else 0)
+    on_skinny = triton_fp8_linear.FP8_GEMV_MAX_M < m <= triton_fp8_linear.FP8_WIDE_MAX_M
+    assert [s["BLOCK_M"] for s in skinnies] == ([16 if m <= 16 else 32] if on_skinny else [])
     for launch in gemvs:
         assert launch["ROW_SCALES"] == (layout != "blocks") and not launch["FUSE_NORM"]
     for launch in skinnies:
@@ -211,7 +213,7 @@ def test_gpu_fp8_linear_real_shapes(n: int, k: int, gemvs: list, skinnies: list)
     dtype = torch.bfloat16
     for block in ((128, 128), (1, k)):
         w = make_fp8(n, k, block, dtype, seed=n)
-        for m in (1, 4, 16, 17, 300):
+        for m in (1, 4, 16, 17, 64, 300):
             x = randn(m, k, dtype=dtype)
             assert_close(TRITON_OPS.linear(x, w), exact(x, w), dtype, f"fp8 {n}x{k} {block}, M={m}")
             if 2 <= m <= 16:  # also the kernel the routing does not take
@@ -225,6 +227,6 @@ def test_gpu_fp8_linear_real_shapes(n: int, k: int, gemvs: list, skinnies: list)
         out, _, _ = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False)
         h, _ = fused_add_rms_norm_torch(x, res, g, 1e-6)
         assert_close(out, exact(h, w), dtype, f"fp8 norm {n}x{k} {block}")
-    # M = 1, 4, 16 (17 and 300: cuBLAS), the norm; each of 4 and 16 on both kernels
+    # M = 1, 4, 16 (17 and 64: wide skinny tiles; 300: cuBLAS), the norm; each of 4 and 16 on both kernels
     assert [g["ROWS"] for g in gemvs] == [1, 4, 4, 1] * 2
-    assert len(skinnies) == 4 and all(s["W_FP8"] for s in skinnies)
+    assert [s["BLOCK_M"] for s in skinnies] == [16, 16, 64, 64] * 2 and all(s["W_FP8"] for s in skinnies)
