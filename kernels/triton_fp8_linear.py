@@ -52,19 +52,28 @@ FP8_GEMV_MAX_M = 1
 NORM_IN_GEMV = False
 
 
-# Decode batches past SKINNY_MAX_M rows, to this many, take the skinny kernel with wider row tiles
-# (``fp8_wide_config``) instead of the widened weight through cuBLAS, which reads and writes the weight
-# once more than a 16-bit one: Llama-3.1-8B's decode step at 64 rows took 12.3 ms that way against 6.1
-# for bf16 (gpu_bench, 2026-12-02).
-FP8_WIDE_MAX_M = 256
+# Decode batches past SKINNY_MAX_M rows, to this many, take the skinny kernel with 64-row tiles
+# (``fp8_wide_config``) instead of the widened weight through cuBLAS, which writes and reads the weight once
+# more (Llama-3.1-8B's decode step at 64 rows: 12.3 ms that way against 6.1 for bf16; gpu_bench,
+# 2026-12-02). One H200, ``fp8_weight_bench.py --sweep-wide`` (01:27 UTC, us, 64 / 128 / 256 rows; the
+# kernel, widened + cuBLAS, bf16 cuBLAS): Llama-3.1-8B QKV 18.2 / 29.1 / 49.0, 39.0 / 40.0 / 44.7, 17.0 /
+# 17.0 / 21.9; gate-up 69.1 / 118.5 / 208.9, 167 / 170 / 190, 62.5 / 67.1 / 90.2; down 46.2 / 58.0 /
+# 103.2, 89.3 / 91.2 / 99.6, 36.6 / 37.8 / 48.5. The kernel wins to 128 rows and loses at 256; both lose to
+# bf16, as each weight tile is widened once for every 64 rows (w8a16: activations stay 16-bit).
+FP8_WIDE_MAX_M = 128
 
 
 def fp8_wide_config(n: int, k: int, device: torch.device) -> LinearConfig:
-    """The skinny kernel's tile for SKINNY_MAX_M < M <= FP8_WIDE_MAX_M rows of x against float8 weights,
-    by the weight's shape only (batch-invariant rows within that range)."""
+    """The skinny kernel's tile for SKINNY_MAX_M < M <= FP8_WIDE_MAX_M rows of x against a float8 weight,
+    by the weight's shape only (a row's sums do not depend on the batch within that range): 64 x 64 tiles,
+    K in parts until about 384 programs run at 64 rows (at most 4 parts, each at least 512 long). The
+    sweep above: 64 x 64 was best or within 4 us of it at 64 and 128 rows except Llama's down at 128 (128 x
+    128, 8 warps: 58 against 76 us); 4 parts on QKV and down at 64 rows (12.1 us against 15.2 unsplit on
+    Qwen3-30B-A3B's QKV), one on gate-up (448 tiles: 72.8 against 69.1 with two)."""
     if device.type != "cuda":  # the interpreter: small tiles, several steps, split K
         return LinearConfig(16, 32, 4, 1, split_k=2 if k > 64 else 1, block_m=32)
-    return LinearConfig(64, 128, 4, 3, split_k=1, block_m=64)
+    split = max(1, min(4, 384 // triton.cdiv(n, 64), k // 512))
+    return LinearConfig(64, 128, 4, 3, split_k=split, block_m=64)
 
 
 @dataclass(frozen=True)
