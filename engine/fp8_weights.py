@@ -1,4 +1,4 @@
-"""Float8 checkpoints: which quantised checkpoints the loader reads, and their weights widened as they load.
+"""Float8 checkpoints: which quantised checkpoints the loader reads, and their weights kept or widened.
 
 pdmesh reads checkpoints whose linear weights are stored in float8 with float32 scales, in the formats vLLM
 and SGLang serve:
@@ -10,14 +10,17 @@ and SGLang serve:
 - ``modelopt`` FP8 (NVIDIA ModelOpt; ``hf_quant_config.json`` or ``quantization_config``) and ``fbgemm_fp8``:
   ``<name>.weight_scale`` per tensor or per output channel.
 
-Each float8 weight is multiplied by its scale in float32 and rounded once to the engine's dtype as it loads:
-transformers' own arithmetic when it loads such a checkpoint without a GPU (``FineGrainedFP8Config(
-dequantize=True)``, which a test compares against). The engine then computes with weights of its dtype
-("w8a16"): the checkpoint's outputs, not its memory saving (the weights take a 16-bit checkpoint's room),
-and activations are not quantised (vLLM's and SGLang's float8 GEMMs quantise them per token or per tensor,
-so their outputs differ from these by that rounding). Static activation scales (``input_scale``) are
-therefore not used. Every other quantisation (GPTQ, AWQ, bitsandbytes, integer or 4-bit compressed-tensors,
-NVFP4, ...) is refused by name, before any weight is read.
+How they are held follows ``EngineConfig.quantization``. ``auto`` (the default) and ``fp8`` keep the
+attention and MLP (and expert) weights in float8 on the device with their scales (``kernels.fp8_weight.
+Fp8Weight``), where the kernels read the checkpoint's scale layout (``checkpoint_fp8_layout``; ``fp8`` also
+quantises 16-bit checkpoints, ``online_fp8_layout``): half the memory, and decode streams half the weight
+bytes. ``none``, and layouts the kernels do not read, widen each float8 weight as it loads: the weight
+times its scale in float32, rounded once to the engine's dtype, transformers' own arithmetic when it loads
+such a checkpoint without a GPU (``FineGrainedFP8Config(dequantize=True)``, which a test compares
+against). Either way activations stay 16-bit ("w8a16"; vLLM's and SGLang's float8 GEMMs quantise them per
+token or per tensor, so their outputs differ from these by that rounding), and static activation scales
+(``input_scale``) are not used. Every other quantisation (GPTQ, AWQ, bitsandbytes, integer or 4-bit
+compressed-tensors, NVFP4, ...) is refused by name, before any weight is read.
 """
 
 from __future__ import annotations
