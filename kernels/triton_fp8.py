@@ -40,3 +40,30 @@ def fp8_byte_to_f32(words, J: tl.constexpr, SHIFT: tl.constexpr):
         # bit into bits the mask drops)
     magnitude = (t >> SHIFT) & (0x7F << (24 - SHIFT))
     return ((t & -2147483648) | magnitude).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_to_16bit(w, OUT_DTYPE: tl.constexpr, BF16: tl.constexpr, E5M2: tl.constexpr, F32_MUL: tl.constexpr):
+    """float8 values ``w`` (e4m3, or e5m2 where E5M2) as OUT_DTYPE (bfloat16 where BF16, else float16),
+    exact: the byte's sign to the top bit, its exponent and mantissa to the low bits of the wider format's
+    exponent and the top of its mantissa, which is the value times 2**-(bias difference) for normal and
+    subnormal values alike (module docstring), then one multiply by that power of two. Integer operations
+    issue at full rate, where the conversion instructions take e4m3 through float16 and float32 to
+    bfloat16. F32_MUL: the bits placed in a float32 and multiplied there (exact too), for the interpreter,
+    whose 16-bit float arithmetic multiplies bit patterns and whose bfloat16 casts lose subnormals."""
+    b = w.to(tl.uint8, bitcast=True)
+    if F32_MUL:
+        bits32 = ((b & 0x80).to(tl.uint32) << 24) | ((b & 0x7F).to(tl.uint32) << (21 if E5M2 else 20))
+        factor32: tl.constexpr = 2.0**112 if E5M2 else 2.0**120
+        return (bits32.to(tl.float32, bitcast=True) * factor32).to(OUT_DTYPE)
+    b = b.to(tl.uint16)
+    if E5M2 and not BF16:  # e5m2 is float16 with the low byte dropped
+        return (b << 8).to(tl.float16, bitcast=True)
+    if BF16:
+        shift: tl.constexpr = 5 if E5M2 else 4
+        factor: tl.constexpr = 2.0**112 if E5M2 else 2.0**120
+    else:
+        shift: tl.constexpr = 7
+        factor: tl.constexpr = 256.0
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << shift)
+    return bits.to(OUT_DTYPE, bitcast=True) * tl.full((), factor, OUT_DTYPE)
