@@ -51,19 +51,16 @@ def fp8_to_16bit(w, OUT_DTYPE: tl.constexpr, BF16: tl.constexpr, E5M2: tl.conste
     issue at full rate, where the conversion instructions take e4m3 through float16 and float32 to
     bfloat16. F32_MUL: the bits placed in a float32 and multiplied there (exact too), for the interpreter,
     whose 16-bit float arithmetic multiplies bit patterns and whose bfloat16 casts lose subnormals."""
+    shift32: tl.constexpr = 21 if E5M2 else 20
+    shift: tl.constexpr = (5 if E5M2 else 4) if BF16 else (8 if E5M2 else 7)
+    factor: tl.constexpr = (2.0**112 if E5M2 else 2.0**120) if BF16 else (1.0 if E5M2 else 256.0)
+    factor32: tl.constexpr = 2.0**112 if E5M2 else 2.0**120
     b = w.to(tl.uint8, bitcast=True)
     if F32_MUL:
-        bits32 = ((b & 0x80).to(tl.uint32) << 24) | ((b & 0x7F).to(tl.uint32) << (21 if E5M2 else 20))
-        factor32: tl.constexpr = 2.0**112 if E5M2 else 2.0**120
-        return (bits32.to(tl.float32, bitcast=True) * factor32).to(OUT_DTYPE)
-    b = b.to(tl.uint16)
-    if E5M2 and not BF16:  # e5m2 is float16 with the low byte dropped
-        return (b << 8).to(tl.float16, bitcast=True)
-    if BF16:
-        shift: tl.constexpr = 5 if E5M2 else 4
-        factor: tl.constexpr = 2.0**112 if E5M2 else 2.0**120
+        bits32 = ((b & 0x80).to(tl.uint32) << 24) | ((b & 0x7F).to(tl.uint32) << shift32)
+        out = (bits32.to(tl.float32, bitcast=True) * factor32).to(OUT_DTYPE)
     else:
-        shift: tl.constexpr = 7
-        factor: tl.constexpr = 256.0
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << shift)
-    return bits.to(OUT_DTYPE, bitcast=True) * tl.full((), factor, OUT_DTYPE)
+        b16 = b.to(tl.uint16)
+        bits = ((b16 & 0x80) << 8) | ((b16 & 0x7F) << shift)
+        out = bits.to(OUT_DTYPE, bitcast=True) * tl.full((), factor, OUT_DTYPE)
+    return out
