@@ -61,6 +61,6 @@ def fp8_to_16bit(w, OUT_DTYPE: tl.constexpr, BF16: tl.constexpr, E5M2: tl.conste
         out = (bits32.to(tl.float32, bitcast=True) * factor32).to(OUT_DTYPE)
     else:
         b16 = b.to(tl.uint16)
-        bits = ((b16 & 0x80) << 8) | ((b16 & 0x7F) << shift)
+        bits = (((b16 & 0x80) << 8) | ((b16 & 0x7F) << shift)).to(tl.uint16)  # the literals widen to 32 bits
         out = bits.to(OUT_DTYPE, bitcast=True) * tl.full((), factor, OUT_DTYPE)
     return out
