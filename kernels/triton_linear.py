@@ -27,7 +27,7 @@ import triton.language as tl
 
 from kernels.fp8_weight import Fp8Weight, scale_args
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
-from kernels.triton_fp8 import fp8_to_16bit
+from kernels.triton_fp8 import fp8_to_16bit, fp8_to_16bit_constants
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 
@@ -160,6 +160,8 @@ def _skinny_kernel(
     SCALE_BK: tl.constexpr,
     ROW_SCALES: tl.constexpr,
     FP8_BITS: tl.constexpr,
+    FP8_SHIFT: tl.constexpr,
+    FP8_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -204,9 +206,7 @@ def _skinny_kernel(
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         if W_FP8:
             if FP8_BITS:
-                out_ty = x_ptr.dtype.element_ty
-                e5m2 = w_ptr.dtype.element_ty == tl.float8e5
-                w = fp8_to_16bit(w, out_ty, out_ty == tl.bfloat16, e5m2, FP8_BITS == 2)
+                w = fp8_to_16bit(w, x_ptr.dtype.element_ty, FP8_SHIFT, FP8_FACTOR, FP8_BITS == 2)
             else:
                 w = w.to(xt.dtype)
         if not W_FP8 or ROW_SCALES:
@@ -321,6 +321,8 @@ def skinny_linear_triton(
             raise ValueError(f"scale blocks {bk} long along K do not hold whole {cfg.block_k}-long steps")
     else:
         values, scales, (s_sn, s_sk, bn, bk) = w, w, (0, 0, 1, 1)
+    bits = _fp8_bits(fp8, x)
+    shift, factor = fp8_to_16bit_constants(values.dtype, x.dtype, bits == 2) if bits else (0, 1.0)
     split_k = cfg.split_k  # by the weight's shape and the device: a row's sums do not depend on the batch
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -328,7 +330,7 @@ def skinny_linear_triton(
     _skinny_kernel[grid](
         x, values, scales, dest, m, n, k, k_split, x.stride(0), values.stride(0), out.stride(0), s_sn, s_sk,
         W_FP8=fp8, SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0,
-        FP8_BITS=_fp8_bits(fp8, x),
+        FP8_BITS=bits, FP8_SHIFT=shift, FP8_FACTOR=factor,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -21,7 +21,7 @@ from kernels import triton_fp8_linear, triton_linear
 from kernels.fp8_weight import Fp8Weight, kernel_layout_ok, scale_args
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from kernels.triton_fp8 import fp8_to_16bit
+from kernels.triton_fp8 import fp8_to_16bit, fp8_to_16bit_constants
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
     DEVICE,
@@ -202,10 +202,10 @@ def test_fp8_linear_strided_input_and_e5m2(gemvs: list) -> None:
 
 
 @triton.jit
-def _widen_kernel(w_ptr, out_ptr, OUT: tl.constexpr, BF16: tl.constexpr, E5M2: tl.constexpr,
+def _widen_kernel(w_ptr, out_ptr, OUT: tl.constexpr, SHIFT: tl.constexpr, FACTOR: tl.constexpr,
                   F32_MUL: tl.constexpr):  # fmt: skip
     offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, fp8_to_16bit(tl.load(w_ptr + offs), OUT, BF16, E5M2, F32_MUL))
+    tl.store(out_ptr + offs, fp8_to_16bit(tl.load(w_ptr + offs), OUT, SHIFT, FACTOR, F32_MUL))
 
 
 def check_fp8_to_16bit(f32_mul: bool) -> None:
@@ -216,8 +216,8 @@ def check_fp8_to_16bit(f32_mul: bool) -> None:
         finite = torch.isfinite(w.float())
         for dtype, tl_dtype in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16)):
             out = torch.empty(256, dtype=dtype, device=DEVICE)
-            _widen_kernel[(1,)](w, out, OUT=tl_dtype, BF16=dtype == torch.bfloat16,
-                                E5M2=fp8_dtype == torch.float8_e5m2, F32_MUL=f32_mul)  # fmt: skip
+            shift, factor = fp8_to_16bit_constants(fp8_dtype, dtype, f32_mul)
+            _widen_kernel[(1,)](w, out, OUT=tl_dtype, SHIFT=shift, FACTOR=factor, F32_MUL=f32_mul)
             got, want = out[finite].view(torch.int16), w.to(dtype)[finite].view(torch.int16)
             assert torch.equal(got, want), (fp8_dtype, dtype, torch.nonzero(got != want).flatten()[:8])
 
