@@ -30,7 +30,7 @@ from benchmarks.kernel_bench import rotations, time_graph  # noqa: E402
 from kernels import triton_fp8_linear, triton_linear  # noqa: E402
 from kernels.fp8_weight import Fp8Weight  # noqa: E402
 from kernels.triton_fp8_linear import FP8_GEMV_MAX_M, NORM_IN_GEMV, Fp8GemvConfig  # noqa: E402
-from kernels.triton_linear import FP8_BITS, LinearConfig, skinny_linear_triton  # noqa: E402
+from kernels.triton_linear import LinearConfig, skinny_linear_triton  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -245,33 +245,12 @@ def sweep_wide(copy_bw: float) -> None:
                   f"default tile {mine:.1f}; best {best}", flush=True)  # fmt: skip
 
 
-def bits_cases(copy_bw: float) -> None:
-    """The skinny kernel's float8 tiles widened by integer operations (``FP8_BITS``) or by ``.to()``, at
-    4, 16, 64 and 128 rows (the routed tiles), against bf16's kernels at the same rows."""
-    print("| shape | rows | bf16 | fp8, .to() | fp8, integer widening | bits / .to() |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, n, k in SHAPES:
-        for m in (4, 16, 64, 128):
-            x = torch.randn(m, k, device="cuda", dtype=BF16)
-            b16 = timed(lambda n=n, k=k: (torch.randn(n, k, device="cuda", dtype=BF16),),
-                        lambda w, x=x: TRITON_OPS.linear(x, w), n * k * 2)  # fmt: skip
-            us = {}
-            for bits in (False, True):
-                triton_linear.FP8_BITS = bits
-                us[bits] = timed(lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
-                                 lambda w, x=x: TRITON_OPS.linear(x, w), n * k)  # fmt: skip
-            triton_linear.FP8_BITS = FP8_BITS
-            print(f"| {name} | {m} | {b16:.1f} | {us[False]:.1f} | {us[True]:.1f} | {us[False] / us[True]:.2f}x |",
-                  flush=True)  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true", help="also: float8 GEMV and skinny tiles per shape")
     parser.add_argument("--sweep-wide", action="store_true", help="only: the skinny kernel at 64-256 rows")
-    parser.add_argument("--bits", action="store_true", help="only: integer widening against .to()")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_weight_bench.py needs a CUDA GPU")
@@ -280,9 +259,6 @@ def main() -> None:
     copy_bw = copy_gbps() * 1e9
     print(f"# {props.name}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
-    if args.bits:
-        bits_cases(copy_bw)
-        return
     if args.sweep_wide:
         sweep_wide(copy_bw)
         return

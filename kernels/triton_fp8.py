@@ -40,38 +40,3 @@ def fp8_byte_to_f32(words, J: tl.constexpr, SHIFT: tl.constexpr):
         # bit into bits the mask drops)
     magnitude = (t >> SHIFT) & (0x7F << (24 - SHIFT))
     return ((t & -2147483648) | magnitude).to(tl.float32, bitcast=True)
-
-
-def fp8_to_16bit_constants(fp8_dtype: torch.dtype, dtype: torch.dtype, f32_mul: bool) -> tuple[int, float]:
-    """``fp8_to_16bit``'s SHIFT and FACTOR for float8 values of ``fp8_dtype`` widened to ``dtype``
-    (bfloat16 or float16), placed in a float32 first where ``f32_mul``: the left shift taking the byte's
-    exponent and mantissa (bits 0..6) to their places, and 2**(bias difference)."""
-    e5m2 = fp8_dtype == torch.float8_e5m2
-    if f32_mul:
-        return (21, 2.0**112) if e5m2 else (20, 2.0**120)
-    if dtype == torch.bfloat16:
-        return (5, 2.0**112) if e5m2 else (4, 2.0**120)
-    return (8, 1.0) if e5m2 else (7, 256.0)
-
-
-@triton.jit
-def fp8_to_16bit(
-    w, OUT_DTYPE: tl.constexpr, SHIFT: tl.constexpr, FACTOR: tl.constexpr, F32_MUL: tl.constexpr
-):
-    """float8 values ``w`` as OUT_DTYPE (bfloat16 or float16), exact (SHIFT and FACTOR from
-    ``fp8_to_16bit_constants``): the byte's sign to the top bit, its exponent and mantissa to the low bits of
-    the wider format's exponent and the top of its mantissa, which is the value times 2**-(bias difference)
-    for normal and subnormal values alike (module docstring), then one multiply by that power of two.
-    Integer operations issue at full rate, where the conversion instructions take e4m3 through float16 and
-    float32 to bfloat16. F32_MUL: the bits placed in a float32 and multiplied there (exact too), for the
-    interpreter, whose 16-bit float arithmetic multiplies bit patterns and whose bfloat16 casts lose
-    subnormals."""
-    b = w.to(tl.uint8, bitcast=True)
-    if F32_MUL:
-        bits32 = ((b & 0x80).to(tl.uint32) << 24) | ((b & 0x7F).to(tl.uint32) << SHIFT)
-        out = (bits32.to(tl.float32, bitcast=True) * FACTOR).to(OUT_DTYPE)
-    else:
-        b16 = b.to(tl.uint16)
-        bits = (((b16 & 0x80) << 8) | ((b16 & 0x7F) << SHIFT)).to(tl.uint16)  # the literals widen to 32 bits
-        out = bits.to(OUT_DTYPE, bitcast=True) * tl.full((), FACTOR, OUT_DTYPE)
-    return out

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from kernels.fp8_weight import Fp8Weight, scale_args
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
-from kernels.triton_fp8 import fp8_to_16bit, fp8_to_16bit_constants
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 
@@ -95,17 +94,6 @@ def _gemv_kernel(
 # dependent launches, where cuBLAS's split-K kernels and their reduction kernels break it. From 32 rows
 # cuBLAS's tiles win (gate-up at 64 rows: 65 against 104 us).
 SKINNY_MAX_M = 16
-FP8_BITS = True  # float8 tiles widened by integer operations (kernels.triton_fp8.fp8_to_16bit), not .to()
-
-
-def _fp8_bits(fp8: bool, x: torch.Tensor) -> int:
-    """The skinny kernel's FP8_BITS: 0 (16-bit weights, float32 x, or FP8_BITS off: ``.to()``), 1 (integer
-    widening), 2 (the same, its multiply in float32: the interpreter)."""
-    if not (fp8 and FP8_BITS and x.dtype in (torch.bfloat16, torch.float16)):
-        return 0
-    return 1 if x.device.type == "cuda" else 2
-
-
 SKINNY_BLOCK_M = 16  # token rows per MMA tile: the smallest tl.dot side, fixed so a row's sums never
 # depend on how many rows come with it
 
@@ -159,9 +147,6 @@ def _skinny_kernel(
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
     ROW_SCALES: tl.constexpr,
-    FP8_BITS: tl.constexpr,
-    FP8_SHIFT: tl.constexpr,
-    FP8_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -176,7 +161,7 @@ def _skinny_kernel(
     writes its fp32 sums to ``out_ptr`` as [SPLIT_K, M, N] partials, which ``_sum_splits_kernel`` adds.
 
     W_FP8: ``w`` holds float8 values (``Fp8Weight``) with scales at ``s_ptr`` over SCALE_BN x SCALE_BK
-    blocks; each tile is widened to x's dtype (exact; by integer operations where FP8_BITS) for its MMA, and the step's fp32 result times the
+    blocks; each tile is widened to x's dtype (exact) for its MMA, and the step's fp32 result times the
     step's scales (a BLOCK_K step lies in one block along K), or with ROW_SCALES (one scale a row) the
     sums once at the end."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
@@ -204,16 +189,13 @@ def _skinny_kernel(
             k_mask = offs_k < k_end - k0
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        if W_FP8:
-            if FP8_BITS:
-                w = fp8_to_16bit(w, x_ptr.dtype.element_ty, FP8_SHIFT, FP8_FACTOR, FP8_BITS == 2)
-            else:
-                w = w.to(xt.dtype)
-        if not W_FP8 or ROW_SCALES:
+        if not W_FP8:
             acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        elif ROW_SCALES:
+            acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=DOT_PRECISION)
         else:
             scale = tl.load(s_rows + (k0 // SCALE_BK) * s_sk, mask=n_mask, other=0.0)
-            acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * scale[:, None]
+            acc += tl.dot(w.to(xt.dtype), xt, input_precision=DOT_PRECISION) * scale[:, None]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if W_FP8 and ROW_SCALES:
@@ -321,8 +303,6 @@ def skinny_linear_triton(
             raise ValueError(f"scale blocks {bk} long along K do not hold whole {cfg.block_k}-long steps")
     else:
         values, scales, (s_sn, s_sk, bn, bk) = w, w, (0, 0, 1, 1)
-    bits = _fp8_bits(fp8, x)
-    shift, factor = fp8_to_16bit_constants(values.dtype, x.dtype, bits == 2) if bits else (0, 1.0)
     split_k = cfg.split_k  # by the weight's shape and the device: a row's sums do not depend on the batch
     k_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -330,7 +310,6 @@ def skinny_linear_triton(
     _skinny_kernel[grid](
         x, values, scales, dest, m, n, k, k_split, x.stride(0), values.stride(0), out.stride(0), s_sn, s_sk,
         W_FP8=fp8, SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0,
-        FP8_BITS=bits, FP8_SHIFT=shift, FP8_FACTOR=factor,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

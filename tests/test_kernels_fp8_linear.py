@@ -14,14 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from kernels import triton_fp8_linear, triton_linear
 from kernels.fp8_weight import Fp8Weight, kernel_layout_ok, scale_args
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from kernels.triton_fp8 import fp8_to_16bit, fp8_to_16bit_constants
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
     DEVICE,
@@ -201,44 +198,11 @@ def test_fp8_linear_strided_input_and_e5m2(gemvs: list) -> None:
     assert len(gemvs) == 1
 
 
-@triton.jit
-def _widen_kernel(w_ptr, out_ptr, OUT: tl.constexpr, SHIFT: tl.constexpr, FACTOR: tl.constexpr,
-                  F32_MUL: tl.constexpr):  # fmt: skip
-    offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, fp8_to_16bit(tl.load(w_ptr + offs), OUT, SHIFT, FACTOR, F32_MUL))
-
-
-def check_fp8_to_16bit(f32_mul: bool) -> None:
-    """Every byte of both float8 formats widened to bfloat16 and float16 equals torch's conversion, bit for
-    bit (the non-finite ones excepted: weights never hold them)."""
-    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        w = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(DEVICE)
-        finite = torch.isfinite(w.float())
-        for dtype, tl_dtype in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16)):
-            out = torch.empty(256, dtype=dtype, device=DEVICE)
-            shift, factor = fp8_to_16bit_constants(fp8_dtype, dtype, f32_mul)
-            _widen_kernel[(1,)](w, out, OUT=tl_dtype, SHIFT=shift, FACTOR=factor, F32_MUL=f32_mul)
-            got, want = out[finite].view(torch.int16), w.to(dtype)[finite].view(torch.int16)
-            assert torch.equal(got, want), (fp8_dtype, dtype, torch.nonzero(got != want).flatten()[:8])
-
-
-def test_fp8_to_16bit_every_byte() -> None:
-    # The interpreter multiplies in float32 (its 16-bit float arithmetic works on bit patterns); the GPU
-    # test below runs the 16-bit multiply the kernels use there, subnormal inputs included.
-    check_fp8_to_16bit(f32_mul=DEVICE.type != "cuda")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real shapes
 
 # (N, K): Qwen3-30B-A3B QKV, o-proj; Llama-3.1-8B QKV, gate-up, down.
 REAL_SHAPES = [(5120, 2048), (2048, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]
-
-
-@gpu
-@needs_cuda
-def test_gpu_fp8_to_16bit_every_byte() -> None:
-    check_fp8_to_16bit(f32_mul=False)
 
 
 @gpu
