@@ -696,8 +696,8 @@ def sweep_moe_small(narrow: bool = False, tokens: tuple[int, ...] = (1,)) -> Non
 def sweep_moe_small_fp8() -> None:
     """The small MoE path over float8 weights (Qwen3-30B-A3B-FP8's layout: e4m3, 128 x 128 scale blocks) at
     one token: the word kernels' gate-up tiles with the down tile fixed, then down tiles (float8 K steps;
-    BLOCK_N/BLOCK_K/warps/stages); and for comparison the bf16 pair and the conversion kernels (the word
-    kernels' fallback) with the tiles they had. One weight set, routing rotated as in ``moe_case``."""
+    BLOCK_N/BLOCK_K/warps/stages); and for comparison the bf16 pair and the grouped GEMM (the path of
+    float8 weights the word kernels cannot read). One weight set, routing rotated as in ``moe_case``."""
     print("\n## sweep: MoE small path over float8 weights, 1 token (us; BLOCK_N/BLOCK_K/warps/stages)")
     hidden, inter, experts, top_k = 2048, 768, 128, 8
 
@@ -715,10 +715,10 @@ def sweep_moe_small_fp8() -> None:
     base, words, chooser = triton_moe.moe_small_fp8_config, triton_moe._fp8_words, triton_moe.use_small_path
     current = base(torch.device("cuda"))
 
-    def timed(cfg: triton_moe.MoeSmallConfig, conversion: bool = False) -> float:
+    def timed(cfg: triton_moe.MoeSmallConfig, grouped: bool = False) -> float:
         triton_moe.moe_small_fp8_config = lambda *_a: cfg
         triton_moe.use_small_path = lambda *_a: True
-        if conversion:
+        if grouped:
             triton_moe._fp8_words = lambda _w: None
         try:
             calls = [lambda i=i: TRITON_OPS.fused_moe(xs[i], w13, w2, weights[i], ids[i]) for i in range(rot)]
@@ -731,8 +731,8 @@ def sweep_moe_small_fp8() -> None:
             triton_moe.use_small_path = chooser
 
     bf16 = moe_case(1, reference=False, path="small").triton_us
-    conversion = timed(dataclasses.replace(current, gate_up_block_k=1024, down_block_k=128), conversion=True)
-    print(f"bf16 pair {bf16:.1f} us; float8 conversion kernels (1/1024/1, 1/128/4) {conversion:.1f} us")
+    grouped = timed(current, grouped=True)
+    print(f"bf16 pair {bf16:.1f} us; float8 on the grouped GEMM {grouped:.1f} us")
     print(f"float8 words, current {current}: {timed(current):.1f} us", flush=True)
     gate_up = [
         (timed(dataclasses.replace(current, gate_up_block_n=bn, gate_up_block_k=bk, gate_up_num_warps=w,

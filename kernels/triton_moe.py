@@ -39,10 +39,9 @@ of four and widen each byte with integer operations (``kernels/triton_fp8.py``):
 KERNEL_K_STEP values with a scale each. Widening with conversion instructions (quarter rate on Hopper)
 made these byte-streaming kernels issue-bound: the pair took 23.9 us at one token against 21.8 for bf16
 weights (H200, Qwen3-30B-A3B), though it reads half the bytes; the word kernels take 19.8 us
-(``moe_small_fp8_config``). Weights whose K or strides are not
-multiples of 4 (no real model's) take the conversion kernels: ``_moe_small_gate_up_fp8_kernel`` and the
-down kernel's ``W_FP8`` switch. 16-bit weights pass None for the scale arguments: constexprs, so their
-kernels compile to the code they had.
+(``moe_small_fp8_config``). Float8 weights whose K or strides are not multiples of 4 (no real model's)
+take the grouped GEMM at every batch (``small_path_reads``). 16-bit weights pass None for the grouped
+GEMM's scale arguments: constexprs, so its 16-bit build is the code it had.
 """
 
 from __future__ import annotations
@@ -553,13 +552,12 @@ def moe_small_config(device: torch.device) -> MoeSmallConfig:
 
 def moe_small_fp8_config(device: torch.device) -> MoeSmallConfig:
     """Block sizes for the small path over float8 weights (K steps in float8 values; the word kernels read
-    a step as pieces of KERNEL_K_STEP values, one scale each, so a step is a power of two; the conversion
-    kernels, their fallback, cut the down step to KERNEL_K_STEP).
+    a step as pieces of KERNEL_K_STEP values, one scale each, so a step is a power of two).
 
     ``kernel_bench.py --sweep-moe-small-fp8`` (H200, 2026-12-01, Qwen3-30B-A3B-FP8's layout, one token,
     one run): gate-up 1 x 1024 in one warp (as the 16-bit tile), down 1 x 256 in four warps ([top-8, 1,
     256] words' bytes: the 16-bit [top-8, 1, 128]'s): the pair took 19.8 us against 21.8 for bf16 weights
-    and 23.9 for the conversion kernels. The gate-up tiles tried were within 0.3 us of one another (1 x 512,
+    and 23.9 for kernels widening with conversion instructions (since removed). The gate-up tiles tried were within 0.3 us of one another (1 x 512,
     2 x 1024, 2 x 512 in one warp; 1 x 2048 in one warp, 225 registers, was 22.7), the down ones 1 x 256 in
     four warps best by 0.6 us (1 x 128: 23.6 with the 1 x 2048 gate-up). Unmeasured at 2-8 tokens."""
     if device.type != "cuda":  # the interpreter: steps of two pieces in both kernels
@@ -616,78 +614,6 @@ def _moe_small_gate_up_kernel(
     dtype = act_ptr.dtype.element_ty
     gate = tl.sum(gate_acc, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (silu * up).to(dtype), mask=n_mask)
-
-
-@triton.jit
-def _moe_small_gate_up_fp8_kernel(
-    x_ptr,
-    w13_ptr,
-    s_ptr,
-    act_ptr,
-    topk_ids_ptr,
-    inter,
-    hidden,
-    stride_xm,
-    stride_we,
-    stride_wn,
-    up_offset,
-    stride_am,
-    stride_se,
-    stride_sn,
-    stride_sk,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PIECES: tl.constexpr,
-    PIECE: tl.constexpr,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
-    HAS_ABSENT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """``_moe_small_gate_up_kernel`` over float8 w13 with float32 scales at ``s_ptr``: a step of
-    PIECES * PIECE columns is a [BLOCK_N, PIECES, PIECE] tile, each piece inside one scale block (PIECE
-    divides KERNEL_K_STEP), and each piece's products are weighed by its block's scale. The fallback of
-    ``_moe_small_gate_up_fp8_words_kernel``, for weights that cannot be read as words (``_fp8_words``)."""
-    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
-    pair = tl.program_id(0)
-    token = pair // TOP_K
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    if HAS_ABSENT:  # noqa: SIM102  (as the 16-bit kernel)
-        if expert < 0:  # another rank holds this pair's expert: the down kernel skips its row
-            return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < inter
-    pieces = tl.arange(0, PIECES) * PIECE  # each piece's first column in a step
-    offs_k = pieces[:, None] + tl.arange(0, PIECE)[None, :]  # [PIECES, PIECE]
-    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_k
-    gate_ptrs = (
-        w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
-    )
-    up_ptrs = gate_ptrs + up_offset  # I rows on; from the host, so 64-bit when it must be
-    gate_s_rows = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn  # [BLOCK_N]
-    up_s_rows = s_ptr + expert * stride_se + ((inter + offs_n) // SCALE_BN) * stride_sn
-    gate_acc = tl.zeros((BLOCK_N, PIECES, PIECE), dtype=tl.float32)
-    up_acc = tl.zeros((BLOCK_N, PIECES, PIECE), dtype=tl.float32)
-    for k0 in range(0, hidden, PIECES * PIECE):
-        k_mask = offs_k < hidden - k0
-        mask = n_mask[:, None, None] & k_mask[None, :, :]
-        xk = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :, :]
-        # Pieces past the row's end are masked: their block index would be past the scale grid's.
-        s_mask = n_mask[:, None] & (pieces < hidden - k0)[None, :]
-        s_cols = ((k0 + pieces) // SCALE_BK * stride_sk)[None, :]
-        gate_s = tl.load(gate_s_rows[:, None] + s_cols, mask=s_mask, other=0.0)[:, :, None]
-        up_s = tl.load(up_s_rows[:, None] + s_cols, mask=s_mask, other=0.0)[:, :, None]
-        gate_acc += tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32) * gate_s * xk
-        up_acc += tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32) * up_s * xk
-        x_ptrs += PIECES * PIECE
-        gate_ptrs += PIECES * PIECE
-        up_ptrs += PIECES * PIECE
-    # The 16-bit kernel's roundings: gate_up to x's dtype, then SiLU (fp32, rounded) times up.
-    dtype = act_ptr.dtype.element_ty
-    gate = tl.sum(tl.sum(gate_acc, axis=2), axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(tl.sum(up_acc, axis=2), axis=1).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (silu * up).to(dtype), mask=n_mask)
 
@@ -751,7 +677,8 @@ def _moe_small_gate_up_fp8_words_kernel(
     HAS_ABSENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``_moe_small_gate_up_fp8_kernel`` over w13 read as 32-bit words of four float8 values
+    """``_moe_small_gate_up_kernel`` over float8 w13 with float32 scales at ``s_ptr``
+    (``kernels.fp8_weight.scale_args``; strides in scale entries), read as 32-bit words of four values
     (``kernels/triton_fp8.py``: widened with integer operations, not conversions; strides and ``up_offset``
     in words, ``hidden_words`` = H / 4). A step is a [BLOCK_N, PIECES, PIECE_W] tile of words, each piece
     inside one scale block; byte J of word i multiplies x[4 i + J] (``_four_values``; X_QUADS: x as 64-bit
@@ -844,18 +771,11 @@ def _moe_small_down_kernel(
     stride_we,
     stride_wn,
     stride_om,
-    s_ptr,
-    stride_se,
-    stride_sn,
-    stride_sk,
     TOP_K: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_ABSENT: tl.constexpr,
-    W_FP8: tl.constexpr,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j weight_j * act[token * TOP_K + j] . w2[e_j, n] for BLOCK_N n, in fp32.
@@ -866,11 +786,7 @@ def _moe_small_down_kernel(
 
     The ids and weights are also inputs of the gate-up kernel launched just before this one, so they were
     complete before that kernel passed its own PDL wait, which it did before this kernel could start:
-    they are read before this kernel's wait, and only ``act`` after it.
-
-    W_FP8: w2 is float8 with float32 scales at ``s_ptr``; BLOCK_K divides the scale block, so each step
-    weighs every expert row's products by one scale (the fallback of ``_moe_small_down_fp8_words_kernel``,
-    for weights that cannot be read as words). Otherwise the scale arguments are None and unused."""
+    they are read before this kernel's wait, and only ``act`` after it."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
@@ -890,20 +806,12 @@ def _moe_small_down_kernel(
         + offs_k[None, None, :]
     )
     a_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    if W_FP8:
-        s_rows = s_ptr + experts[:, None] * stride_se + (offs_n // SCALE_BN)[None, :] * stride_sn  # [J, N]
     acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if W_FP8:
-            s_mask = j_mask[:, None] & n_mask[None, :]
-            w = (
-                w.to(tl.float32)
-                * tl.load(s_rows + (k0 // SCALE_BK) * stride_sk, mask=s_mask, other=0.0)[:, :, None]
-            )
         acc += w.to(tl.float32) * (a * weights[:, None])[:, None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -1012,14 +920,20 @@ def _moe_small_down_fp8_words_kernel(
 
 def _fp8_words(w: torch.Tensor | Fp8Weight) -> torch.Tensor | None:
     """A float8 weight's values as int32 words of four (what the word kernels read), or None: a 16-bit
-    weight, or one whose K, a stride or its offset is not a multiple of 4 (no real model's: those take the
-    conversion kernels, ``_moe_small_gate_up_fp8_kernel`` and ``_moe_small_down_kernel``'s W_FP8)."""
+    weight, or one whose K, a stride or its offset is not a multiple of 4 (no real model's)."""
     if not isinstance(w, Fp8Weight):
         return None
     values = w.weight
     if values.shape[-1] % 4 or values.storage_offset() % 4 or any(s % 4 for s in values.stride()[:-1]):
         return None
     return values.view(torch.int32)
+
+
+def small_path_reads(w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight) -> bool:
+    """Whether the small path's kernels read both weights: 16-bit ones, or float8 ones in 32-bit words.
+    Float8 weights that cannot be read so (K or a stride not a multiple of 4: no real model's) take the
+    grouped GEMM at every batch."""
+    return all(_fp8_words(w) is not None for w in (w13, w2) if isinstance(w, Fp8Weight))
 
 
 def _word_pieces(block_k: int) -> tuple[int, int]:
@@ -1057,10 +971,10 @@ def _fused_moe_small(
     """The small path: x, topk_weights and topk_ids contiguous in their last dimension (checked by caller);
     with ``has_absent``, pairs of negative ids are skipped.
 
-    Float8 weights take the word kernels where ``_fp8_words`` gives words, the conversion kernels otherwise.
-    Where both weights take the word kernels and act's dtype has float32's range (not float16), the gate-up
-    writes act times the down kernel's half factor, which saves that kernel a multiply per act element
-    (an act past 2**68, ~3e20, would overflow; no model's comes near)."""
+    Float8 weights take the word kernels (``_fp8_words`` gives their words: ``small_path_reads`` checked).
+    Where both weights are float8 and act's dtype has float32's range (not float16), the gate-up writes act
+    times the down kernel's half factor, which saves that kernel a multiply per act element (an act past
+    2**68, ~3e20, would overflow; no model's comes near)."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -1072,9 +986,6 @@ def _fused_moe_small(
         gate_up_pieces = _word_pieces(cfg.gate_up_block_k)
     if down_words is not None:
         down_pieces = _word_pieces(cfg.down_block_k)
-    else:  # the conversion kernel's float8 steps never straddle scale blocks
-        down_block_k = min(cfg.down_block_k, KERNEL_K_STEP) if isinstance(w2, Fp8Weight) else cfg.down_block_k
-        down_scale, down_fp8 = _scale_args(w2, down_block_k)
     act_scale = 1.0
     if gate_up_words is not None and down_words is not None and x.dtype != torch.float16:
         act_scale = _half_factor(w2)
@@ -1090,16 +1001,6 @@ def _fused_moe_small(
             TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, PIECES=gate_up_pieces[0], PIECE_W=gate_up_pieces[1],
             SCALE_BN=bn, SCALE_BK=bk, SHIFT=fp8_word_shift(w13.weight.dtype), HALF_FACTOR=_half_factor(w13),
             ACT_SCALE=act_scale, X_QUADS=quads, HAS_ABSENT=has_absent,
-            **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
-        )  # fmt: skip
-    elif isinstance(w13, Fp8Weight):
-        se, sn, sk, bn, bk = scale_args(w13)
-        values, piece = w13.weight, min(cfg.gate_up_block_k, KERNEL_K_STEP)
-        _moe_small_gate_up_fp8_kernel[grid_a](
-            x, values, w13.weight_scale, act, topk_ids, inter, hidden,
-            x.stride(0), values.stride(0), values.stride(1), inter * values.stride(1), act.stride(0), se, sn, sk,
-            TOP_K=top_k, BLOCK_N=cfg.gate_up_block_n, PIECES=cfg.gate_up_block_k // piece, PIECE=piece,
-            SCALE_BN=bn, SCALE_BK=bk, HAS_ABSENT=has_absent,
             **pdl_kwargs(x.device), num_warps=cfg.gate_up_num_warps, num_stages=cfg.gate_up_num_stages,
         )  # fmt: skip
     else:
@@ -1123,12 +1024,11 @@ def _fused_moe_small(
             **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
         )  # fmt: skip
         return out
-    w2 = _values(w2)
     _moe_small_down_kernel[grid_b](
         act, w2, out, topk_weights, topk_ids, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *down_scale,
-        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n, BLOCK_K=down_block_k,
-        HAS_ABSENT=has_absent, **down_fp8,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_block_n,
+        BLOCK_K=cfg.down_block_k, HAS_ABSENT=has_absent,
         **pdl_kwargs(x.device), num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )  # fmt: skip
     return out
@@ -1172,7 +1072,7 @@ def fused_moe_triton(
     if _values(w13).stride(-1) != 1 or _values(w2).stride(-1) != 1:
         raise ValueError("expert weights must be contiguous in their last dimension")
     topk_weights = topk_weights.contiguous()
-    if use_small_path(num_pairs, num_experts):
+    if use_small_path(num_pairs, num_experts) and small_path_reads(w13, w2):
         fp8 = isinstance(w13, Fp8Weight) or isinstance(w2, Fp8Weight)
         cfg = moe_small_fp8_config(x.device) if fp8 else moe_small_config(x.device)
         return _fused_moe_small(x, w13, w2, topk_weights, topk_ids.contiguous(), cfg, has_absent)

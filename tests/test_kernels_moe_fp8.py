@@ -48,7 +48,6 @@ LAYOUTS: dict[str, tuple[int, int, tuple[int, int] | None]] = {
 
 SMALL_KERNELS = (
     "_moe_small_gate_up_kernel",
-    "_moe_small_gate_up_fp8_kernel",
     "_moe_small_gate_up_fp8_words_kernel",
     "_moe_small_down_kernel",
     "_moe_small_down_fp8_words_kernel",
@@ -59,8 +58,8 @@ WORD_KERNELS = ["_moe_small_gate_up_fp8_words_kernel", "_moe_small_down_fp8_word
 
 @pytest.fixture
 def launched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the small path's kernels as they launch, so that a silent switch between the word and
-    the conversion kernels cannot pass for coverage."""
+    """The names of the small path's kernels as they launch, so that a silent switch between the word
+    kernels, the 16-bit ones and the grouped GEMM cannot pass for coverage."""
     names: list[str] = []
 
     class Recording:
@@ -219,23 +218,21 @@ def test_one_fp8_weight(path: str, fp8: str, launched: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("hidden", "inter"), [(42, 48), (40, 46)], ids=["h42", "i46"])
-def test_fp8_weights_not_in_words_take_conversion_kernels(
+def test_fp8_weights_not_in_words_take_the_grouped_gemm(
     monkeypatch: pytest.MonkeyPatch, launched: list[str], hidden: int, inter: int
 ) -> None:
-    """A weight whose K is not a multiple of 4 cannot be read as 32-bit words: its kernel is the
-    conversion one, the other weight's the word one (act written unscaled for the conversion down kernel,
-    and scaled by the word down kernel itself). No real model has such a K."""
+    """A float8 weight whose K is not a multiple of 4 cannot be read as 32-bit words: the op takes the
+    grouped GEMM even where the batch would take the small path (no small kernel launches), and is right.
+    No real model has such a K."""
     monkeypatch.setattr(triton_moe, "use_small_path", lambda *_a: True)
     torch.manual_seed(250)
     w13 = quantized(4, 2 * inter, hidden, None, torch.bfloat16)
     w2 = quantized(4, hidden, inter, None, torch.bfloat16)
+    assert not triton_moe.small_path_reads(w13, w2)
     x = randn(3, hidden, dtype=torch.bfloat16)
     weights = torch.rand(3, 2, device=DEVICE).softmax(-1)
     check(x, w13, w2, weights, random_ids(3, 2, 4))
-    if hidden % 4:
-        assert launched == ["_moe_small_gate_up_fp8_kernel", WORD_KERNELS[1]]
-    else:
-        assert launched == [WORD_KERNELS[0], "_moe_small_down_kernel"]
+    assert launched == []
 
 
 def test_fp8_rejects_k_steps_across_scale_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
