@@ -4,12 +4,12 @@ copy rate, at the benchmark models' decode shapes.
     PYTHONPATH=. python3 benchmarks/fp8_weight_bench.py [--sweep]
 
 Each case is a CUDA graph of calls over rotated weights (so that L2 holds none, as ``kernel_bench.py``):
-the bf16 GEMV, the float8 GEMV with 128 x 128 scale blocks and with a scale per row; the input norm fused
-into the GEMV or run by the norm kernel first; 2, 4, 8 and 16 rows on the float8 GEMV and on the skinny
-kernel (tensor cores; bf16: its skinny kernel); and the small MoE path at one and eight tokens (Qwen3-30B-
-A3B's experts). "bytes" is the weight (plus scales) read once; "% copy" is bytes / time against the
-device-to-device copy rate. ``--sweep`` times float8 GEMV tiles (1 and 4 rows, the norm fused) and the
-skinny kernel's (4 and 16 rows). Needs a CUDA GPU.
+the bf16 GEMV, the float8 GEMV with 128 x 128 scale blocks and with a scale per row; the input norm and
+the projection (bf16: fused into the GEMV; float8: the norm kernel, then the GEMV); 2, 4, 8 and 16 rows
+on the skinny kernel (tensor cores); and the small MoE path at one and eight tokens (Qwen3-30B-A3B's
+experts). "bytes" is the weight (plus scales) read once; "% copy" is bytes / time against the
+device-to-device copy rate. ``--sweep`` times float8 GEMV tiles (one row) and the skinny kernel's (4 and
+16 rows); ``--sweep-wide`` the skinny kernel's wide tiles at 64-256 rows. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from benchmarks.common import copy_gbps  # noqa: E402
 from benchmarks.kernel_bench import rotations, time_graph  # noqa: E402
 from kernels import triton_fp8_linear, triton_linear  # noqa: E402
 from kernels.fp8_weight import Fp8Weight  # noqa: E402
-from kernels.triton_fp8_linear import FP8_GEMV_MAX_M, NORM_IN_GEMV, Fp8GemvConfig  # noqa: E402
+from kernels.triton_fp8_linear import Fp8GemvConfig  # noqa: E402
 from kernels.triton_linear import LinearConfig, skinny_linear_triton  # noqa: E402
 from kernels.triton_ops import TRITON_OPS  # noqa: E402
 
@@ -95,22 +95,12 @@ def linear_cases(copy_bw: float) -> None:
             bf,
         )
         row(name, "bf16 norm + GEMV (fused)", b16_norm, bf, copy_bw)
-        for fuse in (True, False):
-            triton_fp8_linear.NORM_IN_GEMV = fuse
-            us = timed(
-                lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
-                lambda w, x=x, res=res, g=g: TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False),
-                nbytes,
-            )
-            row(
-                name,
-                f"fp8 norm + GEMV, {'fused' if fuse else 'norm kernel, GEMV'}",
-                us,
-                nbytes,
-                copy_bw,
-                b16_norm,
-            )
-        triton_fp8_linear.NORM_IN_GEMV = NORM_IN_GEMV
+        us = timed(
+            lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
+            lambda w, x=x, res=res, g=g: TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False),
+            nbytes,
+        )
+        row(name, "fp8 norm kernel + GEMV", us, nbytes, copy_bw, b16_norm)
         for m in (2, 4, 8, 16):
             xm = torch.randn(m, k, device="cuda", dtype=BF16)
             b16 = timed(
@@ -119,11 +109,12 @@ def linear_cases(copy_bw: float) -> None:
                 bf,
             )
             row(name, f"{m} rows: bf16 (skinny)", b16, bf, copy_bw)
-            for label, fn in (("fp8 GEMV", lambda w, xm=xm: triton_fp8_linear._gemv(xm, w)),
-                              ("fp8 skinny", lambda w, xm=xm: skinny_linear_triton(xm, w)),
-                              ("fp8 linear (routed)", lambda w, xm=xm: TRITON_OPS.linear(xm, w))):  # fmt: skip
-                us = timed(lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),), fn, nbytes)
-                row(name, f"{m} rows: {label}", us, nbytes, copy_bw, b16)
+            us = timed(
+                lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
+                lambda w, xm=xm: TRITON_OPS.linear(xm, w),
+                nbytes,
+            )
+            row(name, f"{m} rows: fp8 skinny", us, nbytes, copy_bw, b16)
 
 
 def moe_cases(copy_bw: float) -> None:
@@ -154,43 +145,34 @@ def moe_cases(copy_bw: float) -> None:
 
 
 def sweep(copy_bw: float) -> None:
-    """Float8 GEMV tiles (rows a program, warps; 8 pieces a step) at 1 and 4 rows and with the norm fused;
-    the skinny kernel's tiles (weight rows a program, K parts, stages) at 4 and 16 rows."""
+    """Float8 GEMV tiles (rows a program, warps; 8 pieces a step) at one row; the skinny kernel's tiles
+    (weight rows a program, K parts, stages) at 4 and 16 rows."""
     base = triton_fp8_linear.fp8_gemv_config
     grid = [Fp8GemvConfig(bn, 8, w) for bn in (1, 2, 4, 8, 16) for w in (1, 2, 4)]
     shapes = (SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[5])
     for name, n, k in shapes:
-        for m in (1, 4, "norm"):
-            results = []
-            x = torch.randn(1 if m == "norm" else m, k, device="cuda", dtype=BF16)
-            res, g = torch.randn_like(x), torch.ones(k, device="cuda", dtype=BF16)
-            fn = (lambda w, x=x, res=res, g=g: TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False)) if m == "norm" else (
-                lambda w, x=x: TRITON_OPS.linear(x, w))  # fmt: skip
-            triton_fp8_linear.FP8_GEMV_MAX_M, triton_fp8_linear.NORM_IN_GEMV = 16, True
-            for cfg in grid:
-                triton_fp8_linear.fp8_gemv_config = lambda *_a, cfg=cfg: cfg
-                try:
-                    us = timed(lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),), fn, n * k)
-                except Exception as exc:  # a tile that does not compile
-                    print(f"  {name} {cfg}: {type(exc).__name__}")
-                    continue
-                results.append((us, cfg))
-            triton_fp8_linear.fp8_gemv_config = base
-            triton_fp8_linear.FP8_GEMV_MAX_M, triton_fp8_linear.NORM_IN_GEMV = FP8_GEMV_MAX_M, NORM_IN_GEMV
-            results.sort(key=lambda r: r[0])
-            best = ", ".join(f"{us:.1f} us {c.block_n}/{c.pieces}/{c.num_warps}" for us, c in results[:4])
-            print(f"GEMV {name} ({n} x {k}), {m} rows: {best}", flush=True)
+        results = []
+        x = torch.randn(1, k, device="cuda", dtype=BF16)
+        for cfg in grid:
+            triton_fp8_linear.fp8_gemv_config = lambda *_a, cfg=cfg: cfg
+            try:
+                us = timed(lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
+                           lambda w, x=x: TRITON_OPS.linear(x, w), n * k)  # fmt: skip
+            except Exception as exc:  # a tile that does not compile
+                print(f"  {name} {cfg}: {type(exc).__name__}")
+                continue
+            results.append((us, cfg))
+        triton_fp8_linear.fp8_gemv_config = base
+        results.sort(key=lambda r: r[0])
+        best = ", ".join(f"{us:.1f} us {c.block_n}/{c.pieces}/{c.num_warps}" for us, c in results[:4])
+        print(f"GEMV {name} ({n} x {k}): {best}", flush=True)
     tiles = [LinearConfig(bn, 128, 4, st, sp) for bn in (32, 64, 128) for sp in (1, 2, 4) for st in (3, 5)]
     for name, n, k in shapes:
-        default = triton_linear.skinny_config(n, k, torch.device("cuda"))
+        default = triton_linear.skinny_config(n, k, torch.device("cuda"), fp8=True)
         for m in (4, 16):
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             results = []
-            for cfg in [
-                *tiles,
-                LinearConfig(128, 128, 8, 4, 1),
-                LinearConfig(64, 256, 4, 3, default.split_k),
-            ]:
+            for cfg in [*tiles, LinearConfig(128, 128, 8, 4, 1)]:
                 try:
                     us = timed(lambda n=n, k=k: (fp8_weight((n, k), (128, 128)),),
                                lambda w, x=x, cfg=cfg: skinny_linear_triton(x, w, cfg), n * k)  # fmt: skip

@@ -4,23 +4,23 @@
 At decode sizes a projection streams its whole weight from HBM, so a float8 weight moves half the bytes
 of a 16-bit one.
 
-- one row (up to ``FP8_GEMV_MAX_M``): ``_fp8_gemv_kernel``, on CUDA cores. Each program streams
-  ``BLOCK_N`` weight rows in pieces of ``KERNEL_K_STEP`` values (``PIECES`` pieces a loop step, unrolled),
-  so every piece lies in one scale block and takes one scale, and multiplies each piece, widened to
-  float32 once, by ``ROWS`` (1, 2 or 4) rows of x; more rows take more programs along the grid's second
-  axis. The input norm can be fused in (the kernel's ``FUSE_NORM``, as ``_norm_gemv_kernel``; the switch
-  ``NORM_IN_GEMV``): a first pass over x reduces the row's norm, the second normalises each piece as it
-  multiplies it. Both measured slower than the alternatives (the constants' comments), so the GEMV takes
-  one row and the norm runs in its own kernel; the paths stay tested.
+- one row: ``_fp8_gemv_kernel``, on CUDA cores. Each program streams ``BLOCK_N`` weight rows in pieces of
+  ``KERNEL_K_STEP`` values (``PIECES`` pieces a loop step, unrolled), so every piece lies in one scale
+  block and takes one scale, and multiplies each piece, widened to float32 once, by x. The input norm
+  of ``add_rms_norm_linear`` runs in its own kernel first.
 - 2 to ``SKINNY_MAX_M`` rows: ``kernels.triton_linear._skinny_kernel`` with ``W_FP8`` (tensor cores, each
-  tile widened in registers, exact, for its MMA; K in 4 parts).
+  tile widened in registers, exact, for its MMA; K in 4 parts); to ``FP8_WIDE_MAX_M`` rows the same
+  kernel with 64-row tiles (``fp8_wide_config``).
 - more rows (prefill): ``_fp8_dequant_kernel`` widens the weight into a scratch tensor of the model's
   dtype, which cuBLAS multiplies (compute-bound, where reading the weight twice costs little).
 
-Every GEMV tile is 2-D ([BLOCK_N, KERNEL_K_STEP] weights against [KERNEL_K_STEP] of x). Tiles of three
-dimensions (pieces as an axis) made Triton move x through shared memory with a barrier every step, and
-were slower (docs/performance.md, "Twenty-seventh run"), as were kernels that widened float8 with integer
-shifts instead of conversion instructions.
+Measured and replaced (docs/performance.md, "Twenty-seventh run" and "Twenty-eighth run"): GEMV tiles of
+three dimensions (pieces as an axis: Triton moved x through shared memory with a barrier every step);
+widening float8 with integer shifts instead of conversion instructions; the GEMV over 2-16 rows (each
+row's products on CUDA cores: at 2 rows Llama-3.1-8B gate-up 66.1 us against 46.8 on the skinny kernel,
+at 4 rows 113 us); the input norm fused into the GEMV (a first pass over x for the norm, then each piece
+normalised as it is multiplied: 11.8-81 us on the six benchmark shapes against 6.8-42 for the norm kernel
+and the GEMV).
 
 Scales multiply float32 partial sums (module docstring of ``kernels/fp8_weight.py``): one-row-scale
 layouts once at the end; block layouts each piece, on x where the program's rows share a row block.
@@ -38,19 +38,6 @@ from kernels.fp8_weight import KERNEL_K_STEP, Fp8Weight, scale_args
 from kernels.triton_device import pdl_kwargs, pdl_wait
 from kernels.triton_linear import SKINNY_MAX_M, LinearConfig, skinny_linear_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
-
-# Rows on the GEMV; more (to SKINNY_MAX_M) on the skinny kernel. One H200, ``fp8_weight_bench.py``
-# (2026-12-02 01:50 UTC, 128 x 128 blocks, us): at 2 rows the GEMV took Qwen3-30B-A3B QKV 8.7, o-proj 7.7,
-# Llama-3.1-8B QKV 16.3, o-proj 11.5, gate-up 66.1, down 37.0; the skinny kernel (K in 4 parts) 8.6 at 4
-# rows on QKV, 14.4, 46.8 and 28.5 on Llama's: the GEMV's cost grows with its rows (each row's products on
-# CUDA cores: 4 rows 12.5-113 us), the skinny kernel's hardly does.
-FP8_GEMV_MAX_M = 1
-# One row's input norm inside the GEMV (``FUSE_NORM`` of the kernel), or the norm kernel first. The same
-# run: fused 11.8 / 18.0 / 21.5 / 21.2 / 81.2 / 80.2 us on the six shapes, the norm kernel and the GEMV
-# 6.8 / 7.1 / 12.2 / 9.1 / 41.9 / 26.6 (the fused kernel's first pass over x and its per-piece norm cost
-# more than the launch it saves); so off, kept for the record and tested.
-NORM_IN_GEMV = False
-
 
 # Decode batches past SKINNY_MAX_M rows, to this many, take the skinny kernel with 64-row tiles
 # (``fp8_wide_config``) instead of the widened weight through cuBLAS, which writes and reads the weight once
@@ -83,13 +70,12 @@ class Fp8GemvConfig:
     num_warps: int
 
 
-def fp8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Fp8GemvConfig:
+def fp8_gemv_config(n: int, k: int, device: torch.device) -> Fp8GemvConfig:
     """Tile of ``_fp8_gemv_kernel``: two weight rows a program, 8 pieces a step, one warp. From
     ``fp8_weight_bench.py --sweep`` (one H200, 2026-12-02 01:50 UTC, CUDA graphs over rotated weights,
     128 x 128 blocks; block_n 1-16 x 1, 2, 4 warps): best at one row Qwen3-30B-A3B QKV 6.5 us (4/8/1; this
     tile 7.1), Llama-3.1-8B QKV 11.5 (1/8/1; 13.0), gate-up 38.6 (4/8/1; 41.7), down 24.1 (this tile): no
-    other tile was within 1 us of the best on all four. With 4 rows one weight row a program was best
-    (11.4 / 25.0 / 106.0 / 56.1 us), still far slower than the skinny kernel; ``rows`` is unused."""
+    other tile was within 1 us of the best on all four."""
     if device.type != "cuda":  # the interpreter: several programs and steps, masked edges
         return Fp8GemvConfig(4, 1, 4)
     return Fp8GemvConfig(2, 8 if k >= 8 * KERNEL_K_STEP else max(1, k // KERNEL_K_STEP), 1)
@@ -98,176 +84,69 @@ def fp8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Fp8G
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
-    res_ptr,
-    g_ptr,
     w_ptr,
     s_ptr,
     out_ptr,
-    sum_ptr,
-    normed_ptr,
-    M,
     N,
     K,
-    stride_xm,
     stride_wn,
-    stride_om,
     s_sn,
     s_sk,
-    eps,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
     ROW_SCALES: tl.constexpr,
     SHARED_SCALES: tl.constexpr,
-    FUSE_NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
-    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PIECES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[m, n] = x[m] . dequant(w[n]) for BLOCK_N weight rows n and ROWS rows m, fp32 accumulation.
+    """out[n] = x . dequant(w[n]) for BLOCK_N weight rows n and the one row x, fp32 accumulation.
 
-    FUSE_NORM (one row): x is rms_norm(x + res) * g, with ``_norm_gemv_kernel``'s roundings; program 0
-    writes x + res (and the normalised row where WRITE_NORMED). ROW_SCALES: one scale a weight row,
-    multiplied at the end; SHARED_SCALES: the program's rows lie in one row block, so a piece's scale
-    multiplies x's piece; otherwise each row's piece scale multiplies its products."""
+    ROW_SCALES: one scale a weight row, multiplied at the end; SHARED_SCALES: the program's rows lie in one
+    row block, so a piece's scale multiplies x's piece; otherwise each row's piece scale multiplies its
+    products."""
     pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
     PIECE: tl.constexpr = 128  # KERNEL_K_STEP
     pid = tl.program_id(0)
-    m0 = tl.program_id(1) * ROWS
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, PIECE)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     s_rows = s_ptr + (offs_n // SCALE_BN) * s_sn  # [BLOCK_N]
     s_shared = s_ptr + (pid * BLOCK_N // SCALE_BN) * s_sn
-    x_row = x_ptr + m0.to(tl.int64) * stride_xm
-    inv_rms = 0.0
-    if FUSE_NORM:  # first pass: the row's mean square, from L2
-        squares = tl.zeros((PIECE,), dtype=tl.float32)
-        for k0 in range(0, K, PIECE):
-            s = _summed(x_ptr, res_ptr, sum_ptr, k0 + offs_k, K, False, HAS_RESIDUAL)
-            squares += s * s
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    acc0 = tl.zeros((BLOCK_N, PIECE), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, PIECE), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, PIECE), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, PIECE), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, PIECE), dtype=tl.float32)
     for k0 in range(0, K, PIECES * PIECE):
         for p in tl.static_range(PIECES):
             kk = k0 + p * PIECE + offs_k
             k_mask = kk < K
             w = tl.load(w_ptrs + p * PIECE, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            if ROW_SCALES:
-                xscale = 1.0
-            elif SHARED_SCALES:
-                xscale = tl.load(
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            if SHARED_SCALES and not ROW_SCALES:
+                x *= tl.load(
                     s_shared + (k0 + p * PIECE) // SCALE_BK * s_sk, mask=k0 + p * PIECE < K, other=0.0
                 )
-            else:
-                xscale = 1.0
+            elif not ROW_SCALES:
                 w = w * tl.load(s_rows + (k0 + p * PIECE) // SCALE_BK * s_sk, mask=n_mask, other=0.0)[:, None]
-            if FUSE_NORM:
-                s = _summed(x_ptr, res_ptr, sum_ptr, kk, K, pid == 0, HAS_RESIDUAL)
-                x0 = _normed(g_ptr, normed_ptr, s, inv_rms, kk, K, pid == 0, x_ptr, sum_ptr, HAS_RESIDUAL,
-                             WRITE_NORMED)  # fmt: skip
-            else:
-                x0 = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-            acc0 += w * (x0 * xscale)[None, :]
-            if ROWS > 1:
-                x1 = tl.load(x_row + stride_xm + kk, mask=kk < tl.where(m0 + 1 < M, K, 0), other=0.0).to(
-                    tl.float32
-                )
-                acc1 += w * (x1 * xscale)[None, :]
-            if ROWS > 2:
-                x2 = tl.load(x_row + 2 * stride_xm + kk, mask=kk < tl.where(m0 + 2 < M, K, 0), other=0.0).to(
-                    tl.float32
-                )
-                acc2 += w * (x2 * xscale)[None, :]
-                x3 = tl.load(x_row + 3 * stride_xm + kk, mask=kk < tl.where(m0 + 3 < M, K, 0), other=0.0).to(
-                    tl.float32
-                )
-                acc3 += w * (x3 * xscale)[None, :]
+            acc += w * x[None, :]
         w_ptrs += PIECES * PIECE
-    row_scale = 1.0
+    out = tl.sum(acc, axis=1)
     if ROW_SCALES:
-        row_scale = tl.load(s_rows, mask=n_mask, other=0.0)
-    out_row = out_ptr + m0.to(tl.int64) * stride_om + offs_n
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_row, (tl.sum(acc0, axis=1) * row_scale).to(dtype), mask=n_mask)
-    if ROWS > 1:
-        tl.store(
-            out_row + stride_om,
-            (tl.sum(acc1, axis=1) * row_scale).to(dtype),
-            mask=offs_n < tl.where(m0 + 1 < M, N, 0),
-        )
-    if ROWS > 2:
-        tl.store(
-            out_row + 2 * stride_om,
-            (tl.sum(acc2, axis=1) * row_scale).to(dtype),
-            mask=offs_n < tl.where(m0 + 2 < M, N, 0),
-        )
-        tl.store(
-            out_row + 3 * stride_om,
-            (tl.sum(acc3, axis=1) * row_scale).to(dtype),
-            mask=offs_n < tl.where(m0 + 3 < M, N, 0),
-        )
+        out *= tl.load(s_rows, mask=n_mask, other=0.0)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _summed(x_ptr, res_ptr, sum_ptr, offs, K, WRITES, HAS_RESIDUAL: tl.constexpr):
-    """x + res at ``offs`` (rounded to its dtype; stored where WRITES), or x, as float32."""
-    mask = offs < K
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + offs, summed, mask=offs < tl.where(WRITES, K, 0))
-        x = summed.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _normed(g_ptr, normed_ptr, s, inv_rms, offs, K, WRITES, x_ptr, sum_ptr, HAS_RESIDUAL: tl.constexpr,
-            WRITE_NORMED: tl.constexpr):  # fmt: skip
-    """g * rms-normalised s at ``offs`` (stored where WRITES and WRITE_NORMED), as float32."""
-    if HAS_RESIDUAL:
-        in_dtype = sum_ptr.dtype.element_ty
-    else:
-        in_dtype = x_ptr.dtype.element_ty
-    g = tl.load(g_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    h = (g * (s * inv_rms).to(in_dtype).to(tl.float32)).to(normed_ptr.dtype.element_ty)
-    if WRITE_NORMED:
-        tl.store(normed_ptr + offs, h, mask=offs < tl.where(WRITES, K, 0))
-    return h.to(tl.float32)
-
-
-def _gemv(
-    x: torch.Tensor,
-    w: Fp8Weight,
-    residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    need_normed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(x @ dequant(w).T, the normalised row where asked, x + residual) for 1 to SKINNY_MAX_M rows, the
-    norm fused where ``norm_weight`` is given (one row)."""
-    (m, k), n, fuse = x.shape, w.shape[0], norm_weight is not None
+def _gemv(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x [1, K] (unit last stride) @ dequant(w).T."""
+    k, n = x.shape[1], w.shape[0]
     _, s_sn, s_sk, bn, bk = scale_args(w)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else x
-    normed = torch.empty_like(x) if need_normed else out  # `out` only lends its dtype when nothing is written
-    rows = 1 if m == 1 else (2 if m == 2 else 4)
-    cfg = fp8_gemv_config(n, k, x.device, rows)
-    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows))](
-        x, residual if residual is not None else x, norm_weight if fuse else x, w.weight, w.weight_scale,
-        out, summed, normed, m, n, k, x.stride(0), w.weight.stride(0), out.stride(0), s_sn, s_sk, eps,
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    cfg = fp8_gemv_config(n, k, x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w.weight, w.weight_scale, out, n, k, w.weight.stride(0), s_sn, s_sk,
         SCALE_BN=bn, SCALE_BK=bk, ROW_SCALES=s_sk == 0, SHARED_SCALES=bn % cfg.block_n == 0,
-        FUSE_NORM=fuse, HAS_RESIDUAL=residual is not None, WRITE_NORMED=need_normed, ROWS=rows,
         BLOCK_N=cfg.block_n, PIECES=cfg.pieces, **pdl_kwargs(x.device), num_warps=cfg.num_warps,
     )  # fmt: skip
-    return out, (normed if need_normed else None), summed
+    return out
 
 
 @triton.jit
@@ -311,14 +190,14 @@ def dequantize_triton(w: Fp8Weight) -> torch.Tensor:
 
 
 def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x [M, K] @ dequant(w).T in x's dtype: the float8 GEMV for up to FP8_GEMV_MAX_M rows, the skinny
-    kernel (tensor cores) up to SKINNY_MAX_M, the widened weight through cuBLAS past that."""
+    """x [M, K] @ dequant(w).T in x's dtype: the float8 GEMV for one row, the skinny kernel (tensor cores)
+    to FP8_WIDE_MAX_M rows, the widened weight through cuBLAS past that (module docstring)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
     if 1 <= m <= FP8_WIDE_MAX_M and w.weight.stride(-1) == 1:
-        if m <= FP8_GEMV_MAX_M:
-            return _gemv(x, w)[0]
+        if m == 1:
+            return _gemv(x, w)
         if m <= SKINNY_MAX_M:
             return skinny_linear_triton(x, w)
         return skinny_linear_triton(x, w, fp8_wide_config(*w.shape, x.device))
@@ -333,17 +212,7 @@ def fp8_add_rms_norm_linear_triton(
     w: Fp8Weight,
     need_normed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``add_rms_norm_linear`` over a float8 weight: one fused launch for one plain row, else the norm
-    kernel and ``fp8_linear_triton``."""
-    plain = (
-        x.stride(-1) == 1
-        and norm_weight.is_contiguous()
-        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
-        and norm_weight.dtype == x.dtype
-        and w.weight.stride(-1) == 1
-    )
-    if plain and x.shape[0] == 1 and NORM_IN_GEMV:
-        return _gemv(x, w, residual, norm_weight, eps, need_normed)
+    """``add_rms_norm_linear`` over a float8 weight: the norm kernel, then ``fp8_linear_triton``."""
     if residual is None:
         h, summed = rms_norm_triton(x, norm_weight, eps), x
     else:

@@ -557,9 +557,10 @@ def moe_small_fp8_config(device: torch.device) -> MoeSmallConfig:
     ``kernel_bench.py --sweep-moe-small-fp8`` (H200, 2026-12-01, Qwen3-30B-A3B-FP8's layout, one token,
     one run): gate-up 1 x 1024 in one warp (as the 16-bit tile), down 1 x 256 in four warps ([top-8, 1,
     256] words' bytes: the 16-bit [top-8, 1, 128]'s): the pair took 19.8 us against 21.8 for bf16 weights
-    and 23.9 for kernels widening with conversion instructions (since removed). The gate-up tiles tried were within 0.3 us of one another (1 x 512,
-    2 x 1024, 2 x 512 in one warp; 1 x 2048 in one warp, 225 registers, was 22.7), the down ones 1 x 256 in
-    four warps best by 0.6 us (1 x 128: 23.6 with the 1 x 2048 gate-up). Unmeasured at 2-8 tokens."""
+    and 23.9 for kernels widening with conversion instructions (since removed). The gate-up tiles tried
+    were within 0.3 us of one another (1 x 512, 2 x 1024, 2 x 512 in one warp; 1 x 2048 in one warp, 225
+    registers, was 22.7), the down ones 1 x 256 in four warps best by 0.6 us (1 x 128: 23.6 with the 1 x
+    2048 gate-up). Unmeasured at 2-8 tokens."""
     if device.type != "cuda":  # the interpreter: steps of two pieces in both kernels
         return MoeSmallConfig(64, 2 * KERNEL_K_STEP, 4, 64, 2 * KERNEL_K_STEP, 4)
     return MoeSmallConfig(1, 1024, 1, 1, 256, 4, gate_up_num_stages=2, down_num_stages=4)

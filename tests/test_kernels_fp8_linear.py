@@ -32,7 +32,8 @@ from tests.kernel_testing import (
 
 N, K = 40, 300  # not multiples of the blocks; three KERNEL_K_STEP pieces, the last partial
 # (rows, K) a scale block: 16 x 256 blocks (edges partial on both sides), one scale a row, one in all.
-LAYOUTS = {"blocks": (16, 256), "rows": (1, K), "tensor": (N, K)}
+# "narrow": blocks of 2 rows, fewer than a GEMV program's rows, so each row takes its own piece scales.
+LAYOUTS = {"blocks": (16, 256), "narrow": (2, 128), "rows": (1, K), "tensor": (N, K)}
 
 
 def make_fp8(n: int, k: int, block: tuple[int, int], dtype: torch.dtype, seed: int = 0) -> Fp8Weight:
@@ -81,13 +82,6 @@ def skinnies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
     yield record(monkeypatch, "_skinny_kernel", triton_linear)
 
 
-def gemv_rows(m: int) -> list[int]:
-    """ROWS of each GEMV launch ``linear`` makes for m rows (1, 2 or 4 a program)."""
-    if not 1 <= m <= triton_fp8_linear.FP8_GEMV_MAX_M:
-        return []
-    return [1 if m == 1 else (2 if m == 2 else 4)]
-
-
 def test_quantize_round_trip_and_layouts() -> None:
     torch.manual_seed(1)
     values = randn(N, K)
@@ -95,7 +89,7 @@ def test_quantize_round_trip_and_layouts() -> None:
         w = Fp8Weight((N, K), block, torch.float32, DEVICE)
         w.quantize_(values)
         assert w.weight.dtype == torch.float8_e4m3fn and w.weight.shape == (N, K)
-        grid = {"blocks": (3, 2), "rows": (N, 1), "tensor": (1, 1)}[name]
+        grid = {"blocks": (3, 2), "narrow": (N // 2, 3), "rows": (N, 1), "tensor": (1, 1)}[name]
         assert tuple(w.weight_scale.shape) == grid, name
         # e4m3 keeps 3 mantissa bits: each value within half a step (1/16 relative) of the original
         err = (w.dequantize() - values).abs()
@@ -122,32 +116,18 @@ def test_fp8_linear_matches_reference(
     ref = exact(x, w)
     assert_close(out, ref, dtype, f"fp8 linear {layout}, M={m}")
     assert_close(linear_torch(x, w), ref, dtype, f"reference {layout}, M={m}")
-    # The GEMV up to FP8_GEMV_MAX_M rows, the skinny kernel to FP8_WIDE_MAX_M (16-row tiles to 16 rows,
-    # wider past that), cuBLAS over the widened weight past that
-    assert [g["ROWS"] for g in gemvs] == gemv_rows(m)
-    on_skinny = triton_fp8_linear.FP8_GEMV_MAX_M < m <= triton_fp8_linear.FP8_WIDE_MAX_M
-    assert [s["BLOCK_M"] for s in skinnies] == ([16 if m <= 16 else 32] if on_skinny else [])
+    # The GEMV for one row, the skinny kernel to FP8_WIDE_MAX_M (16-row tiles to 16 rows, K in parts;
+    # wider tiles past that), cuBLAS over the widened weight past that
+    assert len(gemvs) == (m == 1)
+    on_skinny = 2 <= m <= triton_fp8_linear.FP8_WIDE_MAX_M
+    assert [(s["BLOCK_M"], s["SPLIT_K"]) for s in skinnies] == (
+        [(16 if m <= 16 else 32, 2)] if on_skinny else []
+    )
+    for launch in gemvs + skinnies:
+        assert launch["ROW_SCALES"] == (layout not in ("blocks", "narrow"))
     for launch in gemvs:
-        assert launch["ROW_SCALES"] == (layout != "blocks") and not launch["FUSE_NORM"]
-    for launch in skinnies:
-        assert launch["W_FP8"] and launch["ROW_SCALES"] == (layout != "blocks")
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fp8_gemv_and_skinny_at_several_rows(
-    dtype: torch.dtype, layout: str, gemvs: list, skinnies: list
-) -> None:
-    """Both kernels at 2 and 7 rows, whichever ``linear`` routes them to: the GEMV with 2 and 4 rows a
-    program (7 rows: the second program along the rows has three), the skinny kernel with K in parts."""
-    for m in (2, 7):
-        torch.manual_seed(50 + m)
-        w = make_fp8(N, K, LAYOUTS[layout], dtype, seed=m)
-        x = randn(m, K, dtype=dtype)
-        assert_close(triton_fp8_linear._gemv(x, w)[0], exact(x, w), dtype, f"GEMV {layout}, M={m}")
-        assert_close(triton_linear.skinny_linear_triton(x, w), exact(x, w), dtype, f"skinny {layout}, M={m}")
-    assert [g["ROWS"] for g in gemvs] == [2, 4]
-    assert [s["W_FP8"] for s in skinnies] == [True, True] and skinnies[0]["SPLIT_K"] == 2
+        assert launch["SHARED_SCALES"] == (layout == "blocks")
+    assert all(launch["W_FP8"] for launch in skinnies)
 
 
 def test_dequantize_kernel_equals_the_reference_bit_for_bit() -> None:
@@ -157,14 +137,12 @@ def test_dequantize_kernel_equals_the_reference_bit_for_bit() -> None:
             assert torch.equal(triton_fp8_linear.dequantize_triton(w), w.dequantize()), (name, dtype)
 
 
-@pytest.mark.parametrize("in_gemv", [True, False], ids=["norm-in-gemv", "norm-kernel"])
 @pytest.mark.parametrize("layout", ["blocks", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 2])
 def test_fp8_add_rms_norm_linear(
-    m: int, dtype: torch.dtype, layout: str, in_gemv: bool, gemvs: list, monkeypatch: pytest.MonkeyPatch
+    m: int, dtype: torch.dtype, layout: str, gemvs: list, skinnies: list
 ) -> None:
-    monkeypatch.setattr(triton_fp8_linear, "NORM_IN_GEMV", in_gemv)
     torch.manual_seed(20 + m)
     w = make_fp8(N, K, LAYOUTS[layout], dtype, seed=7)
     x, res, g = randn(m, K, dtype=dtype), randn(m, K, dtype=dtype), randn(K, dtype=dtype, scale=0.1) + 1
@@ -183,10 +161,8 @@ def test_fp8_add_rms_norm_linear(
                 assert_close(normed, h, dtype, what)
             ref_out, _, _ = add_rms_norm_linear_torch(x, residual, g, 1e-6, w, need_normed)
             assert_close(ref_out, exact(h, w), dtype, "reference " + what)
-    # One row: the norm fused into the GEMV where FUSE_NORM; else the norm kernel, then the projection
-    fused = m == 1 and triton_fp8_linear.NORM_IN_GEMV
-    assert len(gemvs) == 4 * (m <= triton_fp8_linear.FP8_GEMV_MAX_M)
-    assert all(launch["FUSE_NORM"] == fused for launch in gemvs)
+    # The norm kernel, then the projection: the GEMV for one row, the skinny kernel for two
+    assert (len(gemvs), len(skinnies)) == ((4, 0) if m == 1 else (0, 4))
 
 
 def test_fp8_linear_strided_input_and_e5m2(gemvs: list) -> None:
@@ -216,17 +192,12 @@ def test_gpu_fp8_linear_real_shapes(n: int, k: int, gemvs: list, skinnies: list)
         for m in (1, 4, 16, 17, 128, 300):
             x = randn(m, k, dtype=dtype)
             assert_close(TRITON_OPS.linear(x, w), exact(x, w), dtype, f"fp8 {n}x{k} {block}, M={m}")
-            if 2 <= m <= 16:  # also the kernel the routing does not take
-                on_gemv = m <= triton_fp8_linear.FP8_GEMV_MAX_M
-                other = (
-                    triton_linear.skinny_linear_triton(x, w) if on_gemv else triton_fp8_linear._gemv(x, w)[0]
-                )
-                assert_close(other, exact(x, w), dtype, f"fp8 {n}x{k} {block}, M={m}, both kernels")
         g, res = randn(k, dtype=dtype, scale=0.1) + 1, randn(1, k, dtype=dtype)
         x = randn(1, k, dtype=dtype)
         out, _, _ = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, False)
         h, _ = fused_add_rms_norm_torch(x, res, g, 1e-6)
         assert_close(out, exact(h, w), dtype, f"fp8 norm {n}x{k} {block}")
-    # M = 1, 4, 16 (17 and 128: wide skinny tiles; 300: cuBLAS), the norm; each of 4 and 16 on both kernels
-    assert [g["ROWS"] for g in gemvs] == [1, 4, 4, 1] * 2
+    # M = 1 and the norm's row on the GEMV; 4 and 16 on 16-row skinny tiles, 17 and 128 on wide ones;
+    # 300 on cuBLAS
+    assert len(gemvs) == 2 * 2
     assert [s["BLOCK_M"] for s in skinnies] == [16, 16, 64, 64] * 2 and all(s["W_FP8"] for s in skinnies)
