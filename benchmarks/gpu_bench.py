@@ -145,6 +145,9 @@ class Plan:
     quantization: str = "auto"  # EngineConfig.quantization: fp8 keeps the linear weights in float8
     # The decode section's sampling, SamplingParams fields (empty: greedy), e.g. {"temperature": 0.8}.
     decode_sampling: dict[str, float] = field(default_factory=dict)
+    megakernel: bool = True  # EngineConfig.decode_megakernel
+    # Batch-1 decode points also run with the megakernel off (the batch-1 graph captured again without it)
+    megakernel_compare: bool = False
     smoke: bool = False
 
 
@@ -295,6 +298,7 @@ def build_engine(model_dir: Path, plan: Plan, num_blocks: int) -> LLMEngine:
         async_scheduling=plan.async_scheduling,
         kv_cache_dtype=plan.kv_cache_dtype,
         quantization=plan.quantization,
+        decode_megakernel=plan.megakernel,
     )
     t = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -817,20 +821,32 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                         )
                         res.decode.append(dict(model=shape, batch=batch, ctx=ctx, skipped="KV does not fit"))
                         continue
-                    try:
-                        decode_point(
-                            engine,
-                            shape,
-                            batch,
-                            ctx,
-                            plan,
-                            wb,
-                            res,
-                            profile=profile and ctx == plan.contexts[0] and batch in (1, 4, 16, 64),
-                        )
-                    except Exception as exc:
-                        log.exception("decode %s batch %d ctx %d failed", shape, batch, ctx)
-                        res.errors.append(f"decode {shape} b{batch} c{ctx}: {exc!r}")
+                    megakernel = engine.runner.megakernel
+                    variants = [(shape, megakernel)]
+                    if plan.megakernel_compare and batch == 1 and megakernel is not None:
+                        variants.append((f"{shape}-ops", None))  # the op-by-op graph, same engine
+                    for name, mk in variants:
+                        graphs = engine.runner.graphs
+                        if graphs is not None and graphs.megakernel is not mk:
+                            graphs.set_megakernel(mk)
+                        try:
+                            decode_point(
+                                engine,
+                                name,
+                                batch,
+                                ctx,
+                                plan,
+                                wb,
+                                res,
+                                profile=profile and ctx == plan.contexts[0] and batch in (1, 4, 16, 64),
+                            )
+                        except Exception as exc:
+                            log.exception("decode %s batch %d ctx %d failed", name, batch, ctx)
+                            res.errors.append(f"decode {name} b{batch} c{ctx}: {exc!r}")
+                    if engine.runner.graphs is not None and engine.runner.graphs.megakernel is not megakernel:
+                        engine.runner.graphs.set_megakernel(megakernel)
+                    if megakernel is not None and megakernel.error():
+                        res.errors.append(f"decode megakernel error word {megakernel.error()}")
         if "prefill" in sections and shape == "dense":
             prefill_point(engine, shape, plan, wb, res)
         if "e2e" in sections:
@@ -1146,6 +1162,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the engines' weight quantization (EngineConfig.quantization); fp8 keeps the attention, MLP and "
         "expert weights in float8 (128 x 128 scale blocks), and the roofline counts them at a byte",
     )
+    parser.add_argument(
+        "--no-megakernel", action="store_true", help="the engine without its batch-1 decode megakernel"
+    )
+    parser.add_argument(
+        "--megakernel-compare",
+        action="store_true",
+        help="batch-1 decode points also without the megakernel (the batch-1 graph captured again)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1184,6 +1208,8 @@ def main(argv: list[str] | None = None) -> None:
         decode_sampling=args.decode_sampling,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        megakernel=not args.no_megakernel,
+        megakernel_compare=args.megakernel_compare,
     )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl

@@ -57,6 +57,13 @@ class EngineConfig:
         "mixed steps; attention stays eager between the pieces); 0: those steps run eagerly. Capped by "
         "max_num_batched_tokens.",
     )
+    decode_megakernel: bool = setting(
+        True,
+        "With cuda_graphs: run a decode step of one sequence as one persistent CUDA kernel for every "
+        "decoder layer (weights streamed into shared memory ahead of use, values exchanged through "
+        "flagged words), where the model fits it: MoE layers like Qwen3-30B-A3B's, bf16, one GPU of "
+        "compute capability 9.0+. Elsewhere, or off, the op-by-op graphs run.",
+    )
     async_scheduling: bool | None = setting(
         None,
         "Overlap the host's scheduling and output processing with the next decode step (one step of "

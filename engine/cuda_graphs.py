@@ -42,6 +42,7 @@ import torch
 
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
+from kernels.decode_megakernel import DecodeMegakernel
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,28 @@ def decode_step_pieces(
     return [piece(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def megakernel_step_pieces(
+    model: DecoderModel,
+    megakernel: DecodeMegakernel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    logits_out: torch.Tensor,
+) -> list[Callable[[], None]]:
+    """``decode_step_pieces`` for one row with every decoder layer in the megakernel's one launch, then the
+    final norm and LM head: a single piece (it is three launches, so there is no host time to overlap)."""
+
+    @torch.inference_mode()
+    def run() -> None:
+        model.begin_forward()
+        x, residual = megakernel.run(
+            input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
+        )
+        logits_out.copy_(model.final_logits(x, residual))
+
+    return [run]
+
+
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     cap = max(1, min(max_num_seqs, MAX_GRAPH_BATCH))
     return [b for b in BUCKETS if b < cap] + [cap]
@@ -179,8 +202,12 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks: int,
         device: torch.device,
+        megakernel: DecodeMegakernel | None = None,
     ) -> None:
+        """``megakernel``: where given, the batch-1 graph runs every decoder layer in it
+        (``kernels.decode_megakernel``) instead of the op-by-op pieces."""
         self.model = model
+        self.megakernel = megakernel
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.sizes = bucket_sizes(max_num_seqs)
@@ -232,20 +259,7 @@ class DecodeGraphs:
         uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.seq_lens)
         with capturing(), expert_counts_restored(self.model), uniform:
             for size in reversed(self.sizes):
-                pieces = self._pieces(size)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                    for run in pieces:
-                        run()
-                torch.cuda.current_stream().wait_stream(side)
-                g = _Graph(size, runs=pieces)
-                for run in pieces:  # in order: each piece's outputs, in the pool, are the next one's inputs
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                        run()
-                    g.pieces.append(graph)
-                self.graphs[size] = g
+                self._capture_size(size, pool)
             self._measure_padding_counts()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
@@ -256,6 +270,40 @@ class DecodeGraphs:
             self.capture_seconds,
         )
 
+    def _capture_size(self, size: int, pool: tuple[int, int]) -> None:
+        pieces = self._pieces(size)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            for run in pieces:
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        g = _Graph(size, runs=pieces)
+        for run in pieces:  # in order: each piece's outputs, in the pool, are the next one's inputs
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
+                run()
+            g.pieces.append(graph)
+        self.graphs[size] = g
+
+    def set_megakernel(self, megakernel: DecodeMegakernel | None) -> None:
+        """Run the batch-1 graph with (or, given None, without) the decode megakernel: that graph alone is
+        captured again (benchmarks compare both in one engine). Single-rank engines only."""
+        if 1 not in self.graphs:
+            raise ValueError("no batch-1 decode graph was captured")
+        torch.cuda.synchronize()
+        for piece in self.graphs.pop(1).pieces:
+            piece.reset()
+        self.megakernel = megakernel
+        self._stage_padding(0, 1)
+        self._dev64.copy_(self._host64)
+        self._dev32[:1].copy_(self._host32[:1])
+        with capturing(), expert_counts_restored(self.model):
+            self._capture_size(1, torch.cuda.graph_pool_handle())
+            g = self.graphs[1]
+            g.pad_counts = padding_counts(self._counts, g.replay, 1, "batch-1 decode graph")
+        torch.cuda.synchronize()
+
     def _pieces(self, size: int) -> list[Callable[[], None]]:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
@@ -263,6 +311,10 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
         )
+        if size == 1 and self.megakernel is not None:
+            return megakernel_step_pieces(
+                self.model, self.megakernel, self.input_ids[:1], self.positions[:1], meta, self.logits[:1]
+            )
         return decode_step_pieces(
             self.model, self.input_ids[:size], self.positions[:size], self.kv_pool, meta, self.logits[:size]
         )

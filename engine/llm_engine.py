@@ -219,6 +219,7 @@ class LLMEngine:
             prefill_graph_tokens=min(config.prefill_graph_tokens, config.max_num_batched_tokens),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            decode_megakernel=config.decode_megakernel,
         )
         self.sampler = Sampler(config.seed, config.kernel_backend)
         if self.runner.compiles_kernels:  # compile the prefill and sampling variants now, graphs or not

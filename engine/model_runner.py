@@ -38,6 +38,9 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from kernels.cuda_module import CudaCompileError, CudaDriverError
+from kernels.decode_megakernel import DecodeMegakernel
+from kernels.decode_megakernel import unsupported as megakernel_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +125,13 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         prefill_graph_tokens: int = 0,
+        decode_megakernel: bool = False,
     ) -> None:
         self.model = model
+        # Whether the batch-1 decode graph may run the decoder layers in one kernel (where it supports the
+        # model: kernels.decode_megakernel); ``megakernel`` is it once the graphs are captured.
+        self.decode_megakernel = decode_megakernel
+        self.megakernel = None
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = device
@@ -166,14 +174,38 @@ class ModelRunner:
             return False
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
         graphs = DecodeGraphs(
-            self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device
-        )
+            self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device,
+            megakernel=self._build_megakernel(),
+        )  # fmt: skip
         if self._multi_rank:
             self._check_same_graph_sizes(graphs.max_batch)
         graphs.capture()
         self.graphs = graphs
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
         return True
+
+    def _build_megakernel(self) -> DecodeMegakernel | None:
+        """The decode megakernel for this model and pool, where the setting asks for it and it supports
+        them; otherwise None, with a log line saying why."""
+        if not self.decode_megakernel:
+            return None
+        reason = megakernel_unsupported(self.model, self.kv_pool)
+        if reason is not None:
+            log.info("decode megakernel off for this model: %s", reason)
+            return None
+        try:
+            self.megakernel = DecodeMegakernel(self.model, self.kv_pool)
+        except (CudaCompileError, CudaDriverError) as exc:
+            log.warning("decode megakernel off: it did not build (%s); batch-1 decode runs op by op", exc)
+            return None
+        log.info(
+            "decode megakernel on: batch-1 decode steps run every decoder layer in one kernel (%d CTAs, "
+            "%d bytes of shared memory each, %d registers)",
+            self.megakernel.plan.ctas,
+            self.megakernel.plan.smem_bytes,
+            self.megakernel.kernel.num_regs,
+        )
+        return self.megakernel
 
     def release_graphs(self) -> None:
         """Drop the captured graphs (decode and prefill) once the device is done with them; later passes

@@ -1,0 +1,1020 @@
+// Every decoder layer of one decode token (batch 1) of a Qwen3-MoE-shaped model in one persistent launch.
+//
+// Host side, plan, numerics and the measured reasons: kernels/decode_megakernel.py. In short: one CTA per
+// SM for the whole step; each CTA owns fixed slices of every projection (QKV rows, o-proj rows, router
+// rows, expert rows) and streams them from HBM into shared memory with bulk copies (cp.async.bulk on an
+// mbarrier) issued ahead of the data they are multiplied with, so HBM keeps streaming weights while the
+// latency-bound parts (attention, the merge, routing) and the grid-wide exchanges run. A layer's values
+// pass between CTAs through "LL" words in global memory: each 32-bit word carries a bf16 value and a
+// 16-bit flag (a 64-bit word: a float32 and a 32-bit flag), stored and loaded whole, so a reader polls the
+// data itself and needs no separate counter, fence or barrier (NCCL's low-latency protocol). A flag names
+// the launch (an epoch counter in device memory, advanced by the last CTA to leave) and the layer, so a
+// word from the previous layer or step never passes for a current one.
+//
+// Phases of a layer (CTA c of G; every CTA takes part in each all-to-all exchange, which is what orders
+// the reuse of every buffer):
+//   P1  input norm + QKV rows (weights already in smem)           -> qkv    (LL4)
+//   P2  attention of one KV head over one split of the context     -> partial o, lse (LL8)
+//   P2b merge of the splits, one (q head, 32 dims) unit per CTA    -> attn   (LL4)
+//   P3  o-proj rows + residual                                    -> h      (LL4)
+//   P4a post-attention norm, router rows                           -> logits (LL4)
+//   P4b softmax, top-k, expert gate-up rows (streamed), SiLU*up    -> act    (LL4)
+//   P5  expert down rows (streamed), weighted sum                  -> xo     (LL4)
+// Weight staging: WBUF holds this CTA's QKV rows, then (issued once P1 has read them) its o-proj rows,
+// then (issued once P3 has) the next layer's QKV rows. The RING (3 stages) carries, in order: the KV tiles
+// of P2, the router rows of P4a, then the gate-up and down rows of the experts, issued as stages free up.
+//
+// Compile-time constants (defines, from the host): H, NQ, NKV, D, NE (logical experts), TOPK, NI (expert
+// intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, WBUF_BYTES, STAGE_BYTES,
+// MAX_SPLITS. Inputs are bfloat16; accumulation is float32; every rounding point is the reference ops'.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+typedef long long i64;
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+
+#define NT 256
+#define NWARPS 8
+#define QKV_ROWS (NQ * D + 2 * NKV * D)
+#define QDIM (NQ * D)
+#define GRP (NQ / NKV)
+#define HALF (D / 2)
+#define RING 3
+#define KV_TILE 30
+#define KV_ROW 272  // a key's 256 bytes padded to 272: 8 keys read together hit 8 distinct bank groups
+#define KV_V_OFF (KV_TILE * KV_ROW)
+#define DOWN_PIECE 10
+#define MAX_DOWN_ROWS 32
+#define WAIT_LIMIT (1LL << 24)  // polls (each an L2 round trip) before a wait gives up: seconds
+#define MBAR_LIMIT (1LL << 22)
+
+#define ERR_LL 1u
+#define ERR_MBAR 2u
+
+struct LayerPtrs {
+  const u16* in_norm;    // [H]
+  const u16* qkv_w;      // [QKV_ROWS, H]
+  const u16* q_norm;     // [D] (QK_NORM)
+  const u16* k_norm;     // [D] (QK_NORM)
+  const u16* o_w;        // [H, QDIM]
+  const u16* post_norm;  // [H]
+  const u16* gate_w;     // [NE, H]
+  const u16* w13;        // [physical experts, 2 NI, H]
+  const u16* w2;         // [physical experts, H, NI]
+  const i64* l2p;        // [NE, replicas]: physical id of each logical expert's replicas
+  i64* counts;           // [physical experts]: tokens routed, for the EPLB controller
+};
+
+struct Params {
+  const LayerPtrs* layers;
+  i64 l2p_stride;        // row stride of l2p
+  const i64* token;      // [1]
+  const i64* position;   // [1]
+  const i64* slot;       // [1]: KV slot of the new token, -1: write nothing
+  const int* seq_len;    // [1]: context length after this step, 0: a padding row
+  const int* block_table;
+  const u16* embed;      // [vocab, H]
+  const float* cos_sin;  // [positions, D]: cos half, sin half
+  u16* kv_pool;
+  i64 pool_block, pool_layer, pool_kv, pool_slot, pool_head;  // element strides
+  u16* x_out;            // [H]: the last layer's MLP output
+  u16* res_out;          // [H]: the last layer's residual
+  u32* ll_qkv;           // [QKV_ROWS]
+  u32* ll_attn;          // [QDIM]
+  u32* ll_h;             // [H]
+  u32* ll_logits;        // [NE]
+  u32* ll_act;           // [TOPK * NI]
+  u32* ll_xo;            // [H]
+  U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
+  u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
+  u32* epoch;
+  u32* exit_count;
+  u32* error;
+  float scale_log2;
+  float eps;
+};
+
+// ---- numerics --------------------------------------------------------------------------------------
+__device__ __forceinline__ float bf2f(u32 b) { return __uint_as_float((b & 0xffffu) << 16); }
+__device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ u32 f2bf(float f) {  // round to nearest even, as torch
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rsq(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// The sum of v over the CTA, in every thread (red: NWARPS floats of scratch; two barriers).
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) t += red[w];
+  __syncthreads();
+  return t;
+}
+// 8 bf16 of a against 8 bf16 of b (16-byte vectors), accumulated into acc.
+__device__ __forceinline__ float dot8(U4 a, U4 b, float acc) {
+  acc = fmaf(bf_lo(a.x), bf_lo(b.x), acc);
+  acc = fmaf(bf_hi(a.x), bf_hi(b.x), acc);
+  acc = fmaf(bf_lo(a.y), bf_lo(b.y), acc);
+  acc = fmaf(bf_hi(a.y), bf_hi(b.y), acc);
+  acc = fmaf(bf_lo(a.z), bf_lo(b.z), acc);
+  acc = fmaf(bf_hi(a.z), bf_hi(b.z), acc);
+  acc = fmaf(bf_lo(a.w), bf_lo(b.w), acc);
+  acc = fmaf(bf_hi(a.w), bf_hi(b.w), acc);
+  return acc;
+}
+
+// ---- memory primitives -------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try(u32 bar, u32 parity) {
+  u32 ok;
+  asm volatile(
+      "{\n .reg .pred P;\n mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n selp.u32 %0, 1, 0, P;\n}"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Whether a wait that has polled n times gives up: past its limit (recording `what` in err), or once
+// any other wait has (so a broken launch ends in seconds, not one timeout per wait).
+__device__ __forceinline__ bool give_up(i64 n, u32* err, i64 limit, u32 what) {
+  if (n > limit) {
+    atomicOr(err, what);
+    return true;
+  }
+  if ((n & 4095) == 4095) {
+    u32 e;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(e) : "l"(err) : "memory");
+    return e != 0;
+  }
+  return false;
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, u32* err) {
+  for (i64 n = 0; !mbar_try(bar, parity); ++n)
+    if (give_up(n, err, MBAR_LIMIT, ERR_MBAR)) return;
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global to shared, completing on bar.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ U4 ld_relaxed4(const void* p) {
+  U4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void ld_relaxed2(const u32* p, u32& a, u32& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.b32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p) : "memory");
+}
+__device__ __forceinline__ u64 ld_relaxed64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed(u32* p, u32 v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed4(void* p, U4 v) {
+  asm volatile("st.relaxed.gpu.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void st_relaxed64(u64* p, u64 v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// ---- LL words ------------------------------------------------------------------------------------------
+// Every read below issues all its loads first and only then checks flags, so a batch of words costs one
+// round trip to L2, not one per word; words whose flag is not current yet are loaded again.
+__device__ __forceinline__ u32 ll4(u32 bf, u32 flag) { return (flag << 16) | (bf & 0xffffu); }
+__device__ __forceinline__ void ll4_put(u32* p, float v, u32 flag) { st_relaxed(p, ll4(f2bf(v), flag)); }
+__device__ __forceinline__ bool ll4_ok(U4 v, u32 flag) {
+  return ((v.x >> 16) == flag) & ((v.y >> 16) == flag) & ((v.z >> 16) == flag) & ((v.w >> 16) == flag);
+}
+// N groups of four LL4 words, group i at base + i * stride (words; 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void ll4_read(U4 (&v)[N], const u32* base, int stride, u32 flag, u32* err) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = ld_relaxed4(base + i * stride);
+  for (i64 n = 0;; ++n) {
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (!ll4_ok(v[i], flag)) {
+        ok = false;
+        v[i] = ld_relaxed4(base + i * stride);
+      }
+    }
+    if (ok || give_up(n, err, WAIT_LIMIT, ERR_LL)) return;
+  }
+}
+// N pairs of LL4 words (8-byte aligned), pair i at ptr[i]; out[2 i], out[2 i + 1] their values.
+template <int N>
+__device__ __forceinline__ void ll4_read_pairs(float (&out)[2 * N], const u32* const (&ptr)[N], u32 flag, u32* err) {
+  u32 a[N], b[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) ld_relaxed2(ptr[i], a[i], b[i]);
+  for (i64 n = 0;; ++n) {
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (((a[i] >> 16) != flag) | ((b[i] >> 16) != flag)) {
+        ok = false;
+        ld_relaxed2(ptr[i], a[i], b[i]);
+      }
+    }
+    if (ok || give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    out[2 * i] = bf2f(a[i]);
+    out[2 * i + 1] = bf2f(b[i]);
+  }
+}
+__device__ __forceinline__ u64 ll8(float v, u32 flag) { return ((u64)flag << 32) | __float_as_uint(v); }
+// N LL8 words, word i at base + i * stride (words); missing ones (i >= n) read as 0.
+template <int N>
+__device__ __forceinline__ void ll8_read(float (&out)[N], const u64* base, i64 stride, int n, u32 flag, u32* err) {
+  u64 v[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = i < n ? ld_relaxed64(base + i * stride) : ((u64)flag << 32);
+  for (i64 k = 0;; ++k) {
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if ((u32)(v[i] >> 32) != flag) {
+        ok = false;
+        v[i] = ld_relaxed64(base + i * stride);
+      }
+    }
+    if (ok || give_up(k, err, WAIT_LIMIT, ERR_LL)) break;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = __uint_as_float((u32)v[i]);
+}
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int part_lo(int n, int parts, int i) { return (int)((i64)n * i / parts); }
+
+// ---- the ring of weight stages ---------------------------------------------------------------------------
+// Every thread keeps the same counters (all run the same control flow); thread 0 (or warp 0) issues.
+struct Ring {
+  u32 base;    // shared address of stage 0
+  u32 bars;    // shared address of the RING mbarriers
+  u32 issued;  // stages handed to copies so far (this launch)
+  u32 done;    // stages consumed so far
+  __device__ __forceinline__ u32 slot(u32 i) const { return i % RING; }
+  __device__ __forceinline__ u32 stage(u32 i) const { return base + slot(i) * STAGE_BYTES; }
+  __device__ __forceinline__ u32 bar(u32 i) const { return bars + slot(i) * 8; }
+  __device__ __forceinline__ bool room() const { return issued - done < RING; }
+  __device__ __forceinline__ void wait(u32* err) const { mbar_wait(bar(done), (done / RING) & 1u, err); }
+};
+
+
+// Shared memory: WBUF | RING | XN (bf16 [H]) | HS (bf16 [H]) | SCR | MISC | barriers (4 WBUF, RING).
+#define OFF_RING (WBUF_BYTES)
+#define OFF_XN (OFF_RING + RING * STAGE_BYTES)
+#define OFF_HS (OFF_XN + 2 * H)
+#define OFF_SCR (OFF_HS + 2 * H)
+#define OFF_MISC (OFF_SCR + SCR_BYTES)
+#define MISC_BYTES 1024
+#define OFF_BARS (OFF_MISC + MISC_BYTES)
+#define SMEM_BYTES (OFF_BARS + 8 * (4 + RING))
+// Items of four values a thread handles in a vector of n values (n a multiple of 4 * NT).
+#define ITEMS(n) ((n) / (4 * NT))
+
+// Four bf16 of x (an 8-byte word pair) and their float values.
+__device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
+  v[0] = bf_lo(lo); v[1] = bf_hi(lo); v[2] = bf_lo(hi); v[3] = bf_hi(hi);
+}
+// The bf16 halves of four LL4 words as two packed words.
+__device__ __forceinline__ void ll4_pack(U4 a, u32& lo, u32& hi) {
+  lo = (a.x & 0xffffu) | (a.y << 16);
+  hi = (a.z & 0xffffu) | (a.w << 16);
+}
+// rms-normalised s times the norm weight g, rounded as the reference: bf16(g * bf16(s * inv)).
+__device__ __forceinline__ u32 norm2(u32 g, u32 s, float inv) {
+  return f2bf(bf_lo(g) * rbf(bf_lo(s) * inv)) | (f2bf(bf_hi(g) * rbf(bf_hi(s) * inv)) << 16);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = gridDim.x, c = blockIdx.x;
+
+  unsigned char* wbuf = smem;
+  unsigned char* ring_mem = smem + OFF_RING;
+  u16* xn = (u16*)(smem + OFF_XN);
+  u16* hs = (u16*)(smem + OFF_HS);
+  unsigned char* scr = smem + OFF_SCR;
+  float* misc = (float*)(smem + OFF_MISC);
+  float* red = misc;               // [NWARPS]
+  float* red2 = misc + 8;          // [2][NWARPS]: gate-up partials, by chunk parity
+  float* down_acc = misc + 24;     // [MAX_DOWN_ROWS]
+  float* route_w = misc + 56;      // [TOPK <= 16]
+  int* route_id = (int*)(misc + 72);  // [TOPK <= 16]: physical ids
+  float* merge_w = misc + 88;      // [MAX_SPLITS + 1]
+  const u32 wbar0 = smem_addr(smem + OFF_BARS);
+
+  Ring ring;
+  ring.base = smem_addr(ring_mem);
+  ring.bars = wbar0 + 4 * 8;
+  ring.issued = ring.done = 0;
+  u32 wpar = 0;  // the parity of WBUF barrier j's current phase, bit j
+
+  if (tid == 0) {
+    for (int j = 0; j < 4 + RING; ++j) mbar_init(wbar0 + 8 * j, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int i = tid; i < MAX_DOWN_ROWS; i += NT) down_acc[i] = 0.f;
+  __syncthreads();
+
+  u32* err = p.error;
+  const u32 epoch = *(volatile u32*)p.epoch;
+  const int seq_len = *p.seq_len;
+  const i64 pos = *p.position;
+  const i64 new_slot = *p.slot;
+  const i64 token = *p.token;
+
+  // This CTA's slices, fixed for the launch.
+  const int q0 = part_lo(QKV_ROWS, G, c), nq = part_lo(QKV_ROWS, G, c + 1) - q0;
+  const int o0 = part_lo(H, G, c), o1 = part_lo(H, G, c + 1), no = o1 - o0;  // o-proj and down rows
+  const int g0 = part_lo(TOPK * NI / 2, G, c), n_gate = part_lo(TOPK * NI / 2, G, c + 1) - g0;
+  const int pieces = (no + DOWN_PIECE - 1) / DOWN_PIECE;
+  const int n_down = TOPK * pieces;
+  const int n_router = c < NE ? (NE - 1 - c) / G + 1 : 0;
+
+  // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
+  int S = (seq_len + RING * KV_TILE - 1) / (RING * KV_TILE);
+  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));
+  const int split_len = (seq_len + S - 1) / S;
+  const bool attn_cta = c < NKV * S;
+  const int kvh = attn_cta ? c / S : 0, sp = attn_cta ? c % S : 0;
+  const int k0 = attn_cta ? imin(seq_len, sp * split_len) : 0;
+  const int k1 = attn_cta ? imin(seq_len, k0 + split_len) : 0;
+  const bool own = attn_cta && k0 <= seq_len - 1 && seq_len - 1 < k1;  // holds the new token
+  const int old_end = own ? seq_len - 1 : k1;  // keys read from the pool: [k0, old_end)
+  const int n_tiles = (imax(0, old_end - k0) + KV_TILE - 1) / KV_TILE;
+  // The pool pages of the first RING tiles' keys (lane j: key j of each), the same in every layer: read
+  // once, so issuing a layer's tiles waits on no load.
+  i64 tile_page[RING];
+#pragma unroll
+  for (int t = 0; t < RING; ++t) {
+    const int kpos = k0 + t * KV_TILE + lane;
+    tile_page[t] = (warp == 0 && lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
+  }
+
+  // WBUF as 4 chunks (one barrier each) of `nrows` rows of `row` elements from src; an empty chunk
+  // arrives without bytes, so every barrier moves one phase per use.
+  auto issue_wbuf = [&](const u16* src, int nrows, int row) {
+    const int per = (nrows + 3) / 4;
+    for (int j = 0; j < 4; ++j) {
+      const int lo = imin(nrows, j * per), hi = imin(nrows, (j + 1) * per);
+      const u32 bar = wbar0 + 8 * j;
+      if (hi > lo) {
+        const u32 bytes = (u32)(hi - lo) * row * 2;
+        mbar_expect(bar, bytes);
+        bulk_load(smem_addr(wbuf) + (u32)lo * row * 2, src + (i64)lo * row, bytes, bar);
+      } else {
+        mbar_arrive(bar);
+      }
+    }
+  };
+  auto wait_wbuf_row = [&](int r, int nrows) {
+    const int ch = r / ((nrows + 3) / 4);
+    mbar_wait(wbar0 + 8 * ch, (wpar >> ch) & 1u, err);
+  };
+
+  if (tid == 0) issue_wbuf(p.layers[0].qkv_w + (i64)q0 * H, nq, H);
+
+  for (int L = 0; L < NL; ++L) {
+    const LayerPtrs lp = p.layers[L];
+    const u32 f16 = (epoch * (NL + 1) + L + 1) & 0xffffu;
+    const u32 f32 = epoch * (NL + 1) + L + 1;
+    const u32 f16_prev = (epoch * (NL + 1) + L) & 0xffffu;
+    const u16* pool_kvh = p.kv_pool + (i64)L * p.pool_layer + (i64)kvh * p.pool_head;
+
+    // Ring sequence A: this layer's KV tiles (attention CTAs), then its router rows.
+    int a_next = 0;
+    const int a_total = n_tiles + n_router;
+    auto refill_a = [&]() {
+      while (a_next < a_total && ring.room()) {
+        const u32 stage = ring.stage(ring.issued), bar = ring.bar(ring.issued);
+        if (a_next < n_tiles) {
+          const int first = k0 + a_next * KV_TILE, n = imin(KV_TILE, old_end - first);
+          if (warp == 0) {
+            if (lane == 0) {
+              fence_async_smem();
+              mbar_expect(bar, (u32)n * 2 * D * 2);
+            }
+            __syncwarp();
+            if (lane < n) {
+              const int kpos = first + lane;
+              const i64 page = a_next == 0   ? tile_page[0]
+                               : a_next == 1 ? tile_page[1]
+                               : a_next == 2 ? tile_page[2]
+                                             : (i64)p.block_table[kpos / BS];
+              const u16* src = pool_kvh + page * p.pool_block + (i64)(kpos % BS) * p.pool_slot;
+              bulk_load(stage + lane * KV_ROW, src, D * 2, bar);
+              bulk_load(stage + KV_V_OFF + lane * KV_ROW, src + p.pool_kv, D * 2, bar);
+            }
+          }
+        } else if (tid == 0) {
+          const int e = c + (a_next - n_tiles) * G;
+          fence_async_smem();
+          mbar_expect(bar, H * 2);
+          bulk_load(stage, lp.gate_w + (i64)e * H, H * 2, bar);
+        }
+        ++a_next;
+        ++ring.issued;
+      }
+    };
+    refill_a();
+
+    // ---------------- P1: the residual add, the input norm, this CTA's QKV rows ----------------
+    {
+      constexpr int NI4 = ITEMS(H);
+      float v[NI4][4];
+      float ss = 0.f;
+      if (L == 0) {
+#pragma unroll
+        for (int t = 0; t < NI4; ++t) {
+          const int col = (t * NT + tid) * 4;
+          const u32* x = (const u32*)(p.embed + token * H + col);
+          unpack4(x[0], x[1], v[t]);
+        }
+      } else {
+        U4 a[NI4];
+        ll4_read(a, p.ll_xo + tid * 4, NT * 4, f16_prev, err);
+#pragma unroll
+        for (int t = 0; t < NI4; ++t) {
+          const int col = (t * NT + tid) * 4;
+          const u32* r = (const u32*)(hs + col);  // the residual: the previous layer's h
+          float rv[4];
+          unpack4(r[0], r[1], rv);
+          v[t][0] = rbf(bf2f(a[t].x) + rv[0]);
+          v[t][1] = rbf(bf2f(a[t].y) + rv[1]);
+          v[t][2] = rbf(bf2f(a[t].z) + rv[2]);
+          v[t][3] = rbf(bf2f(a[t].w) + rv[3]);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < NI4; ++t) {
+        const int col = (t * NT + tid) * 4;
+        u32* o = (u32*)(hs + col);  // x + residual: this layer's residual stream, read again by P3
+        o[0] = f2bf(v[t][0]) | (f2bf(v[t][1]) << 16);
+        o[1] = f2bf(v[t][2]) | (f2bf(v[t][3]) << 16);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) ss += v[t][k] * v[t][k];
+      }
+      const float inv = rsq(block_sum(ss, red) / H + p.eps);
+#pragma unroll
+      for (int t = 0; t < NI4; ++t) {
+        const int col = (t * NT + tid) * 4;
+        const u32* g = (const u32*)(lp.in_norm + col);
+        const u32* sv = (const u32*)(hs + col);
+        u32* o = (u32*)(xn + col);
+        o[0] = norm2(g[0], sv[0], inv);
+        o[1] = norm2(g[1], sv[1], inv);
+      }
+      __syncthreads();
+      for (int r = warp; r < nq; r += NWARPS) {
+        wait_wbuf_row(r, nq);
+        const u16* wrow = (const u16*)(wbuf + (size_t)r * H * 2);
+        float acc = 0.f;
+#pragma unroll 4
+        for (int col = lane * 8; col < H; col += 256)
+          acc = dot8(*(const U4*)(wrow + col), *(const U4*)(xn + col), acc);
+        acc = warp_sum(acc);
+        if (lane == 0) ll4_put(p.ll_qkv + q0 + r, acc, f16);
+      }
+      wpar ^= 0xfu;
+      __syncthreads();  // every QKV row is read: WBUF takes the o-proj rows
+      if (tid == 0) {
+        fence_async_smem();
+        issue_wbuf(lp.o_w + (i64)o0 * QDIM, no, QDIM);
+      }
+    }
+
+    // ---------------- P2: attention of one KV head's q heads over one split of the keys ----------------
+    if (attn_cta) {
+      u16* qs = (u16*)scr;                      // [GRP][D]: rotated q, bf16
+      float* sc = (float*)(scr + GRP * D * 2);  // [NWARPS][32]: scores, then probabilities
+      const int w = warp;
+      const bool head_warp = w < GRP;
+      const int head = kvh * GRP + w;
+      // A lane's dims, as rotate-half pairs them: d, d + 1 and HALF + d, HALF + d + 1 (d = 2 lane).
+      const int d = 2 * lane;
+      const float* cs = p.cos_sin + pos * D;
+      const float c0 = cs[d], c1 = cs[d + 1], s0 = cs[HALF + d], s1 = cs[HALF + d + 1];
+      float x[12];  // q | k | v of this lane's dims
+      {
+        const u32* qkv = p.ll_qkv;
+        const int qrow = head_warp ? head * D : kvh * GRP * D;
+        if (own) {
+          const u32* const ptr[6] = {qkv + qrow + d, qkv + qrow + HALF + d,
+                                     qkv + QDIM + kvh * D + d, qkv + QDIM + kvh * D + HALF + d,
+                                     qkv + QDIM + NKV * D + kvh * D + d, qkv + QDIM + NKV * D + kvh * D + HALF + d};
+          ll4_read_pairs<6>(x, ptr, f16, err);
+        } else {
+          const u32* const ptr[2] = {qkv + qrow + d, qkv + qrow + HALF + d};
+          float y[4];
+          ll4_read_pairs<2>(y, ptr, f16, err);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) x[k] = y[k];
+        }
+      }
+      // x[0..3] = dims d, d + 1, HALF + d, HALF + d + 1 of q (then k at 4..7, v at 8..11).
+      auto norm_rope = [&](float* y, const u16* nw) {
+        if (QK_NORM) {
+          const float inv = rsq(warp_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) / D + p.eps);
+          y[0] = rbf(bf2f(nw[d]) * rbf(y[0] * inv));
+          y[1] = rbf(bf2f(nw[d + 1]) * rbf(y[1] * inv));
+          y[2] = rbf(bf2f(nw[HALF + d]) * rbf(y[2] * inv));
+          y[3] = rbf(bf2f(nw[HALF + d + 1]) * rbf(y[3] * inv));
+        }
+        const float a0 = y[0], a1 = y[1], b0 = y[2], b1 = y[3];
+        y[0] = rbf(a0 * c0 - b0 * s0);
+        y[1] = rbf(a1 * c1 - b1 * s1);
+        y[2] = rbf(b0 * c0 + a0 * s0);
+        y[3] = rbf(b1 * c1 + a1 * s1);
+      };
+      norm_rope(x, lp.q_norm);
+      if (head_warp) {
+        qs[w * D + d] = (u16)f2bf(x[0]);
+        qs[w * D + d + 1] = (u16)f2bf(x[1]);
+        qs[w * D + HALF + d] = (u16)f2bf(x[2]);
+        qs[w * D + HALF + d + 1] = (u16)f2bf(x[3]);
+      }
+      if (own) {
+        norm_rope(x + 4, lp.k_norm);
+        if (w == 0 && new_slot >= 0) {  // the new token's k and v into the pool, for later steps
+          u16* dst = p.kv_pool + (new_slot / BS) * p.pool_block + (i64)L * p.pool_layer +
+                     (new_slot % BS) * p.pool_slot + (i64)kvh * p.pool_head;
+          *(u32*)(dst + d) = f2bf(x[4]) | (f2bf(x[5]) << 16);
+          *(u32*)(dst + HALF + d) = f2bf(x[6]) | (f2bf(x[7]) << 16);
+          *(u32*)(dst + p.pool_kv + d) = f2bf(x[8]) | (f2bf(x[9]) << 16);
+          *(u32*)(dst + p.pool_kv + HALF + d) = f2bf(x[10]) | (f2bf(x[11]) << 16);
+        }
+      }
+      __syncthreads();  // qs complete
+      // Scores: 8 keys a step, lane 8 kq + kj takes quarter kq of key kj's dims (32 q values a lane).
+      const int kq = lane >> 3, kj = lane & 7;
+      float qq[D / 4];
+#pragma unroll
+      for (int t = 0; t < D / 4; ++t) qq[t] = head_warp ? bf2f(qs[w * D + kq * (D / 4) + t]) : 0.f;
+      float m = NEG_INF, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int t = 0; t < n_tiles; ++t) {
+        const int n = imin(KV_TILE, old_end - (k0 + t * KV_TILE));
+        ring.wait(err);
+        const unsigned char* st = ring_mem + ring.slot(ring.done) * STAGE_BYTES;
+        if (head_warp) {
+          for (int j0 = 0; j0 < n; j0 += 8) {
+            const int j = j0 + kj;
+            float s = 0.f;
+            if (j < n) {
+              const u16* krow = (const u16*)(st + j * KV_ROW) + kq * (D / 4);
+#pragma unroll
+              for (int t4 = 0; t4 < D / 4; t4 += 8) {
+                const U4 kv = *(const U4*)(krow + t4);
+                s = fmaf(qq[t4 + 0], bf_lo(kv.x), s); s = fmaf(qq[t4 + 1], bf_hi(kv.x), s);
+                s = fmaf(qq[t4 + 2], bf_lo(kv.y), s); s = fmaf(qq[t4 + 3], bf_hi(kv.y), s);
+                s = fmaf(qq[t4 + 4], bf_lo(kv.z), s); s = fmaf(qq[t4 + 5], bf_hi(kv.z), s);
+                s = fmaf(qq[t4 + 6], bf_lo(kv.w), s); s = fmaf(qq[t4 + 7], bf_hi(kv.w), s);
+              }
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 8);
+            s += __shfl_xor_sync(0xffffffffu, s, 16);
+            if (kq == 0 && j < n) sc[w * 32 + j] = s * p.scale_log2;
+          }
+          __syncwarp();
+          const float s = lane < n ? sc[w * 32 + lane] : NEG_INF;
+          const float m_new = fmaxf(m, warp_max(s));
+          const float alpha = ex2(m - m_new);  // m = -inf before the first keys: alpha = 0
+          const float pr = lane < n ? ex2(s - m_new) : 0.f;
+          l = l * alpha + warp_sum(pr);
+          m = m_new;
+          __syncwarp();
+          sc[w * 32 + lane] = rbf(pr);  // the p.v product takes p in bf16
+          __syncwarp();
+#pragma unroll
+          for (int k = 0; k < 4; ++k) acc[k] *= alpha;
+          for (int j = 0; j < n; ++j) {
+            const float pj = sc[w * 32 + j];
+            const u16* vrow = (const u16*)(st + KV_V_OFF + j * KV_ROW);
+            const u32 va = *(const u32*)(vrow + d), vb = *(const u32*)(vrow + HALF + d);
+            acc[0] = fmaf(pj, bf_lo(va), acc[0]);
+            acc[1] = fmaf(pj, bf_hi(va), acc[1]);
+            acc[2] = fmaf(pj, bf_lo(vb), acc[2]);
+            acc[3] = fmaf(pj, bf_hi(vb), acc[3]);
+          }
+        }
+        __syncthreads();  // the stage is read
+        ++ring.done;
+        refill_a();
+      }
+      if (head_warp) {
+        if (own) {  // the new token's key and value, from registers
+          const float s = warp_sum(x[0] * x[4] + x[1] * x[5] + x[2] * x[6] + x[3] * x[7]) * p.scale_log2;
+          const float m_new = fmaxf(m, s);
+          const float alpha = ex2(m - m_new), pr = ex2(s - m_new);
+          l = l * alpha + pr;
+          m = m_new;
+          const float pb = rbf(pr);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) acc[k] = acc[k] * alpha + pb * x[8 + k];
+        }
+        const bool any = l > 0.f;
+        const float inv_l = any ? 1.f / l : 0.f;
+        const float lse = any ? m + lg2(l) : NEG_INF;
+        U4* po = p.ll_part_o + ((i64)sp * NQ + head) * (D / 2);
+        U4 a, b;
+        a.x = __float_as_uint(acc[0] * inv_l); a.y = f32; a.z = __float_as_uint(acc[1] * inv_l); a.w = f32;
+        b.x = __float_as_uint(acc[2] * inv_l); b.y = f32; b.z = __float_as_uint(acc[3] * inv_l); b.w = f32;
+        st_relaxed4(po + lane, a);             // dims d, d + 1: LL8 words d, d + 1
+        st_relaxed4(po + HALF / 2 + lane, b);  // dims HALF + d, HALF + d + 1
+        if (lane == 0) st_relaxed64(p.ll_part_lse + (i64)sp * NQ + head, ll8(lse, f32));
+      }
+    }
+
+    // ---------------- P2b: merge the splits, one (q head, 32 dims) unit a CTA ----------------
+    for (int u = c; u < NQ * (D / 32); u += G) {
+      const int head = u / (D / 32), dim = (u % (D / 32)) * 32 + lane;
+      float* part = (float*)scr;  // [NWARPS][32]
+      constexpr int PER = (MAX_SPLITS + NWARPS - 1) / NWARPS;
+      float o[PER];  // splits warp, warp + 8, ... of this dim, loaded at once with the lse below
+      const u64* po = (const u64*)p.ll_part_o + ((i64)warp * NQ + head) * D + dim;
+      ll8_read<PER>(o, po, (i64)NWARPS * NQ * D, (S - warp + NWARPS - 1) / NWARPS, f32, err);
+      if (warp == 0) {
+        constexpr int PL = (MAX_SPLITS + 31) / 32;
+        float lse[PL];
+        ll8_read<PL>(lse, p.ll_part_lse + (i64)lane * NQ + head, (i64)32 * NQ, (S - lane + 31) / 32, f32, err);
+        float mx = NEG_INF;
+#pragma unroll
+        for (int k = 0; k < PL; ++k)
+          if (k * 32 + lane < S) mx = fmaxf(mx, lse[k]);
+        mx = warp_max(mx);
+        float tot = 0.f;
+#pragma unroll
+        for (int k = 0; k < PL; ++k) {
+          const int s = k * 32 + lane;
+          if (s < S) {
+            const float wgt = lse[k] == NEG_INF ? 0.f : ex2(lse[k] - mx);
+            merge_w[s] = wgt;
+            tot += wgt;
+          }
+        }
+        tot = warp_sum(tot);
+        if (lane == 0) merge_w[MAX_SPLITS] = tot;
+      }
+      __syncthreads();
+      float a = 0.f;
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int s = warp + k * NWARPS;
+        if (s < S) a += merge_w[s] * o[k];
+      }
+      part[warp * 32 + lane] = a;
+      __syncthreads();
+      if (warp == 0) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) t += part[w * 32 + lane];
+        const float tot = merge_w[MAX_SPLITS];
+        ll4_put(p.ll_attn + head * D + dim, tot > 0.f ? t / tot : 0.f, f16);
+      }
+      __syncthreads();
+    }
+
+    // ---------------- P3: o-proj rows and the residual ----------------
+    refill_a();  // router rows the KV tiles left no room for
+    {
+      u16* attn = (u16*)scr;  // [QDIM] bf16
+      {
+        constexpr int N = ITEMS(QDIM);
+        U4 a[N];
+        ll4_read(a, p.ll_attn + tid * 4, NT * 4, f16, err);
+#pragma unroll
+        for (int t = 0; t < N; ++t) {
+          u32* o = (u32*)(attn + (t * NT + tid) * 4);
+          ll4_pack(a[t], o[0], o[1]);
+        }
+      }
+      __syncthreads();
+      for (int r = warp; r < no; r += NWARPS) {
+        wait_wbuf_row(r, no);
+        const u16* wrow = (const u16*)(wbuf + (size_t)r * QDIM * 2);
+        float acc = 0.f;
+#pragma unroll 4
+        for (int col = lane * 8; col < QDIM; col += 256)
+          acc = dot8(*(const U4*)(wrow + col), *(const U4*)(attn + col), acc);
+        acc = warp_sum(acc);
+        if (lane == 0) {
+          const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
+          ll4_put(p.ll_h + o0 + r, h, f16);
+          if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
+        }
+      }
+      wpar ^= 0xfu;
+      __syncthreads();  // every o-proj row is read: WBUF takes the next layer's QKV rows
+      if (tid == 0 && L + 1 < NL) {
+        fence_async_smem();
+        issue_wbuf(p.layers[L + 1].qkv_w + (i64)q0 * H, nq, H);
+      }
+    }
+
+    // ---------------- P4a: the post-attention norm, router rows ----------------
+    {
+      constexpr int NI4 = ITEMS(H);
+      U4 a[NI4];
+      ll4_read(a, p.ll_h + tid * 4, NT * 4, f16, err);
+      float ss = 0.f;
+#pragma unroll
+      for (int t = 0; t < NI4; ++t) {
+        u32* o = (u32*)(hs + (t * NT + tid) * 4);  // h: the next layer's residual
+        ll4_pack(a[t], o[0], o[1]);
+        const float v0 = bf2f(a[t].x), v1 = bf2f(a[t].y), v2 = bf2f(a[t].z), v3 = bf2f(a[t].w);
+        ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3;
+      }
+      const float inv = rsq(block_sum(ss, red) / H + p.eps);
+#pragma unroll
+      for (int t = 0; t < NI4; ++t) {
+        const int col = (t * NT + tid) * 4;
+        const u32* g = (const u32*)(lp.post_norm + col);
+        const u32* sv = (const u32*)(hs + col);
+        u32* o = (u32*)(xn + col);
+        o[0] = norm2(g[0], sv[0], inv);
+        o[1] = norm2(g[1], sv[1], inv);
+      }
+      __syncthreads();
+      for (int k = 0; k < n_router; ++k) {
+        ring.wait(err);
+        const u16* wrow = (const u16*)(ring_mem + ring.slot(ring.done) * STAGE_BYTES);
+        float acc = 0.f;
+        for (int col = tid * 8; col < H; col += NT * 8)
+          acc = dot8(*(const U4*)(wrow + col), *(const U4*)(xn + col), acc);
+        acc = block_sum(acc, red);  // its barriers also release the stage
+        if (tid == 0) ll4_put(p.ll_logits + c + k * G, acc, f16);
+        ++ring.done;
+      }
+    }
+
+    // ---------------- P4b: routing, then the experts' gate-up rows ----------------
+    if (warp == 0) {
+      constexpr int NLG = (NE + 127) / 128;  // groups of four logits a lane
+      float lg[NLG][4];
+      {
+        U4 a[NLG];
+        // Every group is in range: NE is a multiple of 4, and lanes past it re-read group 0 (ignored).
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) a[k] = ld_relaxed4(p.ll_logits + ((k * 128 + lane * 4) < NE ? k * 128 + lane * 4 : 0));
+        for (i64 n = 0;; ++n) {
+          bool ok = true;
+#pragma unroll
+          for (int k = 0; k < NLG; ++k) {
+            const int e = (k * 128 + lane * 4) < NE ? k * 128 + lane * 4 : 0;
+            if (!ll4_ok(a[k], f16)) {
+              ok = false;
+              a[k] = ld_relaxed4(p.ll_logits + e);
+            }
+          }
+          if (ok || give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
+        }
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) {
+          const bool in = k * 128 + lane * 4 < NE;
+          lg[k][0] = in ? bf2f(a[k].x) : NEG_INF;
+          lg[k][1] = in ? bf2f(a[k].y) : NEG_INF;
+          lg[k][2] = in ? bf2f(a[k].z) : NEG_INF;
+          lg[k][3] = in ? bf2f(a[k].w) : NEG_INF;
+        }
+      }
+      float mx = NEG_INF;
+#pragma unroll
+      for (int k = 0; k < NLG; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) mx = fmaxf(mx, lg[k][q]);
+      mx = warp_max(mx);
+      float den = 0.f;
+#pragma unroll
+      for (int k = 0; k < NLG; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) den += lg[k][q] == NEG_INF ? 0.f : expf(lg[k][q] - mx);
+      den = warp_sum(den);
+      float wk[TOPK], wsum = 0.f;
+      int ek[TOPK];
+#pragma unroll
+      for (int t = 0; t < TOPK; ++t) {
+        // the largest logit left, the lowest expert index among equals (as the Triton routing kernel)
+        float bv = NEG_INF;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int k = 0; k < NLG; ++k)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int e = k * 128 + lane * 4 + q;
+            if (e < NE && (lg[k][q] > bv || (lg[k][q] == bv && e < be))) {
+              bv = lg[k][q];
+              be = e;
+            }
+          }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+          if (ov > bv || (ov == bv && oe < be)) {
+            bv = ov;
+            be = oe;
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < NLG; ++k)
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            if (k * 128 + lane * 4 + q == be) lg[k][q] = NEG_INF;
+        wk[t] = expf(bv - mx) / den;
+        ek[t] = be;
+        wsum += wk[t];
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < TOPK; ++t) {
+          route_w[t] = rbf(NORM_TOPK ? wk[t] / wsum : wk[t]);
+          route_id[t] = (int)lp.l2p[(i64)ek[t] * p.l2p_stride];  // replica 0: token 0 % replicas
+        }
+      }
+    }
+    __syncthreads();
+    if (c == 0 && tid < TOPK) atomicAdd((u64*)(lp.counts + route_id[tid]), 1ull);
+
+    // Ring sequence B: gate-up chunks (two intermediate rows: their gate and up rows), then down chunks
+    // (up to DOWN_PIECE of this CTA's output rows of one expert).
+    int b_next = 0;
+    const int b_total = n_gate + n_down;
+    auto refill_b = [&]() {
+      if (tid == 0) {
+        u32 iss = ring.issued;
+        for (int nb = b_next; nb < b_total && iss - ring.done < RING; ++nb, ++iss) {
+          const u32 stage = ring.stage(iss), bar = ring.bar(iss);
+          fence_async_smem();
+          if (nb < n_gate) {
+            const int pr = g0 + nb, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
+            const u16* w = lp.w13 + (i64)route_id[k] * (2 * NI) * H;
+            mbar_expect(bar, 4 * H * 2);
+            bulk_load(stage, w + (i64)j * H, 2 * H * 2, bar);
+            bulk_load(stage + 2 * H * 2, w + (i64)(NI + j) * H, 2 * H * 2, bar);
+          } else {
+            const int m2 = nb - n_gate, k = m2 / pieces, pc = m2 % pieces;
+            const int r0 = o0 + pc * DOWN_PIECE, rn = imin(DOWN_PIECE, o1 - r0);
+            mbar_expect(bar, rn * NI * 2);
+            bulk_load(stage, lp.w2 + (i64)route_id[k] * H * NI + (i64)r0 * NI, rn * NI * 2, bar);
+          }
+        }
+      }
+      while (b_next < b_total && ring.room()) {  // the same bookkeeping in every thread
+        ++b_next;
+        ++ring.issued;
+      }
+    };
+    refill_b();
+
+    for (int n = 0; n < n_gate; ++n) {
+      const int pr = g0 + n, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
+      ring.wait(err);
+      const u16* st = (const u16*)(ring_mem + ring.slot(ring.done) * STAGE_BYTES);
+      const int row = warp >> 1, half = warp & 1;  // rows: gate j, gate j + 1, up j, up j + 1
+      const u16* wrow = st + row * H + half * (H / 2);
+      const u16* xh = xn + half * (H / 2);
+      float acc = 0.f;
+#pragma unroll
+      for (int col = lane * 8; col < H / 2; col += 256)
+        acc = dot8(*(const U4*)(wrow + col), *(const U4*)(xh + col), acc);
+      acc = warp_sum(acc);
+      float* rr = red2 + (n & 1) * NWARPS;
+      if (lane == 0) rr[warp] = acc;
+      __syncthreads();  // partials complete, and the stage is read
+      ++ring.done;
+      if (tid < 2) {  // the reference rounds gate and up, then SiLU, then the product
+        const float gate = rbf(rr[2 * tid] + rr[2 * tid + 1]);
+        const float up = rbf(rr[4 + 2 * tid] + rr[4 + 2 * tid + 1]);
+        const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
+        ll4_put(p.ll_act + k * NI + j + tid, silu * up, f16);
+      }
+      refill_b();
+    }
+
+    // ---------------- P5: the experts' down rows, weighted and summed ----------------
+    {
+      u16* act = (u16*)scr;  // [TOPK * NI] bf16
+      {
+        constexpr int N = ITEMS(TOPK * NI);
+        U4 a[N];
+        ll4_read(a, p.ll_act + tid * 4, NT * 4, f16, err);
+#pragma unroll
+        for (int t = 0; t < N; ++t) {
+          u32* o = (u32*)(act + (t * NT + tid) * 4);
+          ll4_pack(a[t], o[0], o[1]);
+        }
+      }
+      __syncthreads();
+      for (int m2 = 0; m2 < n_down; ++m2) {
+        const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_PIECE, rn = imin(DOWN_PIECE, no - r0);
+        ring.wait(err);
+        const u16* st = (const u16*)(ring_mem + ring.slot(ring.done) * STAGE_BYTES);
+        const float wk = route_w[k];
+        const u16* ak = act + k * NI;
+        for (int r = warp; r < rn; r += NWARPS) {
+          const u16* wrow = st + r * NI;
+          float acc = 0.f;
+#pragma unroll
+          for (int col = lane * 8; col < NI; col += 256)
+            acc = dot8(*(const U4*)(wrow + col), *(const U4*)(ak + col), acc);
+          acc = warp_sum(acc);
+          if (lane == 0) down_acc[r0 + r] += wk * acc;
+        }
+        __syncthreads();  // the stage is read
+        ++ring.done;
+        refill_b();
+      }
+      for (int r = tid; r < no; r += NT) {
+        const float xo = down_acc[r];
+        down_acc[r] = 0.f;
+        ll4_put(p.ll_xo + o0 + r, xo, f16);
+        if (L == NL - 1) p.x_out[o0 + r] = (u16)f2bf(xo);
+      }
+      __syncthreads();
+    }
+  }
+
+  // The last CTA to leave advances the epoch, so the next launch's flags are new.
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(p.exit_count, 1u) == (u32)G - 1) {
+      *(volatile u32*)p.exit_count = 0;
+      *(volatile u32*)p.epoch = epoch + 1;
+      __threadfence();
+    }
+  }
+}

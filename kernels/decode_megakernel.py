@@ -1,0 +1,314 @@
+"""Batch-1 decode of a Qwen3-MoE-shaped model: every decoder layer in one persistent CUDA kernel.
+
+Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
+experts 75), 27 us at the H200's copy rate, but the op-by-op Triton chain took ~45 us a layer: eight
+launches, each a phase that must wait for the one before (QKV -> attention -> merge -> o-proj -> router ->
+routing -> gate-up -> down), and HBM idles during every latency-bound phase (attention, merge, routing) and
+every boundary. Thirty sessions of measurements (docs/gpu.md, "What is left") found that no change inside
+that chain closes the gap, and that a Triton persistent layer with register tiles was slower; what was
+left is a kernel whose weight streams never stop between phases, which this is.
+
+How (``kernels/cuda/decode_layers.cu`` has the details): one CTA per SM for the whole step. Each CTA owns
+fixed slices of every projection and copies them from HBM into its shared memory with bulk copies
+(``cp.async.bulk`` on an mbarrier) *before* the values they multiply are known: its QKV rows while the
+previous layer's experts stream, its o-proj rows while the attention runs, the next layer's QKV rows while
+the router and routing run; the experts' gate-up and down rows stream through a three-stage ring as soon as
+routing has chosen them. Values pass between CTAs through "LL" words (a bf16 and a 16-bit flag in one
+32-bit store; a float32 and a 32-bit flag in one 64-bit store), polled by their readers: a grid-wide
+exchange costs one L2 round trip, with no counter, fence or barrier. Triton cannot express this: its
+loads become register tiles or, for ``tl.dot`` operands, software-pipelined copies inside one loop; it has
+no copies that outlive a loop and complete on a barrier while other code runs, which is the point here.
+
+Numerics are the reference ops' rounding points (``kernels/norm.py``, ``linear.py``, ``qkv_prologue.py``,
+``attention.py``, ``moe_routing.py``, and the Triton small-MoE path's single fp32 sum over the experts).
+Routing picks the lowest expert among equal logits, as ``kernels/triton_moe_routing.py``; the attention's
+splits follow the actual context length of the step (a device value), not a bound.
+
+What it supports (``unsupported`` says why not, and the engine then uses the op-by-op graphs): CUDA of
+compute capability 9.0+, bf16 weights and KV pool, every layer MoE without shared experts, head_dim 128,
+at most 8 q heads per KV head, one expert-parallel rank, no float8 weights, and shapes whose slices fit the
+shared memory of one SM (Qwen3-30B-A3B on an H200: 230 of 227 KiB... see ``MegakernelPlan.smem_bytes``).
+It must not decide when it runs (``engine.cuda_graphs`` does: decode graphs of one row).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cuda_module import CudaKernel, compile_cuda
+
+SOURCE = Path(__file__).parent / "cuda" / "decode_layers.cu"
+KERNEL_NAME = "decode_layers"
+# These mirror the .cu file's constants (a test compares them).
+NT = 256
+RING = 3
+KV_TILE = 30
+KV_ROW = 272
+DOWN_PIECE = 10
+MAX_DOWN_ROWS = 32
+MAX_SPLITS = 40
+MISC_BYTES = 1024
+ERR_LL = 1
+ERR_MBAR = 2
+
+
+@dataclass(frozen=True)
+class MegakernelPlan:
+    """The shapes the kernel is compiled for and the shared memory its slices need, on ``ctas`` SMs."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int  # logical
+    top_k: int
+    inter: int  # expert intermediate size
+    block_size: int
+    layers: int
+    qk_norm: bool
+    norm_topk: bool
+    ctas: int
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def wbuf_bytes(self) -> int:
+        """A CTA's QKV rows, or its o-proj rows (the same buffer, one after the other)."""
+        qkv = -(-self.qkv_rows // self.ctas) * self.hidden * 2
+        oproj = -(-self.hidden // self.ctas) * self.q_dim * 2
+        return _round16(max(qkv, oproj))
+
+    @property
+    def stage_bytes(self) -> int:
+        """A ring stage: a KV tile, a router row, two gate-up rows' gate and up, or a down piece."""
+        return _round16(
+            max(2 * KV_TILE * KV_ROW, self.hidden * 2, 4 * self.hidden * 2, DOWN_PIECE * self.inter * 2)
+        )
+
+    @property
+    def scr_bytes(self) -> int:
+        group = self.heads // self.kv_heads
+        return _round16(
+            max(self.top_k * self.inter * 2, self.q_dim * 2, group * self.head_dim * 2 + 8 * 32 * 4)
+        )
+
+    @property
+    def smem_bytes(self) -> int:
+        return (
+            self.wbuf_bytes
+            + RING * self.stage_bytes
+            + 4 * self.hidden
+            + self.scr_bytes
+            + MISC_BYTES
+            + 8 * (4 + RING)
+        )
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "H": self.hidden, "NQ": self.heads, "NKV": self.kv_heads, "D": self.head_dim, "NE": self.experts,
+            "TOPK": self.top_k, "NI": self.inter, "BS": self.block_size, "NL": self.layers,
+            "QK_NORM": int(self.qk_norm), "NORM_TOPK": int(self.norm_topk), "WBUF_BYTES": self.wbuf_bytes,
+            "STAGE_BYTES": self.stage_bytes, "SCR_BYTES": self.scr_bytes, "MAX_SPLITS": MAX_SPLITS,
+        }  # fmt: skip
+
+    def shape_problem(self, max_smem: int) -> str | None:
+        """Why the kernel cannot take these shapes on ``ctas`` SMs with ``max_smem`` bytes each, or None."""
+        h, group = self.hidden, self.heads // max(1, self.kv_heads)
+        checks = [
+            (self.head_dim == 128, f"head_dim {self.head_dim} (the kernel's lanes take 128)"),
+            (self.heads % self.kv_heads == 0 and group <= 8, f"{group} q heads per KV head (at most 8)"),
+            (h % (4 * NT) == 0, f"hidden size {h} (a multiple of {4 * NT})"),
+            (self.q_dim % (4 * NT) == 0, f"q size {self.q_dim} (a multiple of {4 * NT})"),
+            ((self.top_k * self.inter) % (4 * NT) == 0, f"top_k x intermediate {self.top_k * self.inter}"),
+            (self.inter % 256 == 0, f"expert intermediate size {self.inter} (a multiple of 256)"),
+            (self.experts % 4 == 0, f"{self.experts} experts (a multiple of 4)"),
+            (self.top_k <= 16, f"top_k {self.top_k} (at most 16)"),
+            (-(-h // self.ctas) <= MAX_DOWN_ROWS, f"{-(-h // self.ctas)} output rows a CTA (at most {MAX_DOWN_ROWS})"),
+            (self.ctas >= self.kv_heads, f"{self.ctas} SMs for {self.kv_heads} KV heads"),
+            (self.smem_bytes <= max_smem, f"{self.smem_bytes} bytes of shared memory a CTA (the SM has {max_smem})"),
+        ]  # fmt: skip
+        for ok, what in checks:
+            if not ok:
+                return what
+        return None
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def plan_for(model: torch.nn.Module, block_size: int, ctas: int) -> MegakernelPlan:
+    cfg = model.cfg
+    return MegakernelPlan(
+        hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, inter=cfg.moe_intermediate_size,
+        block_size=block_size, layers=cfg.num_layers, qk_norm=cfg.qk_norm, norm_topk=cfg.norm_topk_prob,
+        ctas=ctas,
+    )  # fmt: skip
+
+
+def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
+    """Why ``DecodeMegakernel`` cannot run this model over this pool, or None where it can."""
+    from engine.moe.dispatch import SingleRankDispatcher
+    from engine.moe.layer import MoEBlock
+
+    device = kv_pool.device
+    if device.type != "cuda":
+        return "not a CUDA device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    if (props.major, props.minor) < (9, 0):
+        return f"compute capability {props.major}.{props.minor} (bulk copies need 9.0)"
+    cfg = model.cfg
+    if not cfg.is_moe or not all(cfg.moe_layers):
+        return "not every layer is an MoE layer"
+    if cfg.attention_bias:
+        return "q/k/v biases"
+    if getattr(model, "fp8", None) is not None:
+        return "float8 weights"
+    if not isinstance(model.dispatcher or SingleRankDispatcher(), SingleRankDispatcher):
+        return "several expert-parallel ranks"
+    if kv_pool.dtype != torch.bfloat16 or kv_pool.dim() != 6 or kv_pool.stride(-1) != 1:
+        return f"a {kv_pool.dtype} KV pool (bf16 only)"
+    if model.cos_sin.dtype != torch.float32 or not model.cos_sin.is_contiguous():
+        return "a RoPE table that is not contiguous float32"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, MoEBlock):
+            return "a dense MLP layer"
+        tensors = [layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
+                   mlp.gate, mlp.w13, mlp.w2, model.embed_tokens]  # fmt: skip
+        if cfg.qk_norm:
+            tensors += [attn.q_norm, attn.k_norm]
+        if any(
+            not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or not t.is_contiguous()
+            for t in tensors
+        ):
+            return "weights that are not contiguous bf16 tensors"
+        if mlp.num_physical != mlp.w13.shape[0]:
+            return "experts held by other ranks"
+    ctas = props.multi_processor_count
+    max_smem = getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
+    return plan_for(model, kv_pool.shape[3], ctas).shape_problem(max_smem)
+
+
+# The Params struct of decode_layers.cu: 28 eight-byte fields, then scale_log2 and eps (float32).
+_PARAMS = struct.Struct("<" + "Q" * 28 + "ff")
+_LAYER_FIELDS = 11
+
+
+class DecodeMegakernel:
+    """The compiled kernel for one model and KV pool, with its scratch (LL buffers, epoch, error word) and
+    output rows. ``run`` launches one step on the current stream (graph-capturable)."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor) -> None:
+        reason = unsupported(model, kv_pool)
+        if reason is not None:
+            raise ValueError(f"the decode megakernel cannot run this model: {reason}")
+        device = kv_pool.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        props = torch.cuda.get_device_properties(index)
+        self.plan = plan = plan_for(model, kv_pool.shape[3], props.multi_processor_count)
+        self.model = model
+        self.kv_pool = kv_pool
+        arch = f"sm_{props.major}{props.minor}"
+        compiled = compile_cuda(SOURCE, plan.defines(), arch)
+        self.kernel = CudaKernel(compiled, KERNEL_NAME, self.device, plan.smem_bytes)
+        h = plan.hidden
+        kw = {"device": self.device}
+        rows = []
+        self._keep: list[torch.Tensor] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qn = attn.q_norm if plan.qk_norm else layer.input_layernorm  # never read without QK_NORM
+            kn = attn.k_norm if plan.qk_norm else layer.input_layernorm
+            rows.append([t.data_ptr() for t in (
+                layer.input_layernorm, attn.qkv_proj, qn, kn, attn.o_proj, layer.post_attention_layernorm,
+                mlp.gate, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts,
+            )])  # fmt: skip
+        self.l2p_stride = model.layers[0].mlp.placement.logical_to_physical.stride(0)
+        if any(
+            layer.mlp.placement.logical_to_physical.stride(0) != self.l2p_stride for layer in model.layers
+        ):
+            raise ValueError("the layers' replica tables differ in width")
+        self.layer_table = torch.tensor(rows, dtype=torch.int64, **kw)  # [layers, 11] pointers
+        self.x_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
+        self.res_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
+        ll4 = [plan.qkv_rows, plan.q_dim, h, plan.experts, plan.top_k * plan.inter, h]
+        self._ll4 = torch.zeros(sum(_round16(n) for n in ll4), dtype=torch.int32, **kw)
+        self._ll4_parts = []
+        offset = 0
+        for n in ll4:
+            self._ll4_parts.append(self._ll4[offset : offset + n])
+            offset += _round16(n)
+        self._part_o = torch.zeros(MAX_SPLITS * plan.heads * plan.head_dim, dtype=torch.int64, **kw)
+        self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
+        self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
+        self.scale_log2 = plan.head_dim**-0.5 * math.log2(math.e)
+        self.eps = model.cfg.rms_norm_eps
+        self._params: dict[tuple[int, ...], bytes] = {}
+
+    def _pack(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+              block_tables: torch.Tensor) -> bytes:  # fmt: skip
+        key = (
+            ids.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.data_ptr(),
+        )
+        packed = self._params.get(key)
+        if packed is None:
+            pool = self.kv_pool
+            words = self._words.data_ptr()
+            ll = [t.data_ptr() for t in self._ll4_parts]
+            packed = _PARAMS.pack(
+                self.layer_table.data_ptr(), self.l2p_stride,
+                ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+                self.model.embed_tokens.data_ptr(), self.model.cos_sin.data_ptr(), pool.data_ptr(),
+                pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
+                self.x_out.data_ptr(), self.res_out.data_ptr(), *ll,
+                self._part_o.data_ptr(), self._part_lse.data_ptr(), words, words + 4, words + 8,
+                self.scale_log2, self.eps,
+            )  # fmt: skip
+            self._params[key] = packed
+        return packed
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer for one token: input_ids, positions, slot_mapping int64 [1], seq_lens int32 [1],
+        block_tables int32 [1, max_blocks] (row 0 is read, contiguous). Writes the new token's K and V into
+        the pool and counts its experts, like the layers' ops; returns (x, residual) [1, H] of the last layer
+        (the kernel's own output buffers), for ``DecoderModel.final_logits``."""
+        for name, t, dtype in (("input_ids", input_ids, torch.int64), ("positions", positions, torch.int64),
+                               ("slot_mapping", slot_mapping, torch.int64), ("seq_lens", seq_lens, torch.int32),
+                               ("block_tables", block_tables, torch.int32)):  # fmt: skip
+            if t.dtype != dtype or t.device != self.device or t.numel() < 1:
+                raise ValueError(f"{name} must be a non-empty {dtype} tensor on {self.device}")
+        if block_tables.stride(-1) != 1:
+            raise ValueError("block_tables rows must be contiguous")
+        params = self._pack(input_ids, positions, slot_mapping, seq_lens, block_tables)
+        self.kernel.launch(self.plan.ctas, NT, params)
+        return self.x_out, self.res_out
+
+    def error(self) -> int:
+        """The kernel's error word (synchronises): 0, or ERR_LL / ERR_MBAR bits where a wait gave up."""
+        return int(self._words[2].item())
