@@ -148,6 +148,7 @@ class Plan:
     megakernel: bool = True  # EngineConfig.decode_megakernel
     # Batch-1 decode points also run with the megakernel off (the batch-1 graph captured again without it)
     megakernel_compare: bool = False
+    megakernel_timing: bool = False  # and once more with a timing build (per-phase SM cycles, logged)
     smoke: bool = False
 
 
@@ -160,6 +161,7 @@ class Results:
     e2e: list[dict[str, Any]] = field(default_factory=list)
     hf: list[dict[str, Any]] = field(default_factory=list)
     serve: list[dict[str, Any]] = field(default_factory=list)
+    megakernel_phases: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -825,6 +827,12 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                     variants = [(shape, megakernel)]
                     if plan.megakernel_compare and batch == 1 and megakernel is not None:
                         variants.append((f"{shape}-ops", None))  # the op-by-op graph, same engine
+                    timed = None
+                    if plan.megakernel_timing and batch == 1 and megakernel is not None:
+                        from kernels.decode_megakernel import DecodeMegakernel
+
+                        timed = DecodeMegakernel(engine.model, engine.kv_pool, timing=True)
+                        variants.append((f"{shape}-timed", timed))
                     for name, mk in variants:
                         graphs = engine.runner.graphs
                         if graphs is not None and graphs.megakernel is not mk:
@@ -843,6 +851,12 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                         except Exception as exc:
                             log.exception("decode %s batch %d ctx %d failed", name, batch, ctx)
                             res.errors.append(f"decode {name} b{batch} c{ctx}: {exc!r}")
+                    if timed is not None:
+                        phases = timed.phase_cycles()
+                        res.megakernel_phases.append(dict(model=shape, ctx=ctx, cycles=phases))
+                        log.info(
+                            "megakernel phases, %s ctx %d (SM cycles): %s", shape, ctx, json.dumps(phases)
+                        )
                     if engine.runner.graphs is not None and engine.runner.graphs.megakernel is not megakernel:
                         engine.runner.graphs.set_megakernel(megakernel)
                     if megakernel is not None and megakernel.error():
@@ -997,6 +1011,9 @@ def summary(res: Results, plan: Plan) -> str:
             "steps it includes waiting for the step's device work, about the graph time; with asynchronous "
             "scheduling it is host time only)"
         )
+    for ph in res.megakernel_phases:
+        lines += ["", f"megakernel phases, {ph['model']} ctx {ph['ctx']}: SM cycles per layer, CTA 0 / mean"]
+        lines.append(" | ".join(f"{k} {v['cta0']:.0f}/{v['mean']:.0f}" for k, v in ph["cycles"].items()))
     if res.prefill:
         lines += [
             "",
@@ -1170,6 +1187,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="batch-1 decode points also without the megakernel (the batch-1 graph captured again)",
     )
+    parser.add_argument(
+        "--megakernel-timing",
+        action="store_true",
+        help="batch-1 decode points also with a timing build of the megakernel (per-phase SM cycles)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1210,6 +1232,7 @@ def main(argv: list[str] | None = None) -> None:
         quantization=args.quantization,
         megakernel=not args.no_megakernel,
         megakernel_compare=args.megakernel_compare,
+        megakernel_timing=args.megakernel_timing,
     )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl

@@ -203,8 +203,14 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
     return plan_for(model, kv_pool.shape[3], ctas).shape_problem(max_smem)
 
 
-# The Params struct of decode_layers.cu: 28 eight-byte fields, then scale_log2 and eps (float32).
-_PARAMS = struct.Struct("<" + "Q" * 28 + "ff")
+# The Params struct of decode_layers.cu: 29 eight-byte fields, then scale_log2 and eps (float32).
+_PARAMS = struct.Struct("<" + "Q" * 29 + "ff")
+# Where each of a layer's timing stamps is taken (``timing=True``): the end of ...
+STAMPS = (
+    "layer start", "P1 input arrived", "P1 QKV rows", "P2 attention", "P2b merge", "P3 attn arrived",
+    "P3 o-proj rows", "P4a h arrived", "P4a router rows", "P4b routing", "P4b gate-up", "P5 act arrived",
+    "P5 down rows",
+)  # fmt: skip
 _LAYER_FIELDS = 11
 
 
@@ -212,7 +218,9 @@ class DecodeMegakernel:
     """The compiled kernel for one model and KV pool, with its scratch (LL buffers, epoch, error word) and
     output rows. ``run`` launches one step on the current stream (graph-capturable)."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor, timing: bool = False) -> None:
+        """``timing``: a build that stamps each CTA's clock at the end of every part of each layer
+        (``STAMPS``; ``phase_cycles`` reads them), for benchmarks."""
         reason = unsupported(model, kv_pool)
         if reason is not None:
             raise ValueError(f"the decode megakernel cannot run this model: {reason}")
@@ -224,7 +232,8 @@ class DecodeMegakernel:
         self.model = model
         self.kv_pool = kv_pool
         arch = f"sm_{props.major}{props.minor}"
-        compiled = compile_cuda(SOURCE, plan.defines(), arch)
+        defines = plan.defines() | ({"TIMING": 1} if timing else {})
+        compiled = compile_cuda(SOURCE, defines, arch)
         self.kernel = CudaKernel(compiled, KERNEL_NAME, self.device, plan.smem_bytes)
         h = plan.hidden
         kw = {"device": self.device}
@@ -256,6 +265,7 @@ class DecodeMegakernel:
         self._part_o = torch.zeros(MAX_SPLITS * plan.heads * plan.head_dim, dtype=torch.int64, **kw)
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
+        self.timing = torch.zeros((plan.ctas, plan.layers, 16), dtype=torch.int64, **kw) if timing else None
         self.scale_log2 = plan.head_dim**-0.5 * math.log2(math.e)
         self.eps = model.cfg.rms_norm_eps
         self._params: dict[tuple[int, ...], bytes] = {}
@@ -281,7 +291,7 @@ class DecodeMegakernel:
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
                 self.x_out.data_ptr(), self.res_out.data_ptr(), *ll,
                 self._part_o.data_ptr(), self._part_lse.data_ptr(), words, words + 4, words + 8,
-                self.scale_log2, self.eps,
+                self.timing.data_ptr() if self.timing is not None else 0, self.scale_log2, self.eps,
             )  # fmt: skip
             self._params[key] = packed
         return packed
@@ -308,6 +318,21 @@ class DecodeMegakernel:
         params = self._pack(input_ids, positions, slot_mapping, seq_lens, block_tables)
         self.kernel.launch(self.plan.ctas, NT, params)
         return self.x_out, self.res_out
+
+    def phase_cycles(self) -> dict[str, dict[str, float]]:
+        """From a timing build's last launch: per part of a layer (``STAMPS``, each from the stamp before
+        it), SM cycles, the median over layers 1.. of CTA 0 ("cta0") and of the mean over CTAs ("mean");
+        and "layer" (stamp 0 to stamp 0 of the next layer). Synchronises."""
+        if self.timing is None:
+            raise ValueError("not a timing build")
+        t = self.timing.cpu().double()[:, 1:, :]  # layer 0 waits on the launch itself
+        d = t[:, :, 1 : len(STAMPS)] - t[:, :, : len(STAMPS) - 1]
+        out = {}
+        for i, name in enumerate(STAMPS[1:]):
+            out[name] = {"cta0": float(d[0, :, i].median()), "mean": float(d[:, :, i].mean(0).median())}
+        lay = t[:, 1:, 0] - t[:, :-1, 0]
+        out["layer"] = {"cta0": float(lay[0].median()), "mean": float(lay.mean(0).median())}
+        return out
 
     def error(self) -> int:
         """The kernel's error word (synchronises): 0, or ERR_LL / ERR_MBAR bits where a wait gave up."""

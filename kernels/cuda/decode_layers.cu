@@ -50,6 +50,9 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define WAIT_LIMIT (1LL << 24)  // polls (each an L2 round trip) before a wait gives up: seconds
 #define MBAR_LIMIT (1LL << 22)
 
+#ifndef TIMING
+#define TIMING 0
+#endif
 #define ERR_LL 1u
 #define ERR_MBAR 2u
 
@@ -92,6 +95,7 @@ struct Params {
   u32* epoch;
   u32* exit_count;
   u32* error;
+  u64* timing;           // [G][NL][16] clock64 stamps of each phase's end, where compiled with TIMING
   float scale_log2;
   float eps;
 };
@@ -358,6 +362,16 @@ __device__ __forceinline__ u32 norm2(u32 g, u32 s, float inv) {
   return f2bf(bf_lo(g) * rbf(bf_lo(s) * inv)) | (f2bf(bf_hi(g) * rbf(bf_hi(s) * inv)) << 16);
 }
 
+// With TIMING: thread 0 of each CTA stamps its SM clock at the end of each part of a layer (16 slots).
+#define STAMP(k)                                                     \
+  do {                                                               \
+    if (TIMING && tid == 0) {                                        \
+      u64 t_;                                                        \
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_)::"memory");    \
+      p.timing[((i64)c * NL + L) * 16 + (k)] = t_;                   \
+    }                                                                \
+  } while (0)
+
 extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -490,6 +504,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         ++ring.issued;
       }
     };
+    STAMP(0);
     refill_a();
 
     // ---------------- P1: the residual add, the input norm, this CTA's QKV rows ----------------
@@ -507,6 +522,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       } else {
         U4 a[NI4];
         ll4_read(a, p.ll_xo + tid * 4, NT * 4, f16_prev, err);
+        STAMP(1);
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
           const int col = (t * NT + tid) * 4;
@@ -551,6 +567,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       wpar ^= 0xfu;
       __syncthreads();  // every QKV row is read: WBUF takes the o-proj rows
+      STAMP(2);
       if (tid == 0) {
         fence_async_smem();
         issue_wbuf(lp.o_w + (i64)o0 * QDIM, no, QDIM);
@@ -698,6 +715,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
     }
 
+    STAMP(3);
     // ---------------- P2b: merge the splits, one (q head, 32 dims) unit a CTA ----------------
     for (int u = c; u < NQ * (D / 32); u += G) {
       const int head = u / (D / 32), dim = (u % (D / 32)) * 32 + lane;
@@ -747,6 +765,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       __syncthreads();
     }
 
+    STAMP(4);
     // ---------------- P3: o-proj rows and the residual ----------------
     refill_a();  // router rows the KV tiles left no room for
     {
@@ -761,6 +780,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           ll4_pack(a[t], o[0], o[1]);
         }
       }
+      STAMP(5);
       __syncthreads();
       for (int r = warp; r < no; r += NWARPS) {
         wait_wbuf_row(r, no);
@@ -778,6 +798,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       wpar ^= 0xfu;
       __syncthreads();  // every o-proj row is read: WBUF takes the next layer's QKV rows
+      STAMP(6);
       if (tid == 0 && L + 1 < NL) {
         fence_async_smem();
         issue_wbuf(p.layers[L + 1].qkv_w + (i64)q0 * H, nq, H);
@@ -789,6 +810,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       constexpr int NI4 = ITEMS(H);
       U4 a[NI4];
       ll4_read(a, p.ll_h + tid * 4, NT * 4, f16, err);
+      STAMP(7);
       float ss = 0.f;
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
@@ -820,6 +842,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
     }
 
+    STAMP(8);
     // ---------------- P4b: routing, then the experts' gate-up rows ----------------
     if (warp == 0) {
       constexpr int NLG = (NE + 127) / 128;  // groups of four logits a lane
@@ -938,6 +961,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
     };
     refill_b();
+    STAMP(9);
 
     for (int n = 0; n < n_gate; ++n) {
       const int pr = g0 + n, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
@@ -964,6 +988,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       refill_b();
     }
 
+    STAMP(10);
     // ---------------- P5: the experts' down rows, weighted and summed ----------------
     {
       u16* act = (u16*)scr;  // [TOPK * NI] bf16
@@ -977,6 +1002,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           ll4_pack(a[t], o[0], o[1]);
         }
       }
+      STAMP(11);
       __syncthreads();
       for (int m2 = 0; m2 < n_down; ++m2) {
         const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_PIECE, rn = imin(DOWN_PIECE, no - r0);
@@ -1004,6 +1030,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (L == NL - 1) p.x_out[o0 + r] = (u16)f2bf(xo);
       }
       __syncthreads();
+      STAMP(12);
     }
   }
 
