@@ -46,7 +46,7 @@ SOURCE = Path(__file__).parent / "cuda" / "decode_layers.cu"
 KERNEL_NAME = "decode_layers"
 # These mirror the .cu file's constants (a test compares them).
 NT = 256
-RING = 3
+RING = 12
 KV_TILE = 30
 KV_ROW = 272
 DOWN_PIECE = 10
@@ -83,13 +83,6 @@ class MegakernelPlan:
         return self.heads * self.head_dim
 
     @property
-    def wbuf_bytes(self) -> int:
-        """A CTA's QKV rows, or its o-proj rows (the same buffer, one after the other)."""
-        qkv = -(-self.qkv_rows // self.ctas) * self.hidden * 2
-        oproj = -(-self.hidden // self.ctas) * self.q_dim * 2
-        return _round16(max(qkv, oproj))
-
-    @property
     def stage_bytes(self) -> int:
         """A ring stage: a KV tile, a router row, two gate-up rows' gate and up, or a down piece."""
         return _round16(
@@ -105,26 +98,22 @@ class MegakernelPlan:
 
     @property
     def smem_bytes(self) -> int:
-        return (
-            self.wbuf_bytes
-            + RING * self.stage_bytes
-            + 4 * self.hidden
-            + self.scr_bytes
-            + MISC_BYTES
-            + 8 * (4 + RING)
-        )
+        return RING * self.stage_bytes + 4 * self.hidden + self.scr_bytes + MISC_BYTES + 8 * RING
 
     def defines(self) -> dict[str, int]:
         return {
             "H": self.hidden, "NQ": self.heads, "NKV": self.kv_heads, "D": self.head_dim, "NE": self.experts,
             "TOPK": self.top_k, "NI": self.inter, "BS": self.block_size, "NL": self.layers,
-            "QK_NORM": int(self.qk_norm), "NORM_TOPK": int(self.norm_topk), "WBUF_BYTES": self.wbuf_bytes,
-            "STAGE_BYTES": self.stage_bytes, "SCR_BYTES": self.scr_bytes, "MAX_SPLITS": MAX_SPLITS,
+            "QK_NORM": int(self.qk_norm), "NORM_TOPK": int(self.norm_topk), "STAGE_BYTES": self.stage_bytes, "SCR_BYTES": self.scr_bytes, "MAX_SPLITS": MAX_SPLITS,
         }  # fmt: skip
 
     def shape_problem(self, max_smem: int) -> str | None:
         """Why the kernel cannot take these shapes on ``ctas`` SMs with ``max_smem`` bytes each, or None."""
         h, group = self.hidden, self.heads // max(1, self.kv_heads)
+        stage = self.stage_bytes
+        qkv_rows = min(8, stage // (2 * h))  # rows a stage holds, as the kernel's QKV_CH and OPJ_CH
+        opj_rows = min(8, stage // (2 * self.q_dim))
+        rows = -(-h // self.ctas)
         checks = [
             (self.head_dim == 128, f"head_dim {self.head_dim} (the kernel's lanes take 128)"),
             (self.heads % self.kv_heads == 0 and group <= 8, f"{group} q heads per KV head (at most 8)"),
@@ -134,7 +123,11 @@ class MegakernelPlan:
             (self.inter % 256 == 0, f"expert intermediate size {self.inter} (a multiple of 256)"),
             (self.experts % 4 == 0, f"{self.experts} experts (a multiple of 4)"),
             (self.top_k <= 16, f"top_k {self.top_k} (at most 16)"),
-            (-(-h // self.ctas) <= MAX_DOWN_ROWS, f"{-(-h // self.ctas)} output rows a CTA (at most {MAX_DOWN_ROWS})"),
+            (rows <= MAX_DOWN_ROWS, f"{rows} output rows a CTA (at most {MAX_DOWN_ROWS})"),
+            ((h // (8 // qkv_rows)) % 256 == 0 and (self.q_dim // (8 // opj_rows)) % 256 == 0,
+             "row parts of a stage that are not multiples of 256"),
+            (rows * self.experts * 2 <= stage, f"{rows} router columns of {self.experts} experts in a stage"),
+            (self.top_k * self.inter // 2 >= self.ctas, "fewer gate-up pairs than SMs"),
             (self.ctas >= self.kv_heads, f"{self.ctas} SMs for {self.kv_heads} KV heads"),
             (self.smem_bytes <= max_smem, f"{self.smem_bytes} bytes of shared memory a CTA (the SM has {max_smem})"),
         ]  # fmt: skip
@@ -203,13 +196,13 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
     return plan_for(model, kv_pool.shape[3], ctas).shape_problem(max_smem)
 
 
-# The Params struct of decode_layers.cu: 29 eight-byte fields, then scale_log2 and eps (float32).
-_PARAMS = struct.Struct("<" + "Q" * 29 + "ff")
+# The Params struct of decode_layers.cu: 30 eight-byte fields, then scale_log2 and eps (float32).
+_PARAMS = struct.Struct("<" + "Q" * 30 + "ff")
 # Where each of a layer's timing stamps is taken (``timing=True``): the end of ...
 STAMPS = (
     "layer start", "P1 input arrived", "P1 QKV rows", "P2 attention", "P2b merge", "P3 attn arrived",
-    "P3 o-proj rows", "P4a h arrived", "P4a router rows", "P4b routing", "P4b gate-up", "P5 act arrived",
-    "P5 down rows",
+    "P3 o-proj rows + router sums", "P4 h arrived", "P4 router sums in", "P4 routing", "P4 gate-up",
+    "P5 act arrived", "P5 down rows",
 )  # fmt: skip
 _LAYER_FIELDS = 11
 
@@ -238,14 +231,16 @@ class DecodeMegakernel:
         h = plan.hidden
         kw = {"device": self.device}
         rows = []
-        self._keep: list[torch.Tensor] = []
-        for layer in model.layers:
+        # The router weights transposed ([H, experts]: a CTA's rows of h meet their columns as one copy),
+        # made once: 0.5 MiB a layer for Qwen3-30B-A3B. The kernel reads these, not ``gate``.
+        self.gate_t = [layer.mlp.gate.t().contiguous() for layer in model.layers]
+        for layer, gate_t in zip(model.layers, self.gate_t, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             qn = attn.q_norm if plan.qk_norm else layer.input_layernorm  # never read without QK_NORM
             kn = attn.k_norm if plan.qk_norm else layer.input_layernorm
             rows.append([t.data_ptr() for t in (
                 layer.input_layernorm, attn.qkv_proj, qn, kn, attn.o_proj, layer.post_attention_layernorm,
-                mlp.gate, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts,
+                gate_t, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts,
             )])  # fmt: skip
         self.l2p_stride = model.layers[0].mlp.placement.logical_to_physical.stride(0)
         if any(
@@ -255,7 +250,7 @@ class DecodeMegakernel:
         self.layer_table = torch.tensor(rows, dtype=torch.int64, **kw)  # [layers, 11] pointers
         self.x_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
         self.res_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
-        ll4 = [plan.qkv_rows, plan.q_dim, h, plan.experts, plan.top_k * plan.inter, h]
+        ll4 = [plan.qkv_rows, plan.q_dim, h, plan.top_k * plan.inter, h]  # qkv, attn, h, act, xo
         self._ll4 = torch.zeros(sum(_round16(n) for n in ll4), dtype=torch.int32, **kw)
         self._ll4_parts = []
         offset = 0
@@ -264,6 +259,8 @@ class DecodeMegakernel:
             offset += _round16(n)
         self._part_o = torch.zeros(MAX_SPLITS * plan.heads * plan.head_dim, dtype=torch.int64, **kw)
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
+        self._router_sums = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
+        self._router_count = torch.zeros(_round16(plan.layers), dtype=torch.int32, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
         self.timing = torch.zeros((plan.ctas, plan.layers, 16), dtype=torch.int64, **kw) if timing else None
         self.scale_log2 = plan.head_dim**-0.5 * math.log2(math.e)
@@ -290,7 +287,8 @@ class DecodeMegakernel:
                 self.model.embed_tokens.data_ptr(), self.model.cos_sin.data_ptr(), pool.data_ptr(),
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
                 self.x_out.data_ptr(), self.res_out.data_ptr(), *ll,
-                self._part_o.data_ptr(), self._part_lse.data_ptr(), words, words + 4, words + 8,
+                self._part_o.data_ptr(), self._part_lse.data_ptr(), self._router_sums.data_ptr(),
+                self._router_count.data_ptr(), words, words + 4, words + 8,
                 self.timing.data_ptr() if self.timing is not None else 0, self.scale_log2, self.eps,
             )  # fmt: skip
             self._params[key] = packed

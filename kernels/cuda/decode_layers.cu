@@ -41,7 +41,7 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define QDIM (NQ * D)
 #define GRP (NQ / NKV)
 #define HALF (D / 2)
-#define RING 3
+#define RING 12
 #define KV_TILE 30
 #define KV_ROW 272  // a key's 256 bytes padded to 272: 8 keys read together hit 8 distinct bank groups
 #define KV_V_OFF (KV_TILE * KV_ROW)
@@ -63,7 +63,7 @@ struct LayerPtrs {
   const u16* k_norm;     // [D] (QK_NORM)
   const u16* o_w;        // [H, QDIM]
   const u16* post_norm;  // [H]
-  const u16* gate_w;     // [NE, H]
+  const u16* gate_t;     // [H, NE]: the router's weight transposed (a CTA reads its rows' columns)
   const u16* w13;        // [physical experts, 2 NI, H]
   const u16* w2;         // [physical experts, H, NI]
   const i64* l2p;        // [NE, replicas]: physical id of each logical expert's replicas
@@ -87,11 +87,12 @@ struct Params {
   u32* ll_qkv;           // [QKV_ROWS]
   u32* ll_attn;          // [QDIM]
   u32* ll_h;             // [H]
-  u32* ll_logits;        // [NE]
   u32* ll_act;           // [TOPK * NI]
   u32* ll_xo;            // [H]
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
+  u64* router_sums;      // [NL][NE]: the router's logits before the norm's scale, fixed point (2^-32)
+  u32* router_count;     // [NL]: CTAs whose sums are in (reset, with the sums, once read)
   u32* epoch;
   u32* exit_count;
   u32* error;
@@ -321,8 +322,12 @@ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ int part_lo(int n, int parts, int i) { return (int)((i64)n * i / parts); }
 
-// ---- the ring of weight stages ---------------------------------------------------------------------------
-// Every thread keeps the same counters (all run the same control flow); thread 0 (or warp 0) issues.
+// ---- the ring of weight stages -------------------------------------------------------------------------
+// One FIFO of RING stages for every stream a layer reads, in the order the layer consumes them: its QKV
+// rows, its KV tiles, its o-proj rows, its router columns, its experts' gate-up rows, their down rows; then
+// the next layer's. Stages are refilled as soon as they are consumed, so the next layer's QKV rows stream
+// while this layer's down rows are used, and the o-proj rows while the attention runs; only the experts
+// wait (for routing). Every thread keeps the same counters (all run the same control flow); warp 0 issues.
 struct Ring {
   u32 base;    // shared address of stage 0
   u32 bars;    // shared address of the RING mbarriers
@@ -335,24 +340,25 @@ struct Ring {
   __device__ __forceinline__ void wait(u32* err) const { mbar_wait(bar(done), (done / RING) & 1u, err); }
 };
 
-
-// Shared memory: WBUF | RING | XN (bf16 [H]) | HS (bf16 [H]) | SCR | MISC | barriers (4 WBUF, RING).
-#define OFF_RING (WBUF_BYTES)
-#define OFF_XN (OFF_RING + RING * STAGE_BYTES)
+// Shared memory: RING | XN (bf16 [H]) | HS (bf16 [H]) | SCR | MISC | RING barriers.
+#define OFF_XN (RING * STAGE_BYTES)
 #define OFF_HS (OFF_XN + 2 * H)
 #define OFF_SCR (OFF_HS + 2 * H)
 #define OFF_MISC (OFF_SCR + SCR_BYTES)
 #define MISC_BYTES 1024
 #define OFF_BARS (OFF_MISC + MISC_BYTES)
-#define SMEM_BYTES (OFF_BARS + 8 * (4 + RING))
+#define SMEM_BYTES (OFF_BARS + 8 * RING)
 // Items of four values a thread handles in a vector of n values (n a multiple of 4 * NT).
 #define ITEMS(n) ((n) / (4 * NT))
+// Rows a stage holds of QKV (H long) and of o-proj (QDIM long), and the warps that share one row.
+#define QKV_CH (STAGE_BYTES / (2 * H) < NWARPS ? STAGE_BYTES / (2 * H) : NWARPS)
+#define OPJ_CH (STAGE_BYTES / (2 * QDIM) < NWARPS ? STAGE_BYTES / (2 * QDIM) : NWARPS)
+#define PRE_TILES 5
+#define FIX_SCALE 4294967296.0  // 2^32: the router sums' fixed point
 
-// Four bf16 of x (an 8-byte word pair) and their float values.
 __device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
   v[0] = bf_lo(lo); v[1] = bf_hi(lo); v[2] = bf_lo(hi); v[3] = bf_hi(hi);
 }
-// The bf16 halves of four LL4 words as two packed words.
 __device__ __forceinline__ void ll4_pack(U4 a, u32& lo, u32& hi) {
   lo = (a.x & 0xffffu) | (a.y << 16);
   hi = (a.z & 0xffffu) | (a.w << 16);
@@ -360,6 +366,24 @@ __device__ __forceinline__ void ll4_pack(U4 a, u32& lo, u32& hi) {
 // rms-normalised s times the norm weight g, rounded as the reference: bf16(g * bf16(s * inv)).
 __device__ __forceinline__ u32 norm2(u32 g, u32 s, float inv) {
   return f2bf(bf_lo(g) * rbf(bf_lo(s) * inv)) | (f2bf(bf_hi(g) * rbf(bf_hi(s) * inv)) << 16);
+}
+// Warp w's part of the dot of x with row w / wpr of a stage of rows `len` long (nrows of them): part
+// w % wpr of the row; 0 for rows past nrows. Every lane returns the warp's sum.
+__device__ __forceinline__ float part_dot(const u16* st, int len, int wpr, int nrows, const u16* x, int w, int lane) {
+  const int row = w / wpr, part = w % wpr, plen = len / wpr;
+  float acc = 0.f;
+  if (row < nrows) {
+    const u16* base = st + (size_t)row * len + part * plen;
+    const u16* xb = x + part * plen;
+#pragma unroll 4
+    for (int col = lane * 8; col < plen; col += 256) acc = dot8(*(const U4*)(base + col), *(const U4*)(xb + col), acc);
+  }
+  return warp_sum(acc);
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // With TIMING: thread 0 of each CTA stamps its SM clock at the end of each part of a layer (16 slots).
@@ -377,28 +401,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = gridDim.x, c = blockIdx.x;
 
-  unsigned char* wbuf = smem;
-  unsigned char* ring_mem = smem + OFF_RING;
+  unsigned char* ring_mem = smem;
   u16* xn = (u16*)(smem + OFF_XN);
   u16* hs = (u16*)(smem + OFF_HS);
   unsigned char* scr = smem + OFF_SCR;
   float* misc = (float*)(smem + OFF_MISC);
-  float* red = misc;               // [NWARPS]
-  float* red2 = misc + 8;          // [2][NWARPS]: gate-up partials, by chunk parity
-  float* down_acc = misc + 24;     // [MAX_DOWN_ROWS]
-  float* route_w = misc + 56;      // [TOPK <= 16]
-  int* route_id = (int*)(misc + 72);  // [TOPK <= 16]: physical ids
-  float* merge_w = misc + 88;      // [MAX_SPLITS + 1]
-  const u32 wbar0 = smem_addr(smem + OFF_BARS);
+  float* red = misc;                   // [NWARPS]: a chunk's per-warp partial dots
+  float* down_acc = misc + 24;         // [MAX_DOWN_ROWS]
+  float* route_w = misc + 56;          // [TOPK <= 16]
+  int* route_id = (int*)(misc + 72);   // [TOPK <= 16]: physical ids
+  float* merge_w = misc + 88;          // [MAX_SPLITS + 1]
+  float* hrow = misc + 136;            // [MAX_DOWN_ROWS]: this CTA's rows of h
+  float* gsum = misc + 168;            // [NWARPS]
+  const u32 bar0 = smem_addr(smem + OFF_BARS);
 
   Ring ring;
   ring.base = smem_addr(ring_mem);
-  ring.bars = wbar0 + 4 * 8;
+  ring.bars = bar0;
   ring.issued = ring.done = 0;
-  u32 wpar = 0;  // the parity of WBUF barrier j's current phase, bit j
 
   if (tid == 0) {
-    for (int j = 0; j < 4 + RING; ++j) mbar_init(wbar0 + 8 * j, 1);
+    for (int j = 0; j < RING; ++j) mbar_init(bar0 + 8 * j, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   for (int i = tid; i < MAX_DOWN_ROWS; i += NT) down_acc[i] = 0.f;
@@ -413,14 +436,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 
   // This CTA's slices, fixed for the launch.
   const int q0 = part_lo(QKV_ROWS, G, c), nq = part_lo(QKV_ROWS, G, c + 1) - q0;
-  const int o0 = part_lo(H, G, c), o1 = part_lo(H, G, c + 1), no = o1 - o0;  // o-proj and down rows
+  const int o0 = part_lo(H, G, c), o1 = part_lo(H, G, c + 1), no = o1 - o0;  // o-proj, router, down rows
   const int g0 = part_lo(TOPK * NI / 2, G, c), n_gate = part_lo(TOPK * NI / 2, G, c + 1) - g0;
   const int pieces = (no + DOWN_PIECE - 1) / DOWN_PIECE;
   const int n_down = TOPK * pieces;
-  const int n_router = c < NE ? (NE - 1 - c) / G + 1 : 0;
+  const int n_qkv = (nq + QKV_CH - 1) / QKV_CH, n_opj = (no + OPJ_CH - 1) / OPJ_CH;
 
   // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
-  int S = (seq_len + RING * KV_TILE - 1) / (RING * KV_TILE);
+  int S = (seq_len + 2 * KV_TILE - 1) / (2 * KV_TILE);
   S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));
   const int split_len = (seq_len + S - 1) / S;
   const bool attn_cta = c < NKV * S;
@@ -430,82 +453,96 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   const bool own = attn_cta && k0 <= seq_len - 1 && seq_len - 1 < k1;  // holds the new token
   const int old_end = own ? seq_len - 1 : k1;  // keys read from the pool: [k0, old_end)
   const int n_tiles = (imax(0, old_end - k0) + KV_TILE - 1) / KV_TILE;
-  // The pool pages of the first RING tiles' keys (lane j: key j of each), the same in every layer: read
-  // once, so issuing a layer's tiles waits on no load.
-  i64 tile_page[RING];
+  // The pool pages of the first tiles' keys (lane j: key j of each), the same in every layer: read once.
+  i64 tile_page[PRE_TILES];
 #pragma unroll
-  for (int t = 0; t < RING; ++t) {
+  for (int t = 0; t < PRE_TILES; ++t) {
     const int kpos = k0 + t * KV_TILE + lane;
     tile_page[t] = (warp == 0 && lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
   }
 
-  // WBUF as 4 chunks (one barrier each) of `nrows` rows of `row` elements from src; an empty chunk
-  // arrives without bytes, so every barrier moves one phase per use.
-  auto issue_wbuf = [&](const u16* src, int nrows, int row) {
-    const int per = (nrows + 3) / 4;
-    for (int j = 0; j < 4; ++j) {
-      const int lo = imin(nrows, j * per), hi = imin(nrows, (j + 1) * per);
-      const u32 bar = wbar0 + 8 * j;
-      if (hi > lo) {
-        const u32 bytes = (u32)(hi - lo) * row * 2;
-        mbar_expect(bar, bytes);
-        bulk_load(smem_addr(wbuf) + (u32)lo * row * 2, src + (i64)lo * row, bytes, bar);
-      } else {
-        mbar_arrive(bar);
+  // The ring's items, layer by layer: n_qkv | n_tiles | n_opj | 1 (router columns) | n_gate | n_down.
+  const int first_expert = n_qkv + n_tiles + n_opj + 1;
+  const int per_layer = first_expert + n_gate + n_down;
+  int pl = 0, pi = 0;  // the next item to issue
+  int routed = -1;     // the last layer this CTA has routed (its experts' items wait for it)
+  auto issue = [&](int L2, int i, u32 stage, u32 bar) {  // warp 0
+    const LayerPtrs& q = p.layers[L2];
+    if (lane == 0) fence_async_smem();
+    if (i >= n_qkv && i < n_qkv + n_tiles) {
+      const int t = i - n_qkv, first = k0 + t * KV_TILE, n = imin(KV_TILE, old_end - first);
+      if (lane == 0) mbar_expect(bar, (u32)n * 2 * D * 2);
+      __syncwarp();
+      if (lane < n) {
+        const int kpos = first + lane;
+        i64 page = (i64)p.block_table[kpos / BS];
+#pragma unroll
+        for (int u = 0; u < PRE_TILES; ++u)
+          if (t == u) page = tile_page[u];
+        const u16* src = p.kv_pool + (i64)L2 * p.pool_layer + (i64)kvh * p.pool_head + page * p.pool_block +
+                         (i64)(kpos % BS) * p.pool_slot;
+        bulk_load(stage + lane * KV_ROW, src, D * 2, bar);
+        bulk_load(stage + KV_V_OFF + lane * KV_ROW, src + p.pool_kv, D * 2, bar);
+      }
+      return;
+    }
+    if (lane != 0) return;
+    const u16* src;
+    u32 bytes;
+    if (i < n_qkv) {
+      const int lo = i * QKV_CH;
+      src = q.qkv_w + (i64)(q0 + lo) * H;
+      bytes = (u32)imin(QKV_CH, nq - lo) * H * 2;
+    } else if ((i -= n_qkv + n_tiles) < n_opj) {
+      const int lo = i * OPJ_CH;
+      src = q.o_w + (i64)(o0 + lo) * QDIM;
+      bytes = (u32)imin(OPJ_CH, no - lo) * QDIM * 2;
+    } else if ((i -= n_opj) == 0) {
+      src = q.gate_t + (i64)o0 * NE;
+      bytes = (u32)no * NE * 2;
+    } else if (--i < n_gate) {  // two intermediate rows: their gate rows, then their up rows
+      const int pr = g0 + i, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
+      const u16* w = q.w13 + (i64)route_id[k] * (2 * NI) * H;
+      mbar_expect(bar, 4 * H * 2);
+      bulk_load(stage, w + (i64)j * H, 2 * H * 2, bar);
+      bulk_load(stage + 2 * H * 2, w + (i64)(NI + j) * H, 2 * H * 2, bar);
+      return;
+    } else {  // up to DOWN_PIECE of this CTA's output rows of one expert
+      const int m2 = i - n_gate, k = m2 / pieces, r0 = (m2 % pieces) * DOWN_PIECE;
+      src = q.w2 + (i64)route_id[k] * H * NI + (i64)(o0 + r0) * NI;
+      bytes = (u32)imin(DOWN_PIECE, no - r0) * NI * 2;
+    }
+    mbar_expect(bar, bytes);
+    bulk_load(stage, src, bytes, bar);
+  };
+  auto refill = [&]() {
+    while (ring.room() && pl < NL) {
+      if (pi >= first_expert && routed < pl) break;
+      if (warp == 0) issue(pl, pi, ring.stage(ring.issued), ring.bar(ring.issued));
+      ++ring.issued;
+      if (++pi == per_layer) {
+        pi = 0;
+        ++pl;
       }
     }
   };
-  auto wait_wbuf_row = [&](int r, int nrows) {
-    const int ch = r / ((nrows + 3) / 4);
-    mbar_wait(wbar0 + 8 * ch, (wpar >> ch) & 1u, err);
+  auto take = [&]() -> const unsigned char* {  // the next stage, once its bytes are in
+    ring.wait(err);
+    return ring_mem + ring.slot(ring.done) * STAGE_BYTES;
   };
-
-  if (tid == 0) issue_wbuf(p.layers[0].qkv_w + (i64)q0 * H, nq, H);
+  auto release = [&]() {  // after every thread's last read of the stage
+    __syncthreads();
+    ++ring.done;
+    refill();
+  };
+  refill();
 
   for (int L = 0; L < NL; ++L) {
     const LayerPtrs lp = p.layers[L];
     const u32 f16 = (epoch * (NL + 1) + L + 1) & 0xffffu;
     const u32 f32 = epoch * (NL + 1) + L + 1;
     const u32 f16_prev = (epoch * (NL + 1) + L) & 0xffffu;
-    const u16* pool_kvh = p.kv_pool + (i64)L * p.pool_layer + (i64)kvh * p.pool_head;
-
-    // Ring sequence A: this layer's KV tiles (attention CTAs), then its router rows.
-    int a_next = 0;
-    const int a_total = n_tiles + n_router;
-    auto refill_a = [&]() {
-      while (a_next < a_total && ring.room()) {
-        const u32 stage = ring.stage(ring.issued), bar = ring.bar(ring.issued);
-        if (a_next < n_tiles) {
-          const int first = k0 + a_next * KV_TILE, n = imin(KV_TILE, old_end - first);
-          if (warp == 0) {
-            if (lane == 0) {
-              fence_async_smem();
-              mbar_expect(bar, (u32)n * 2 * D * 2);
-            }
-            __syncwarp();
-            if (lane < n) {
-              const int kpos = first + lane;
-              const i64 page = a_next == 0   ? tile_page[0]
-                               : a_next == 1 ? tile_page[1]
-                               : a_next == 2 ? tile_page[2]
-                                             : (i64)p.block_table[kpos / BS];
-              const u16* src = pool_kvh + page * p.pool_block + (i64)(kpos % BS) * p.pool_slot;
-              bulk_load(stage + lane * KV_ROW, src, D * 2, bar);
-              bulk_load(stage + KV_V_OFF + lane * KV_ROW, src + p.pool_kv, D * 2, bar);
-            }
-          }
-        } else if (tid == 0) {
-          const int e = c + (a_next - n_tiles) * G;
-          fence_async_smem();
-          mbar_expect(bar, H * 2);
-          bulk_load(stage, lp.gate_w + (i64)e * H, H * 2, bar);
-        }
-        ++a_next;
-        ++ring.issued;
-      }
-    };
     STAMP(0);
-    refill_a();
 
     // ---------------- P1: the residual add, the input norm, this CTA's QKV rows ----------------
     {
@@ -515,8 +552,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       if (L == 0) {
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
-          const int col = (t * NT + tid) * 4;
-          const u32* x = (const u32*)(p.embed + token * H + col);
+          const u32* x = (const u32*)(p.embed + token * H + (t * NT + tid) * 4);
           unpack4(x[0], x[1], v[t]);
         }
       } else {
@@ -525,8 +561,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         STAMP(1);
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
-          const int col = (t * NT + tid) * 4;
-          const u32* r = (const u32*)(hs + col);  // the residual: the previous layer's h
+          const u32* r = (const u32*)(hs + (t * NT + tid) * 4);  // the residual: the previous layer's h
           float rv[4];
           unpack4(r[0], r[1], rv);
           v[t][0] = rbf(bf2f(a[t].x) + rv[0]);
@@ -537,14 +572,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
-        const int col = (t * NT + tid) * 4;
-        u32* o = (u32*)(hs + col);  // x + residual: this layer's residual stream, read again by P3
+        u32* o = (u32*)(hs + (t * NT + tid) * 4);  // x + residual: this layer's residual stream (P3 reads it)
         o[0] = f2bf(v[t][0]) | (f2bf(v[t][1]) << 16);
         o[1] = f2bf(v[t][2]) | (f2bf(v[t][3]) << 16);
 #pragma unroll
         for (int k = 0; k < 4; ++k) ss += v[t][k] * v[t][k];
       }
-      const float inv = rsq(block_sum(ss, red) / H + p.eps);
+      const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
         const int col = (t * NT + tid) * 4;
@@ -555,23 +589,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         o[1] = norm2(g[1], sv[1], inv);
       }
       __syncthreads();
-      for (int r = warp; r < nq; r += NWARPS) {
-        wait_wbuf_row(r, nq);
-        const u16* wrow = (const u16*)(wbuf + (size_t)r * H * 2);
-        float acc = 0.f;
-#pragma unroll 4
-        for (int col = lane * 8; col < H; col += 256)
-          acc = dot8(*(const U4*)(wrow + col), *(const U4*)(xn + col), acc);
-        acc = warp_sum(acc);
-        if (lane == 0) ll4_put(p.ll_qkv + q0 + r, acc, f16);
+      constexpr int WPR = NWARPS / QKV_CH;
+      for (int i = 0; i < n_qkv; ++i) {
+        const int n = imin(QKV_CH, nq - i * QKV_CH);
+        const u16* st = (const u16*)take();
+        const float part = part_dot(st, H, WPR, n, xn, warp, lane);
+        if (lane == 0) red[warp] = part;
+        __syncthreads();
+        if (tid < n) {
+          float acc = 0.f;
+#pragma unroll
+          for (int k = 0; k < WPR; ++k) acc += red[tid * WPR + k];
+          ll4_put(p.ll_qkv + q0 + i * QKV_CH + tid, acc, f16);
+        }
+        release();
       }
-      wpar ^= 0xfu;
-      __syncthreads();  // every QKV row is read: WBUF takes the o-proj rows
       STAMP(2);
-      if (tid == 0) {
-        fence_async_smem();
-        issue_wbuf(lp.o_w + (i64)o0 * QDIM, no, QDIM);
-      }
     }
 
     // ---------------- P2: attention of one KV head's q heads over one split of the keys ----------------
@@ -585,7 +618,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       const int d = 2 * lane;
       const float* cs = p.cos_sin + pos * D;
       const float c0 = cs[d], c1 = cs[d + 1], s0 = cs[HALF + d], s1 = cs[HALF + d + 1];
-      float x[12];  // q | k | v of this lane's dims
+      float x[12];  // q | k | v at this lane's dims
       {
         const u32* qkv = p.ll_qkv;
         const int qrow = head_warp ? head * D : kvh * GRP * D;
@@ -602,7 +635,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           for (int k = 0; k < 4; ++k) x[k] = y[k];
         }
       }
-      // x[0..3] = dims d, d + 1, HALF + d, HALF + d + 1 of q (then k at 4..7, v at 8..11).
       auto norm_rope = [&](float* y, const u16* nw) {
         if (QK_NORM) {
           const float inv = rsq(warp_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) / D + p.eps);
@@ -644,8 +676,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       float m = NEG_INF, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
       for (int t = 0; t < n_tiles; ++t) {
         const int n = imin(KV_TILE, old_end - (k0 + t * KV_TILE));
-        ring.wait(err);
-        const unsigned char* st = ring_mem + ring.slot(ring.done) * STAGE_BYTES;
+        const unsigned char* st = take();
         if (head_warp) {
           for (int j0 = 0; j0 < n; j0 += 8) {
             const int j = j0 + kj;
@@ -687,9 +718,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             acc[3] = fmaf(pj, bf_hi(vb), acc[3]);
           }
         }
-        __syncthreads();  // the stage is read
-        ++ring.done;
-        refill_a();
+        release();
       }
       if (head_warp) {
         if (own) {  // the new token's key and value, from registers
@@ -714,8 +743,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (lane == 0) st_relaxed64(p.ll_part_lse + (i64)sp * NQ + head, ll8(lse, f32));
       }
     }
-
     STAMP(3);
+
     // ---------------- P2b: merge the splits, one (q head, 32 dims) unit a CTA ----------------
     for (int u = c; u < NQ * (D / 32); u += G) {
       const int head = u / (D / 32), dim = (u % (D / 32)) * 32 + lane;
@@ -764,10 +793,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       __syncthreads();
     }
-
     STAMP(4);
-    // ---------------- P3: o-proj rows and the residual ----------------
-    refill_a();  // router rows the KV tiles left no room for
+
+    // ---------------- P3: o-proj rows, the residual, the router's partial sums ----------------
     {
       u16* attn = (u16*)scr;  // [QDIM] bf16
       {
@@ -782,30 +810,45 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       STAMP(5);
       __syncthreads();
-      for (int r = warp; r < no; r += NWARPS) {
-        wait_wbuf_row(r, no);
-        const u16* wrow = (const u16*)(wbuf + (size_t)r * QDIM * 2);
-        float acc = 0.f;
-#pragma unroll 4
-        for (int col = lane * 8; col < QDIM; col += 256)
-          acc = dot8(*(const U4*)(wrow + col), *(const U4*)(attn + col), acc);
-        acc = warp_sum(acc);
-        if (lane == 0) {
+      constexpr int WPR = NWARPS / OPJ_CH;
+      for (int i = 0; i < n_opj; ++i) {
+        const int n = imin(OPJ_CH, no - i * OPJ_CH);
+        const u16* st = (const u16*)take();
+        const float part = part_dot(st, QDIM, WPR, n, attn, warp, lane);
+        if (lane == 0) red[warp] = part;
+        __syncthreads();
+        if (tid < n) {
+          float acc = 0.f;
+#pragma unroll
+          for (int k = 0; k < WPR; ++k) acc += red[tid * WPR + k];
+          const int r = i * OPJ_CH + tid;
           const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
+          hrow[r] = h;
           ll4_put(p.ll_h + o0 + r, h, f16);
           if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
         }
+        release();
       }
-      wpar ^= 0xfu;
-      __syncthreads();  // every o-proj row is read: WBUF takes the next layer's QKV rows
+      // The router is linear in the normalised h: logit_e = inv_rms * sum_r W[e, r] g[r] h[r]. This CTA adds
+      // its rows' share to each expert's sum in fixed point (integer adds: the same bits in any order), and
+      // P4 scales by inv_rms once every CTA is in.
+      {
+        const u16* wt = (const u16*)take();  // [no][NE]: the router's columns of this CTA's rows
+        for (int e = tid; e < NE; e += NT) {
+          float s = 0.f;
+          for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * bf2f(lp.post_norm[o0 + r]), hrow[r], s);
+          atomicAdd(p.router_sums + (i64)L * NE + e, (u64)__double2ll_rn((double)s * FIX_SCALE));
+        }
+        release();  // its barrier also orders every thread's adds before the count below
+        if (tid == 0) {
+          __threadfence();
+          atomicAdd(p.router_count + L, 1u);
+        }
+      }
       STAMP(6);
-      if (tid == 0 && L + 1 < NL) {
-        fence_async_smem();
-        issue_wbuf(p.layers[L + 1].qkv_w + (i64)q0 * H, nq, H);
-      }
     }
 
-    // ---------------- P4a: the post-attention norm, router rows ----------------
+    // ---------------- P4: the post-attention norm, routing, the experts' gate-up rows ----------------
     {
       constexpr int NI4 = ITEMS(H);
       U4 a[NI4];
@@ -819,7 +862,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const float v0 = bf2f(a[t].x), v1 = bf2f(a[t].y), v2 = bf2f(a[t].z), v3 = bf2f(a[t].w);
         ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3;
       }
-      const float inv = rsq(block_sum(ss, red) / H + p.eps);
+      const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
         const int col = (t * NT + tid) * 4;
@@ -829,166 +872,99 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         o[0] = norm2(g[0], sv[0], inv);
         o[1] = norm2(g[1], sv[1], inv);
       }
-      __syncthreads();
-      for (int k = 0; k < n_router; ++k) {
-        ring.wait(err);
-        const u16* wrow = (const u16*)(ring_mem + ring.slot(ring.done) * STAGE_BYTES);
-        float acc = 0.f;
-        for (int col = tid * 8; col < H; col += NT * 8)
-          acc = dot8(*(const U4*)(wrow + col), *(const U4*)(xn + col), acc);
-        acc = block_sum(acc, red);  // its barriers also release the stage
-        if (tid == 0) ll4_put(p.ll_logits + c + k * G, acc, f16);
-        ++ring.done;
+      if (tid == 0) {
+        for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
+          if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
       }
-    }
-
-    STAMP(8);
-    // ---------------- P4b: routing, then the experts' gate-up rows ----------------
-    if (warp == 0) {
-      constexpr int NLG = (NE + 127) / 128;  // groups of four logits a lane
-      float lg[NLG][4];
-      {
-        U4 a[NLG];
-        // Every group is in range: NE is a multiple of 4, and lanes past it re-read group 0 (ignored).
-#pragma unroll
-        for (int k = 0; k < NLG; ++k) a[k] = ld_relaxed4(p.ll_logits + ((k * 128 + lane * 4) < NE ? k * 128 + lane * 4 : 0));
-        for (i64 n = 0;; ++n) {
-          bool ok = true;
-#pragma unroll
-          for (int k = 0; k < NLG; ++k) {
-            const int e = (k * 128 + lane * 4) < NE ? k * 128 + lane * 4 : 0;
-            if (!ll4_ok(a[k], f16)) {
-              ok = false;
-              a[k] = ld_relaxed4(p.ll_logits + e);
-            }
-          }
-          if (ok || give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
-        }
+      __syncthreads();  // xn complete; every CTA's router sums are in
+      STAMP(8);
+      if (warp == 0) {
+        constexpr int NLG = (NE + 31) / 32;
+        float lg[NLG];
+        float mx = NEG_INF;
 #pragma unroll
         for (int k = 0; k < NLG; ++k) {
-          const bool in = k * 128 + lane * 4 < NE;
-          lg[k][0] = in ? bf2f(a[k].x) : NEG_INF;
-          lg[k][1] = in ? bf2f(a[k].y) : NEG_INF;
-          lg[k][2] = in ? bf2f(a[k].z) : NEG_INF;
-          lg[k][3] = in ? bf2f(a[k].w) : NEG_INF;
+          const int e = k * 32 + lane;
+          lg[k] = NEG_INF;
+          if (e < NE) {
+            const i64 fx = (i64)ld_relaxed64(p.router_sums + (i64)L * NE + e);
+            lg[k] = rbf((float)((double)fx * (1.0 / FIX_SCALE)) * inv);  // the router's output is bf16
+          }
+          mx = fmaxf(mx, lg[k]);
         }
-      }
-      float mx = NEG_INF;
+        mx = warp_max(mx);
+        float den = 0.f;
 #pragma unroll
-      for (int k = 0; k < NLG; ++k)
+        for (int k = 0; k < NLG; ++k) den += lg[k] == NEG_INF ? 0.f : expf(lg[k] - mx);
+        den = warp_sum(den);
+        float wk[TOPK], wsum = 0.f;
+        int ek[TOPK];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) mx = fmaxf(mx, lg[k][q]);
-      mx = warp_max(mx);
-      float den = 0.f;
+        for (int t = 0; t < TOPK; ++t) {
+          // the largest logit left, the lowest expert index among equals (as the Triton routing kernel)
+          float bv = NEG_INF;
+          int be = 0x7fffffff;
 #pragma unroll
-      for (int k = 0; k < NLG; ++k)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) den += lg[k][q] == NEG_INF ? 0.f : expf(lg[k][q] - mx);
-      den = warp_sum(den);
-      float wk[TOPK], wsum = 0.f;
-      int ek[TOPK];
-#pragma unroll
-      for (int t = 0; t < TOPK; ++t) {
-        // the largest logit left, the lowest expert index among equals (as the Triton routing kernel)
-        float bv = NEG_INF;
-        int be = 0x7fffffff;
-#pragma unroll
-        for (int k = 0; k < NLG; ++k)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int e = k * 128 + lane * 4 + q;
-            if (e < NE && (lg[k][q] > bv || (lg[k][q] == bv && e < be))) {
-              bv = lg[k][q];
+          for (int k = 0; k < NLG; ++k) {
+            const int e = k * 32 + lane;
+            if (e < NE && (lg[k] > bv || (lg[k] == bv && e < be))) {
+              bv = lg[k];
               be = e;
             }
           }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-          if (ov > bv || (ov == bv && oe < be)) {
-            bv = ov;
-            be = oe;
+          for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ov > bv || (ov == bv && oe < be)) {
+              bv = ov;
+              be = oe;
+            }
           }
+#pragma unroll
+          for (int k = 0; k < NLG; ++k)
+            if (k * 32 + lane == be) lg[k] = NEG_INF;
+          wk[t] = expf(bv - mx) / den;
+          ek[t] = be;
+          wsum += wk[t];
         }
+        if (lane == 0) {
 #pragma unroll
-        for (int k = 0; k < NLG; ++k)
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            if (k * 128 + lane * 4 + q == be) lg[k][q] = NEG_INF;
-        wk[t] = expf(bv - mx) / den;
-        ek[t] = be;
-        wsum += wk[t];
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int t = 0; t < TOPK; ++t) {
-          route_w[t] = rbf(NORM_TOPK ? wk[t] / wsum : wk[t]);
-          route_id[t] = (int)lp.l2p[(i64)ek[t] * p.l2p_stride];  // replica 0: token 0 % replicas
-        }
-      }
-    }
-    __syncthreads();
-    if (c == 0 && tid < TOPK) atomicAdd((u64*)(lp.counts + route_id[tid]), 1ull);
-
-    // Ring sequence B: gate-up chunks (two intermediate rows: their gate and up rows), then down chunks
-    // (up to DOWN_PIECE of this CTA's output rows of one expert).
-    int b_next = 0;
-    const int b_total = n_gate + n_down;
-    auto refill_b = [&]() {
-      if (tid == 0) {
-        u32 iss = ring.issued;
-        for (int nb = b_next; nb < b_total && iss - ring.done < RING; ++nb, ++iss) {
-          const u32 stage = ring.stage(iss), bar = ring.bar(iss);
-          fence_async_smem();
-          if (nb < n_gate) {
-            const int pr = g0 + nb, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
-            const u16* w = lp.w13 + (i64)route_id[k] * (2 * NI) * H;
-            mbar_expect(bar, 4 * H * 2);
-            bulk_load(stage, w + (i64)j * H, 2 * H * 2, bar);
-            bulk_load(stage + 2 * H * 2, w + (i64)(NI + j) * H, 2 * H * 2, bar);
-          } else {
-            const int m2 = nb - n_gate, k = m2 / pieces, pc = m2 % pieces;
-            const int r0 = o0 + pc * DOWN_PIECE, rn = imin(DOWN_PIECE, o1 - r0);
-            mbar_expect(bar, rn * NI * 2);
-            bulk_load(stage, lp.w2 + (i64)route_id[k] * H * NI + (i64)r0 * NI, rn * NI * 2, bar);
+          for (int t = 0; t < TOPK; ++t) {
+            route_w[t] = rbf(NORM_TOPK ? wk[t] / wsum : wk[t]);
+            route_id[t] = (int)lp.l2p[(i64)ek[t] * p.l2p_stride];  // replica 0: token 0 % replicas
           }
         }
       }
-      while (b_next < b_total && ring.room()) {  // the same bookkeeping in every thread
-        ++b_next;
-        ++ring.issued;
-      }
-    };
-    refill_b();
-    STAMP(9);
-
-    for (int n = 0; n < n_gate; ++n) {
-      const int pr = g0 + n, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
-      ring.wait(err);
-      const u16* st = (const u16*)(ring_mem + ring.slot(ring.done) * STAGE_BYTES);
-      const int row = warp >> 1, half = warp & 1;  // rows: gate j, gate j + 1, up j, up j + 1
-      const u16* wrow = st + row * H + half * (H / 2);
-      const u16* xh = xn + half * (H / 2);
-      float acc = 0.f;
+      __syncthreads();
+      if (c == 0 && tid < TOPK) atomicAdd((u64*)(lp.counts + route_id[tid]), 1ull);
+      routed = L;
+      refill();  // the experts' rows
+      STAMP(9);
+      for (int n = 0; n < n_gate; ++n) {
+        const int pr = g0 + n, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
+        const u16* st = (const u16*)take();  // rows: gate j, gate j + 1, up j, up j + 1
+        const float part = part_dot(st, H, NWARPS / 4, 4, xn, warp, lane);
+        if (lane == 0) red[warp] = part;
+        __syncthreads();
+        if (tid < 2) {  // the reference rounds gate and up, then SiLU, then the product
+          const int wpr = NWARPS / 4;
+          float gate = 0.f, up = 0.f;
 #pragma unroll
-      for (int col = lane * 8; col < H / 2; col += 256)
-        acc = dot8(*(const U4*)(wrow + col), *(const U4*)(xh + col), acc);
-      acc = warp_sum(acc);
-      float* rr = red2 + (n & 1) * NWARPS;
-      if (lane == 0) rr[warp] = acc;
-      __syncthreads();  // partials complete, and the stage is read
-      ++ring.done;
-      if (tid < 2) {  // the reference rounds gate and up, then SiLU, then the product
-        const float gate = rbf(rr[2 * tid] + rr[2 * tid + 1]);
-        const float up = rbf(rr[4 + 2 * tid] + rr[4 + 2 * tid + 1]);
-        const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
-        ll4_put(p.ll_act + k * NI + j + tid, silu * up, f16);
+          for (int q = 0; q < NWARPS / 4; ++q) {
+            gate += red[tid * wpr + q];
+            up += red[(2 + tid) * wpr + q];
+          }
+          gate = rbf(gate);
+          up = rbf(up);
+          const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
+          ll4_put(p.ll_act + k * NI + j + tid, silu * up, f16);
+        }
+        release();
       }
-      refill_b();
+      STAMP(10);
     }
 
-    STAMP(10);
     // ---------------- P5: the experts' down rows, weighted and summed ----------------
     {
       u16* act = (u16*)scr;  // [TOPK * NI] bf16
@@ -1004,10 +980,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       STAMP(11);
       __syncthreads();
+      // Every CTA has routed this layer (each wrote act after): its router sums can be reset for the next
+      // launch.
+      if (c == 0) {
+        for (int e = tid; e < NE; e += NT) p.router_sums[(i64)L * NE + e] = 0;
+        if (tid == 0) p.router_count[L] = 0;
+      }
       for (int m2 = 0; m2 < n_down; ++m2) {
         const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_PIECE, rn = imin(DOWN_PIECE, no - r0);
-        ring.wait(err);
-        const u16* st = (const u16*)(ring_mem + ring.slot(ring.done) * STAGE_BYTES);
+        const u16* st = (const u16*)take();
         const float wk = route_w[k];
         const u16* ak = act + k * NI;
         for (int r = warp; r < rn; r += NWARPS) {
@@ -1019,9 +1000,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           acc = warp_sum(acc);
           if (lane == 0) down_acc[r0 + r] += wk * acc;
         }
-        __syncthreads();  // the stage is read
-        ++ring.done;
-        refill_b();
+        release();
       }
       for (int r = tid; r < no; r += NT) {
         const float xo = down_acc[r];
