@@ -35,17 +35,17 @@ typedef long long i64;
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 
-#define NT 256
-#define NWARPS 8
+#define NWARPS 8   // consumer warps
+#define NC (32 * NWARPS)  // consumer threads
+#define NT (NC + 32)  // and one producer warp
 #define QKV_ROWS (NQ * D + 2 * NKV * D)
 #define QDIM (NQ * D)
 #define GRP (NQ / NKV)
 #define HALF (D / 2)
-#define RING 12
-#define KV_TILE 30
+#define RING 8  // stages; slot s is consumed by warp s wherever one warp takes a stage
+#define KV_TILE 45
 #define KV_ROW 272  // a key's 256 bytes padded to 272: 8 keys read together hit 8 distinct bank groups
 #define KV_V_OFF (KV_TILE * KV_ROW)
-#define DOWN_PIECE 10
 #define MAX_DOWN_ROWS 32
 #define WAIT_LIMIT (1LL << 24)  // polls (each an L2 round trip) before a wait gives up: seconds
 #define MBAR_LIMIT (1LL << 22)
@@ -139,15 +139,17 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// The sum of v over the CTA, in every thread (red: NWARPS floats of scratch; two barriers).
+// A barrier of the consumer warps only (the producer warp never waits on them).
+__device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(NC) : "memory"); }
+// The sum of v over the consumer threads, in each of them (red: NWARPS floats of scratch).
 __device__ __forceinline__ float block_sum(float v, float* red) {
   v = warp_sum(v);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
+  csync();
   float t = 0.f;
 #pragma unroll
   for (int w = 0; w < NWARPS; ++w) t += red[w];
-  __syncthreads();
+  csync();
   return t;
 }
 // 8 bf16 of a against 8 bf16 of b (16-byte vectors), accumulated into acc.
@@ -323,37 +325,34 @@ __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ int part_lo(int n, int parts, int i) { return (int)((i64)n * i / parts); }
 
 // ---- the ring of weight stages -------------------------------------------------------------------------
-// One FIFO of RING stages for every stream a layer reads, in the order the layer consumes them: its QKV
+// One FIFO of RING stages carries every stream a layer reads, in the order the layer consumes it: its QKV
 // rows, its KV tiles, its o-proj rows, its router columns, its experts' gate-up rows, their down rows; then
-// the next layer's. Stages are refilled as soon as they are consumed, so the next layer's QKV rows stream
-// while this layer's down rows are used, and the o-proj rows while the attention runs; only the experts
-// wait (for routing). Every thread keeps the same counters (all run the same control flow); warp 0 issues.
-struct Ring {
-  u32 base;    // shared address of stage 0
-  u32 bars;    // shared address of the RING mbarriers
-  u32 issued;  // stages handed to copies so far (this launch)
-  u32 done;    // stages consumed so far
-  __device__ __forceinline__ u32 slot(u32 i) const { return i % RING; }
-  __device__ __forceinline__ u32 stage(u32 i) const { return base + slot(i) * STAGE_BYTES; }
-  __device__ __forceinline__ u32 bar(u32 i) const { return bars + slot(i) * 8; }
-  __device__ __forceinline__ bool room() const { return issued - done < RING; }
-  __device__ __forceinline__ void wait(u32* err) const { mbar_wait(bar(done), (done / RING) & 1u, err); }
-};
+// the next layer's. A producer warp issues each item as soon as its stage is free (and, for the experts,
+// once this CTA has routed the layer), so it runs ahead across phases and layers: the next layer's QKV rows
+// stream while this layer's down rows are used, the o-proj rows while the attention runs. Item g sits in
+// slot g % RING; a stage one warp consumes is consumed by warp g % RING (RING == NWARPS), so a warp only
+// ever waits on a slot whose previous phase it saw complete; before a stage all warps consume, they meet.
+// Each slot has a "full" barrier (the producer's expected bytes) and an "empty" one (one arrival).
+__device__ __forceinline__ u32 full_bar(u32 bars, u32 g) { return bars + (g % RING) * 8; }
+__device__ __forceinline__ u32 empty_bar(u32 bars, u32 g) { return bars + (RING + g % RING) * 8; }
+__device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait(full_bar(bars, g), (g / RING) & 1u, err); }
 
-// Shared memory: RING | XN (bf16 [H]) | HS (bf16 [H]) | SCR | MISC | RING barriers.
+// Shared memory: RING | XN (bf16 [H]) | HS (bf16 [H]) | SCR | MISC | barriers.
 #define OFF_XN (RING * STAGE_BYTES)
 #define OFF_HS (OFF_XN + 2 * H)
 #define OFF_SCR (OFF_HS + 2 * H)
 #define OFF_MISC (OFF_SCR + SCR_BYTES)
-#define MISC_BYTES 1024
+#define MISC_BYTES 2048
 #define OFF_BARS (OFF_MISC + MISC_BYTES)
-#define SMEM_BYTES (OFF_BARS + 8 * RING)
-// Items of four values a thread handles in a vector of n values (n a multiple of 4 * NT).
-#define ITEMS(n) ((n) / (4 * NT))
-// Rows a stage holds of QKV (H long) and of o-proj (QDIM long), and the warps that share one row.
-#define QKV_CH (STAGE_BYTES / (2 * H) < NWARPS ? STAGE_BYTES / (2 * H) : NWARPS)
-#define OPJ_CH (STAGE_BYTES / (2 * QDIM) < NWARPS ? STAGE_BYTES / (2 * QDIM) : NWARPS)
-#define PRE_TILES 5
+#define SMEM_BYTES (OFF_BARS + 16 * RING)
+// Items of four values a consumer thread handles in a vector of n values (n a multiple of 4 * NC).
+#define ITEMS(n) ((n) / (4 * NC))
+#define MIN_(a, b) ((a) < (b) ? (a) : (b))
+#define QKV_CH MIN_(STAGE_BYTES / (2 * H), 16)      // QKV rows a stage holds
+#define OPJ_CH MIN_(STAGE_BYTES / (2 * QDIM), 16)   // o-proj rows
+#define GU_CH MIN_(STAGE_BYTES / (4 * H), 8)        // gate-up units (a gate row and its up row)
+#define DOWN_CH MIN_(STAGE_BYTES / (2 * NI), MAX_DOWN_ROWS)  // down rows of one expert
+#define PRE_TILES 4
 #define FIX_SCALE 4294967296.0  // 2^32: the router sums' fixed point
 
 __device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
@@ -367,17 +366,11 @@ __device__ __forceinline__ void ll4_pack(U4 a, u32& lo, u32& hi) {
 __device__ __forceinline__ u32 norm2(u32 g, u32 s, float inv) {
   return f2bf(bf_lo(g) * rbf(bf_lo(s) * inv)) | (f2bf(bf_hi(g) * rbf(bf_hi(s) * inv)) << 16);
 }
-// Warp w's part of the dot of x with row w / wpr of a stage of rows `len` long (nrows of them): part
-// w % wpr of the row; 0 for rows past nrows. Every lane returns the warp's sum.
-__device__ __forceinline__ float part_dot(const u16* st, int len, int wpr, int nrows, const u16* x, int w, int lane) {
-  const int row = w / wpr, part = w % wpr, plen = len / wpr;
+// The dot of a row of `len` bf16 with x (both in shared memory), summed over the warp (every lane).
+__device__ __forceinline__ float row_dot(const u16* row, const u16* x, int len, int lane) {
   float acc = 0.f;
-  if (row < nrows) {
-    const u16* base = st + (size_t)row * len + part * plen;
-    const u16* xb = x + part * plen;
 #pragma unroll 4
-    for (int col = lane * 8; col < plen; col += 256) acc = dot8(*(const U4*)(base + col), *(const U4*)(xb + col), acc);
-  }
+  for (int col = lane * 8; col < len; col += 256) acc = dot8(*(const U4*)(row + col), *(const U4*)(x + col), acc);
   return warp_sum(acc);
 }
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
@@ -386,7 +379,7 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
   return v;
 }
 
-// With TIMING: thread 0 of each CTA stamps its SM clock at the end of each part of a layer (16 slots).
+// With TIMING: consumer thread 0 of each CTA stamps its SM clock at the end of each part of a layer.
 #define STAMP(k)                                                     \
   do {                                                               \
     if (TIMING && tid == 0) {                                        \
@@ -406,26 +399,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   u16* hs = (u16*)(smem + OFF_HS);
   unsigned char* scr = smem + OFF_SCR;
   float* misc = (float*)(smem + OFF_MISC);
-  float* red = misc;                   // [NWARPS]: a chunk's per-warp partial dots
-  float* down_acc = misc + 24;         // [MAX_DOWN_ROWS]
-  float* route_w = misc + 56;          // [TOPK <= 16]
-  int* route_id = (int*)(misc + 72);   // [TOPK <= 16]: physical ids
-  float* merge_w = misc + 88;          // [MAX_SPLITS + 1]
-  float* hrow = misc + 136;            // [MAX_DOWN_ROWS]: this CTA's rows of h
-  float* gsum = misc + 168;            // [NWARPS]
-  const u32 bar0 = smem_addr(smem + OFF_BARS);
-
-  Ring ring;
-  ring.base = smem_addr(ring_mem);
-  ring.bars = bar0;
-  ring.issued = ring.done = 0;
+  float* gsum = misc;                   // [NWARPS]
+  float* route_w = misc + 8;            // [TOPK <= 16]
+  int* route_id = (int*)(misc + 24);    // [TOPK <= 16]: physical ids
+  float* merge_w = misc + 40;           // [MAX_SPLITS + 1]
+  float* hrow = misc + 88;              // [MAX_DOWN_ROWS]: this CTA's rows of h
+  volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
+  float* down_acc = misc + 128;         // [NWARPS][MAX_DOWN_ROWS]
+  const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
-    for (int j = 0; j < RING; ++j) mbar_init(bar0 + 8 * j, 1);
+    for (int j = 0; j < 2 * RING; ++j) mbar_init(bars + 8 * j, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    *routed = -1;
   }
-  for (int i = tid; i < MAX_DOWN_ROWS; i += NT) down_acc[i] = 0.f;
-  __syncthreads();
+  for (int i = tid; i < NWARPS * MAX_DOWN_ROWS; i += NT) down_acc[i] = 0.f;
+  __syncthreads();  // the last barrier of all NT threads
 
   u32* err = p.error;
   const u32 epoch = *(volatile u32*)p.epoch;
@@ -437,14 +426,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   // This CTA's slices, fixed for the launch.
   const int q0 = part_lo(QKV_ROWS, G, c), nq = part_lo(QKV_ROWS, G, c + 1) - q0;
   const int o0 = part_lo(H, G, c), o1 = part_lo(H, G, c + 1), no = o1 - o0;  // o-proj, router, down rows
-  const int g0 = part_lo(TOPK * NI / 2, G, c), n_gate = part_lo(TOPK * NI / 2, G, c + 1) - g0;
-  const int pieces = (no + DOWN_PIECE - 1) / DOWN_PIECE;
-  const int n_down = TOPK * pieces;
+  const int u0 = part_lo(TOPK * NI, G, c), u1 = part_lo(TOPK * NI, G, c + 1);  // gate-up units
   const int n_qkv = (nq + QKV_CH - 1) / QKV_CH, n_opj = (no + OPJ_CH - 1) / OPJ_CH;
+  const int pieces = (no + DOWN_CH - 1) / DOWN_CH;
+  const int n_down = TOPK * pieces;
+  // Gate-up chunks: up to GU_CH units of one expert, from u0 on.
+  auto gu_chunks = [&]() {
+    int n = 0;
+    for (int u = u0; u < u1; ++n) u = imin(imin(u + GU_CH, u1), (u / NI + 1) * NI);
+    return n;
+  };
+  const int n_gate = gu_chunks();
 
   // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
   int S = (seq_len + 2 * KV_TILE - 1) / (2 * KV_TILE);
-  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));
+  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));  // two tiles a split where the SMs allow
   const int split_len = (seq_len + S - 1) / S;
   const bool attn_cta = c < NKV * S;
   const int kvh = attn_cta ? c / S : 0, sp = attn_cta ? c % S : 0;
@@ -453,89 +449,97 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   const bool own = attn_cta && k0 <= seq_len - 1 && seq_len - 1 < k1;  // holds the new token
   const int old_end = own ? seq_len - 1 : k1;  // keys read from the pool: [k0, old_end)
   const int n_tiles = (imax(0, old_end - k0) + KV_TILE - 1) / KV_TILE;
-  // The pool pages of the first tiles' keys (lane j: key j of each), the same in every layer: read once.
-  i64 tile_page[PRE_TILES];
-#pragma unroll
-  for (int t = 0; t < PRE_TILES; ++t) {
-    const int kpos = k0 + t * KV_TILE + lane;
-    tile_page[t] = (warp == 0 && lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
-  }
 
   // The ring's items, layer by layer: n_qkv | n_tiles | n_opj | 1 (router columns) | n_gate | n_down.
   const int first_expert = n_qkv + n_tiles + n_opj + 1;
   const int per_layer = first_expert + n_gate + n_down;
-  int pl = 0, pi = 0;  // the next item to issue
-  int routed = -1;     // the last layer this CTA has routed (its experts' items wait for it)
-  auto issue = [&](int L2, int i, u32 stage, u32 bar) {  // warp 0
-    const LayerPtrs& q = p.layers[L2];
-    if (lane == 0) fence_async_smem();
-    if (i >= n_qkv && i < n_qkv + n_tiles) {
-      const int t = i - n_qkv, first = k0 + t * KV_TILE, n = imin(KV_TILE, old_end - first);
-      if (lane == 0) mbar_expect(bar, (u32)n * 2 * D * 2);
-      __syncwarp();
-      if (lane < n) {
-        const int kpos = first + lane;
-        i64 page = (i64)p.block_table[kpos / BS];
+
+  if (warp == NWARPS) {
+    // ================= the producer warp =================
+    i64 tile_page[PRE_TILES];  // the pool pages of the first tiles' keys (lane j: key j), every layer's
 #pragma unroll
-        for (int u = 0; u < PRE_TILES; ++u)
-          if (t == u) page = tile_page[u];
-        const u16* src = p.kv_pool + (i64)L2 * p.pool_layer + (i64)kvh * p.pool_head + page * p.pool_block +
-                         (i64)(kpos % BS) * p.pool_slot;
-        bulk_load(stage + lane * KV_ROW, src, D * 2, bar);
-        bulk_load(stage + KV_V_OFF + lane * KV_ROW, src + p.pool_kv, D * 2, bar);
+    for (int t = 0; t < PRE_TILES; ++t) {
+      const int kpos = k0 + t * KV_TILE + lane;
+      tile_page[t] = (lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
+    }
+    u32 g = 0;
+    for (int L = 0; L < NL; ++L) {
+      const LayerPtrs q = p.layers[L];
+      int gu = u0;  // the next gate-up unit
+      for (int i = 0; i < per_layer; ++i, ++g) {
+        if (i == first_expert) {  // the experts: once this CTA has routed the layer
+          for (i64 n = 0; *routed < L; ++n) {
+            __nanosleep(64);
+            if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
+          }
+          __threadfence_block();
+        }
+        if (g >= RING) mbar_wait(empty_bar(bars, g), ((g / RING) - 1) & 1u, err);
+        const u32 stage = smem_addr(ring_mem) + (g % RING) * STAGE_BYTES, bar = full_bar(bars, g);
+        if (lane == 0) fence_async_smem();
+        if (i >= n_qkv && i < n_qkv + n_tiles) {
+          const int t = i - n_qkv, first = k0 + t * KV_TILE, n = imin(KV_TILE, old_end - first);
+          if (lane == 0) mbar_expect(bar, (u32)n * 2 * D * 2);
+          __syncwarp();
+          for (int j = lane; j < n; j += 32) {
+            const int kpos = first + j;
+            i64 page = 0;
+            if (j == lane && t < PRE_TILES) {
+#pragma unroll
+              for (int u = 0; u < PRE_TILES; ++u)
+                if (t == u) page = tile_page[u];
+            } else {
+              page = (i64)p.block_table[kpos / BS];
+            }
+            const u16* src = p.kv_pool + (i64)L * p.pool_layer + (i64)kvh * p.pool_head + page * p.pool_block +
+                             (i64)(kpos % BS) * p.pool_slot;
+            bulk_load(stage + j * KV_ROW, src, D * 2, bar);
+            bulk_load(stage + KV_V_OFF + j * KV_ROW, src + p.pool_kv, D * 2, bar);
+          }
+          continue;
+        }
+        if (lane == 0) {
+          int k = i;
+          if (k < n_qkv) {
+            const int lo = k * QKV_CH, bytes = imin(QKV_CH, nq - lo) * H * 2;
+            mbar_expect(bar, bytes);
+            bulk_load(stage, q.qkv_w + (i64)(q0 + lo) * H, bytes, bar);
+          } else if ((k -= n_qkv + n_tiles) < n_opj) {
+            const int lo = k * OPJ_CH, bytes = imin(OPJ_CH, no - lo) * QDIM * 2;
+            mbar_expect(bar, bytes);
+            bulk_load(stage, q.o_w + (i64)(o0 + lo) * QDIM, bytes, bar);
+          } else if ((k -= n_opj) == 0) {
+            mbar_expect(bar, no * NE * 2);
+            bulk_load(stage, q.gate_t + (i64)o0 * NE, no * NE * 2, bar);
+          } else if (--k < n_gate) {  // units [gu, end) of one expert: their gate rows, then their up rows
+            const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
+            const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
+            mbar_expect(bar, n * 2 * H * 2);
+            bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
+            bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
+            gu = end;
+          } else {  // up to DOWN_CH of this CTA's output rows of one expert
+            const int m2 = k - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
+            const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
+            mbar_expect(bar, bytes);
+            bulk_load(stage, q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI, bytes, bar);
+          }
+        }
+        __syncwarp();
       }
-      return;
     }
-    if (lane != 0) return;
-    const u16* src;
-    u32 bytes;
-    if (i < n_qkv) {
-      const int lo = i * QKV_CH;
-      src = q.qkv_w + (i64)(q0 + lo) * H;
-      bytes = (u32)imin(QKV_CH, nq - lo) * H * 2;
-    } else if ((i -= n_qkv + n_tiles) < n_opj) {
-      const int lo = i * OPJ_CH;
-      src = q.o_w + (i64)(o0 + lo) * QDIM;
-      bytes = (u32)imin(OPJ_CH, no - lo) * QDIM * 2;
-    } else if ((i -= n_opj) == 0) {
-      src = q.gate_t + (i64)o0 * NE;
-      bytes = (u32)no * NE * 2;
-    } else if (--i < n_gate) {  // two intermediate rows: their gate rows, then their up rows
-      const int pr = g0 + i, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
-      const u16* w = q.w13 + (i64)route_id[k] * (2 * NI) * H;
-      mbar_expect(bar, 4 * H * 2);
-      bulk_load(stage, w + (i64)j * H, 2 * H * 2, bar);
-      bulk_load(stage + 2 * H * 2, w + (i64)(NI + j) * H, 2 * H * 2, bar);
-      return;
-    } else {  // up to DOWN_PIECE of this CTA's output rows of one expert
-      const int m2 = i - n_gate, k = m2 / pieces, r0 = (m2 % pieces) * DOWN_PIECE;
-      src = q.w2 + (i64)route_id[k] * H * NI + (i64)(o0 + r0) * NI;
-      bytes = (u32)imin(DOWN_PIECE, no - r0) * NI * 2;
-    }
-    mbar_expect(bar, bytes);
-    bulk_load(stage, src, bytes, bar);
+    return;
+  }
+
+  // ================= the consumer warps =================
+  u32 gb = 0;  // the ring index of the phase's first item
+  // A stage one warp consumes: item g, by warp g % RING; released by that warp.
+  auto mine = [&](u32 g) { return (int)(g % RING) == warp; };
+  auto release_warp = [&](u32 g) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty_bar(bars, g));
   };
-  auto refill = [&]() {
-    while (ring.room() && pl < NL) {
-      if (pi >= first_expert && routed < pl) break;
-      if (warp == 0) issue(pl, pi, ring.stage(ring.issued), ring.bar(ring.issued));
-      ++ring.issued;
-      if (++pi == per_layer) {
-        pi = 0;
-        ++pl;
-      }
-    }
-  };
-  auto take = [&]() -> const unsigned char* {  // the next stage, once its bytes are in
-    ring.wait(err);
-    return ring_mem + ring.slot(ring.done) * STAGE_BYTES;
-  };
-  auto release = [&]() {  // after every thread's last read of the stage
-    __syncthreads();
-    ++ring.done;
-    refill();
-  };
-  refill();
+  auto stage_of = [&](u32 g) { return ring_mem + (g % RING) * STAGE_BYTES; };
 
   for (int L = 0; L < NL; ++L) {
     const LayerPtrs lp = p.layers[L];
@@ -552,16 +556,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       if (L == 0) {
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
-          const u32* x = (const u32*)(p.embed + token * H + (t * NT + tid) * 4);
+          const u32* x = (const u32*)(p.embed + token * H + (t * NC + tid) * 4);
           unpack4(x[0], x[1], v[t]);
         }
       } else {
         U4 a[NI4];
-        ll4_read(a, p.ll_xo + tid * 4, NT * 4, f16_prev, err);
+        ll4_read(a, p.ll_xo + tid * 4, NC * 4, f16_prev, err);
         STAMP(1);
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
-          const u32* r = (const u32*)(hs + (t * NT + tid) * 4);  // the residual: the previous layer's h
+          const u32* r = (const u32*)(hs + (t * NC + tid) * 4);  // the residual: the previous layer's h
           float rv[4];
           unpack4(r[0], r[1], rv);
           v[t][0] = rbf(bf2f(a[t].x) + rv[0]);
@@ -572,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
-        u32* o = (u32*)(hs + (t * NT + tid) * 4);  // x + residual: this layer's residual stream (P3 reads it)
+        u32* o = (u32*)(hs + (t * NC + tid) * 4);  // x + residual: this layer's residual stream (P3 reads it)
         o[0] = f2bf(v[t][0]) | (f2bf(v[t][1]) << 16);
         o[1] = f2bf(v[t][2]) | (f2bf(v[t][3]) << 16);
 #pragma unroll
@@ -581,36 +585,34 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
-        const int col = (t * NT + tid) * 4;
+        const int col = (t * NC + tid) * 4;
         const u32* g = (const u32*)(lp.in_norm + col);
         const u32* sv = (const u32*)(hs + col);
         u32* o = (u32*)(xn + col);
         o[0] = norm2(g[0], sv[0], inv);
         o[1] = norm2(g[1], sv[1], inv);
       }
-      __syncthreads();
-      constexpr int WPR = NWARPS / QKV_CH;
+      csync();
       for (int i = 0; i < n_qkv; ++i) {
+        const u32 g = gb + i;
+        if (!mine(g)) continue;
+        wait_full(bars, g, err);
+        const u16* st = (const u16*)stage_of(g);
         const int n = imin(QKV_CH, nq - i * QKV_CH);
-        const u16* st = (const u16*)take();
-        const float part = part_dot(st, H, WPR, n, xn, warp, lane);
-        if (lane == 0) red[warp] = part;
-        __syncthreads();
-        if (tid < n) {
-          float acc = 0.f;
-#pragma unroll
-          for (int k = 0; k < WPR; ++k) acc += red[tid * WPR + k];
-          ll4_put(p.ll_qkv + q0 + i * QKV_CH + tid, acc, f16);
+        for (int r = 0; r < n; ++r) {
+          const float acc = row_dot(st + (size_t)r * H, xn, H, lane);
+          if (lane == 0) ll4_put(p.ll_qkv + q0 + i * QKV_CH + r, acc, f16);
         }
-        release();
+        release_warp(g);
       }
+      gb += n_qkv;
       STAMP(2);
     }
 
     // ---------------- P2: attention of one KV head's q heads over one split of the keys ----------------
     if (attn_cta) {
       u16* qs = (u16*)scr;                      // [GRP][D]: rotated q, bf16
-      float* sc = (float*)(scr + GRP * D * 2);  // [NWARPS][32]: scores, then probabilities
+      float* sc = (float*)(scr + GRP * D * 2);  // [NWARPS][64]: scores, then probabilities
       const int w = warp;
       const bool head_warp = w < GRP;
       const int head = kvh * GRP + w;
@@ -667,7 +669,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           *(u32*)(dst + p.pool_kv + HALF + d) = f2bf(x[10]) | (f2bf(x[11]) << 16);
         }
       }
-      __syncthreads();  // qs complete
+      csync();  // qs complete; every warp is past its own stages before all take the tiles
       // Scores: 8 keys a step, lane 8 kq + kj takes quarter kq of key kj's dims (32 q values a lane).
       const int kq = lane >> 3, kj = lane & 7;
       float qq[D / 4];
@@ -675,8 +677,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       for (int t = 0; t < D / 4; ++t) qq[t] = head_warp ? bf2f(qs[w * D + kq * (D / 4) + t]) : 0.f;
       float m = NEG_INF, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
       for (int t = 0; t < n_tiles; ++t) {
+        const u32 g = gb + t;
         const int n = imin(KV_TILE, old_end - (k0 + t * KV_TILE));
-        const unsigned char* st = take();
+        wait_full(bars, g, err);
+        const unsigned char* st = stage_of(g);
         if (head_warp) {
           for (int j0 = 0; j0 < n; j0 += 8) {
             const int j = j0 + kj;
@@ -694,22 +698,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             }
             s += __shfl_xor_sync(0xffffffffu, s, 8);
             s += __shfl_xor_sync(0xffffffffu, s, 16);
-            if (kq == 0 && j < n) sc[w * 32 + j] = s * p.scale_log2;
+            if (kq == 0 && j < n) sc[w * 64 + j] = s * p.scale_log2;
           }
           __syncwarp();
-          const float s = lane < n ? sc[w * 32 + lane] : NEG_INF;
-          const float m_new = fmaxf(m, warp_max(s));
+          const float sa = lane < n ? sc[w * 64 + lane] : NEG_INF;
+          const float sb = lane + 32 < n ? sc[w * 64 + lane + 32] : NEG_INF;
+          const float m_new = fmaxf(m, warp_max(fmaxf(sa, sb)));
           const float alpha = ex2(m - m_new);  // m = -inf before the first keys: alpha = 0
-          const float pr = lane < n ? ex2(s - m_new) : 0.f;
-          l = l * alpha + warp_sum(pr);
+          const float pa = lane < n ? ex2(sa - m_new) : 0.f, pb = lane + 32 < n ? ex2(sb - m_new) : 0.f;
+          l = l * alpha + warp_sum(pa + pb);
           m = m_new;
           __syncwarp();
-          sc[w * 32 + lane] = rbf(pr);  // the p.v product takes p in bf16
+          sc[w * 64 + lane] = rbf(pa);  // the p.v product takes p in bf16
+          sc[w * 64 + lane + 32] = rbf(pb);
           __syncwarp();
 #pragma unroll
           for (int k = 0; k < 4; ++k) acc[k] *= alpha;
           for (int j = 0; j < n; ++j) {
-            const float pj = sc[w * 32 + j];
+            const float pj = sc[w * 64 + j];
             const u16* vrow = (const u16*)(st + KV_V_OFF + j * KV_ROW);
             const u32 va = *(const u32*)(vrow + d), vb = *(const u32*)(vrow + HALF + d);
             acc[0] = fmaf(pj, bf_lo(va), acc[0]);
@@ -718,7 +724,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             acc[3] = fmaf(pj, bf_hi(vb), acc[3]);
           }
         }
-        release();
+        csync();  // the tile is read
+        if (tid == 0) mbar_arrive(empty_bar(bars, g));
       }
       if (head_warp) {
         if (own) {  // the new token's key and value, from registers
@@ -743,6 +750,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (lane == 0) st_relaxed64(p.ll_part_lse + (i64)sp * NQ + head, ll8(lse, f32));
       }
     }
+    gb += n_tiles;
     STAMP(3);
 
     // ---------------- P2b: merge the splits, one (q head, 32 dims) unit a CTA ----------------
@@ -775,7 +783,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         tot = warp_sum(tot);
         if (lane == 0) merge_w[MAX_SPLITS] = tot;
       }
-      __syncthreads();
+      csync();
       float a = 0.f;
 #pragma unroll
       for (int k = 0; k < PER; ++k) {
@@ -783,7 +791,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (s < S) a += merge_w[s] * o[k];
       }
       part[warp * 32 + lane] = a;
-      __syncthreads();
+      csync();
       if (warp == 0) {
         float t = 0.f;
 #pragma unroll
@@ -791,7 +799,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const float tot = merge_w[MAX_SPLITS];
         ll4_put(p.ll_attn + head * D + dim, tot > 0.f ? t / tot : 0.f, f16);
       }
-      __syncthreads();
+      csync();
     }
     STAMP(4);
 
@@ -801,49 +809,54 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       {
         constexpr int N = ITEMS(QDIM);
         U4 a[N];
-        ll4_read(a, p.ll_attn + tid * 4, NT * 4, f16, err);
+        ll4_read(a, p.ll_attn + tid * 4, NC * 4, f16, err);
 #pragma unroll
         for (int t = 0; t < N; ++t) {
-          u32* o = (u32*)(attn + (t * NT + tid) * 4);
+          u32* o = (u32*)(attn + (t * NC + tid) * 4);
           ll4_pack(a[t], o[0], o[1]);
         }
       }
       STAMP(5);
-      __syncthreads();
-      constexpr int WPR = NWARPS / OPJ_CH;
+      csync();
       for (int i = 0; i < n_opj; ++i) {
+        const u32 g = gb + i;
+        if (!mine(g)) continue;
+        wait_full(bars, g, err);
+        const u16* st = (const u16*)stage_of(g);
         const int n = imin(OPJ_CH, no - i * OPJ_CH);
-        const u16* st = (const u16*)take();
-        const float part = part_dot(st, QDIM, WPR, n, attn, warp, lane);
-        if (lane == 0) red[warp] = part;
-        __syncthreads();
-        if (tid < n) {
-          float acc = 0.f;
-#pragma unroll
-          for (int k = 0; k < WPR; ++k) acc += red[tid * WPR + k];
-          const int r = i * OPJ_CH + tid;
-          const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
-          hrow[r] = h;
-          ll4_put(p.ll_h + o0 + r, h, f16);
-          if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
+        for (int rr = 0; rr < n; ++rr) {
+          const float acc = row_dot(st + (size_t)rr * QDIM, attn, QDIM, lane);
+          if (lane == 0) {
+            const int r = i * OPJ_CH + rr;
+            const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
+            hrow[r] = h;
+            ll4_put(p.ll_h + o0 + r, h, f16);
+            if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
+          }
         }
-        release();
+        release_warp(g);
       }
+      gb += n_opj;
+      csync();  // hrow complete; every warp is past its own stages
       // The router is linear in the normalised h: logit_e = inv_rms * sum_r W[e, r] g[r] h[r]. This CTA adds
       // its rows' share to each expert's sum in fixed point (integer adds: the same bits in any order), and
       // P4 scales by inv_rms once every CTA is in.
       {
-        const u16* wt = (const u16*)take();  // [no][NE]: the router's columns of this CTA's rows
-        for (int e = tid; e < NE; e += NT) {
+        const u32 g = gb;
+        wait_full(bars, g, err);
+        const u16* wt = (const u16*)stage_of(g);  // [no][NE]: the router's columns of this CTA's rows
+        for (int e = tid; e < NE; e += NC) {
           float s = 0.f;
           for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * bf2f(lp.post_norm[o0 + r]), hrow[r], s);
           atomicAdd(p.router_sums + (i64)L * NE + e, (u64)__double2ll_rn((double)s * FIX_SCALE));
         }
-        release();  // its barrier also orders every thread's adds before the count below
+        csync();  // every thread's adds are issued before the count below
         if (tid == 0) {
+          mbar_arrive(empty_bar(bars, g));
           __threadfence();
           atomicAdd(p.router_count + L, 1u);
         }
+        gb += 1;
       }
       STAMP(6);
     }
@@ -852,12 +865,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     {
       constexpr int NI4 = ITEMS(H);
       U4 a[NI4];
-      ll4_read(a, p.ll_h + tid * 4, NT * 4, f16, err);
+      ll4_read(a, p.ll_h + tid * 4, NC * 4, f16, err);
       STAMP(7);
       float ss = 0.f;
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
-        u32* o = (u32*)(hs + (t * NT + tid) * 4);  // h: the next layer's residual
+        u32* o = (u32*)(hs + (t * NC + tid) * 4);  // h: the next layer's residual
         ll4_pack(a[t], o[0], o[1]);
         const float v0 = bf2f(a[t].x), v1 = bf2f(a[t].y), v2 = bf2f(a[t].z), v3 = bf2f(a[t].w);
         ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3;
@@ -865,40 +878,41 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
 #pragma unroll
       for (int t = 0; t < NI4; ++t) {
-        const int col = (t * NT + tid) * 4;
+        const int col = (t * NC + tid) * 4;
         const u32* g = (const u32*)(lp.post_norm + col);
         const u32* sv = (const u32*)(hs + col);
         u32* o = (u32*)(xn + col);
         o[0] = norm2(g[0], sv[0], inv);
         o[1] = norm2(g[1], sv[1], inv);
       }
-      if (tid == 0) {
-        for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
-          if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
-      }
-      __syncthreads();  // xn complete; every CTA's router sums are in
-      STAMP(8);
       if (warp == 0) {
+        if (lane == 0) {
+          for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
+            if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
+        }
+        __syncwarp();
+        STAMP(8);
         constexpr int NLG = (NE + 31) / 32;
         float lg[NLG];
-        float mx = NEG_INF;
+        i64 fx[NLG];
 #pragma unroll
         for (int k = 0; k < NLG; ++k) {
           const int e = k * 32 + lane;
-          lg[k] = NEG_INF;
-          if (e < NE) {
-            const i64 fx = (i64)ld_relaxed64(p.router_sums + (i64)L * NE + e);
-            lg[k] = rbf((float)((double)fx * (1.0 / FIX_SCALE)) * inv);  // the router's output is bf16
-          }
-          mx = fmaxf(mx, lg[k]);
+          fx[k] = e < NE ? (i64)ld_relaxed64(p.router_sums + (i64)L * NE + e) : 0;
+        }
+        float mx = NEG_INF;
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) {
+          lg[k] = k * 32 + lane < NE ? rbf((float)((double)fx[k] * (1.0 / FIX_SCALE)) * inv) : NEG_INF;
+          mx = fmaxf(mx, lg[k]);  // the router's output is bf16
         }
         mx = warp_max(mx);
         float den = 0.f;
 #pragma unroll
         for (int k = 0; k < NLG; ++k) den += lg[k] == NEG_INF ? 0.f : expf(lg[k] - mx);
         den = warp_sum(den);
-        float wk[TOPK], wsum = 0.f;
-        int ek[TOPK];
+        float my_w = 0.f, wsum = 0.f;
+        int my_e = 0;
 #pragma unroll
         for (int t = 0; t < TOPK; ++t) {
           // the largest logit left, the lowest expert index among equals (as the Triton routing kernel)
@@ -924,44 +938,46 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 #pragma unroll
           for (int k = 0; k < NLG; ++k)
             if (k * 32 + lane == be) lg[k] = NEG_INF;
-          wk[t] = expf(bv - mx) / den;
-          ek[t] = be;
-          wsum += wk[t];
+          const float wt = expf(bv - mx) / den;
+          wsum += wt;
+          if (lane == t) {
+            my_w = wt;
+            my_e = be;
+          }
         }
+        if (lane < TOPK) {  // lane t: the t-th choice; its physical id (replica 0: token 0 % replicas)
+          route_w[lane] = rbf(NORM_TOPK ? my_w / wsum : my_w);
+          const int phys = (int)lp.l2p[(i64)my_e * p.l2p_stride];
+          route_id[lane] = phys;
+          if (c == 0) atomicAdd((u64*)(lp.counts + phys), 1ull);
+        }
+        __syncwarp();
         if (lane == 0) {
-#pragma unroll
-          for (int t = 0; t < TOPK; ++t) {
-            route_w[t] = rbf(NORM_TOPK ? wk[t] / wsum : wk[t]);
-            route_id[t] = (int)lp.l2p[(i64)ek[t] * p.l2p_stride];  // replica 0: token 0 % replicas
-          }
+          __threadfence_block();
+          *routed = L;  // the producer may issue this layer's experts
         }
       }
-      __syncthreads();
-      if (c == 0 && tid < TOPK) atomicAdd((u64*)(lp.counts + route_id[tid]), 1ull);
-      routed = L;
-      refill();  // the experts' rows
+      csync();  // route_w, route_id and xn complete
       STAMP(9);
-      for (int n = 0; n < n_gate; ++n) {
-        const int pr = g0 + n, k = pr / (NI / 2), j = (pr % (NI / 2)) * 2;
-        const u16* st = (const u16*)take();  // rows: gate j, gate j + 1, up j, up j + 1
-        const float part = part_dot(st, H, NWARPS / 4, 4, xn, warp, lane);
-        if (lane == 0) red[warp] = part;
-        __syncthreads();
-        if (tid < 2) {  // the reference rounds gate and up, then SiLU, then the product
-          const int wpr = NWARPS / 4;
-          float gate = 0.f, up = 0.f;
-#pragma unroll
-          for (int q = 0; q < NWARPS / 4; ++q) {
-            gate += red[tid * wpr + q];
-            up += red[(2 + tid) * wpr + q];
+      int gu = u0;
+      for (int i = 0; i < n_gate; ++i) {
+        const u32 g = gb + i;
+        const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
+        gu = end;
+        if (!mine(g)) continue;
+        wait_full(bars, g, err);
+        const u16* st = (const u16*)stage_of(g);  // n gate rows, then (at GU_CH rows) n up rows
+        for (int r = 0; r < n; ++r) {  // the reference rounds gate and up, then SiLU, then the product
+          const float gate = rbf(row_dot(st + (size_t)r * H, xn, H, lane));
+          const float up = rbf(row_dot(st + (size_t)(GU_CH + r) * H, xn, H, lane));
+          if (lane == 0) {
+            const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
+            ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
           }
-          gate = rbf(gate);
-          up = rbf(up);
-          const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
-          ll4_put(p.ll_act + k * NI + j + tid, silu * up, f16);
         }
-        release();
+        release_warp(g);
       }
+      gb += n_gate;
       STAMP(10);
     }
 
@@ -971,50 +987,52 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       {
         constexpr int N = ITEMS(TOPK * NI);
         U4 a[N];
-        ll4_read(a, p.ll_act + tid * 4, NT * 4, f16, err);
+        ll4_read(a, p.ll_act + tid * 4, NC * 4, f16, err);
 #pragma unroll
         for (int t = 0; t < N; ++t) {
-          u32* o = (u32*)(act + (t * NT + tid) * 4);
+          u32* o = (u32*)(act + (t * NC + tid) * 4);
           ll4_pack(a[t], o[0], o[1]);
         }
       }
       STAMP(11);
-      __syncthreads();
+      csync();
       // Every CTA has routed this layer (each wrote act after): its router sums can be reset for the next
       // launch.
       if (c == 0) {
-        for (int e = tid; e < NE; e += NT) p.router_sums[(i64)L * NE + e] = 0;
+        for (int e = tid; e < NE; e += NC) p.router_sums[(i64)L * NE + e] = 0;
         if (tid == 0) p.router_count[L] = 0;
       }
       for (int m2 = 0; m2 < n_down; ++m2) {
-        const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_PIECE, rn = imin(DOWN_PIECE, no - r0);
-        const u16* st = (const u16*)take();
+        const u32 g = gb + m2;
+        if (!mine(g)) continue;
+        const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH, rn = imin(DOWN_CH, no - r0);
+        wait_full(bars, g, err);
+        const u16* st = (const u16*)stage_of(g);
         const float wk = route_w[k];
-        const u16* ak = act + k * NI;
-        for (int r = warp; r < rn; r += NWARPS) {
-          const u16* wrow = st + r * NI;
-          float acc = 0.f;
-#pragma unroll
-          for (int col = lane * 8; col < NI; col += 256)
-            acc = dot8(*(const U4*)(wrow + col), *(const U4*)(ak + col), acc);
-          acc = warp_sum(acc);
-          if (lane == 0) down_acc[r0 + r] += wk * acc;
+        for (int r = 0; r < rn; ++r) {
+          const float acc = row_dot(st + (size_t)r * NI, act + k * NI, NI, lane);
+          if (lane == 0) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc;
         }
-        release();
+        release_warp(g);
       }
-      for (int r = tid; r < no; r += NT) {
-        const float xo = down_acc[r];
-        down_acc[r] = 0.f;
+      gb += n_down;
+      csync();
+      for (int r = tid; r < no; r += NC) {
+        float xo = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {  // a fixed order: the same bits every launch
+          xo += down_acc[w * MAX_DOWN_ROWS + r];
+          down_acc[w * MAX_DOWN_ROWS + r] = 0.f;
+        }
         ll4_put(p.ll_xo + o0 + r, xo, f16);
         if (L == NL - 1) p.x_out[o0 + r] = (u16)f2bf(xo);
       }
-      __syncthreads();
+      csync();
       STAMP(12);
     }
   }
 
   // The last CTA to leave advances the epoch, so the next launch's flags are new.
-  __syncthreads();
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(p.exit_count, 1u) == (u32)G - 1) {
