@@ -145,7 +145,7 @@ class Plan:
     quantization: str = "auto"  # EngineConfig.quantization: fp8 keeps the linear weights in float8
     # The decode section's sampling, SamplingParams fields (empty: greedy), e.g. {"temperature": 0.8}.
     decode_sampling: dict[str, float] = field(default_factory=dict)
-    megakernel: bool = True  # EngineConfig.decode_megakernel
+    megakernel: bool = False  # EngineConfig.decode_megakernel
     # Batch-1 decode points also run with the megakernel off (the batch-1 graph captured again without it)
     megakernel_compare: bool = False
     megakernel_timing: bool = False  # and once more with a timing build (per-phase SM cycles, logged)
@@ -1180,7 +1180,7 @@ def main(argv: list[str] | None = None) -> None:
         "expert weights in float8 (128 x 128 scale blocks), and the roofline counts them at a byte",
     )
     parser.add_argument(
-        "--no-megakernel", action="store_true", help="the engine without its batch-1 decode megakernel"
+        "--megakernel", action="store_true", help="the engines with the batch-1 decode megakernel"
     )
     parser.add_argument(
         "--megakernel-compare",
@@ -1230,7 +1230,7 @@ def main(argv: list[str] | None = None) -> None:
         decode_sampling=args.decode_sampling,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
-        megakernel=not args.no_megakernel,
+        megakernel=args.megakernel or args.megakernel_compare or args.megakernel_timing,
         megakernel_compare=args.megakernel_compare,
         megakernel_timing=args.megakernel_timing,
     )

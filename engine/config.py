@@ -58,11 +58,11 @@ class EngineConfig:
         "max_num_batched_tokens.",
     )
     decode_megakernel: bool = setting(
-        True,
-        "With cuda_graphs: run a decode step of one sequence as one persistent CUDA kernel for every "
-        "decoder layer (weights streamed into shared memory ahead of use, values exchanged through "
-        "flagged words), where the model fits it: MoE layers like Qwen3-30B-A3B's, bf16, one GPU of "
-        "compute capability 9.0+. Elsewhere, or off, the op-by-op graphs run.",
+        False,
+        "Experimental, with cuda_graphs: run a decode step of one sequence as one persistent CUDA kernel "
+        "for every decoder layer (kernels/decode_megakernel.py), where the model fits it: MoE layers like "
+        "Qwen3-30B-A3B's, bf16, one GPU of compute capability 9.0+. Off by default: on an H200 it is "
+        "correct but slower than the op-by-op graphs so far (docs/gpu.md).",
     )
     async_scheduling: bool | None = setting(
         None,

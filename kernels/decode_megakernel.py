@@ -262,7 +262,7 @@ class DecodeMegakernel:
         self._router_sums = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._router_count = torch.zeros(_round16(plan.layers), dtype=torch.int32, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
-        self.timing = torch.zeros((plan.ctas, plan.layers, 16), dtype=torch.int64, **kw) if timing else None
+        self.timing = torch.zeros((plan.ctas, plan.layers, 32), dtype=torch.int64, **kw) if timing else None
         self.scale_log2 = plan.head_dim**-0.5 * math.log2(math.e)
         self.eps = model.cfg.rms_norm_eps
         self._params: dict[tuple[int, ...], bytes] = {}
@@ -323,13 +323,30 @@ class DecodeMegakernel:
         and "layer" (stamp 0 to stamp 0 of the next layer). Synchronises."""
         if self.timing is None:
             raise ValueError("not a timing build")
-        t = self.timing.cpu().double()[:, 1:, :]  # layer 0 waits on the launch itself
+        t = self.timing.cpu().double()[:, 1:, :16]  # layer 0 waits on the launch itself
         d = t[:, :, 1 : len(STAMPS)] - t[:, :, : len(STAMPS) - 1]
         out = {}
         for i, name in enumerate(STAMPS[1:]):
             out[name] = {"cta0": float(d[0, :, i].median()), "mean": float(d[:, :, i].mean(0).median())}
         lay = t[:, 1:, 0] - t[:, :-1, 0]
         out["layer"] = {"cta0": float(lay[0].median()), "mean": float(lay.mean(0).median())}
+        return out
+
+    def phase_skew(self, layer: int) -> dict[str, list[float]]:
+        """From a timing build's last launch, for one layer: per stamp (``STAMPS``), the [min, median, max]
+        over CTAs of its global time (ns) after the earliest CTA's layer start, in microseconds; and the 8
+        latest CTAs at the gate-up's end. Synchronises."""
+        if self.timing is None:
+            raise ValueError("not a timing build")
+        t = self.timing.cpu()[:, layer, 16 : 16 + len(STAMPS)].double()
+        t = (t - t[:, 0].min()) / 1000.0
+        out = {
+            name: [float(t[:, i].min()), float(t[:, i].median()), float(t[:, i].max())]
+            for i, name in enumerate(STAMPS)
+        }
+        gate_end = STAMPS.index("P4 gate-up")
+        out["latest CTAs at the gate-up's end"] = [float(x) for x in torch.argsort(t[:, gate_end])[-8:]]
+        out["latest CTAs at the QKV rows' end"] = [float(x) for x in torch.argsort(t[:, 2])[-8:]]
         return out
 
     def error(self) -> int:

@@ -96,7 +96,7 @@ struct Params {
   u32* epoch;
   u32* exit_count;
   u32* error;
-  u64* timing;           // [G][NL][16] clock64 stamps of each phase's end, where compiled with TIMING
+  u64* timing;           // [G][NL][32]: clock64, then globaltimer, at each phase's end (TIMING builds)
   float scale_log2;
   float eps;
 };
@@ -383,9 +383,11 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 #define STAMP(k)                                                     \
   do {                                                               \
     if (TIMING && tid == 0) {                                        \
-      u64 t_;                                                        \
+      u64 t_, g_;                                                    \
       asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_)::"memory");    \
-      p.timing[((i64)c * NL + L) * 16 + (k)] = t_;                   \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)::"memory"); \
+      p.timing[((i64)c * NL + L) * 32 + (k)] = t_;                   \
+      p.timing[((i64)c * NL + L) * 32 + 16 + (k)] = g_;              \
     }                                                                \
   } while (0)
 
