@@ -853,10 +853,13 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                             res.errors.append(f"decode {name} b{batch} c{ctx}: {exc!r}")
                     if timed is not None:
                         phases = timed.phase_cycles()
-                        res.megakernel_phases.append(dict(model=shape, ctx=ctx, cycles=phases))
+                        skew = timed.phase_skew(timed.plan.layers // 2)
+                        res.megakernel_phases.append(dict(model=shape, ctx=ctx, cycles=phases, skew=skew))
                         log.info(
                             "megakernel phases, %s ctx %d (SM cycles): %s", shape, ctx, json.dumps(phases)
                         )
+                        log.info("megakernel skew, %s ctx %d (us: min, median, max over CTAs): %s", shape, ctx,
+                                 json.dumps(skew))  # fmt: skip
                     if engine.runner.graphs is not None and engine.runner.graphs.megakernel is not megakernel:
                         engine.runner.graphs.set_megakernel(megakernel)
                     if megakernel is not None and megakernel.error():
@@ -1014,6 +1017,10 @@ def summary(res: Results, plan: Plan) -> str:
     for ph in res.megakernel_phases:
         lines += ["", f"megakernel phases, {ph['model']} ctx {ph['ctx']}: SM cycles per layer, CTA 0 / mean"]
         lines.append(" | ".join(f"{k} {v['cta0']:.0f}/{v['mean']:.0f}" for k, v in ph["cycles"].items()))
+        if "skew" in ph:
+            lines.append("skew (us after the first CTA's layer start; min/median/max over CTAs): " + " | ".join(
+                f"{k} " + "/".join(f"{x:.1f}" for x in v) for k, v in ph["skew"].items()
+            ))  # fmt: skip
     if res.prefill:
         lines += [
             "",

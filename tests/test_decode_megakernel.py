@@ -255,9 +255,8 @@ def test_engine_decodes_batch_1_in_the_megakernel(moe_checkpoint: Path) -> None:
     prompts = _prompts(3, seed=9, vocab=380)
     reference = LLM(str(moe_checkpoint), device="cuda", dtype="bfloat16", kernel_backend="torch",
                     num_kv_blocks=256).generate(prompts, params)  # fmt: skip
-    fast = LLM(
-        str(moe_checkpoint), device="cuda", dtype="bfloat16", kernel_backend="triton", num_kv_blocks=256
-    )
+    fast = LLM(str(moe_checkpoint), device="cuda", dtype="bfloat16", kernel_backend="triton", num_kv_blocks=256,
+               decode_megakernel=True)  # fmt: skip
     runner = fast.engine.runner
     assert runner.megakernel is not None, "the batch-1 graph should run the megakernel"
     got = [fast.generate([p], params)[0] for p in prompts]  # one at a time: batch-1 graphs
