@@ -1,34 +1,43 @@
 """Batch-1 decode of a Qwen3-MoE-shaped model: every decoder layer in one persistent CUDA kernel.
 
-Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
-experts 75), 27 us at the H200's copy rate, but the op-by-op Triton chain took ~45 us a layer: eight
-launches, each a phase that must wait for the one before (QKV -> attention -> merge -> o-proj -> router ->
-routing -> gate-up -> down), and HBM idles during every latency-bound phase (attention, merge, routing) and
-every boundary. Thirty sessions of measurements (docs/gpu.md, "What is left") found that no change inside
-that chain closes the gap, and that a Triton persistent layer with register tiles was slower; what was
-left is a kernel whose weight streams never stop between phases, which this is.
+Experimental and off by default (``decode_megakernel``): it is correct (tests against the reference ops and
+greedy tokens in the engine, on an H200), but so far slower than the op-by-op graphs it would replace:
+2.81-2.84 ms against 2.29 ms a Qwen3-30B-A3B step at 512 tokens of context (docs/gpu.md, "The decode
+megakernel", with where its time goes and what is left).
 
-How (``kernels/cuda/decode_layers.cu`` has the details): one CTA per SM for the whole step. Each CTA owns
-fixed slices of every projection and copies them from HBM into its shared memory with bulk copies
-(``cp.async.bulk`` on an mbarrier) *before* the values they multiply are known: its QKV rows while the
-previous layer's experts stream, its o-proj rows while the attention runs, the next layer's QKV rows while
-the router and routing run; the experts' gate-up and down rows stream through a three-stage ring as soon as
-routing has chosen them. Values pass between CTAs through "LL" words (a bf16 and a 16-bit flag in one
-32-bit store; a float32 and a 32-bit flag in one 64-bit store), polled by their readers: a grid-wide
-exchange costs one L2 round trip, with no counter, fence or barrier. Triton cannot express this: its
-loads become register tiles or, for ``tl.dot`` operands, software-pipelined copies inside one loop; it has
-no copies that outlive a loop and complete on a barrier while other code runs, which is the point here.
+Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
+experts 75), 27 us at the H200's copy rate, but the op-by-op Triton chain takes ~44 us a layer: eight
+launches, each a phase that waits for the one before (QKV -> attention -> merge -> o-proj -> router ->
+routing -> gate-up -> down), and HBM idles in every latency-bound phase (attention, merge, routing) and at
+every boundary. Thirty sessions of measurements (docs/gpu.md, "What is left") found that no change inside
+that chain closes the gap to the 80% target, and that a Triton persistent layer with register tiles was
+slower; what they left is a kernel whose weight streams keep going between phases, which this attempts.
+
+How (``kernels/cuda/decode_layers.cu`` has the details): one CTA per SM for the whole step, eight consumer
+warps and a producer warp. Each CTA owns fixed slices of every projection; the producer copies them from
+HBM into an 8-stage ring in shared memory with bulk copies (``cp.async.bulk`` on an mbarrier), in the
+order the layer consumes them and as far ahead as the ring allows: the next layer's QKV rows while this
+layer's down rows are used, the o-proj rows while the attention runs; the experts' rows once routing has
+chosen them. Values pass between CTAs through "LL" words (a bf16 and a 16-bit flag in one 32-bit store; a
+float32 and a 32-bit flag in one 64-bit store), polled by their readers: a grid-wide exchange costs one L2
+round trip, with no counter, fence or barrier. Triton cannot express this: its loads become register tiles
+or, for ``tl.dot`` operands, software-pipelined copies inside one loop; it has no warp that issues copies
+completing on barriers while other warps compute, across loops and phases, which is the design here.
 
 Numerics are the reference ops' rounding points (``kernels/norm.py``, ``linear.py``, ``qkv_prologue.py``,
-``attention.py``, ``moe_routing.py``, and the Triton small-MoE path's single fp32 sum over the experts).
-Routing picks the lowest expert among equal logits, as ``kernels/triton_moe_routing.py``; the attention's
-splits follow the actual context length of the step (a device value), not a bound.
+``attention.py``, ``moe_routing.py``, and the Triton small-MoE path's single fp32 sum over the experts),
+except the router: its logits are computed from the un-rounded ``g * h`` (the router is linear in the
+normalised h, so each CTA adds its rows' share to every expert's sum, in 2^-32 fixed point with integer
+atomics: the same bits whatever the order, so runs are deterministic) and then scaled by 1/rms and
+rounded to bf16. Routing picks the lowest expert among equal logits, as
+``kernels/triton_moe_routing.py``; the attention's splits follow the step's actual context length (a
+device value), not a bound.
 
 What it supports (``unsupported`` says why not, and the engine then uses the op-by-op graphs): CUDA of
 compute capability 9.0+, bf16 weights and KV pool, every layer MoE without shared experts, head_dim 128,
-at most 8 q heads per KV head, one expert-parallel rank, no float8 weights, and shapes whose slices fit the
-shared memory of one SM (Qwen3-30B-A3B on an H200: 230 of 227 KiB... see ``MegakernelPlan.smem_bytes``).
-It must not decide when it runs (``engine.cuda_graphs`` does: decode graphs of one row).
+at most 8 q heads per KV head, one expert-parallel rank, no float8 weights, and shapes whose stages fit the
+shared memory of one SM (``MegakernelPlan.shape_problem``; Qwen3-30B-A3B on an H200: 214 of 227 KiB). It
+must not decide when it runs (``engine.cuda_graphs`` does: decode graphs of one row).
 """
 
 from __future__ import annotations
@@ -153,9 +162,6 @@ def plan_for(model: torch.nn.Module, block_size: int, ctas: int) -> MegakernelPl
 
 def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
     """Why ``DecodeMegakernel`` cannot run this model over this pool, or None where it can."""
-    from engine.moe.dispatch import SingleRankDispatcher
-    from engine.moe.layer import MoEBlock
-
     device = kv_pool.device
     if device.type != "cuda":
         return "not a CUDA device"
@@ -170,7 +176,7 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
         return "q/k/v biases"
     if getattr(model, "fp8", None) is not None:
         return "float8 weights"
-    if not isinstance(model.dispatcher or SingleRankDispatcher(), SingleRankDispatcher):
+    if getattr(model.dispatcher, "ep_size", 1) != 1:  # kernels/ does not import engine/: duck-typed
         return "several expert-parallel ranks"
     if kv_pool.dtype != torch.bfloat16 or kv_pool.dim() != 6 or kv_pool.stride(-1) != 1:
         return f"a {kv_pool.dtype} KV pool (bf16 only)"
@@ -178,7 +184,7 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
         return "a RoPE table that is not contiguous float32"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, MoEBlock):
+        if not hasattr(mlp, "w13") or not hasattr(mlp, "placement"):
             return "a dense MLP layer"
         tensors = [layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
                    mlp.gate, mlp.w13, mlp.w2, model.embed_tokens]  # fmt: skip

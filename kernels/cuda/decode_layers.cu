@@ -1,32 +1,32 @@
 // Every decoder layer of one decode token (batch 1) of a Qwen3-MoE-shaped model in one persistent launch.
 //
-// Host side, plan, numerics and the measured reasons: kernels/decode_megakernel.py. In short: one CTA per
-// SM for the whole step; each CTA owns fixed slices of every projection (QKV rows, o-proj rows, router
-// rows, expert rows) and streams them from HBM into shared memory with bulk copies (cp.async.bulk on an
-// mbarrier) issued ahead of the data they are multiplied with, so HBM keeps streaming weights while the
-// latency-bound parts (attention, the merge, routing) and the grid-wide exchanges run. A layer's values
-// pass between CTAs through "LL" words in global memory: each 32-bit word carries a bf16 value and a
-// 16-bit flag (a 64-bit word: a float32 and a 32-bit flag), stored and loaded whole, so a reader polls the
-// data itself and needs no separate counter, fence or barrier (NCCL's low-latency protocol). A flag names
-// the launch (an epoch counter in device memory, advanced by the last CTA to leave) and the layer, so a
-// word from the previous layer or step never passes for a current one.
+// Host side, plan, numerics and the measured reasons: kernels/decode_megakernel.py; results and what is
+// left: docs/gpu.md, "The decode megakernel". In short: one CTA per SM for the whole step, eight consumer
+// warps and one producer warp. Each CTA owns fixed slices of every projection (QKV rows, o-proj rows, its
+// rows' router columns, expert rows); the producer streams them from HBM into an 8-stage shared-memory
+// ring with bulk copies (cp.async.bulk on an mbarrier), in the order the layer consumes them, as far ahead
+// as the ring allows (the experts wait for routing). A layer's values pass between CTAs through "LL"
+// words in global memory: each 32-bit word carries a bf16 value and a 16-bit flag (a 64-bit word: a
+// float32 and a 32-bit flag), stored and loaded whole, so a reader polls the data itself and needs no
+// separate counter, fence or barrier (NCCL's low-latency protocol). A flag names the launch (an epoch
+// counter in device memory, advanced by the last CTA to leave) and the layer, so a word from the previous
+// layer or step never passes for a current one.
 //
 // Phases of a layer (CTA c of G; every CTA takes part in each all-to-all exchange, which is what orders
 // the reuse of every buffer):
-//   P1  input norm + QKV rows (weights already in smem)           -> qkv    (LL4)
+//   P1  residual add, input norm, QKV rows                         -> qkv    (LL4)
 //   P2  attention of one KV head over one split of the context     -> partial o, lse (LL8)
 //   P2b merge of the splits, one (q head, 32 dims) unit per CTA    -> attn   (LL4)
-//   P3  o-proj rows + residual                                    -> h      (LL4)
-//   P4a post-attention norm, router rows                           -> logits (LL4)
-//   P4b softmax, top-k, expert gate-up rows (streamed), SiLU*up    -> act    (LL4)
-//   P5  expert down rows (streamed), weighted sum                  -> xo     (LL4)
-// Weight staging: WBUF holds this CTA's QKV rows, then (issued once P1 has read them) its o-proj rows,
-// then (issued once P3 has) the next layer's QKV rows. The RING (3 stages) carries, in order: the KV tiles
-// of P2, the router rows of P4a, then the gate-up and down rows of the experts, issued as stages free up.
+//   P3  o-proj rows + residual; this CTA's share of every router
+//       logit, added in fixed point (integer atomics: order-free)  -> h (LL4), router sums + a count
+//   P4  post-attention norm, routing (every CTA, the same), the
+//       experts' gate-up rows, SiLU * up                           -> act    (LL4)
+//   P5  the experts' down rows, weighted sum                       -> xo     (LL4)
 //
 // Compile-time constants (defines, from the host): H, NQ, NKV, D, NE (logical experts), TOPK, NI (expert
-// intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, WBUF_BYTES, STAGE_BYTES,
-// MAX_SPLITS. Inputs are bfloat16; accumulation is float32; every rounding point is the reference ops'.
+// intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
+// MAX_SPLITS, TIMING. Inputs are bfloat16; accumulation is float32; rounding points are the reference
+// ops' except the router's (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
