@@ -291,6 +291,8 @@ class DecodeGraphs:
         captured again (benchmarks compare both in one engine). Single-rank engines only."""
         if 1 not in self.graphs:
             raise ValueError("no batch-1 decode graph was captured")
+        if getattr(self.model.dispatcher, "ep_size", 1) != 1:  # the ranks capture together
+            raise ValueError("set_megakernel recaptures one rank's graph alone: single-rank engines only")
         torch.cuda.synchronize()
         for piece in self.graphs.pop(1).pieces:
             piece.reset()

@@ -131,7 +131,7 @@ class ModelRunner:
         # Whether the batch-1 decode graph may run the decoder layers in one kernel (where it supports the
         # model: kernels.decode_megakernel); ``megakernel`` is it once the graphs are captured.
         self.decode_megakernel = decode_megakernel
-        self.megakernel = None
+        self.megakernel: DecodeMegakernel | None = None
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = device

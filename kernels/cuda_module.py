@@ -120,7 +120,7 @@ def _compile_nvcc(nvcc: str, path: Path, arch: str, defines: dict[str, int | flo
 class CompiledKernel:
     cubin: bytes
     arch: str
-    compiler: str  # "nvrtc" or "nvcc"
+    compiler: str  # "nvrtc", "nvcc", or "cache" (read from cache_dir())
     log: str = ""  # nvcc's resource report (registers, spills) where nvcc compiled it
 
 

@@ -197,6 +197,9 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
             return "weights that are not contiguous bf16 tensors"
         if mlp.num_physical != mlp.w13.shape[0]:
             return "experts held by other ranks"
+        l2p = mlp.placement.logical_to_physical
+        if l2p.stride(0) != model.layers[0].mlp.placement.logical_to_physical.stride(0) or l2p.stride(1) != 1:
+            return "replica tables of different widths in different layers (the kernel takes one stride)"
     ctas = props.multi_processor_count
     max_smem = getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
     return plan_for(model, kv_pool.shape[3], ctas).shape_problem(max_smem)
@@ -210,7 +213,6 @@ STAMPS = (
     "P3 o-proj rows + router sums", "P4 h arrived", "P4 router sums in", "P4 routing", "P4 gate-up",
     "P5 act arrived", "P5 down rows",
 )  # fmt: skip
-_LAYER_FIELDS = 11
 
 
 class DecodeMegakernel:
@@ -248,11 +250,7 @@ class DecodeMegakernel:
                 layer.input_layernorm, attn.qkv_proj, qn, kn, attn.o_proj, layer.post_attention_layernorm,
                 gate_t, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts,
             )])  # fmt: skip
-        self.l2p_stride = model.layers[0].mlp.placement.logical_to_physical.stride(0)
-        if any(
-            layer.mlp.placement.logical_to_physical.stride(0) != self.l2p_stride for layer in model.layers
-        ):
-            raise ValueError("the layers' replica tables differ in width")
+        self.l2p_stride = model.layers[0].mlp.placement.logical_to_physical.stride(0)  # one for all layers
         self.layer_table = torch.tensor(rows, dtype=torch.int64, **kw)  # [layers, 11] pointers
         self.x_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
         self.res_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
@@ -341,7 +339,7 @@ class DecodeMegakernel:
     def phase_skew(self, layer: int) -> dict[str, list[float]]:
         """From a timing build's last launch, for one layer: per stamp (``STAMPS``), the [min, median, max]
         over CTAs of its global time (ns) after the earliest CTA's layer start, in microseconds; and the 8
-        latest CTAs at the gate-up's end. Synchronises."""
+        latest CTAs at the gate-up's end and at the QKV rows' end. Synchronises."""
         if self.timing is None:
             raise ValueError("not a timing build")
         t = self.timing.cpu()[:, layer, 16 : 16 + len(STAMPS)].double()

@@ -189,6 +189,11 @@ __device__ __forceinline__ bool mbar_try(u32 bar, u32 parity) {
       : "memory");
   return ok != 0;
 }
+__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 // Whether a wait that has polled n times gives up: past its limit (recording `what` in err), or once
 // any other wait has (so a broken launch ends in seconds, not one timeout per wait).
 __device__ __forceinline__ bool give_up(i64 n, u32* err, i64 limit, u32 what) {
@@ -196,11 +201,7 @@ __device__ __forceinline__ bool give_up(i64 n, u32* err, i64 limit, u32 what) {
     atomicOr(err, what);
     return true;
   }
-  if ((n & 4095) == 4095) {
-    u32 e;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(e) : "l"(err) : "memory");
-    return e != 0;
-  }
+  if ((n & 4095) == 4095) return ld_relaxed(err) != 0;
   return false;
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, u32* err) {
@@ -216,11 +217,6 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
 }
 __device__ __forceinline__ void fence_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
-  u32 v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 __device__ __forceinline__ U4 ld_relaxed4(const void* p) {
   U4 v;
@@ -365,6 +361,29 @@ __device__ __forceinline__ void ll4_pack(U4 a, u32& lo, u32& hi) {
 // rms-normalised s times the norm weight g, rounded as the reference: bf16(g * bf16(s * inv)).
 __device__ __forceinline__ u32 norm2(u32 g, u32 s, float inv) {
   return f2bf(bf_lo(g) * rbf(bf_lo(s) * inv)) | (f2bf(bf_hi(g) * rbf(bf_hi(s) * inv)) << 16);
+}
+// xn = bf16(g * bf16(hs * inv)) over the consumer threads' items of a vector of H (the reference's norm).
+__device__ __forceinline__ void norm_rows(u16* xn, const u16* hs, const u16* g, float inv, int tid) {
+#pragma unroll
+  for (int t = 0; t < ITEMS(H); ++t) {
+    const int col = (t * NC + tid) * 4;
+    const u32* gv = (const u32*)(g + col);
+    const u32* sv = (const u32*)(hs + col);
+    u32* o = (u32*)(xn + col);
+    o[0] = norm2(gv[0], sv[0], inv);
+    o[1] = norm2(gv[1], sv[1], inv);
+  }
+}
+// The N bf16 of an LL4 vector into shared memory as they arrive (each consumer thread its items).
+template <int N>
+__device__ __forceinline__ void ll4_to_smem(u16* dst, const u32* src, u32 flag, u32* err, int tid) {
+  U4 a[ITEMS(N)];
+  ll4_read(a, src + tid * 4, NC * 4, flag, err);
+#pragma unroll
+  for (int t = 0; t < ITEMS(N); ++t) {
+    u32* o = (u32*)(dst + (t * NC + tid) * 4);
+    ll4_pack(a[t], o[0], o[1]);
+  }
 }
 // The dot of a row of `len` bf16 with x (both in shared memory), summed over the warp (every lane).
 __device__ __forceinline__ float row_dot(const u16* row, const u16* x, int len, int lane) {
@@ -585,15 +604,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         for (int k = 0; k < 4; ++k) ss += v[t][k] * v[t][k];
       }
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
-#pragma unroll
-      for (int t = 0; t < NI4; ++t) {
-        const int col = (t * NC + tid) * 4;
-        const u32* g = (const u32*)(lp.in_norm + col);
-        const u32* sv = (const u32*)(hs + col);
-        u32* o = (u32*)(xn + col);
-        o[0] = norm2(g[0], sv[0], inv);
-        o[1] = norm2(g[1], sv[1], inv);
-      }
+      norm_rows(xn, hs, lp.in_norm, inv, tid);
       csync();
       for (int i = 0; i < n_qkv; ++i) {
         const u32 g = gb + i;
@@ -808,16 +819,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     // ---------------- P3: o-proj rows, the residual, the router's partial sums ----------------
     {
       u16* attn = (u16*)scr;  // [QDIM] bf16
-      {
-        constexpr int N = ITEMS(QDIM);
-        U4 a[N];
-        ll4_read(a, p.ll_attn + tid * 4, NC * 4, f16, err);
-#pragma unroll
-        for (int t = 0; t < N; ++t) {
-          u32* o = (u32*)(attn + (t * NC + tid) * 4);
-          ll4_pack(a[t], o[0], o[1]);
-        }
-      }
+      ll4_to_smem<QDIM>(attn, p.ll_attn, f16, err, tid);
       STAMP(5);
       csync();
       for (int i = 0; i < n_opj; ++i) {
@@ -878,15 +880,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3;
       }
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
-#pragma unroll
-      for (int t = 0; t < NI4; ++t) {
-        const int col = (t * NC + tid) * 4;
-        const u32* g = (const u32*)(lp.post_norm + col);
-        const u32* sv = (const u32*)(hs + col);
-        u32* o = (u32*)(xn + col);
-        o[0] = norm2(g[0], sv[0], inv);
-        o[1] = norm2(g[1], sv[1], inv);
-      }
+      norm_rows(xn, hs, lp.post_norm, inv, tid);
       if (warp == 0) {
         if (lane == 0) {
           for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
@@ -986,16 +980,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     // ---------------- P5: the experts' down rows, weighted and summed ----------------
     {
       u16* act = (u16*)scr;  // [TOPK * NI] bf16
-      {
-        constexpr int N = ITEMS(TOPK * NI);
-        U4 a[N];
-        ll4_read(a, p.ll_act + tid * 4, NC * 4, f16, err);
-#pragma unroll
-        for (int t = 0; t < N; ++t) {
-          u32* o = (u32*)(act + (t * NC + tid) * 4);
-          ll4_pack(a[t], o[0], o[1]);
-        }
-      }
+      ll4_to_smem<TOPK * NI>(act, p.ll_act, f16, err, tid);
       STAMP(11);
       csync();
       // Every CTA has routed this layer (each wrote act after): its router sums can be reset for the next
