@@ -149,6 +149,9 @@ class Plan:
     # Batch-1 decode points also run with the megakernel off (the batch-1 graph captured again without it)
     megakernel_compare: bool = False
     megakernel_timing: bool = False  # and once more with a timing build (per-phase SM cycles, logged)
+    # Batch-1 decode points also with builds of other switches (kernels.decode_megakernel.SWITCHES):
+    # (label, switches, with a timing build too)
+    megakernel_variants: tuple[tuple[str, dict[str, int], bool], ...] = ()
     smoke: bool = False
 
 
@@ -827,12 +830,23 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                     variants = [(shape, megakernel)]
                     if plan.megakernel_compare and batch == 1 and megakernel is not None:
                         variants.append((f"{shape}-ops", None))  # the op-by-op graph, same engine
-                    timed = None
-                    if plan.megakernel_timing and batch == 1 and megakernel is not None:
+                    timed = []  # (label, timing build)
+                    if megakernel is not None and batch == 1:
                         from kernels.decode_megakernel import DecodeMegakernel
 
-                        timed = DecodeMegakernel(engine.model, engine.kv_pool, timing=True)
-                        variants.append((f"{shape}-timed", timed))
+                        if plan.megakernel_timing:
+                            build = DecodeMegakernel(engine.model, engine.kv_pool, timing=True)
+                            timed.append((f"{shape}-timed", build))
+                            variants.append((f"{shape}-timed", build))
+                        for label, switches, with_timing in plan.megakernel_variants:
+                            build = DecodeMegakernel(engine.model, engine.kv_pool, switches=switches)
+                            variants.append((f"{shape}-mk-{label}", build))
+                            if with_timing:
+                                build = DecodeMegakernel(
+                                    engine.model, engine.kv_pool, timing=True, switches=switches
+                                )
+                                timed.append((f"{shape}-mk-{label}-timed", build))
+                                variants.append((f"{shape}-mk-{label}-timed", build))
                     for name, mk in variants:
                         graphs = engine.runner.graphs
                         if graphs is not None and graphs.megakernel is not mk:
@@ -851,15 +865,20 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                         except Exception as exc:
                             log.exception("decode %s batch %d ctx %d failed", name, batch, ctx)
                             res.errors.append(f"decode {name} b{batch} c{ctx}: {exc!r}")
-                    if timed is not None:
-                        phases = timed.phase_cycles()
-                        skew = timed.phase_skew(timed.plan.layers // 2)
-                        res.megakernel_phases.append(dict(model=shape, ctx=ctx, cycles=phases, skew=skew))
+                    for label, build in timed:
+                        phases = build.phase_cycles()
+                        skew = build.phase_skew(build.plan.layers // 2)
+                        res.megakernel_phases.append(dict(model=label, ctx=ctx, cycles=phases, skew=skew))
                         log.info(
-                            "megakernel phases, %s ctx %d (SM cycles): %s", shape, ctx, json.dumps(phases)
+                            "megakernel phases, %s ctx %d (SM cycles): %s", label, ctx, json.dumps(phases)
                         )
-                        log.info("megakernel skew, %s ctx %d (us: min, median, max over CTAs): %s", shape, ctx,
+                        log.info("megakernel skew, %s ctx %d (us: min, median, max over CTAs): %s", label, ctx,
                                  json.dumps(skew))  # fmt: skip
+                        if build.error():
+                            res.errors.append(f"decode megakernel {label} error word {build.error()}")
+                    for name, build in variants[1:]:
+                        if build is not None and build.error():
+                            res.errors.append(f"decode megakernel {name} error word {build.error()}")
                     if engine.runner.graphs is not None and engine.runner.graphs.megakernel is not megakernel:
                         engine.runner.graphs.set_megakernel(megakernel)
                     if megakernel is not None and megakernel.error():
@@ -963,6 +982,29 @@ def sampling_label(plan: Plan) -> str:
 # The SamplingParams fields ``--decode-sampling`` may set, with their types (the decode section sets
 # max_tokens and ignore_eos itself).
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int}
+
+
+def parse_megakernel_variants(text: str) -> tuple[tuple[str, dict[str, int], bool], ...]:
+    """'label[+t]:NAME=V,NAME=V;...' -> ((label, {NAME: V}, timing), ...); names from ``SWITCHES``."""
+    from kernels.decode_megakernel import SWITCHES
+
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        label, _, pairs = part.partition(":")
+        timing = label.endswith("+t")
+        label = label.removesuffix("+t")
+        switches: dict[str, int] = {}
+        for pair in filter(None, pairs.split(",")):
+            name, _, value = pair.partition("=")
+            if name not in SWITCHES or not value.lstrip("-").isdigit():
+                raise argparse.ArgumentTypeError(
+                    f"{pair!r}: expected NAME=integer, NAME one of {sorted(SWITCHES)}"
+                )
+            switches[name] = int(value)
+        if not label:
+            raise argparse.ArgumentTypeError(f"{part!r}: a variant needs a label")
+        out.append((label, switches, timing))
+    return tuple(out)
 
 
 def parse_sampling(text: str) -> dict[str, float]:
@@ -1199,6 +1241,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="batch-1 decode points also with a timing build of the megakernel (per-phase SM cycles)",
     )
+    parser.add_argument(
+        "--megakernel-variants",
+        type=parse_megakernel_variants,
+        default=(),
+        help="batch-1 decode points also with megakernel builds of other switches, e.g. "
+        "'off:MROW=0,PRELOAD=0;tps1+t:TPS=1' (label, '+t' for a timing build too, then SWITCH=value pairs; "
+        "kernels.decode_megakernel.SWITCHES)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1237,9 +1287,13 @@ def main(argv: list[str] | None = None) -> None:
         decode_sampling=args.decode_sampling,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
-        megakernel=args.megakernel or args.megakernel_compare or args.megakernel_timing,
+        megakernel=args.megakernel
+        or args.megakernel_compare
+        or args.megakernel_timing
+        or bool(args.megakernel_variants),
         megakernel_compare=args.megakernel_compare,
         megakernel_timing=args.megakernel_timing,
+        megakernel_variants=args.megakernel_variants,
     )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl

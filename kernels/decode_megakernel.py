@@ -207,21 +207,37 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
 
 # The Params struct of decode_layers.cu: 30 eight-byte fields, then scale_log2 and eps (float32).
 _PARAMS = struct.Struct("<" + "Q" * 30 + "ff")
-# Where each of a layer's timing stamps is taken (``timing=True``): the end of ...
+# Where each of a layer's timing stamps is taken (``timing=True``): the end of ... Every CTA passes the first
+# ``SEQUENTIAL_STAMPS`` in order; the rest only the attention CTAs take.
 STAMPS = (
     "layer start", "P1 input arrived", "P1 QKV rows", "P2 attention", "P2b merge", "P3 attn arrived",
     "P3 o-proj rows + router sums", "P4 h arrived", "P4 router sums in", "P4 routing", "P4 gate-up",
-    "P5 act arrived", "P5 down rows",
+    "P5 act arrived", "P5 down rows", "P2 q, k, v arrived (attention CTAs)", "P2 tiles scored (attention CTAs)",
 )  # fmt: skip
+SEQUENTIAL_STAMPS = 13
+STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
+# The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
+SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0}
 
 
 class DecodeMegakernel:
     """The compiled kernel for one model and KV pool, with its scratch (LL buffers, epoch, error word) and
     output rows. ``run`` launches one step on the current stream (graph-capturable)."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor, timing: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_pool: torch.Tensor,
+        timing: bool = False,
+        switches: dict[str, int] | None = None,
+    ) -> None:
         """``timing``: a build that stamps each CTA's clock at the end of every part of each layer
-        (``STAMPS``; ``phase_cycles`` reads them), for benchmarks."""
+        (``STAMPS``; ``phase_cycles`` reads them), for benchmarks. ``switches``: values for some of
+        ``SWITCHES`` (the defaults otherwise), for benchmarks that compare them."""
+        unknown = set(switches or {}) - set(SWITCHES)
+        if unknown:
+            raise ValueError(f"unknown megakernel switches {sorted(unknown)} (known: {sorted(SWITCHES)})")
+        self.switches = SWITCHES | (switches or {})
         reason = unsupported(model, kv_pool)
         if reason is not None:
             raise ValueError(f"the decode megakernel cannot run this model: {reason}")
@@ -233,7 +249,7 @@ class DecodeMegakernel:
         self.model = model
         self.kv_pool = kv_pool
         arch = f"sm_{props.major}{props.minor}"
-        defines = plan.defines() | ({"TIMING": 1} if timing else {})
+        defines = plan.defines() | self.switches | ({"TIMING": 1} if timing else {})
         compiled = compile_cuda(SOURCE, defines, arch)
         self.kernel = CudaKernel(compiled, KERNEL_NAME, self.device, plan.smem_bytes)
         h = plan.hidden
@@ -266,7 +282,11 @@ class DecodeMegakernel:
         self._router_sums = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._router_count = torch.zeros(_round16(plan.layers), dtype=torch.int32, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
-        self.timing = torch.zeros((plan.ctas, plan.layers, 32), dtype=torch.int64, **kw) if timing else None
+        self.timing = (
+            torch.zeros((plan.ctas, plan.layers, 2 * STAMPS_PER_LAYER), dtype=torch.int64, **kw)
+            if timing
+            else None
+        )
         self.scale_log2 = plan.head_dim**-0.5 * math.log2(math.e)
         self.eps = model.cfg.rms_norm_eps
         self._params: dict[tuple[int, ...], bytes] = {}
@@ -327,10 +347,11 @@ class DecodeMegakernel:
         and "layer" (stamp 0 to stamp 0 of the next layer). Synchronises."""
         if self.timing is None:
             raise ValueError("not a timing build")
-        t = self.timing.cpu().double()[:, 1:, :16]  # layer 0 waits on the launch itself
-        d = t[:, :, 1 : len(STAMPS)] - t[:, :, : len(STAMPS) - 1]
+        n = SEQUENTIAL_STAMPS
+        t = self.timing.cpu().double()[:, 1:, :n]  # layer 0 waits on the launch itself
+        d = t[:, :, 1:n] - t[:, :, : n - 1]
         out = {}
-        for i, name in enumerate(STAMPS[1:]):
+        for i, name in enumerate(STAMPS[1:n]):
             out[name] = {"cta0": float(d[0, :, i].median()), "mean": float(d[:, :, i].mean(0).median())}
         lay = t[:, 1:, 0] - t[:, :-1, 0]
         out["layer"] = {"cta0": float(lay[0].median()), "mean": float(lay.mean(0).median())}
@@ -342,12 +363,15 @@ class DecodeMegakernel:
         latest CTAs at the gate-up's end and at the QKV rows' end. Synchronises."""
         if self.timing is None:
             raise ValueError("not a timing build")
-        t = self.timing.cpu()[:, layer, 16 : 16 + len(STAMPS)].double()
+        t = self.timing.cpu()[:, layer, STAMPS_PER_LAYER : STAMPS_PER_LAYER + len(STAMPS)].double()
         t = (t - t[:, 0].min()) / 1000.0
-        out = {
-            name: [float(t[:, i].min()), float(t[:, i].median()), float(t[:, i].max())]
-            for i, name in enumerate(STAMPS)
-        }
+        out = {}
+        for i, name in enumerate(STAMPS):
+            col = t[:, i]
+            if i >= SEQUENTIAL_STAMPS:
+                col = col[col >= 0]  # CTAs that took it in this launch (others hold older stamps, or none)
+            if col.numel():
+                out[name] = [float(col.min()), float(col.median()), float(col.max())]
         gate_end = STAMPS.index("P4 gate-up")
         out["latest CTAs at the gate-up's end"] = [float(x) for x in torch.argsort(t[:, gate_end])[-8:]]
         out["latest CTAs at the QKV rows' end"] = [float(x) for x in torch.argsort(t[:, 2])[-8:]]

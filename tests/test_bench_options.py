@@ -45,6 +45,17 @@ def test_decode_sampling_takes_sampling_params_fields() -> None:
     assert gpu_bench.sampling_label(gpu_bench.Plan()) == "greedy"
 
 
+def test_megakernel_variants_take_labels_timing_marks_and_known_switches() -> None:
+    gpu_bench = load_gpu_bench()
+    got = gpu_bench.parse_megakernel_variants("off:MROW=0,PRELOAD=0; tps1+t:TPS=1,PF_QKV=2;plain:")
+    assert got == (("off", {"MROW": 0, "PRELOAD": 0}, False), ("tps1", {"TPS": 1, "PF_QKV": 2}, True),
+                   ("plain", {}, False))  # fmt: skip
+    assert gpu_bench.parse_megakernel_variants("") == ()
+    for bad in ("x:NOPE=1", "x:MROW=on", "x:MROW", ":MROW=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            gpu_bench.parse_megakernel_variants(bad)
+
+
 @pytest.mark.slow
 def test_ep_bench_smoke_steps_two_ranks_through_every_mode(tmp_path: Path) -> None:
     """``benchmarks/ep_bench.py --smoke``: two gloo ranks on the CPU run every mode at every batch (their

@@ -59,6 +59,9 @@ def test_host_constants_mirror_the_cuda_source() -> None:
     defined = dict(re.findall(r"^#define (\w+) (\d+)\b", src, re.M))
     for name in ("NWARPS", "RING", "KV_TILE", "KV_ROW", "MAX_DOWN_ROWS", "MISC_BYTES"):
         assert int(defined[name]) == getattr(dm, name), name
+    assert int(defined["STAMPS_PER_LAYER"]) == dm.STAMPS_PER_LAYER
+    for name, value in dm.SWITCHES.items():  # each switch's default, as the source sets it when undefined
+        assert re.search(rf"#ifndef {name}\n#define {name} (\d+)\n#endif", src).group(1) == str(value), name
     assert re.search(r"#define ERR_LL (\d+)u", src).group(1) == str(dm.ERR_LL)
     assert re.search(r"#define ERR_MBAR (\d+)u", src).group(1) == str(dm.ERR_MBAR)
     # The Params struct: 30 eight-byte fields, then two floats, as the host packs it.
@@ -69,13 +72,30 @@ def test_host_constants_mirror_the_cuda_source() -> None:
     assert dm._PARAMS.size == 30 * 8 + 2 * 4
 
 
+# Switch sets the GPU tests run besides the defaults: every switch off (the kernel before them), and the
+# ones that change the work's shape.
+OTHER_SWITCHES = [
+    dict(MROW=0, PRELOAD=0, REDUX_TOPK=0),
+    dict(TPS=1, PF_QKV=1),
+    dict(TPS=1, PF_QKV=2),
+]
+
+
+def test_unknown_switches_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown megakernel switches"):
+        dm.DecodeMegakernel(torch.nn.Module(), torch.empty(0), switches={"NOPE": 1})
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
-def test_the_source_compiles_for_sm90_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("switches", [{}, *OTHER_SWITCHES, dict(TIMING=1)], ids=str)
+def test_the_source_compiles_for_sm90_without_spills(
+    switches: dict[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("kernels.cuda_module._load_nvrtc", lambda: None)  # nvcc prints the resource report
-    compiled = compile_cuda(dm.SOURCE, _plan().defines(), "sm_90", use_cache=False)
+    compiled = compile_cuda(dm.SOURCE, _plan().defines() | dm.SWITCHES | switches, "sm_90", use_cache=False)
     assert compiled.compiler == "nvcc" and len(compiled.cubin) > 10_000
     report = compiled.log
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     assert regs <= 255  # one CTA of 256 threads per SM: up to 255 registers a thread
 
@@ -168,11 +188,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("ctx", [1, 5, 90, 91, 512, 3001])
-def test_megakernel_matches_the_reference_layers(ctx: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("ctx", "switches"),
+    [(ctx, {}) for ctx in (1, 5, 90, 91, 512, 3001)]
+    + [(ctx, sw) for sw in OTHER_SWITCHES for ctx in (91, 3001)],
+    ids=str,
+)
+def test_megakernel_matches_the_reference_layers(ctx: int, switches: dict[str, int], tmp_path: Path) -> None:
     net, pool = _model(tmp_path, layers=3, seed=ctx)
     assert dm.unsupported(net, pool) is None
-    mk = dm.DecodeMegakernel(net, pool)
+    mk = dm.DecodeMegakernel(net, pool, switches=switches)
     gen = torch.Generator().manual_seed(ctx)
     blocks = -(-ctx // 16)
     table = torch.randperm(pool.shape[0], generator=gen)[: blocks + 2].to(torch.int32).cuda()  # scattered
@@ -206,6 +231,36 @@ def test_megakernel_matches_the_reference_layers(ctx: int, tmp_path: Path) -> No
     assert _rel(new_k, ref_k) < 2e-2
     written[blk_id, :, :, off] = pool_ref[blk_id, :, :, off]
     assert torch.equal(written, pool_ref), "the kernel wrote outside the new token's slot"
+
+
+@needs_gpu
+@needs_hopper
+def test_switches_that_keep_the_bits_keep_them(tmp_path: Path) -> None:
+    """MROW, PRELOAD and REDUX_TOPK move work, not arithmetic: with each on, the outputs, the KV written and
+    the experts counted are bit for bit those of the build with all three off."""
+    net, pool = _model(tmp_path, layers=4, seed=3)
+    ctx = 700
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randperm(pool.shape[0], generator=gen)[:48].to(torch.int32).cuda()
+    slot = int(table[(ctx - 1) // 16]) * 16 + (ctx - 1) % 16
+    dev = pool.device
+    args = (torch.tensor([77], device=dev), torch.tensor([ctx - 1], device=dev), torch.tensor([slot], device=dev),
+            torch.tensor([ctx], dtype=torch.int32, device=dev), table.view(1, -1))  # fmt: skip
+    results = []
+    for switches in (dict(MROW=0, PRELOAD=0, REDUX_TOPK=0), dict(MROW=1), dict(PRELOAD=1, MROW=0, REDUX_TOPK=0),
+                     dict(REDUX_TOPK=1, MROW=0, PRELOAD=0), {}):  # fmt: skip
+        counts = [blk.expert_counts.clone() for blk in net.moe_blocks()]
+        mk = dm.DecodeMegakernel(net, pool, switches=switches)
+        x, res = mk.run(*args)
+        torch.cuda.synchronize()
+        assert mk.error() == 0
+        delta = [blk.expert_counts - before for blk, before in zip(net.moe_blocks(), counts, strict=True)]
+        results.append((switches, x.clone(), res.clone(), pool[slot // 16].clone(), delta))
+    _, x0, res0, kv0, delta0 = results[0]
+    for switches, x, res, kv, delta in results[1:]:
+        assert torch.equal(x, x0) and torch.equal(res, res0), switches
+        assert torch.equal(kv, kv0), switches
+        assert all(torch.equal(a, b) for a, b in zip(delta, delta0, strict=True)), switches
 
 
 @needs_gpu

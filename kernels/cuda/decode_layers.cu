@@ -25,7 +25,16 @@
 //
 // Compile-time constants (defines, from the host): H, NQ, NKV, D, NE (logical experts), TOPK, NI (expert
 // intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
-// MAX_SPLITS, TIMING. Inputs are bfloat16; accumulation is float32; rounding points are the reference
+// MAX_SPLITS, TIMING. Switches, each measured on and off (docs/gpu.md, "The decode megakernel"):
+//   MROW        a warp takes every row of its stage in one pass (a stage's rows share x's loads, and
+//               their FMA chains overlap), not one row after another; the same bits either way
+//   PRELOAD     the small vectors a phase needs after a wait (norm weights, the layer's replica table)
+//               are loaded before the wait, off the critical path; the same bits either way
+//   REDUX_TOPK  routing picks each top-k choice with one integer max-reduction over (logit, index) keys
+//   TPS         KV tiles per attention split (more splits where the SMs allow)
+//   PF_QKV      1: the producer prefetches the next layer's QKV rows into L2 while this layer routes (HBM
+//               is otherwise idle then); 2: the same, held with an evict_last policy, and the experts'
+//               rows streamed with evict_first so that they do not push the prefetched rows out Inputs are bfloat16; accumulation is float32; rounding points are the reference
 // ops' except the router's (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
@@ -53,6 +62,22 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #ifndef TIMING
 #define TIMING 0
 #endif
+#ifndef MROW
+#define MROW 1
+#endif
+#ifndef PRELOAD
+#define PRELOAD 1
+#endif
+#ifndef REDUX_TOPK
+#define REDUX_TOPK 1
+#endif
+#ifndef TPS
+#define TPS 2
+#endif
+#ifndef PF_QKV
+#define PF_QKV 0
+#endif
+#define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
 #define ERR_MBAR 2u
 
@@ -96,7 +121,7 @@ struct Params {
   u32* epoch;
   u32* exit_count;
   u32* error;
-  u64* timing;           // [G][NL][32]: clock64, then globaltimer, at each phase's end (TIMING builds)
+  u64* timing;           // [G][NL][2 STAMPS_PER_LAYER]: clock64, then globaltimer (TIMING builds)
   float scale_log2;
   float eps;
 };
@@ -392,6 +417,74 @@ __device__ __forceinline__ float row_dot(const u16* row, const u16* x, int len, 
   for (int col = lane * 8; col < len; col += 256) acc = dot8(*(const U4*)(row + col), *(const U4*)(x + col), acc);
   return warp_sum(acc);
 }
+// The dots of NR rows (row r at rows + r * stride) with x, LEN bf16 each, all in shared memory; out[r] the
+// warp's sum, in every lane. Each row keeps its own accumulator in row_dot's order (the same bits); the rows
+// share each step's load of x, and their FMA chains run side by side instead of one after another.
+template <int NR, int LEN>
+__device__ __forceinline__ void rows_dot(float (&out)[NR], const u16* rows, int stride, const u16* x, int lane) {
+  float acc[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll(NR > 8 ? 1 : 2)
+  for (int col = lane * 8; col < LEN; col += 256) {
+    const U4 xv = *(const U4*)(x + col);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = dot8(*(const U4*)(rows + r * stride + col), xv, acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+// The norm weights a consumer thread's items of a vector of H need (norm_rows' g), loaded ahead of use.
+struct NormW {
+  u32 w[ITEMS(H)][2];
+};
+__device__ __forceinline__ NormW load_norm_w(const u16* g, int tid) {
+  NormW n;
+#pragma unroll
+  for (int t = 0; t < ITEMS(H); ++t) {
+    const u32* gv = (const u32*)(g + (t * NC + tid) * 4);
+    n.w[t][0] = gv[0];
+    n.w[t][1] = gv[1];
+  }
+  return n;
+}
+// norm_rows with the weights already in registers: the same values.
+__device__ __forceinline__ void norm_rows_w(u16* xn, const u16* hs, const NormW& g, float inv, int tid) {
+#pragma unroll
+  for (int t = 0; t < ITEMS(H); ++t) {
+    const int col = (t * NC + tid) * 4;
+    const u32* sv = (const u32*)(hs + col);
+    u32* o = (u32*)(xn + col);
+    o[0] = norm2(g.w[t][0], sv[0], inv);
+    o[1] = norm2(g.w[t][1], sv[1], inv);
+  }
+}
+// L2 cache policies (PF_QKV 2): rows read once (the experts) leave L2 first; prefetched rows stay longest.
+__device__ __forceinline__ u64 policy_evict_first() {
+  u64 pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ u64 policy_evict_last() {
+  u64 pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+// bulk_load with an L2 cache policy.
+__device__ __forceinline__ void bulk_load_hint(u32 dst, const void* src, u32 bytes, u32 bar, u64 pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+      : "memory");
+}
+// bytes (a multiple of 16, 16-byte aligned) from global memory into L2 only; nothing waits for them.
+__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64 pol) {
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(pol)
+               : "memory");
+}
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
   u32 v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -405,8 +498,9 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
       u64 t_, g_;                                                    \
       asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_)::"memory");    \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)::"memory"); \
-      p.timing[((i64)c * NL + L) * 32 + (k)] = t_;                   \
-      p.timing[((i64)c * NL + L) * 32 + 16 + (k)] = g_;              \
+      u64* s_ = p.timing + ((i64)c * NL + L) * 2 * STAMPS_PER_LAYER;  \
+      s_[k] = t_;                                                    \
+      s_[STAMPS_PER_LAYER + (k)] = g_;                               \
     }                                                                \
   } while (0)
 
@@ -427,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   float* hrow = misc + 88;              // [MAX_DOWN_ROWS]: this CTA's rows of h
   volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
   float* down_acc = misc + 128;         // [NWARPS][MAX_DOWN_ROWS]
+  float* post_w = misc + 128 + NWARPS * MAX_DOWN_ROWS;  // [MAX_DOWN_ROWS]: post_norm at this CTA's rows
   const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
@@ -460,8 +555,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   const int n_gate = gu_chunks();
 
   // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
-  int S = (seq_len + 2 * KV_TILE - 1) / (2 * KV_TILE);
-  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));  // two tiles a split where the SMs allow
+  int S = (seq_len + TPS * KV_TILE - 1) / (TPS * KV_TILE);
+  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));  // TPS tiles a split where the SMs allow
   const int split_len = (seq_len + S - 1) / S;
   const bool attn_cta = c < NKV * S;
   const int kvh = attn_cta ? c / S : 0, sp = attn_cta ? c % S : 0;
@@ -484,11 +579,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       tile_page[t] = (lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
     }
     u32 g = 0;
+    const u64 pol_first = PF_QKV == 2 ? policy_evict_first() : 0, pol_last = PF_QKV == 2 ? policy_evict_last() : 0;
+    (void)pol_first;
+    (void)pol_last;
     for (int L = 0; L < NL; ++L) {
       const LayerPtrs q = p.layers[L];
       int gu = u0;  // the next gate-up unit
       for (int i = 0; i < per_layer; ++i, ++g) {
         if (i == first_expert) {  // the experts: once this CTA has routed the layer
+#if PF_QKV
+          // HBM idles while the layer routes: fetch the next layer's QKV rows of this CTA into L2 meanwhile.
+          if (lane == 0 && L + 1 < NL) {
+            const u16* next_qkv = p.layers[L + 1].qkv_w + (i64)q0 * H;
+            if (PF_QKV == 2)
+              prefetch_l2_hint(next_qkv, (u32)nq * H * 2, pol_last);
+            else
+              prefetch_l2(next_qkv, (u32)nq * H * 2);
+          }
+#endif
           for (i64 n = 0; *routed < L; ++n) {
             __nanosleep(64);
             if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
@@ -536,14 +644,23 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
             const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
             mbar_expect(bar, n * 2 * H * 2);
-            bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
-            bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
+            if (PF_QKV == 2) {
+              bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
+              bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
+            } else {
+              bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
+              bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
+            }
             gu = end;
           } else {  // up to DOWN_CH of this CTA's output rows of one expert
             const int m2 = k - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
             const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
             mbar_expect(bar, bytes);
-            bulk_load(stage, q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI, bytes, bar);
+            const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
+            if (PF_QKV == 2)
+              bulk_load_hint(stage, src, bytes, bar, pol_first);
+            else
+              bulk_load(stage, src, bytes, bar);
           }
         }
         __syncwarp();
@@ -574,6 +691,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       constexpr int NI4 = ITEMS(H);
       float v[NI4][4];
       float ss = 0.f;
+#if PRELOAD
+      const NormW g_in = load_norm_w(lp.in_norm, tid);
+#endif
       if (L == 0) {
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
@@ -604,7 +724,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         for (int k = 0; k < 4; ++k) ss += v[t][k] * v[t][k];
       }
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
+#if PRELOAD
+      norm_rows_w(xn, hs, g_in, inv, tid);
+#else
       norm_rows(xn, hs, lp.in_norm, inv, tid);
+#endif
       csync();
       for (int i = 0; i < n_qkv; ++i) {
         const u32 g = gb + i;
@@ -612,10 +736,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(QKV_CH, nq - i * QKV_CH);
+#if MROW
+        float acc[QKV_CH];  // rows past n are stale stage bytes: computed, never used
+        rows_dot<QKV_CH, H>(acc, st, H, xn, lane);
+#pragma unroll
+        for (int r = 0; r < QKV_CH; ++r)
+          if (r < n && lane == r) ll4_put(p.ll_qkv + q0 + i * QKV_CH + r, acc[r], f16);
+#else
         for (int r = 0; r < n; ++r) {
           const float acc = row_dot(st + (size_t)r * H, xn, H, lane);
           if (lane == 0) ll4_put(p.ll_qkv + q0 + i * QKV_CH + r, acc, f16);
         }
+#endif
         release_warp(g);
       }
       gb += n_qkv;
@@ -634,6 +766,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       const float* cs = p.cos_sin + pos * D;
       const float c0 = cs[d], c1 = cs[d + 1], s0 = cs[HALF + d], s1 = cs[HALF + d + 1];
       float x[12];  // q | k | v at this lane's dims
+#if PRELOAD
+      float qnw[4] = {1.f, 1.f, 1.f, 1.f}, knw[4] = {1.f, 1.f, 1.f, 1.f};  // the q and k norms' weights
+      if (QK_NORM) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int dim = (k & 2 ? HALF : 0) + d + (k & 1);
+          qnw[k] = bf2f(lp.q_norm[dim]);
+          knw[k] = bf2f(lp.k_norm[dim]);
+        }
+      }
+#endif
       {
         const u32* qkv = p.ll_qkv;
         const int qrow = head_warp ? head * D : kvh * GRP * D;
@@ -650,6 +793,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           for (int k = 0; k < 4; ++k) x[k] = y[k];
         }
       }
+      STAMP(13);
+#if PRELOAD
+      auto norm_rope = [&](float* y, const float (&nw)[4]) {
+        if (QK_NORM) {
+          const float inv = rsq(warp_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) / D + p.eps);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) y[k] = rbf(nw[k] * rbf(y[k] * inv));
+        }
+#else
       auto norm_rope = [&](float* y, const u16* nw) {
         if (QK_NORM) {
           const float inv = rsq(warp_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) / D + p.eps);
@@ -658,13 +810,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           y[2] = rbf(bf2f(nw[HALF + d]) * rbf(y[2] * inv));
           y[3] = rbf(bf2f(nw[HALF + d + 1]) * rbf(y[3] * inv));
         }
+#endif
         const float a0 = y[0], a1 = y[1], b0 = y[2], b1 = y[3];
         y[0] = rbf(a0 * c0 - b0 * s0);
         y[1] = rbf(a1 * c1 - b1 * s1);
         y[2] = rbf(b0 * c0 + a0 * s0);
         y[3] = rbf(b1 * c1 + a1 * s1);
       };
+#if PRELOAD
+      norm_rope(x, qnw);
+#else
       norm_rope(x, lp.q_norm);
+#endif
       if (head_warp) {
         qs[w * D + d] = (u16)f2bf(x[0]);
         qs[w * D + d + 1] = (u16)f2bf(x[1]);
@@ -672,7 +829,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         qs[w * D + HALF + d + 1] = (u16)f2bf(x[3]);
       }
       if (own) {
+#if PRELOAD
+        norm_rope(x + 4, knw);
+#else
         norm_rope(x + 4, lp.k_norm);
+#endif
         if (w == 0 && new_slot >= 0) {  // the new token's k and v into the pool, for later steps
           u16* dst = p.kv_pool + (new_slot / BS) * p.pool_block + (i64)L * p.pool_layer +
                      (new_slot % BS) * p.pool_slot + (i64)kvh * p.pool_head;
@@ -700,14 +861,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             float s = 0.f;
             if (j < n) {
               const u16* krow = (const u16*)(st + j * KV_ROW) + kq * (D / 4);
+              float part[D / 32];  // one chain per 8 dims, summed at the end: short FMA chains
 #pragma unroll
               for (int t4 = 0; t4 < D / 4; t4 += 8) {
                 const U4 kv = *(const U4*)(krow + t4);
-                s = fmaf(qq[t4 + 0], bf_lo(kv.x), s); s = fmaf(qq[t4 + 1], bf_hi(kv.x), s);
-                s = fmaf(qq[t4 + 2], bf_lo(kv.y), s); s = fmaf(qq[t4 + 3], bf_hi(kv.y), s);
-                s = fmaf(qq[t4 + 4], bf_lo(kv.z), s); s = fmaf(qq[t4 + 5], bf_hi(kv.z), s);
-                s = fmaf(qq[t4 + 6], bf_lo(kv.w), s); s = fmaf(qq[t4 + 7], bf_hi(kv.w), s);
+                float a = qq[t4 + 0] * bf_lo(kv.x);
+                a = fmaf(qq[t4 + 1], bf_hi(kv.x), a);
+                a = fmaf(qq[t4 + 2], bf_lo(kv.y), a); a = fmaf(qq[t4 + 3], bf_hi(kv.y), a);
+                a = fmaf(qq[t4 + 4], bf_lo(kv.z), a); a = fmaf(qq[t4 + 5], bf_hi(kv.z), a);
+                a = fmaf(qq[t4 + 6], bf_lo(kv.w), a); a = fmaf(qq[t4 + 7], bf_hi(kv.w), a);
+                part[t4 / 8] = a;
               }
+              s = (part[0] + part[1]) + (part[2] + part[3]);
             }
             s += __shfl_xor_sync(0xffffffffu, s, 8);
             s += __shfl_xor_sync(0xffffffffu, s, 16);
@@ -727,6 +892,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           __syncwarp();
 #pragma unroll
           for (int k = 0; k < 4; ++k) acc[k] *= alpha;
+#pragma unroll 8
           for (int j = 0; j < n; ++j) {
             const float pj = sc[w * 64 + j];
             const u16* vrow = (const u16*)(st + KV_V_OFF + j * KV_ROW);
@@ -740,6 +906,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         csync();  // the tile is read
         if (tid == 0) mbar_arrive(empty_bar(bars, g));
       }
+      STAMP(14);
       if (head_warp) {
         if (own) {  // the new token's key and value, from registers
           const float s = warp_sum(x[0] * x[4] + x[1] * x[5] + x[2] * x[6] + x[3] * x[7]) * p.scale_log2;
@@ -819,6 +986,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     // ---------------- P3: o-proj rows, the residual, the router's partial sums ----------------
     {
       u16* attn = (u16*)scr;  // [QDIM] bf16
+#if PRELOAD
+      if (tid < no) post_w[tid] = bf2f(lp.post_norm[o0 + tid]);  // the router's use of them, below
+#endif
       ll4_to_smem<QDIM>(attn, p.ll_attn, f16, err, tid);
       STAMP(5);
       csync();
@@ -828,16 +998,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(OPJ_CH, no - i * OPJ_CH);
+        auto put_row = [&](int r, float acc) {
+          const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
+          hrow[r] = h;
+          ll4_put(p.ll_h + o0 + r, h, f16);
+          if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
+        };
+#if MROW
+        float acc[OPJ_CH];
+        rows_dot<OPJ_CH, QDIM>(acc, st, QDIM, attn, lane);
+#pragma unroll
+        for (int rr = 0; rr < OPJ_CH; ++rr)
+          if (rr < n && lane == rr) put_row(i * OPJ_CH + rr, acc[rr]);
+#else
         for (int rr = 0; rr < n; ++rr) {
           const float acc = row_dot(st + (size_t)rr * QDIM, attn, QDIM, lane);
-          if (lane == 0) {
-            const int r = i * OPJ_CH + rr;
-            const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
-            hrow[r] = h;
-            ll4_put(p.ll_h + o0 + r, h, f16);
-            if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
-          }
+          if (lane == 0) put_row(i * OPJ_CH + rr, acc);
         }
+#endif
         release_warp(g);
       }
       gb += n_opj;
@@ -851,7 +1029,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const u16* wt = (const u16*)stage_of(g);  // [no][NE]: the router's columns of this CTA's rows
         for (int e = tid; e < NE; e += NC) {
           float s = 0.f;
+#if PRELOAD
+          for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * post_w[r], hrow[r], s);
+#else
           for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * bf2f(lp.post_norm[o0 + r]), hrow[r], s);
+#endif
           atomicAdd(p.router_sums + (i64)L * NE + e, (u64)__double2ll_rn((double)s * FIX_SCALE));
         }
         csync();  // every thread's adds are issued before the count below
@@ -868,6 +1050,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     // ---------------- P4: the post-attention norm, routing, the experts' gate-up rows ----------------
     {
       constexpr int NI4 = ITEMS(H);
+      constexpr int NLG = (NE + 31) / 32;
+#if PRELOAD
+      const NormW g_post = load_norm_w(lp.post_norm, tid);
+      int l2p_own[NLG];  // warp 0: replica 0's physical id of experts lane, 32 + lane, ...
+      if (warp == 0) {
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) {
+          const int e = k * 32 + lane;
+          l2p_own[k] = e < NE ? (int)lp.l2p[(i64)e * p.l2p_stride] : 0;
+        }
+      }
+#endif
       U4 a[NI4];
       ll4_read(a, p.ll_h + tid * 4, NC * 4, f16, err);
       STAMP(7);
@@ -880,7 +1074,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3;
       }
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
+#if PRELOAD
+      norm_rows_w(xn, hs, g_post, inv, tid);
+#else
       norm_rows(xn, hs, lp.post_norm, inv, tid);
+#endif
       if (warp == 0) {
         if (lane == 0) {
           for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
@@ -888,7 +1086,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         }
         __syncwarp();
         STAMP(8);
-        constexpr int NLG = (NE + 31) / 32;
         float lg[NLG];
         i64 fx[NLG];
 #pragma unroll
@@ -908,9 +1105,35 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         for (int k = 0; k < NLG; ++k) den += lg[k] == NEG_INF ? 0.f : expf(lg[k] - mx);
         den = warp_sum(den);
         float my_w = 0.f, wsum = 0.f;
-        int my_e = 0;
+        int my_e = 0, my_phys = 0;
+        (void)my_phys;
+#if REDUX_TOPK
+        // Keys: the logit's bf16 bits made orderable as unsigned (lg is bf16-exact; -0 taken as +0), then
+        // 0xffff - e: the largest key is the largest logit and, among equal logits, the lowest expert.
+        u32 key[NLG];
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) {
+          const int e = k * 32 + lane;
+          u32 b = __float_as_uint(lg[k]) >> 16;
+          b = b == 0x8000u ? 0u : b;
+          const u32 o = (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
+          key[k] = e < NE ? (o << 16) | (0xffffu - (u32)e) : 0u;
+        }
+#endif
 #pragma unroll
         for (int t = 0; t < TOPK; ++t) {
+#if REDUX_TOPK
+          u32 best = 0u;
+#pragma unroll
+          for (int k = 0; k < NLG; ++k) best = max(best, key[k]);
+          best = __reduce_max_sync(0xffffffffu, best);
+#pragma unroll
+          for (int k = 0; k < NLG; ++k)
+            if (key[k] == best) key[k] = 0u;
+          const int be = (int)(0xffffu - (best & 0xffffu));
+          const u32 bo = best >> 16;
+          const float bv = __uint_as_float(((bo & 0x8000u) ? (bo & 0x7fffu) : (~bo & 0xffffu)) << 16);
+#else
           // the largest logit left, the lowest expert index among equals (as the Triton routing kernel)
           float bv = NEG_INF;
           int be = 0x7fffffff;
@@ -934,6 +1157,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 #pragma unroll
           for (int k = 0; k < NLG; ++k)
             if (k * 32 + lane == be) lg[k] = NEG_INF;
+#endif
           const float wt = expf(bv - mx) / den;
           wsum += wt;
           if (lane == t) {
@@ -941,9 +1165,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             my_e = be;
           }
         }
+#if PRELOAD
+        // lane t's choice's physical id, from the lane that preloaded it (every slot shuffled: a register
+        // array indexed at run time would go to local memory)
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) {
+          const int v = __shfl_sync(0xffffffffu, l2p_own[k], my_e & 31);
+          my_phys = k == (my_e >> 5) ? v : my_phys;
+        }
+#endif
         if (lane < TOPK) {  // lane t: the t-th choice; its physical id (replica 0: token 0 % replicas)
           route_w[lane] = rbf(NORM_TOPK ? my_w / wsum : my_w);
+#if PRELOAD
+          const int phys = my_phys;
+#else
           const int phys = (int)lp.l2p[(i64)my_e * p.l2p_stride];
+#endif
           route_id[lane] = phys;
           if (c == 0) atomicAdd((u64*)(lp.counts + phys), 1ull);
         }
@@ -963,14 +1200,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (!mine(g)) continue;
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);  // n gate rows, then (at GU_CH rows) n up rows
-        for (int r = 0; r < n; ++r) {  // the reference rounds gate and up, then SiLU, then the product
+        // the reference rounds gate and up, then SiLU, then the product
+        auto put_act = [&](int r, float gate, float up) {
+          const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
+          ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
+        };
+#if MROW
+        float acc[2 * GU_CH];  // gate rows | up rows
+        rows_dot<2 * GU_CH, H>(acc, st, H, xn, lane);
+#pragma unroll
+        for (int r = 0; r < GU_CH; ++r)
+          if (r < n && lane == r) put_act(r, rbf(acc[r]), rbf(acc[GU_CH + r]));
+#else
+        for (int r = 0; r < n; ++r) {
           const float gate = rbf(row_dot(st + (size_t)r * H, xn, H, lane));
           const float up = rbf(row_dot(st + (size_t)(GU_CH + r) * H, xn, H, lane));
-          if (lane == 0) {
-            const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
-            ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
-          }
+          if (lane == 0) put_act(r, gate, up);
         }
+#endif
         release_warp(g);
       }
       gb += n_gate;
@@ -996,10 +1243,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const float wk = route_w[k];
+#if MROW
+        float acc[DOWN_CH];
+        rows_dot<DOWN_CH, NI>(acc, st, NI, act + k * NI, lane);
+#pragma unroll
+        for (int r = 0; r < DOWN_CH; ++r)
+          if (r < rn && lane == r) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc[r];
+#else
         for (int r = 0; r < rn; ++r) {
           const float acc = row_dot(st + (size_t)r * NI, act + k * NI, NI, lane);
           if (lane == 0) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc;
         }
+#endif
         release_warp(g);
       }
       gb += n_down;
