@@ -224,7 +224,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "XSCHED": 1}
+SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "XSCHED": 1, "PF_KV": 0}
 
 
 class DecodeMegakernel:

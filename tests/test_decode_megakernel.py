@@ -77,7 +77,7 @@ def test_host_constants_mirror_the_cuda_source() -> None:
 OTHER_SWITCHES = [
     dict(MROW=0, PRELOAD=0, REDUX_TOPK=0, XSCHED=0),
     dict(XSCHED=0),
-    dict(TPS=0, PF_QKV=1),
+    dict(TPS=0, PF_QKV=1, PF_KV=1),
     dict(TPS=1, PF_QKV=2),
 ]
 

@@ -32,6 +32,9 @@
 //               are loaded before the wait, off the critical path; the same bits either way
 //   REDUX_TOPK  routing picks each top-k choice with one integer max-reduction over (logit, index) keys
 //   TPS         KV tiles per attention split (more splits where the SMs allow); 0: as many splits as SMs
+//   PF_KV       the producer of an attention CTA prefetches the next layer's keys and values of its split
+//               into L2 (evict_last) while this layer routes, and the experts' rows stream with evict_first:
+//               small scattered KV reads wait long behind the weight streams when HBM is busy
 //   XSCHED      the expert phase in expert-major order: every CTA takes its units of each chosen expert in
 //               turn, and the down rows of the expert XLAG before, so each expert's act is exchanged while
 //               later experts stream (0: each CTA's units in one run, then every down row after all act)
@@ -83,6 +86,10 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #ifndef XSCHED
 #define XSCHED 1
 #endif
+#ifndef PF_KV
+#define PF_KV 0
+#endif
+#define EXPERT_HINTS (PF_QKV == 2 || PF_KV)  // the experts' rows stream with an evict_first policy
 #define XLAG (TOPK < 2 ? TOPK : 2)  // XSCHED: experts between an expert's gate-up rows and its down rows
 // The router's partial sums go to RGROUPS copies (CTA c adds into copy c % RGROUPS), each with its own
 // count on its own 128-byte line: 132 CTAs adding into one copy serialised ~2 us of atomics on a few lines.
@@ -614,7 +621,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       tile_page[t] = (lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
     }
     u32 g = 0;
-    const u64 pol_first = PF_QKV == 2 ? policy_evict_first() : 0, pol_last = PF_QKV == 2 ? policy_evict_last() : 0;
+    const u64 pol_first = EXPERT_HINTS ? policy_evict_first() : 0;
+    const u64 pol_last = EXPERT_HINTS ? policy_evict_last() : 0;
     (void)pol_first;
     (void)pol_last;
     // A gate-up item: units [j, j + n) of the chosen expert e (their gate rows, then at GU_CH rows their up
@@ -622,7 +630,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     auto issue_gate_up = [&](const LayerPtrs& q, int e, int j, int n, u32 stage, u32 bar) {
       const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
       mbar_expect(bar, n * 2 * H * 2);
-      if (PF_QKV == 2) {
+      if (EXPERT_HINTS) {
         bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
         bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
       } else {
@@ -634,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
       mbar_expect(bar, bytes);
       const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
-      if (PF_QKV == 2)
+      if (EXPERT_HINTS)
         bulk_load_hint(stage, src, bytes, bar, pol_first);
       else
         bulk_load(stage, src, bytes, bar);
@@ -654,6 +662,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
               prefetch_l2_hint(next_qkv, (u32)nq * H * 2, pol_last);
             else
               prefetch_l2(next_qkv, (u32)nq * H * 2);
+          }
+#endif
+#if PF_KV
+          if (L + 1 < NL) {  // this split's old keys and values of the next layer, each row into L2
+            const u16* base = p.kv_pool + (i64)(L + 1) * p.pool_layer + (i64)kvh * p.pool_head;
+            for (int kpos = k0 + lane; kpos < old_end; kpos += 32) {
+              const u16* src = base + (i64)p.block_table[kpos / BS] * p.pool_block + (i64)(kpos % BS) * p.pool_slot;
+              prefetch_l2_hint(src, D * 2, pol_last);
+              prefetch_l2_hint(src + p.pool_kv, D * 2, pol_last);
+            }
           }
 #endif
           for (i64 n = 0; *routed < L; ++n) {
