@@ -63,7 +63,6 @@ KV_ROW = 272
 MAX_DOWN_ROWS = 32
 MAX_SPLITS = 40
 MISC_BYTES = 2048
-RGROUPS = 8  # copies of the router's partial sums (CTA c adds into copy c % RGROUPS)
 ERR_LL = 1
 ERR_MBAR = 2
 
@@ -107,12 +106,7 @@ class MegakernelPlan:
     def scr_bytes(self) -> int:
         group = self.heads // self.kv_heads
         return _round16(
-            max(
-                self.top_k * self.inter * 2,  # every expert's act (XSCHED 0)
-                NWARPS * self.inter * 2,  # each warp's copy of one expert's act (XSCHED 1)
-                self.q_dim * 2,
-                group * self.head_dim * 2 + NWARPS * 64 * 4,
-            )
+            max(self.top_k * self.inter * 2, self.q_dim * 2, group * self.head_dim * 2 + NWARPS * 64 * 4)
         )
 
     @property
@@ -142,8 +136,7 @@ class MegakernelPlan:
             (self.top_k <= 16, f"top_k {self.top_k} (at most 16)"),
             (rows <= MAX_DOWN_ROWS, f"{rows} output rows a CTA (at most {MAX_DOWN_ROWS})"),
             (rows * self.experts * 2 <= stage, f"{rows} router columns of {self.experts} experts in a stage"),
-            (self.inter >= self.ctas, f"expert intermediate size {self.inter} below {self.ctas} SMs (a CTA takes "
-             "units of every chosen expert)"),
+            (self.top_k * self.inter >= self.ctas, "fewer gate-up rows than SMs"),
             (self.ctas >= self.kv_heads, f"{self.ctas} SMs for {self.kv_heads} KV heads"),
             (self.smem_bytes <= max_smem, f"{self.smem_bytes} bytes of shared memory a CTA (the SM has {max_smem})"),
         ]  # fmt: skip
@@ -224,7 +217,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "XSCHED": 1, "PF_KV": 0}
+SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "PF_KV": 0}
 
 
 class DecodeMegakernel:
@@ -286,8 +279,8 @@ class DecodeMegakernel:
             offset += _round16(n)
         self._part_o = torch.zeros(MAX_SPLITS * plan.heads * plan.head_dim, dtype=torch.int64, **kw)
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
-        self._router_sums = torch.zeros((plan.layers, RGROUPS, plan.experts), dtype=torch.int64, **kw)
-        self._router_count = torch.zeros((plan.layers, RGROUPS, 32), dtype=torch.int32, **kw)
+        self._router_sums = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
+        self._router_count = torch.zeros(_round16(plan.layers), dtype=torch.int32, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
         self.timing = (
             torch.zeros((plan.ctas, plan.layers, 2 * STAMPS_PER_LAYER), dtype=torch.int64, **kw)

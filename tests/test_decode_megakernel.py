@@ -57,7 +57,7 @@ def test_plan_says_which_shape_does_not_fit(over: dict[str, int], words: str) ->
 def test_host_constants_mirror_the_cuda_source() -> None:
     src = dm.SOURCE.read_text()
     defined = dict(re.findall(r"^#define (\w+) (\d+)\b", src, re.M))
-    for name in ("NWARPS", "RING", "KV_TILE", "KV_ROW", "MAX_DOWN_ROWS", "MISC_BYTES", "RGROUPS"):
+    for name in ("NWARPS", "RING", "KV_TILE", "KV_ROW", "MAX_DOWN_ROWS", "MISC_BYTES"):
         assert int(defined[name]) == getattr(dm, name), name
     assert int(defined["STAMPS_PER_LAYER"]) == dm.STAMPS_PER_LAYER
     for name, value in dm.SWITCHES.items():  # each switch's default, as the source sets it when undefined
@@ -75,8 +75,7 @@ def test_host_constants_mirror_the_cuda_source() -> None:
 # Switch sets the GPU tests run besides the defaults: every switch off (the kernel before them), and the
 # ones that change the work's shape.
 OTHER_SWITCHES = [
-    dict(MROW=0, PRELOAD=0, REDUX_TOPK=0, XSCHED=0),
-    dict(XSCHED=0),
+    dict(MROW=0, PRELOAD=0, REDUX_TOPK=0),
     dict(TPS=0, PF_QKV=1, PF_KV=1),
     dict(TPS=1, PF_QKV=2),
 ]

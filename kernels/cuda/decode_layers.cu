@@ -35,9 +35,6 @@
 //   PF_KV       the producer of an attention CTA prefetches the next layer's keys and values of its split
 //               into L2 (evict_last) while this layer routes, and the experts' rows stream with evict_first:
 //               small scattered KV reads wait long behind the weight streams when HBM is busy
-//   XSCHED      the expert phase in expert-major order: every CTA takes its units of each chosen expert in
-//               turn, and the down rows of the expert XLAG before, so each expert's act is exchanged while
-//               later experts stream (0: each CTA's units in one run, then every down row after all act)
 //   PF_QKV      1: the producer prefetches the next layer's QKV rows into L2 while this layer routes (HBM
 //               is otherwise idle then); 2: the same, held with an evict_last policy, and the experts'
 //               rows streamed with evict_first so that they do not push the prefetched rows out Inputs are bfloat16; accumulation is float32; rounding points are the reference
@@ -83,17 +80,10 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #ifndef PF_QKV
 #define PF_QKV 0
 #endif
-#ifndef XSCHED
-#define XSCHED 1
-#endif
 #ifndef PF_KV
 #define PF_KV 0
 #endif
 #define EXPERT_HINTS (PF_QKV == 2 || PF_KV)  // the experts' rows stream with an evict_first policy
-#define XLAG (TOPK < 2 ? TOPK : 2)  // XSCHED: experts between an expert's gate-up rows and its down rows
-// The router's partial sums go to RGROUPS copies (CTA c adds into copy c % RGROUPS), each with its own
-// count on its own 128-byte line: 132 CTAs adding into one copy serialised ~2 us of atomics on a few lines.
-#define RGROUPS 8
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
 #define ERR_MBAR 2u
@@ -133,9 +123,8 @@ struct Params {
   u32* ll_xo;            // [H]
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
-  u64* router_sums;      // [NL][RGROUPS][NE]: the router's logits before the norm's scale, fixed point (2^-32),
-                         // CTA c's share added into group c % RGROUPS
-  u32* router_count;     // [NL][RGROUPS][32]: each group's CTAs whose sums are in (reset with the sums)
+  u64* router_sums;      // [NL][NE]: the router's logits before the norm's scale, fixed point (2^-32)
+  u32* router_count;     // [NL]: CTAs whose sums are in (reset, with the sums, once read)
   u32* epoch;
   u32* exit_count;
   u32* error;
@@ -560,32 +549,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   // This CTA's slices, fixed for the launch.
   const int q0 = part_lo(QKV_ROWS, G, c), nq = part_lo(QKV_ROWS, G, c + 1) - q0;
   const int o0 = part_lo(H, G, c), o1 = part_lo(H, G, c + 1), no = o1 - o0;  // o-proj, router, down rows
+  const int u0 = part_lo(TOPK * NI, G, c), u1 = part_lo(TOPK * NI, G, c + 1);  // gate-up units
   const int n_qkv = (nq + QKV_CH - 1) / QKV_CH, n_opj = (no + OPJ_CH - 1) / OPJ_CH;
   const int pieces = (no + DOWN_CH - 1) / DOWN_CH;
   const int n_down = TOPK * pieces;
-#if XSCHED
-  const int v0 = part_lo(NI, G, c), v1 = part_lo(NI, G, c + 1);  // this CTA's units of every chosen expert
-  const int cpe = (v1 - v0 + GU_CH - 1) / GU_CH;                  // its gate-up items an expert
-  const int n_gate = TOPK * cpe;
-  // Item i of the expert phase: XLAG experts' gate-up items; then each next expert's gate-up items and the
-  // down items of the expert XLAG before it; then the last XLAG experts' down items. gate: a gate-up item
-  // (sub: which of the expert's), else a down item (sub: which piece of this CTA's rows).
-  auto x_item = [&](int i, bool& gate, int& k, int& sub) {
-    const int head = XLAG * cpe, per = cpe + pieces, mid = (TOPK - XLAG) * per;
-    if (i < head) {
-      gate = true, k = i / cpe, sub = i % cpe;
-    } else if ((i -= head) < mid) {
-      const int r = i % per;
-      gate = r < cpe;
-      k = XLAG + i / per - (gate ? 0 : XLAG);
-      sub = gate ? r : r - cpe;
-    } else {
-      i -= mid;
-      gate = false, k = TOPK - XLAG + i / pieces, sub = i % pieces;
-    }
-  };
-#else
-  const int u0 = part_lo(TOPK * NI, G, c), u1 = part_lo(TOPK * NI, G, c + 1);  // gate-up units
   // Gate-up chunks: up to GU_CH units of one expert, from u0 on.
   auto gu_chunks = [&]() {
     int n = 0;
@@ -593,7 +560,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     return n;
   };
   const int n_gate = gu_chunks();
-#endif
 
   // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
   // TPS tiles a split where the SMs allow; TPS 0: as many splits as the SMs allow (fewer keys a CTA)
@@ -625,33 +591,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     const u64 pol_last = EXPERT_HINTS ? policy_evict_last() : 0;
     (void)pol_first;
     (void)pol_last;
-    // A gate-up item: units [j, j + n) of the chosen expert e (their gate rows, then at GU_CH rows their up
-    // rows). A down item: up to DOWN_CH of this CTA's output rows of expert e, from its row r0 on.
-    auto issue_gate_up = [&](const LayerPtrs& q, int e, int j, int n, u32 stage, u32 bar) {
-      const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
-      mbar_expect(bar, n * 2 * H * 2);
-      if (EXPERT_HINTS) {
-        bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
-        bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
-      } else {
-        bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
-        bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
-      }
-    };
-    auto issue_down = [&](const LayerPtrs& q, int e, int r0, u32 stage, u32 bar) {
-      const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
-      mbar_expect(bar, bytes);
-      const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
-      if (EXPERT_HINTS)
-        bulk_load_hint(stage, src, bytes, bar, pol_first);
-      else
-        bulk_load(stage, src, bytes, bar);
-    };
     for (int L = 0; L < NL; ++L) {
       const LayerPtrs q = p.layers[L];
-#if !XSCHED
       int gu = u0;  // the next gate-up unit
-#endif
       for (int i = 0; i < per_layer; ++i, ++g) {
         if (i == first_expert) {  // the experts: once this CTA has routed the layer
 #if PF_QKV
@@ -717,31 +659,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           } else if ((k -= n_opj) == 0) {
             mbar_expect(bar, no * NE * 2);
             bulk_load(stage, q.gate_t + (i64)o0 * NE, no * NE * 2, bar);
-          } else {
-            --k;  // the k-th item of the expert phase
-#if XSCHED
-            bool gate;
-            int e, sub, j = 0, n = 0, r0 = 0;
-            x_item(k, gate, e, sub);
-            if (gate)
-              j = v0 + sub * GU_CH, n = imin(GU_CH, v1 - j);
-            else
-              r0 = sub * DOWN_CH;
-#else
-            const bool gate = k < n_gate;
-            int e, j = 0, n = 0, r0 = 0;
-            if (gate) {  // units [gu, end) of one expert
-              e = gu / NI, j = gu % NI, n = imin(imin(gu + GU_CH, u1), (e + 1) * NI) - gu;
-              gu += n;
+          } else if (--k < n_gate) {  // units [gu, end) of one expert: their gate rows, then their up rows
+            const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
+            const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
+            mbar_expect(bar, n * 2 * H * 2);
+            if (EXPERT_HINTS) {
+              bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
+              bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
             } else {
-              const int m2 = k - n_gate;
-              e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
+              bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
+              bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
             }
-#endif
-            if (gate)
-              issue_gate_up(q, e, j, n, stage, bar);
+            gu = end;
+          } else {  // up to DOWN_CH of this CTA's output rows of one expert
+            const int m2 = k - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
+            const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
+            mbar_expect(bar, bytes);
+            const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
+            if (EXPERT_HINTS)
+              bulk_load_hint(stage, src, bytes, bar, pol_first);
             else
-              issue_down(q, e, r0, stage, bar);
+              bulk_load(stage, src, bytes, bar);
           }
         }
         __syncwarp();
@@ -1115,13 +1053,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 #else
           for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * bf2f(lp.post_norm[o0 + r]), hrow[r], s);
 #endif
-          atomicAdd(p.router_sums + ((i64)L * RGROUPS + c % RGROUPS) * NE + e, (u64)__double2ll_rn((double)s * FIX_SCALE));
+          atomicAdd(p.router_sums + (i64)L * NE + e, (u64)__double2ll_rn((double)s * FIX_SCALE));
         }
         csync();  // every thread's adds are issued before the count below
         if (tid == 0) {
           mbar_arrive(empty_bar(bars, g));
           __threadfence();
-          atomicAdd(p.router_count + ((i64)L * RGROUPS + c % RGROUPS) * 32, 1u);
+          atomicAdd(p.router_count + L, 1u);
         }
         gb += 1;
       }
@@ -1161,9 +1099,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       norm_rows(xn, hs, lp.post_norm, inv, tid);
 #endif
       if (warp == 0) {
-        if (lane < RGROUPS) {  // every group's CTAs are in
-          const u32 members = (u32)((G - lane + RGROUPS - 1) / RGROUPS);
-          for (i64 n = 0; ld_acquire(p.router_count + ((i64)L * RGROUPS + lane) * 32) < members; ++n)
+        if (lane == 0) {
+          for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
             if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
         }
         __syncwarp();
@@ -1173,11 +1110,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 #pragma unroll
         for (int k = 0; k < NLG; ++k) {
           const int e = k * 32 + lane;
-          u64 sum = 0;  // integers: the same in any order
-#pragma unroll
-          for (int q = 0; q < RGROUPS; ++q)
-            sum += e < NE ? ld_relaxed64(p.router_sums + ((i64)L * RGROUPS + q) * NE + e) : 0;
-          fx[k] = (i64)sum;
+          fx[k] = e < NE ? (i64)ld_relaxed64(p.router_sums + (i64)L * NE + e) : 0;
         }
         float mx = NEG_INF;
 #pragma unroll
@@ -1278,20 +1211,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       csync();  // route_w, route_id and xn complete
       STAMP(9);
-    }
-
-    // ---------------- P4/P5: the experts' gate-up rows (SiLU * up: act), their down rows, weighted ----------
-    {
-      // A gate-up item g: units [j, j + n) of chosen expert e (n gate rows, then at GU_CH rows n up rows).
-      auto gate_item = [&](u32 g, int e, int j, int n) {
+      int gu = u0;
+      for (int i = 0; i < n_gate; ++i) {
+        const u32 g = gb + i;
+        const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
+        gu = end;
+        if (!mine(g)) continue;
         wait_full(bars, g, err);
-        const u16* st = (const u16*)stage_of(g);
+        const u16* st = (const u16*)stage_of(g);  // n gate rows, then (at GU_CH rows) n up rows
         // the reference rounds gate and up, then SiLU, then the product
         auto put_act = [&](int r, float gate, float up) {
           const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
           ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
         };
-#if MROW || XSCHED
+#if MROW
         float acc[2 * GU_CH];  // gate rows | up rows
         rows_dot<2 * GU_CH, H>(acc, st, H, xn, lane);
 #pragma unroll
@@ -1305,88 +1238,45 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         }
 #endif
         release_warp(g);
-      };
-      // A down item g: this CTA's output rows r0.. of chosen expert k, against k's act (in shared memory).
-      auto down_item = [&](u32 g, int k, int r0, const u16* act_k) {
-        const int rn = imin(DOWN_CH, no - r0);
+      }
+      gb += n_gate;
+      STAMP(10);
+    }
+
+    // ---------------- P5: the experts' down rows, weighted and summed ----------------
+    {
+      u16* act = (u16*)scr;  // [TOPK * NI] bf16
+      ll4_to_smem<TOPK * NI>(act, p.ll_act, f16, err, tid);
+      STAMP(11);
+      csync();
+      // Every CTA has routed this layer (each wrote act after): its router sums can be reset for the next
+      // launch.
+      if (c == 0) {
+        for (int e = tid; e < NE; e += NC) p.router_sums[(i64)L * NE + e] = 0;
+        if (tid == 0) p.router_count[L] = 0;
+      }
+      for (int m2 = 0; m2 < n_down; ++m2) {
+        const u32 g = gb + m2;
+        if (!mine(g)) continue;
+        const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH, rn = imin(DOWN_CH, no - r0);
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const float wk = route_w[k];
-#if MROW || XSCHED
+#if MROW
         float acc[DOWN_CH];
-        rows_dot<DOWN_CH, NI>(acc, st, NI, act_k, lane);
+        rows_dot<DOWN_CH, NI>(acc, st, NI, act + k * NI, lane);
 #pragma unroll
         for (int r = 0; r < DOWN_CH; ++r)
           if (r < rn && lane == r) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc[r];
 #else
         for (int r = 0; r < rn; ++r) {
-          const float acc = row_dot(st + (size_t)r * NI, act_k, NI, lane);
+          const float acc = row_dot(st + (size_t)r * NI, act + k * NI, NI, lane);
           if (lane == 0) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc;
         }
 #endif
         release_warp(g);
-      };
-      // Every CTA has routed this layer once any act of it has arrived: c == 0 resets its router sums for
-      // the next launch after its warps have read act (below).
-      auto reset_router = [&]() {
-        if (c == 0) {
-          for (int e = tid; e < RGROUPS * NE; e += NC) p.router_sums[(i64)L * RGROUPS * NE + e] = 0;
-          if (tid < RGROUPS) p.router_count[((i64)L * RGROUPS + tid) * 32] = 0;
-        }
-      };
-#if XSCHED
-      // Items in the ring's order; a down item's warp reads that expert's act itself (its own copy, in the
-      // scratch), waiting only for the CTAs that hold that expert's units.
-      u16* act_w = (u16*)scr + warp * NI;
-      for (int i = 0; i < n_gate + n_down; ++i) {
-        const u32 g = gb + i;
-        if (!mine(g)) continue;
-        bool gate;
-        int e, sub;
-        x_item(i, gate, e, sub);
-        if (gate) {
-          const int j = v0 + sub * GU_CH;
-          gate_item(g, e, j, imin(GU_CH, v1 - j));
-        } else {
-          U4 a[NI / 128];
-          ll4_read(a, p.ll_act + e * NI + lane * 4, 128, f16, err);
-          __syncwarp();  // the copy's last reader (this warp's previous down item) is done
-#pragma unroll
-          for (int t = 0; t < NI / 128; ++t) {
-            u32* o = (u32*)(act_w + (t * 32 + lane) * 4);
-            ll4_pack(a[t], o[0], o[1]);
-          }
-          __syncwarp();
-          down_item(g, e, sub * DOWN_CH, act_w);
-        }
-      }
-      gb += n_gate + n_down;
-      STAMP(10);
-      csync();
-      STAMP(11);
-      reset_router();
-#else
-      int gu = u0;
-      for (int i = 0; i < n_gate; ++i) {
-        const u32 g = gb + i;
-        const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
-        gu = end;
-        if (mine(g)) gate_item(g, e, j, n);
-      }
-      gb += n_gate;
-      STAMP(10);
-      u16* act = (u16*)scr;  // [TOPK * NI] bf16
-      ll4_to_smem<TOPK * NI>(act, p.ll_act, f16, err, tid);
-      STAMP(11);
-      csync();
-      reset_router();
-      for (int m2 = 0; m2 < n_down; ++m2) {
-        const u32 g = gb + m2;
-        const int k = m2 / pieces;
-        if (mine(g)) down_item(g, k, (m2 % pieces) * DOWN_CH, act + k * NI);
       }
       gb += n_down;
-#endif
       csync();
       for (int r = tid; r < no; r += NC) {
         float xo = 0.f;
