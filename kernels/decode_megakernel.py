@@ -136,6 +136,7 @@ class MegakernelPlan:
             (self.top_k <= 16, f"top_k {self.top_k} (at most 16)"),
             (rows <= MAX_DOWN_ROWS, f"{rows} output rows a CTA (at most {MAX_DOWN_ROWS})"),
             (rows * self.experts * 2 <= stage, f"{rows} router columns of {self.experts} experts in a stage"),
+            (-(-self.experts // self.ctas) * 2 * h <= stage, f"{self.experts} router rows over {self.ctas} SMs"),
             (self.top_k * self.inter >= self.ctas, "fewer gate-up rows than SMs"),
             (self.ctas >= self.kv_heads, f"{self.ctas} SMs for {self.kv_heads} KV heads"),
             (self.smem_bytes <= max_smem, f"{self.smem_bytes} bytes of shared memory a CTA (the SM has {max_smem})"),
@@ -205,6 +206,7 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
     return plan_for(model, kv_pool.shape[3], ctas).shape_problem(max_smem)
 
 
+LAYER_POINTERS = 12  # the fields of decode_layers.cu's LayerPtrs, one row of ``layer_table``
 # The Params struct of decode_layers.cu: 30 eight-byte fields, then scale_log2 and eps (float32).
 _PARAMS = struct.Struct("<" + "Q" * 30 + "ff")
 # Where each of a layer's timing stamps is taken (``timing=True``): the end of ... Every CTA passes the first
@@ -213,11 +215,12 @@ STAMPS = (
     "layer start", "P1 input arrived", "P1 QKV rows", "P2 attention", "P2b merge", "P3 attn arrived",
     "P3 o-proj rows + router sums", "P4 h arrived", "P4 router sums in", "P4 routing", "P4 gate-up",
     "P5 act arrived", "P5 down rows", "P2 q, k, v arrived (attention CTAs)", "P2 tiles scored (attention CTAs)",
+    "P2 q stored (attention CTAs)", "P2 first tile arrived (attention CTAs)",
 )  # fmt: skip
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "PF_KV": 0}
+SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "PF_KV": 0, "ROUTE_ROWS": 1}
 
 
 class DecodeMegakernel:
@@ -264,10 +267,11 @@ class DecodeMegakernel:
             kn = attn.k_norm if plan.qk_norm else layer.input_layernorm
             rows.append([t.data_ptr() for t in (
                 layer.input_layernorm, attn.qkv_proj, qn, kn, attn.o_proj, layer.post_attention_layernorm,
-                gate_t, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts,
+                gate_t, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts, mlp.gate,
             )])  # fmt: skip
         self.l2p_stride = model.layers[0].mlp.placement.logical_to_physical.stride(0)  # one for all layers
-        self.layer_table = torch.tensor(rows, dtype=torch.int64, **kw)  # [layers, 11] pointers
+        assert all(len(r) == LAYER_POINTERS for r in rows)
+        self.layer_table = torch.tensor(rows, dtype=torch.int64, **kw)  # [layers, LAYER_POINTERS]
         self.x_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
         self.res_out = torch.empty((1, h), dtype=torch.bfloat16, **kw)
         ll4 = [plan.qkv_rows, plan.q_dim, h, plan.top_k * plan.inter, h]  # qkv, attn, h, act, xo

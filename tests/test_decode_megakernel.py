@@ -70,13 +70,15 @@ def test_host_constants_mirror_the_cuda_source() -> None:
     eight = sum(len(f.split(",")) for f in fields if not f.startswith("float"))
     assert eight == 30 and sum(len(f.split(",")) for f in fields if f.startswith("float")) == 2
     assert dm._PARAMS.size == 30 * 8 + 2 * 4
+    layer = src[src.index("struct LayerPtrs {") : src.index("};", src.index("struct LayerPtrs {"))]
+    assert len(re.findall(r"^\s+[^/\n]+?\*\s*\w+;", layer, re.M)) == dm.LAYER_POINTERS
 
 
 # Switch sets the GPU tests run besides the defaults: every switch off (the kernel before them), and the
 # ones that change the work's shape.
 OTHER_SWITCHES = [
     dict(MROW=0, PRELOAD=0, REDUX_TOPK=0),
-    dict(TPS=0, PF_QKV=1, PF_KV=1),
+    dict(TPS=0, PF_QKV=1, PF_KV=1, ROUTE_ROWS=0),
     dict(TPS=1, PF_QKV=2),
 ]
 

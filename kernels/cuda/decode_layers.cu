@@ -32,6 +32,10 @@
 //               are loaded before the wait, off the critical path; the same bits either way
 //   REDUX_TOPK  routing picks each top-k choice with one integer max-reduction over (logit, index) keys
 //   TPS         KV tiles per attention split (more splits where the SMs allow); 0: as many splits as SMs
+//   ROUTE_ROWS  the router as rows: CTA c computes expert c's logit (c + G, ... where there are more experts
+//               than SMs) from the normalised h, as the reference does, and publishes it as an LL word that
+//               every CTA reads to route; 0: each CTA adds its rows' share of every logit in fixed point with
+//               atomics, then a fence and a count (the design before)
 //   PF_KV       the producer of an attention CTA prefetches the next layer's keys and values of its split
 //               into L2 (evict_last) while this layer routes, and the experts' rows stream with evict_first:
 //               small scattered KV reads wait long behind the weight streams when HBM is busy
@@ -83,6 +87,9 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #ifndef PF_KV
 #define PF_KV 0
 #endif
+#ifndef ROUTE_ROWS
+#define ROUTE_ROWS 1
+#endif
 #define EXPERT_HINTS (PF_QKV == 2 || PF_KV)  // the experts' rows stream with an evict_first policy
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
@@ -100,6 +107,7 @@ struct LayerPtrs {
   const u16* w2;         // [physical experts, H, NI]
   const i64* l2p;        // [NE, replicas]: physical id of each logical expert's replicas
   i64* counts;           // [physical experts]: tokens routed, for the EPLB controller
+  const u16* gate_w;     // [NE, H]: the router's weight (ROUTE_ROWS)
 };
 
 struct Params {
@@ -123,7 +131,8 @@ struct Params {
   u32* ll_xo;            // [H]
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
-  u64* router_sums;      // [NL][NE]: the router's logits before the norm's scale, fixed point (2^-32)
+  u64* router_sums;      // [NL][NE]: the router's logits before the norm's scale, fixed point (2^-32);
+                         // ROUTE_ROWS: the logits as LL8 words
   u32* router_count;     // [NL]: CTAs whose sums are in (reset, with the sums, once read)
   u32* epoch;
   u32* exit_count;
@@ -560,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     return n;
   };
   const int n_gate = gu_chunks();
+  const int n_rr = c < NE ? (NE - 1 - c) / G + 1 : 0;  // ROUTE_ROWS: router rows c, c + G, ...
 
   // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
   // TPS tiles a split where the SMs allow; TPS 0: as many splits as the SMs allow (fewer keys a CTA)
@@ -657,8 +667,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             mbar_expect(bar, bytes);
             bulk_load(stage, q.o_w + (i64)(o0 + lo) * QDIM, bytes, bar);
           } else if ((k -= n_opj) == 0) {
+#if ROUTE_ROWS
+            mbar_expect(bar, n_rr * H * 2);  // none: the stage completes on this arrival
+            for (int r = 0; r < n_rr; ++r) bulk_load(stage + r * H * 2, q.gate_w + (i64)(c + r * G) * H, H * 2, bar);
+#else
             mbar_expect(bar, no * NE * 2);
             bulk_load(stage, q.gate_t + (i64)o0 * NE, no * NE * 2, bar);
+#endif
           } else if (--k < n_gate) {  // units [gu, end) of one expert: their gate rows, then their up rows
             const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
             const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
@@ -690,6 +705,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 
   // ================= the consumer warps =================
   u32 gb = 0;  // the ring index of the phase's first item
+  u32 g_router = 0;  // the ring index of this layer's router item
   // A stage one warp consumes: item g, by warp g % RING; released by that warp.
   auto mine = [&](u32 g) { return (int)(g % RING) == warp; };
   auto release_warp = [&](u32 g) {
@@ -863,6 +879,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         }
       }
       csync();  // qs complete; every warp is past its own stages before all take the tiles
+      STAMP(15);
       // Scores: 8 keys a step, lane 8 kq + kj takes quarter kq of key kj's dims (32 q values a lane).
       const int kq = lane >> 3, kj = lane & 7;
       float qq[D / 4];
@@ -873,6 +890,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const u32 g = gb + t;
         const int n = imin(KV_TILE, old_end - (k0 + t * KV_TILE));
         wait_full(bars, g, err);
+        if (t == 0) STAMP(16);
         const unsigned char* st = stage_of(g);
         if (head_warp) {
           for (int j0 = 0; j0 < n; j0 += 8) {
@@ -1039,6 +1057,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       gb += n_opj;
       csync();  // hrow complete; every warp is past its own stages
+      g_router = gb;
+#if ROUTE_ROWS
+      gb += 1;  // P4 reads the router rows, once h is normalised
+#else
       // The router is linear in the normalised h: logit_e = inv_rms * sum_r W[e, r] g[r] h[r]. This CTA adds
       // its rows' share to each expert's sum in fixed point (integer adds: the same bits in any order), and
       // P4 scales by inv_rms once every CTA is in.
@@ -1063,6 +1085,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         }
         gb += 1;
       }
+#endif
       STAMP(6);
     }
 
@@ -1098,14 +1121,38 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
 #else
       norm_rows(xn, hs, lp.post_norm, inv, tid);
 #endif
+#if ROUTE_ROWS
+      csync();  // xn complete
+#endif
       if (warp == 0) {
+        float lg[NLG];
+#if ROUTE_ROWS
+        {  // this CTA's router rows against xn, rounded as the reference's bf16 logits, to every CTA
+          wait_full(bars, g_router, err);
+          const u16* rows = (const u16*)stage_of(g_router);
+          u64* out = p.router_sums + (i64)L * NE;
+          for (int r = 0; r < n_rr; ++r) {
+            const float logit = rbf(row_dot(rows + (size_t)r * H, xn, H, lane));
+            if (lane == 0) st_relaxed64(out + c + r * G, ll8(logit, f32));
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty_bar(bars, g_router));
+          STAMP(8);
+          float got[NLG];
+          ll8_read<NLG>(got, out + lane, 32, (NE - lane + 31) / 32, f32, err);
+#pragma unroll
+          for (int k = 0; k < NLG; ++k) lg[k] = k * 32 + lane < NE ? got[k] : NEG_INF;
+        }
+        float mx = NEG_INF;
+#pragma unroll
+        for (int k = 0; k < NLG; ++k) mx = fmaxf(mx, lg[k]);
+#else
         if (lane == 0) {
           for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
             if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
         }
         __syncwarp();
         STAMP(8);
-        float lg[NLG];
         i64 fx[NLG];
 #pragma unroll
         for (int k = 0; k < NLG; ++k) {
@@ -1118,6 +1165,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           lg[k] = k * 32 + lane < NE ? rbf((float)((double)fx[k] * (1.0 / FIX_SCALE)) * inv) : NEG_INF;
           mx = fmaxf(mx, lg[k]);  // the router's output is bf16
         }
+#endif
         mx = warp_max(mx);
         float den = 0.f;
 #pragma unroll
@@ -1251,7 +1299,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       csync();
       // Every CTA has routed this layer (each wrote act after): its router sums can be reset for the next
       // launch.
-      if (c == 0) {
+      if (c == 0 && !ROUTE_ROWS) {
         for (int e = tid; e < NE; e += NC) p.router_sums[(i64)L * NE + e] = 0;
         if (tid == 0) p.router_count[L] = 0;
       }
