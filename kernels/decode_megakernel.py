@@ -220,7 +220,16 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"MROW": 1, "PRELOAD": 1, "REDUX_TOPK": 1, "TPS": 2, "PF_QKV": 0, "PF_KV": 0, "ROUTE_ROWS": 1}
+SWITCHES = {
+    "MROW": 1,
+    "PRELOAD": 1,
+    "REDUX_TOPK": 1,
+    "TPS": 1,
+    "PF_QKV": 0,
+    "PF_KV": 1,
+    "ROUTE_ROWS": 1,
+    "XPF": 0,
+}
 
 
 class DecodeMegakernel:

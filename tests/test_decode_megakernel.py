@@ -79,7 +79,7 @@ def test_host_constants_mirror_the_cuda_source() -> None:
 OTHER_SWITCHES = [
     dict(MROW=0, PRELOAD=0, REDUX_TOPK=0),
     dict(TPS=0, PF_QKV=1, PF_KV=1, ROUTE_ROWS=0),
-    dict(TPS=1, PF_QKV=2),
+    dict(TPS=2, PF_QKV=2, PF_KV=0, XPF=8),
 ]
 
 

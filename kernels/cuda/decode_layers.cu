@@ -36,6 +36,9 @@
 //               than SMs) from the normalised h, as the reference does, and publishes it as an LL word that
 //               every CTA reads to route; 0: each CTA adds its rows' share of every logit in fixed point with
 //               atomics, then a fence and a count (the design before)
+//   XPF         the expert phase's items up to RING + XPF ahead of the one issued are prefetched into L2,
+//               so that more bytes are in flight than the ring holds (its turnaround, not HBM, bounded the
+//               experts' stream at ~2.7 TB/s)
 //   PF_KV       the producer of an attention CTA prefetches the next layer's keys and values of its split
 //               into L2 (evict_last) while this layer routes, and the experts' rows stream with evict_first:
 //               small scattered KV reads wait long behind the weight streams when HBM is busy
@@ -79,16 +82,19 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define REDUX_TOPK 1
 #endif
 #ifndef TPS
-#define TPS 2
+#define TPS 1
 #endif
 #ifndef PF_QKV
 #define PF_QKV 0
 #endif
 #ifndef PF_KV
-#define PF_KV 0
+#define PF_KV 1
 #endif
 #ifndef ROUTE_ROWS
 #define ROUTE_ROWS 1
+#endif
+#ifndef XPF
+#define XPF 0
 #endif
 #define EXPERT_HINTS (PF_QKV == 2 || PF_KV)  // the experts' rows stream with an evict_first policy
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
@@ -597,6 +603,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       tile_page[t] = (lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
     }
     u32 g = 0;
+    // Gate-up item m of the expert phase: units [j, j + n) of chosen expert e (the producer's walk, again).
+    auto gate_chunk = [&](int m, int& e, int& j, int& n) {
+      int u = u0;
+      for (int t = 0; t < m; ++t) u = imin(imin(u + GU_CH, u1), (u / NI + 1) * NI);
+      e = u / NI, j = u % NI, n = imin(imin(u + GU_CH, u1), (e + 1) * NI) - u;
+    };
+    // XPF: the expert items after item k up to k + RING + XPF - 1 that are not yet fetched, into L2.
+    auto prefetch_ahead = [&](const LayerPtrs& q, int k, int& next) {
+      for (const int end = imin(n_gate + n_down, k + RING + XPF); next < end; ++next) {
+        if (next < n_gate) {
+          int e, j, n;
+          gate_chunk(next, e, j, n);
+          const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
+          prefetch_l2(w + (i64)j * H, n * H * 2);
+          prefetch_l2(w + (i64)(NI + j) * H, n * H * 2);
+        } else {
+          const int m2 = next - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
+          prefetch_l2(q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI, imin(DOWN_CH, no - r0) * NI * 2);
+        }
+      }
+    };
     const u64 pol_first = EXPERT_HINTS ? policy_evict_first() : 0;
     const u64 pol_last = EXPERT_HINTS ? policy_evict_last() : 0;
     (void)pol_first;
@@ -604,6 +631,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     for (int L = 0; L < NL; ++L) {
       const LayerPtrs q = p.layers[L];
       int gu = u0;  // the next gate-up unit
+      int pf_next = RING;  // XPF: the next expert item to prefetch into L2
       for (int i = 0; i < per_layer; ++i, ++g) {
         if (i == first_expert) {  // the experts: once this CTA has routed the layer
 #if PF_QKV
@@ -657,44 +685,51 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           continue;
         }
         if (lane == 0) {
-          int k = i;
-          if (k < n_qkv) {
-            const int lo = k * QKV_CH, bytes = imin(QKV_CH, nq - lo) * H * 2;
-            mbar_expect(bar, bytes);
-            bulk_load(stage, q.qkv_w + (i64)(q0 + lo) * H, bytes, bar);
-          } else if ((k -= n_qkv + n_tiles) < n_opj) {
-            const int lo = k * OPJ_CH, bytes = imin(OPJ_CH, no - lo) * QDIM * 2;
-            mbar_expect(bar, bytes);
-            bulk_load(stage, q.o_w + (i64)(o0 + lo) * QDIM, bytes, bar);
-          } else if ((k -= n_opj) == 0) {
+          const int x = i - first_expert;  // the expert phase's item, where i >= first_expert
+          if (x < 0) {
+            int k = i;
+            if (k < n_qkv) {
+              const int lo = k * QKV_CH, bytes = imin(QKV_CH, nq - lo) * H * 2;
+              mbar_expect(bar, bytes);
+              bulk_load(stage, q.qkv_w + (i64)(q0 + lo) * H, bytes, bar);
+            } else if ((k -= n_qkv + n_tiles) < n_opj) {
+              const int lo = k * OPJ_CH, bytes = imin(OPJ_CH, no - lo) * QDIM * 2;
+              mbar_expect(bar, bytes);
+              bulk_load(stage, q.o_w + (i64)(o0 + lo) * QDIM, bytes, bar);
+            } else {  // the router item
 #if ROUTE_ROWS
-            mbar_expect(bar, n_rr * H * 2);  // none: the stage completes on this arrival
-            for (int r = 0; r < n_rr; ++r) bulk_load(stage + r * H * 2, q.gate_w + (i64)(c + r * G) * H, H * 2, bar);
+              mbar_expect(bar, n_rr * H * 2);  // none: the stage completes on this arrival
+              for (int r = 0; r < n_rr; ++r)
+                bulk_load(stage + r * H * 2, q.gate_w + (i64)(c + r * G) * H, H * 2, bar);
 #else
-            mbar_expect(bar, no * NE * 2);
-            bulk_load(stage, q.gate_t + (i64)o0 * NE, no * NE * 2, bar);
+              mbar_expect(bar, no * NE * 2);
+              bulk_load(stage, q.gate_t + (i64)o0 * NE, no * NE * 2, bar);
 #endif
-          } else if (--k < n_gate) {  // units [gu, end) of one expert: their gate rows, then their up rows
-            const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
-            const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
-            mbar_expect(bar, n * 2 * H * 2);
-            if (EXPERT_HINTS) {
-              bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
-              bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
-            } else {
-              bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
-              bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
             }
-            gu = end;
-          } else {  // up to DOWN_CH of this CTA's output rows of one expert
-            const int m2 = k - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
-            const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
-            mbar_expect(bar, bytes);
-            const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
-            if (EXPERT_HINTS)
-              bulk_load_hint(stage, src, bytes, bar, pol_first);
-            else
-              bulk_load(stage, src, bytes, bar);
+          } else {
+            if (XPF > 0) prefetch_ahead(q, x, pf_next);
+            if (x < n_gate) {  // units [gu, end) of one expert: their gate rows, then their up rows
+              const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
+              const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
+              mbar_expect(bar, n * 2 * H * 2);
+              if (EXPERT_HINTS) {
+                bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
+                bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
+              } else {
+                bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
+                bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
+              }
+              gu = end;
+            } else {  // up to DOWN_CH of this CTA's output rows of one expert
+              const int m2 = x - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
+              const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
+              mbar_expect(bar, bytes);
+              const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
+              if (EXPERT_HINTS)
+                bulk_load_hint(stage, src, bytes, bar, pol_first);
+              else
+                bulk_load(stage, src, bytes, bar);
+            }
           }
         }
         __syncwarp();
