@@ -1,9 +1,9 @@
 """Batch-1 decode of a Qwen3-MoE-shaped model: every decoder layer in one persistent CUDA kernel.
 
 Experimental and off by default (``decode_megakernel``): it is correct (tests against the reference ops and
-greedy tokens in the engine, on an H200), but so far slower than the op-by-op graphs it would replace:
-2.81-2.84 ms against 2.29 ms a Qwen3-30B-A3B step at 512 tokens of context (docs/gpu.md, "The decode
-megakernel", with where its time goes and what is left).
+greedy tokens in the engine, on an H200), but still slower than the op-by-op graphs it would replace:
+2.52 ms against 2.28 ms a Qwen3-30B-A3B step at 512 tokens of context (2.81 before the thirtieth run's
+changes; docs/gpu.md, "The decode megakernel", with where its time goes and what is left).
 
 Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
 experts 75), 27 us at the H200's copy rate, but the op-by-op Triton chain takes ~44 us a layer: eight
@@ -25,13 +25,11 @@ or, for ``tl.dot`` operands, software-pipelined copies inside one loop; it has n
 completing on barriers while other warps compute, across loops and phases, which is the design here.
 
 Numerics are the reference ops' rounding points (``kernels/norm.py``, ``linear.py``, ``qkv_prologue.py``,
-``attention.py``, ``moe_routing.py``, and the Triton small-MoE path's single fp32 sum over the experts),
-except the router: its logits are computed from the un-rounded ``g * h`` (the router is linear in the
-normalised h, so each CTA adds its rows' share to every expert's sum, in 2^-32 fixed point with integer
-atomics: the same bits whatever the order, so runs are deterministic) and then scaled by 1/rms and
-rounded to bf16. Routing picks the lowest expert among equal logits, as
-``kernels/triton_moe_routing.py``; the attention's splits follow the step's actual context length (a
-device value), not a bound.
+``attention.py``, ``moe_routing.py``, and the Triton small-MoE path's single fp32 sum over the experts):
+CTA c computes expert c's router logit (and c + G, ... where experts outnumber SMs) from the normalised h
+in bf16, rounds it to bf16 and publishes it; every CTA routes from the same words, so runs are
+deterministic. Routing picks the lowest expert among equal logits, as ``kernels/triton_moe_routing.py``;
+the attention's splits follow the step's actual context length (a device value), not a bound.
 
 What it supports (``unsupported`` says why not, and the engine then uses the op-by-op graphs): CUDA of
 compute capability 9.0+, bf16 weights and KV pool, every layer MoE without shared experts, head_dim 128,
@@ -95,10 +93,14 @@ class MegakernelPlan:
     @property
     def stage_bytes(self) -> int:
         """A ring stage (a multiple of 4 KiB): at least a KV tile, a gate-up unit (gate and up rows), an
-        o-proj row, a down row, and a CTA's router columns."""
-        rows = -(-self.hidden // self.ctas)
+        o-proj row, a down row, and a CTA's router rows."""
+        router_rows = -(-self.experts // self.ctas)
         need = max(
-            2 * KV_TILE * KV_ROW, 4 * self.hidden, 2 * self.q_dim, 2 * self.inter, 2 * rows * self.experts
+            2 * KV_TILE * KV_ROW,
+            4 * self.hidden,
+            2 * self.q_dim,
+            2 * self.inter,
+            2 * router_rows * self.hidden,
         )
         return -(-need // 4096) * 4096
 
@@ -123,7 +125,6 @@ class MegakernelPlan:
     def shape_problem(self, max_smem: int) -> str | None:
         """Why the kernel cannot take these shapes on ``ctas`` SMs with ``max_smem`` bytes each, or None."""
         h, group = self.hidden, self.heads // max(1, self.kv_heads)
-        stage = self.stage_bytes
         rows = -(-h // self.ctas)
         checks = [
             (self.head_dim == 128, f"head_dim {self.head_dim} (the kernel's lanes take 128)"),
@@ -135,8 +136,6 @@ class MegakernelPlan:
             (self.experts % 4 == 0, f"{self.experts} experts (a multiple of 4)"),
             (self.top_k <= 16, f"top_k {self.top_k} (at most 16)"),
             (rows <= MAX_DOWN_ROWS, f"{rows} output rows a CTA (at most {MAX_DOWN_ROWS})"),
-            (rows * self.experts * 2 <= stage, f"{rows} router columns of {self.experts} experts in a stage"),
-            (-(-self.experts // self.ctas) * 2 * h <= stage, f"{self.experts} router rows over {self.ctas} SMs"),
             (self.top_k * self.inter >= self.ctas, "fewer gate-up rows than SMs"),
             (self.ctas >= self.kv_heads, f"{self.ctas} SMs for {self.kv_heads} KV heads"),
             (self.smem_bytes <= max_smem, f"{self.smem_bytes} bytes of shared memory a CTA (the SM has {max_smem})"),
@@ -206,30 +205,21 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
     return plan_for(model, kv_pool.shape[3], ctas).shape_problem(max_smem)
 
 
-LAYER_POINTERS = 12  # the fields of decode_layers.cu's LayerPtrs, one row of ``layer_table``
-# The Params struct of decode_layers.cu: 30 eight-byte fields, then scale_log2 and eps (float32).
-_PARAMS = struct.Struct("<" + "Q" * 30 + "ff")
+LAYER_POINTERS = 11  # the fields of decode_layers.cu's LayerPtrs, one row of ``layer_table``
+# The Params struct of decode_layers.cu: 29 eight-byte fields, then scale_log2 and eps (float32).
+_PARAMS = struct.Struct("<" + "Q" * 29 + "ff")
 # Where each of a layer's timing stamps is taken (``timing=True``): the end of ... Every CTA passes the first
 # ``SEQUENTIAL_STAMPS`` in order; the rest only the attention CTAs take.
 STAMPS = (
     "layer start", "P1 input arrived", "P1 QKV rows", "P2 attention", "P2b merge", "P3 attn arrived",
-    "P3 o-proj rows + router sums", "P4 h arrived", "P4 router sums in", "P4 routing", "P4 gate-up",
+    "P3 o-proj rows", "P4 h arrived", "P4 own router logit out", "P4 routing", "P4 gate-up",
     "P5 act arrived", "P5 down rows", "P2 q, k, v arrived (attention CTAs)", "P2 tiles scored (attention CTAs)",
     "P2 q stored (attention CTAs)", "P2 first tile arrived (attention CTAs)",
 )  # fmt: skip
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {
-    "MROW": 1,
-    "PRELOAD": 1,
-    "REDUX_TOPK": 1,
-    "TPS": 1,
-    "PF_QKV": 0,
-    "PF_KV": 1,
-    "ROUTE_ROWS": 1,
-    "XPF": 0,
-}
+SWITCHES = {"TPS": 1}
 
 
 class DecodeMegakernel:
@@ -267,16 +257,13 @@ class DecodeMegakernel:
         h = plan.hidden
         kw = {"device": self.device}
         rows = []
-        # The router weights transposed ([H, experts]: a CTA's rows of h meet their columns as one copy),
-        # made once: 0.5 MiB a layer for Qwen3-30B-A3B. The kernel reads these, not ``gate``.
-        self.gate_t = [layer.mlp.gate.t().contiguous() for layer in model.layers]
-        for layer, gate_t in zip(model.layers, self.gate_t, strict=True):
+        for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qn = attn.q_norm if plan.qk_norm else layer.input_layernorm  # never read without QK_NORM
             kn = attn.k_norm if plan.qk_norm else layer.input_layernorm
             rows.append([t.data_ptr() for t in (
                 layer.input_layernorm, attn.qkv_proj, qn, kn, attn.o_proj, layer.post_attention_layernorm,
-                gate_t, mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts, mlp.gate,
+                mlp.w13, mlp.w2, mlp.placement.logical_to_physical, mlp.expert_counts, mlp.gate,
             )])  # fmt: skip
         self.l2p_stride = model.layers[0].mlp.placement.logical_to_physical.stride(0)  # one for all layers
         assert all(len(r) == LAYER_POINTERS for r in rows)
@@ -292,8 +279,7 @@ class DecodeMegakernel:
             offset += _round16(n)
         self._part_o = torch.zeros(MAX_SPLITS * plan.heads * plan.head_dim, dtype=torch.int64, **kw)
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
-        self._router_sums = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
-        self._router_count = torch.zeros(_round16(plan.layers), dtype=torch.int32, **kw)
+        self._ll_logit = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
         self.timing = (
             torch.zeros((plan.ctas, plan.layers, 2 * STAMPS_PER_LAYER), dtype=torch.int64, **kw)
@@ -324,8 +310,8 @@ class DecodeMegakernel:
                 self.model.embed_tokens.data_ptr(), self.model.cos_sin.data_ptr(), pool.data_ptr(),
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
                 self.x_out.data_ptr(), self.res_out.data_ptr(), *ll,
-                self._part_o.data_ptr(), self._part_lse.data_ptr(), self._router_sums.data_ptr(),
-                self._router_count.data_ptr(), words, words + 4, words + 8,
+                self._part_o.data_ptr(), self._part_lse.data_ptr(), self._ll_logit.data_ptr(),
+                words, words + 4, words + 8,
                 self.timing.data_ptr() if self.timing is not None else 0, self.scale_log2, self.eps,
             )  # fmt: skip
             self._params[key] = packed

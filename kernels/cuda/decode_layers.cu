@@ -3,49 +3,39 @@
 // Host side, plan, numerics and the measured reasons: kernels/decode_megakernel.py; results and what is
 // left: docs/gpu.md, "The decode megakernel". In short: one CTA per SM for the whole step, eight consumer
 // warps and one producer warp. Each CTA owns fixed slices of every projection (QKV rows, o-proj rows, its
-// rows' router columns, expert rows); the producer streams them from HBM into an 8-stage shared-memory
-// ring with bulk copies (cp.async.bulk on an mbarrier), in the order the layer consumes them, as far ahead
-// as the ring allows (the experts wait for routing). A layer's values pass between CTAs through "LL"
-// words in global memory: each 32-bit word carries a bf16 value and a 16-bit flag (a 64-bit word: a
-// float32 and a 32-bit flag), stored and loaded whole, so a reader polls the data itself and needs no
-// separate counter, fence or barrier (NCCL's low-latency protocol). A flag names the launch (an epoch
-// counter in device memory, advanced by the last CTA to leave) and the layer, so a word from the previous
-// layer or step never passes for a current one.
+// router rows, expert rows); the producer streams them from HBM into an 8-stage shared-memory ring with
+// bulk copies (cp.async.bulk on an mbarrier), in the order the layer consumes them, as far ahead as the
+// ring allows (the experts wait for routing). A layer's values pass between CTAs through "LL" words in
+// global memory: each 32-bit word carries a bf16 value and a 16-bit flag (a 64-bit word: a float32 and a
+// 32-bit flag), stored and loaded whole, so a reader polls the data itself and needs no separate counter,
+// fence or barrier (NCCL's low-latency protocol). A flag names the launch (an epoch counter in device
+// memory, advanced by the last CTA to leave) and the layer, so a word from the previous layer or step never
+// passes for a current one.
 //
 // Phases of a layer (CTA c of G; every CTA takes part in each all-to-all exchange, which is what orders
 // the reuse of every buffer):
 //   P1  residual add, input norm, QKV rows                         -> qkv    (LL4)
 //   P2  attention of one KV head over one split of the context     -> partial o, lse (LL8)
 //   P2b merge of the splits, one (q head, 32 dims) unit per CTA    -> attn   (LL4)
-//   P3  o-proj rows + residual; this CTA's share of every router
-//       logit, added in fixed point (integer atomics: order-free)  -> h (LL4), router sums + a count
-//   P4  post-attention norm, routing (every CTA, the same), the
-//       experts' gate-up rows, SiLU * up                           -> act    (LL4)
+//   P3  o-proj rows + residual                                     -> h      (LL4)
+//   P4  post-attention norm; CTA c's router row (expert c, and
+//       c + G, ... where experts outnumber SMs)                    -> logit  (LL8)
+//       routing (every CTA, the same), the experts' gate-up rows,
+//       SiLU * up                                                  -> act    (LL4)
 //   P5  the experts' down rows, weighted sum                       -> xo     (LL4)
+//
+// What keeps the chain short (each measured, docs/gpu.md): a warp takes all rows of its stage in one pass
+// (the rows share x's loads and their FMA chains overlap); the small vectors a phase needs after a wait
+// (norm weights, the replica table) are loaded before it; routing picks each choice with one integer
+// max-reduction over (logit, index) keys; the producer of an attention CTA prefetches the next layer's keys
+// and values of its split into L2 (evict_last) while a layer routes, HBM being idle then, and the experts'
+// rows stream with evict_first (small scattered KV reads otherwise wait long behind the weight streams).
 //
 // Compile-time constants (defines, from the host): H, NQ, NKV, D, NE (logical experts), TOPK, NI (expert
 // intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
-// MAX_SPLITS, TIMING. Switches, each measured on and off (docs/gpu.md, "The decode megakernel"):
-//   MROW        a warp takes every row of its stage in one pass (a stage's rows share x's loads, and
-//               their FMA chains overlap), not one row after another; the same bits either way
-//   PRELOAD     the small vectors a phase needs after a wait (norm weights, the layer's replica table)
-//               are loaded before the wait, off the critical path; the same bits either way
-//   REDUX_TOPK  routing picks each top-k choice with one integer max-reduction over (logit, index) keys
-//   TPS         KV tiles per attention split (more splits where the SMs allow); 0: as many splits as SMs
-//   ROUTE_ROWS  the router as rows: CTA c computes expert c's logit (c + G, ... where there are more experts
-//               than SMs) from the normalised h, as the reference does, and publishes it as an LL word that
-//               every CTA reads to route; 0: each CTA adds its rows' share of every logit in fixed point with
-//               atomics, then a fence and a count (the design before)
-//   XPF         the expert phase's items up to RING + XPF ahead of the one issued are prefetched into L2,
-//               so that more bytes are in flight than the ring holds (its turnaround, not HBM, bounded the
-//               experts' stream at ~2.7 TB/s)
-//   PF_KV       the producer of an attention CTA prefetches the next layer's keys and values of its split
-//               into L2 (evict_last) while this layer routes, and the experts' rows stream with evict_first:
-//               small scattered KV reads wait long behind the weight streams when HBM is busy
-//   PF_QKV      1: the producer prefetches the next layer's QKV rows into L2 while this layer routes (HBM
-//               is otherwise idle then); 2: the same, held with an evict_last policy, and the experts'
-//               rows streamed with evict_first so that they do not push the prefetched rows out Inputs are bfloat16; accumulation is float32; rounding points are the reference
-// ops' except the router's (see kernels/decode_megakernel.py).
+// MAX_SPLITS, TIMING, and the switch TPS: KV tiles per attention split (more splits where the SMs allow;
+// 0: as many splits as the SMs allow). Inputs are bfloat16; accumulation is float32; rounding points are
+// the reference ops' (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -72,31 +62,9 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #ifndef TIMING
 #define TIMING 0
 #endif
-#ifndef MROW
-#define MROW 1
-#endif
-#ifndef PRELOAD
-#define PRELOAD 1
-#endif
-#ifndef REDUX_TOPK
-#define REDUX_TOPK 1
-#endif
 #ifndef TPS
 #define TPS 1
 #endif
-#ifndef PF_QKV
-#define PF_QKV 0
-#endif
-#ifndef PF_KV
-#define PF_KV 1
-#endif
-#ifndef ROUTE_ROWS
-#define ROUTE_ROWS 1
-#endif
-#ifndef XPF
-#define XPF 0
-#endif
-#define EXPERT_HINTS (PF_QKV == 2 || PF_KV)  // the experts' rows stream with an evict_first policy
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
 #define ERR_MBAR 2u
@@ -108,12 +76,11 @@ struct LayerPtrs {
   const u16* k_norm;     // [D] (QK_NORM)
   const u16* o_w;        // [H, QDIM]
   const u16* post_norm;  // [H]
-  const u16* gate_t;     // [H, NE]: the router's weight transposed (a CTA reads its rows' columns)
   const u16* w13;        // [physical experts, 2 NI, H]
   const u16* w2;         // [physical experts, H, NI]
   const i64* l2p;        // [NE, replicas]: physical id of each logical expert's replicas
   i64* counts;           // [physical experts]: tokens routed, for the EPLB controller
-  const u16* gate_w;     // [NE, H]: the router's weight (ROUTE_ROWS)
+  const u16* gate_w;     // [NE, H]: the router's weight
 };
 
 struct Params {
@@ -137,9 +104,7 @@ struct Params {
   u32* ll_xo;            // [H]
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
-  u64* router_sums;      // [NL][NE]: the router's logits before the norm's scale, fixed point (2^-32);
-                         // ROUTE_ROWS: the logits as LL8 words
-  u32* router_count;     // [NL]: CTAs whose sums are in (reset, with the sums, once read)
+  u64* ll_logit;         // [NL][NE]: the router's logits (bf16 values) as LL8 words
   u32* epoch;
   u32* exit_count;
   u32* error;
@@ -396,7 +361,6 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define GU_CH MIN_(STAGE_BYTES / (4 * H), 8)        // gate-up units (a gate row and its up row)
 #define DOWN_CH MIN_(STAGE_BYTES / (2 * NI), MAX_DOWN_ROWS)  // down rows of one expert
 #define PRE_TILES 4
-#define FIX_SCALE 4294967296.0  // 2^32: the router sums' fixed point
 
 __device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
   v[0] = bf_lo(lo); v[1] = bf_hi(lo); v[2] = bf_lo(hi); v[3] = bf_hi(hi);
@@ -481,7 +445,7 @@ __device__ __forceinline__ void norm_rows_w(u16* xn, const u16* hs, const NormW&
     o[1] = norm2(g.w[t][1], sv[1], inv);
   }
 }
-// L2 cache policies (PF_QKV 2): rows read once (the experts) leave L2 first; prefetched rows stay longest.
+// L2 cache policies: rows read once (the experts) leave L2 first; prefetched KV rows stay longest.
 __device__ __forceinline__ u64 policy_evict_first() {
   u64 pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -499,10 +463,8 @@ __device__ __forceinline__ void bulk_load_hint(u32 dst, const void* src, u32 byt
       "l"(src), "r"(bytes), "r"(bar), "l"(pol)
       : "memory");
 }
-// bytes (a multiple of 16, 16-byte aligned) from global memory into L2 only; nothing waits for them.
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
+// bytes (a multiple of 16, 16-byte aligned) from global memory into L2 only, with a cache policy;
+// nothing waits for them.
 __device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64 pol) {
   asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(pol)
                : "memory");
@@ -540,10 +502,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   float* route_w = misc + 8;            // [TOPK <= 16]
   int* route_id = (int*)(misc + 24);    // [TOPK <= 16]: physical ids
   float* merge_w = misc + 40;           // [MAX_SPLITS + 1]
-  float* hrow = misc + 88;              // [MAX_DOWN_ROWS]: this CTA's rows of h
   volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
   float* down_acc = misc + 128;         // [NWARPS][MAX_DOWN_ROWS]
-  float* post_w = misc + 128 + NWARPS * MAX_DOWN_ROWS;  // [MAX_DOWN_ROWS]: post_norm at this CTA's rows
   const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
@@ -575,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     return n;
   };
   const int n_gate = gu_chunks();
-  const int n_rr = c < NE ? (NE - 1 - c) / G + 1 : 0;  // ROUTE_ROWS: router rows c, c + G, ...
+  const int n_rr = c < NE ? (NE - 1 - c) / G + 1 : 0;  // this CTA's router rows: c, c + G, ...
 
   // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
   // TPS tiles a split where the SMs allow; TPS 0: as many splits as the SMs allow (fewer keys a CTA)
@@ -603,48 +563,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       tile_page[t] = (lane < KV_TILE && kpos < old_end) ? (i64)p.block_table[kpos / BS] : 0;
     }
     u32 g = 0;
-    // Gate-up item m of the expert phase: units [j, j + n) of chosen expert e (the producer's walk, again).
-    auto gate_chunk = [&](int m, int& e, int& j, int& n) {
-      int u = u0;
-      for (int t = 0; t < m; ++t) u = imin(imin(u + GU_CH, u1), (u / NI + 1) * NI);
-      e = u / NI, j = u % NI, n = imin(imin(u + GU_CH, u1), (e + 1) * NI) - u;
-    };
-    // XPF: the expert items after item k up to k + RING + XPF - 1 that are not yet fetched, into L2.
-    auto prefetch_ahead = [&](const LayerPtrs& q, int k, int& next) {
-      for (const int end = imin(n_gate + n_down, k + RING + XPF); next < end; ++next) {
-        if (next < n_gate) {
-          int e, j, n;
-          gate_chunk(next, e, j, n);
-          const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
-          prefetch_l2(w + (i64)j * H, n * H * 2);
-          prefetch_l2(w + (i64)(NI + j) * H, n * H * 2);
-        } else {
-          const int m2 = next - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
-          prefetch_l2(q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI, imin(DOWN_CH, no - r0) * NI * 2);
-        }
-      }
-    };
-    const u64 pol_first = EXPERT_HINTS ? policy_evict_first() : 0;
-    const u64 pol_last = EXPERT_HINTS ? policy_evict_last() : 0;
-    (void)pol_first;
-    (void)pol_last;
+    const u64 pol_first = policy_evict_first(), pol_last = policy_evict_last();
     for (int L = 0; L < NL; ++L) {
       const LayerPtrs q = p.layers[L];
       int gu = u0;  // the next gate-up unit
-      int pf_next = RING;  // XPF: the next expert item to prefetch into L2
       for (int i = 0; i < per_layer; ++i, ++g) {
         if (i == first_expert) {  // the experts: once this CTA has routed the layer
-#if PF_QKV
-          // HBM idles while the layer routes: fetch the next layer's QKV rows of this CTA into L2 meanwhile.
-          if (lane == 0 && L + 1 < NL) {
-            const u16* next_qkv = p.layers[L + 1].qkv_w + (i64)q0 * H;
-            if (PF_QKV == 2)
-              prefetch_l2_hint(next_qkv, (u32)nq * H * 2, pol_last);
-            else
-              prefetch_l2(next_qkv, (u32)nq * H * 2);
-          }
-#endif
-#if PF_KV
           if (L + 1 < NL) {  // this split's old keys and values of the next layer, each row into L2
             const u16* base = p.kv_pool + (i64)(L + 1) * p.pool_layer + (i64)kvh * p.pool_head;
             for (int kpos = k0 + lane; kpos < old_end; kpos += 32) {
@@ -653,7 +577,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
               prefetch_l2_hint(src + p.pool_kv, D * 2, pol_last);
             }
           }
-#endif
           for (i64 n = 0; *routed < L; ++n) {
             __nanosleep(64);
             if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
@@ -697,38 +620,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
               mbar_expect(bar, bytes);
               bulk_load(stage, q.o_w + (i64)(o0 + lo) * QDIM, bytes, bar);
             } else {  // the router item
-#if ROUTE_ROWS
               mbar_expect(bar, n_rr * H * 2);  // none: the stage completes on this arrival
               for (int r = 0; r < n_rr; ++r)
                 bulk_load(stage + r * H * 2, q.gate_w + (i64)(c + r * G) * H, H * 2, bar);
-#else
-              mbar_expect(bar, no * NE * 2);
-              bulk_load(stage, q.gate_t + (i64)o0 * NE, no * NE * 2, bar);
-#endif
             }
           } else {
-            if (XPF > 0) prefetch_ahead(q, x, pf_next);
             if (x < n_gate) {  // units [gu, end) of one expert: their gate rows, then their up rows
               const int e = gu / NI, j = gu % NI, end = imin(imin(gu + GU_CH, u1), (e + 1) * NI), n = end - gu;
               const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
               mbar_expect(bar, n * 2 * H * 2);
-              if (EXPERT_HINTS) {
-                bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
-                bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
-              } else {
-                bulk_load(stage, w + (i64)j * H, n * H * 2, bar);
-                bulk_load(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar);
-              }
+              bulk_load_hint(stage, w + (i64)j * H, n * H * 2, bar, pol_first);
+              bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, n * H * 2, bar, pol_first);
               gu = end;
             } else {  // up to DOWN_CH of this CTA's output rows of one expert
               const int m2 = x - n_gate, e = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH;
               const int bytes = imin(DOWN_CH, no - r0) * NI * 2;
               mbar_expect(bar, bytes);
               const u16* src = q.w2 + (i64)route_id[e] * H * NI + (i64)(o0 + r0) * NI;
-              if (EXPERT_HINTS)
-                bulk_load_hint(stage, src, bytes, bar, pol_first);
-              else
-                bulk_load(stage, src, bytes, bar);
+              bulk_load_hint(stage, src, bytes, bar, pol_first);
             }
           }
         }
@@ -761,9 +670,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       constexpr int NI4 = ITEMS(H);
       float v[NI4][4];
       float ss = 0.f;
-#if PRELOAD
       const NormW g_in = load_norm_w(lp.in_norm, tid);
-#endif
       if (L == 0) {
 #pragma unroll
         for (int t = 0; t < NI4; ++t) {
@@ -794,11 +701,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         for (int k = 0; k < 4; ++k) ss += v[t][k] * v[t][k];
       }
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
-#if PRELOAD
       norm_rows_w(xn, hs, g_in, inv, tid);
-#else
-      norm_rows(xn, hs, lp.in_norm, inv, tid);
-#endif
       csync();
       for (int i = 0; i < n_qkv; ++i) {
         const u32 g = gb + i;
@@ -806,18 +709,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(QKV_CH, nq - i * QKV_CH);
-#if MROW
         float acc[QKV_CH];  // rows past n are stale stage bytes: computed, never used
         rows_dot<QKV_CH, H>(acc, st, H, xn, lane);
 #pragma unroll
         for (int r = 0; r < QKV_CH; ++r)
           if (r < n && lane == r) ll4_put(p.ll_qkv + q0 + i * QKV_CH + r, acc[r], f16);
-#else
-        for (int r = 0; r < n; ++r) {
-          const float acc = row_dot(st + (size_t)r * H, xn, H, lane);
-          if (lane == 0) ll4_put(p.ll_qkv + q0 + i * QKV_CH + r, acc, f16);
-        }
-#endif
         release_warp(g);
       }
       gb += n_qkv;
@@ -836,7 +732,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       const float* cs = p.cos_sin + pos * D;
       const float c0 = cs[d], c1 = cs[d + 1], s0 = cs[HALF + d], s1 = cs[HALF + d + 1];
       float x[12];  // q | k | v at this lane's dims
-#if PRELOAD
       float qnw[4] = {1.f, 1.f, 1.f, 1.f}, knw[4] = {1.f, 1.f, 1.f, 1.f};  // the q and k norms' weights
       if (QK_NORM) {
 #pragma unroll
@@ -846,7 +741,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           knw[k] = bf2f(lp.k_norm[dim]);
         }
       }
-#endif
       {
         const u32* qkv = p.ll_qkv;
         const int qrow = head_warp ? head * D : kvh * GRP * D;
@@ -864,34 +758,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         }
       }
       STAMP(13);
-#if PRELOAD
       auto norm_rope = [&](float* y, const float (&nw)[4]) {
         if (QK_NORM) {
           const float inv = rsq(warp_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) / D + p.eps);
 #pragma unroll
           for (int k = 0; k < 4; ++k) y[k] = rbf(nw[k] * rbf(y[k] * inv));
         }
-#else
-      auto norm_rope = [&](float* y, const u16* nw) {
-        if (QK_NORM) {
-          const float inv = rsq(warp_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) / D + p.eps);
-          y[0] = rbf(bf2f(nw[d]) * rbf(y[0] * inv));
-          y[1] = rbf(bf2f(nw[d + 1]) * rbf(y[1] * inv));
-          y[2] = rbf(bf2f(nw[HALF + d]) * rbf(y[2] * inv));
-          y[3] = rbf(bf2f(nw[HALF + d + 1]) * rbf(y[3] * inv));
-        }
-#endif
         const float a0 = y[0], a1 = y[1], b0 = y[2], b1 = y[3];
         y[0] = rbf(a0 * c0 - b0 * s0);
         y[1] = rbf(a1 * c1 - b1 * s1);
         y[2] = rbf(b0 * c0 + a0 * s0);
         y[3] = rbf(b1 * c1 + a1 * s1);
       };
-#if PRELOAD
       norm_rope(x, qnw);
-#else
-      norm_rope(x, lp.q_norm);
-#endif
       if (head_warp) {
         qs[w * D + d] = (u16)f2bf(x[0]);
         qs[w * D + d + 1] = (u16)f2bf(x[1]);
@@ -899,11 +778,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         qs[w * D + HALF + d + 1] = (u16)f2bf(x[3]);
       }
       if (own) {
-#if PRELOAD
         norm_rope(x + 4, knw);
-#else
-        norm_rope(x + 4, lp.k_norm);
-#endif
         if (w == 0 && new_slot >= 0) {  // the new token's k and v into the pool, for later steps
           u16* dst = p.kv_pool + (new_slot / BS) * p.pool_block + (i64)L * p.pool_layer +
                      (new_slot % BS) * p.pool_slot + (i64)kvh * p.pool_head;
@@ -1055,12 +930,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     }
     STAMP(4);
 
-    // ---------------- P3: o-proj rows, the residual, the router's partial sums ----------------
+    // ---------------- P3: o-proj rows, the residual ----------------
     {
       u16* attn = (u16*)scr;  // [QDIM] bf16
-#if PRELOAD
-      if (tid < no) post_w[tid] = bf2f(lp.post_norm[o0 + tid]);  // the router's use of them, below
-#endif
       ll4_to_smem<QDIM>(attn, p.ll_attn, f16, err, tid);
       STAMP(5);
       csync();
@@ -1072,55 +944,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const int n = imin(OPJ_CH, no - i * OPJ_CH);
         auto put_row = [&](int r, float acc) {
           const float h = rbf(rbf(acc) + bf2f(hs[o0 + r]));
-          hrow[r] = h;
           ll4_put(p.ll_h + o0 + r, h, f16);
           if (L == NL - 1) p.res_out[o0 + r] = (u16)f2bf(h);
         };
-#if MROW
         float acc[OPJ_CH];
         rows_dot<OPJ_CH, QDIM>(acc, st, QDIM, attn, lane);
 #pragma unroll
         for (int rr = 0; rr < OPJ_CH; ++rr)
           if (rr < n && lane == rr) put_row(i * OPJ_CH + rr, acc[rr]);
-#else
-        for (int rr = 0; rr < n; ++rr) {
-          const float acc = row_dot(st + (size_t)rr * QDIM, attn, QDIM, lane);
-          if (lane == 0) put_row(i * OPJ_CH + rr, acc);
-        }
-#endif
         release_warp(g);
       }
       gb += n_opj;
-      csync();  // hrow complete; every warp is past its own stages
+      csync();  // every warp is past its own stages
       g_router = gb;
-#if ROUTE_ROWS
       gb += 1;  // P4 reads the router rows, once h is normalised
-#else
-      // The router is linear in the normalised h: logit_e = inv_rms * sum_r W[e, r] g[r] h[r]. This CTA adds
-      // its rows' share to each expert's sum in fixed point (integer adds: the same bits in any order), and
-      // P4 scales by inv_rms once every CTA is in.
-      {
-        const u32 g = gb;
-        wait_full(bars, g, err);
-        const u16* wt = (const u16*)stage_of(g);  // [no][NE]: the router's columns of this CTA's rows
-        for (int e = tid; e < NE; e += NC) {
-          float s = 0.f;
-#if PRELOAD
-          for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * post_w[r], hrow[r], s);
-#else
-          for (int r = 0; r < no; ++r) s = fmaf(bf2f(wt[r * NE + e]) * bf2f(lp.post_norm[o0 + r]), hrow[r], s);
-#endif
-          atomicAdd(p.router_sums + (i64)L * NE + e, (u64)__double2ll_rn((double)s * FIX_SCALE));
-        }
-        csync();  // every thread's adds are issued before the count below
-        if (tid == 0) {
-          mbar_arrive(empty_bar(bars, g));
-          __threadfence();
-          atomicAdd(p.router_count + L, 1u);
-        }
-        gb += 1;
-      }
-#endif
       STAMP(6);
     }
 
@@ -1128,7 +965,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     {
       constexpr int NI4 = ITEMS(H);
       constexpr int NLG = (NE + 31) / 32;
-#if PRELOAD
       const NormW g_post = load_norm_w(lp.post_norm, tid);
       int l2p_own[NLG];  // warp 0: replica 0's physical id of experts lane, 32 + lane, ...
       if (warp == 0) {
@@ -1138,7 +974,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           l2p_own[k] = e < NE ? (int)lp.l2p[(i64)e * p.l2p_stride] : 0;
         }
       }
-#endif
       U4 a[NI4];
       ll4_read(a, p.ll_h + tid * 4, NC * 4, f16, err);
       STAMP(7);
@@ -1151,21 +986,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3;
       }
       const float inv = rsq(block_sum(ss, gsum) / H + p.eps);
-#if PRELOAD
       norm_rows_w(xn, hs, g_post, inv, tid);
-#else
-      norm_rows(xn, hs, lp.post_norm, inv, tid);
-#endif
-#if ROUTE_ROWS
       csync();  // xn complete
-#endif
       if (warp == 0) {
         float lg[NLG];
-#if ROUTE_ROWS
         {  // this CTA's router rows against xn, rounded as the reference's bf16 logits, to every CTA
           wait_full(bars, g_router, err);
           const u16* rows = (const u16*)stage_of(g_router);
-          u64* out = p.router_sums + (i64)L * NE;
+          u64* out = p.ll_logit + (i64)L * NE;
           for (int r = 0; r < n_rr; ++r) {
             const float logit = rbf(row_dot(rows + (size_t)r * H, xn, H, lane));
             if (lane == 0) st_relaxed64(out + c + r * G, ll8(logit, f32));
@@ -1181,26 +1009,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         float mx = NEG_INF;
 #pragma unroll
         for (int k = 0; k < NLG; ++k) mx = fmaxf(mx, lg[k]);
-#else
-        if (lane == 0) {
-          for (i64 n = 0; ld_acquire(p.router_count + L) < (u32)G; ++n)
-            if (give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
-        }
-        __syncwarp();
-        STAMP(8);
-        i64 fx[NLG];
-#pragma unroll
-        for (int k = 0; k < NLG; ++k) {
-          const int e = k * 32 + lane;
-          fx[k] = e < NE ? (i64)ld_relaxed64(p.router_sums + (i64)L * NE + e) : 0;
-        }
-        float mx = NEG_INF;
-#pragma unroll
-        for (int k = 0; k < NLG; ++k) {
-          lg[k] = k * 32 + lane < NE ? rbf((float)((double)fx[k] * (1.0 / FIX_SCALE)) * inv) : NEG_INF;
-          mx = fmaxf(mx, lg[k]);  // the router's output is bf16
-        }
-#endif
         mx = warp_max(mx);
         float den = 0.f;
 #pragma unroll
@@ -1208,8 +1016,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         den = warp_sum(den);
         float my_w = 0.f, wsum = 0.f;
         int my_e = 0, my_phys = 0;
-        (void)my_phys;
-#if REDUX_TOPK
         // Keys: the logit's bf16 bits made orderable as unsigned (lg is bf16-exact; -0 taken as +0), then
         // 0xffff - e: the largest key is the largest logit and, among equal logits, the lowest expert.
         u32 key[NLG];
@@ -1221,10 +1027,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           const u32 o = (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
           key[k] = e < NE ? (o << 16) | (0xffffu - (u32)e) : 0u;
         }
-#endif
 #pragma unroll
         for (int t = 0; t < TOPK; ++t) {
-#if REDUX_TOPK
           u32 best = 0u;
 #pragma unroll
           for (int k = 0; k < NLG; ++k) best = max(best, key[k]);
@@ -1235,31 +1039,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           const int be = (int)(0xffffu - (best & 0xffffu));
           const u32 bo = best >> 16;
           const float bv = __uint_as_float(((bo & 0x8000u) ? (bo & 0x7fffu) : (~bo & 0xffffu)) << 16);
-#else
-          // the largest logit left, the lowest expert index among equals (as the Triton routing kernel)
-          float bv = NEG_INF;
-          int be = 0x7fffffff;
-#pragma unroll
-          for (int k = 0; k < NLG; ++k) {
-            const int e = k * 32 + lane;
-            if (e < NE && (lg[k] > bv || (lg[k] == bv && e < be))) {
-              bv = lg[k];
-              be = e;
-            }
-          }
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (ov > bv || (ov == bv && oe < be)) {
-              bv = ov;
-              be = oe;
-            }
-          }
-#pragma unroll
-          for (int k = 0; k < NLG; ++k)
-            if (k * 32 + lane == be) lg[k] = NEG_INF;
-#endif
           const float wt = expf(bv - mx) / den;
           wsum += wt;
           if (lane == t) {
@@ -1267,7 +1046,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             my_e = be;
           }
         }
-#if PRELOAD
         // lane t's choice's physical id, from the lane that preloaded it (every slot shuffled: a register
         // array indexed at run time would go to local memory)
 #pragma unroll
@@ -1275,14 +1053,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           const int v = __shfl_sync(0xffffffffu, l2p_own[k], my_e & 31);
           my_phys = k == (my_e >> 5) ? v : my_phys;
         }
-#endif
         if (lane < TOPK) {  // lane t: the t-th choice; its physical id (replica 0: token 0 % replicas)
           route_w[lane] = rbf(NORM_TOPK ? my_w / wsum : my_w);
-#if PRELOAD
           const int phys = my_phys;
-#else
-          const int phys = (int)lp.l2p[(i64)my_e * p.l2p_stride];
-#endif
           route_id[lane] = phys;
           if (c == 0) atomicAdd((u64*)(lp.counts + phys), 1ull);
         }
@@ -1307,19 +1080,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
           ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
         };
-#if MROW
         float acc[2 * GU_CH];  // gate rows | up rows
         rows_dot<2 * GU_CH, H>(acc, st, H, xn, lane);
 #pragma unroll
         for (int r = 0; r < GU_CH; ++r)
           if (r < n && lane == r) put_act(r, rbf(acc[r]), rbf(acc[GU_CH + r]));
-#else
-        for (int r = 0; r < n; ++r) {
-          const float gate = rbf(row_dot(st + (size_t)r * H, xn, H, lane));
-          const float up = rbf(row_dot(st + (size_t)(GU_CH + r) * H, xn, H, lane));
-          if (lane == 0) put_act(r, gate, up);
-        }
-#endif
         release_warp(g);
       }
       gb += n_gate;
@@ -1332,12 +1097,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       ll4_to_smem<TOPK * NI>(act, p.ll_act, f16, err, tid);
       STAMP(11);
       csync();
-      // Every CTA has routed this layer (each wrote act after): its router sums can be reset for the next
-      // launch.
-      if (c == 0 && !ROUTE_ROWS) {
-        for (int e = tid; e < NE; e += NC) p.router_sums[(i64)L * NE + e] = 0;
-        if (tid == 0) p.router_count[L] = 0;
-      }
       for (int m2 = 0; m2 < n_down; ++m2) {
         const u32 g = gb + m2;
         if (!mine(g)) continue;
@@ -1345,18 +1104,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const float wk = route_w[k];
-#if MROW
         float acc[DOWN_CH];
         rows_dot<DOWN_CH, NI>(acc, st, NI, act + k * NI, lane);
 #pragma unroll
         for (int r = 0; r < DOWN_CH; ++r)
           if (r < rn && lane == r) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc[r];
-#else
-        for (int r = 0; r < rn; ++r) {
-          const float acc = row_dot(st + (size_t)r * NI, act + k * NI, NI, lane);
-          if (lane == 0) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc;
-        }
-#endif
         release_warp(g);
       }
       gb += n_down;
