@@ -1246,7 +1246,7 @@ def main(argv: list[str] | None = None) -> None:
         type=parse_megakernel_variants,
         default=(),
         help="batch-1 decode points also with megakernel builds of other switches, e.g. "
-        "'off:MROW=0,PRELOAD=0;tps1+t:TPS=1' (label, '+t' for a timing build too, then SWITCH=value pairs; "
+        "'two:TPS=2;all+t:TPS=0' (label, '+t' for a timing build too, then SWITCH=value pairs; "
         "kernels.decode_megakernel.SWITCHES)",
     )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
