@@ -2,7 +2,7 @@
 
 Experimental and off by default (``decode_megakernel``): it is correct (tests against the reference ops and
 greedy tokens in the engine, on an H200), but still slower than the op-by-op graphs it would replace:
-2.51 ms against 2.29 ms a Qwen3-30B-A3B step at 512 tokens of context (2.81 before the thirtieth run's
+2.52 ms against 2.28 ms a Qwen3-30B-A3B step at 512 tokens of context (2.81 before the thirtieth run's
 changes; docs/gpu.md, "The decode megakernel", with where its time goes and what is left).
 
 Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
@@ -219,7 +219,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1, "POLL_NS": 0}
+SWITCHES = {"TPS": 1}
 
 
 class DecodeMegakernel:

@@ -74,8 +74,8 @@ def test_host_constants_mirror_the_cuda_source() -> None:
     assert len(re.findall(r"^\s+[^/\n]+?\*\s*\w+;", layer, re.M)) == dm.LAYER_POINTERS
 
 
-# Switch sets the GPU tests run besides the defaults: the other attention splits (TPS), a polling pause.
-OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(POLL_NS=300)]
+# Switch sets the GPU tests run besides the defaults: the other attention splits (TPS).
+OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2)]
 
 
 def test_unknown_switches_are_refused() -> None:

@@ -266,14 +266,6 @@ __device__ __forceinline__ void ll4_put(u32* p, float v, u32 flag) { st_relaxed(
 __device__ __forceinline__ bool ll4_ok(U4 v, u32 flag) {
   return ((v.x >> 16) == flag) & ((v.y >> 16) == flag) & ((v.z >> 16) == flag) & ((v.w >> 16) == flag);
 }
-// Before a reader loads words again that had not arrived: a pause of POLL_NS (0: none), so that 132 CTAs
-// polling thousands of words do not load L2 with reads while the weight streams need it.
-#ifndef POLL_NS
-#define POLL_NS 0
-#endif
-__device__ __forceinline__ void poll_backoff() {
-  if (POLL_NS > 0) __nanosleep(POLL_NS);
-}
 // N groups of four LL4 words, group i at base + i * stride (words; 16-byte aligned).
 template <int N>
 __device__ __forceinline__ void ll4_read(U4 (&v)[N], const u32* base, int stride, u32 flag, u32* err) {
@@ -284,7 +276,6 @@ __device__ __forceinline__ void ll4_read(U4 (&v)[N], const u32* base, int stride
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if (!ll4_ok(v[i], flag)) {
-        if (ok) poll_backoff();
         ok = false;
         v[i] = ld_relaxed4(base + i * stride);
       }
@@ -303,7 +294,6 @@ __device__ __forceinline__ void ll4_read_pairs(float (&out)[2 * N], const u32* c
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if (((a[i] >> 16) != flag) | ((b[i] >> 16) != flag)) {
-        if (ok) poll_backoff();
         ok = false;
         ld_relaxed2(ptr[i], a[i], b[i]);
       }
@@ -328,7 +318,6 @@ __device__ __forceinline__ void ll8_read(float (&out)[N], const u64* base, i64 s
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if ((u32)(v[i] >> 32) != flag) {
-        if (ok) poll_backoff();
         ok = false;
         v[i] = ld_relaxed64(base + i * stride);
       }
