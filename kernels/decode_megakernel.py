@@ -2,7 +2,7 @@
 
 Experimental and off by default (``decode_megakernel``): it is correct (tests against the reference ops and
 greedy tokens in the engine, on an H200), but still slower than the op-by-op graphs it would replace:
-2.52 ms against 2.28 ms a Qwen3-30B-A3B step at 512 tokens of context (2.81 before the thirtieth run's
+2.51 ms against 2.29 ms a Qwen3-30B-A3B step at 512 tokens of context (2.81 before the thirtieth run's
 changes; docs/gpu.md, "The decode megakernel", with where its time goes and what is left).
 
 Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
