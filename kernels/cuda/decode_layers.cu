@@ -373,18 +373,6 @@ __device__ __forceinline__ void ll4_pack(U4 a, u32& lo, u32& hi) {
 __device__ __forceinline__ u32 norm2(u32 g, u32 s, float inv) {
   return f2bf(bf_lo(g) * rbf(bf_lo(s) * inv)) | (f2bf(bf_hi(g) * rbf(bf_hi(s) * inv)) << 16);
 }
-// xn = bf16(g * bf16(hs * inv)) over the consumer threads' items of a vector of H (the reference's norm).
-__device__ __forceinline__ void norm_rows(u16* xn, const u16* hs, const u16* g, float inv, int tid) {
-#pragma unroll
-  for (int t = 0; t < ITEMS(H); ++t) {
-    const int col = (t * NC + tid) * 4;
-    const u32* gv = (const u32*)(g + col);
-    const u32* sv = (const u32*)(hs + col);
-    u32* o = (u32*)(xn + col);
-    o[0] = norm2(gv[0], sv[0], inv);
-    o[1] = norm2(gv[1], sv[1], inv);
-  }
-}
 // The N bf16 of an LL4 vector into shared memory as they arrive (each consumer thread its items).
 template <int N>
 __device__ __forceinline__ void ll4_to_smem(u16* dst, const u32* src, u32 flag, u32* err, int tid) {
@@ -420,7 +408,7 @@ __device__ __forceinline__ void rows_dot(float (&out)[NR], const u16* rows, int 
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
 }
-// The norm weights a consumer thread's items of a vector of H need (norm_rows' g), loaded ahead of use.
+// The norm weights a consumer thread's items of a vector of H need (norm_rows_w's g), loaded ahead of use.
 struct NormW {
   u32 w[ITEMS(H)][2];
 };
@@ -434,7 +422,8 @@ __device__ __forceinline__ NormW load_norm_w(const u16* g, int tid) {
   }
   return n;
 }
-// norm_rows with the weights already in registers: the same values.
+// xn = bf16(g * bf16(hs * inv)) over the consumer threads' items of a vector of H (the reference's norm),
+// with the weights already in registers.
 __device__ __forceinline__ void norm_rows_w(u16* xn, const u16* hs, const NormW& g, float inv, int tid) {
 #pragma unroll
   for (int t = 0; t < ITEMS(H); ++t) {
@@ -468,11 +457,6 @@ __device__ __forceinline__ void bulk_load_hint(u32 dst, const void* src, u32 byt
 __device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64 pol) {
   asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(pol)
                : "memory");
-}
-__device__ __forceinline__ u32 ld_acquire(const u32* p) {
-  u32 v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 // With TIMING: consumer thread 0 of each CTA stamps its SM clock at the end of each part of a layer.
