@@ -206,8 +206,8 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
 
 
 LAYER_POINTERS = 11  # the fields of decode_layers.cu's LayerPtrs, one row of ``layer_table``
-# The Params struct of decode_layers.cu: 29 eight-byte fields, then scale_log2 and eps (float32).
-_PARAMS = struct.Struct("<" + "Q" * 29 + "ff")
+# The Params struct of decode_layers.cu: 30 eight-byte fields, then scale_log2 and eps (float32).
+_PARAMS = struct.Struct("<" + "Q" * 30 + "ff")
 # Where each of a layer's timing stamps is taken (``timing=True``): the end of ... Every CTA passes the first
 # ``SEQUENTIAL_STAMPS`` in order; the rest only the attention CTAs take.
 STAMPS = (
@@ -219,7 +219,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1}
+SWITCHES = {"TPS": 1, "XACT": 0, "DYN": 0, "SUNROLL": 0, "QKVA": 100}
 
 
 class DecodeMegakernel:
@@ -281,6 +281,7 @@ class DecodeMegakernel:
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
         self._ll_logit = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
+        self._gate_next = torch.zeros(plan.layers, dtype=torch.int32, **kw)  # DYN's counters, 0 between launches
         self.timing = (
             torch.zeros((plan.ctas, plan.layers, 2 * STAMPS_PER_LAYER), dtype=torch.int64, **kw)
             if timing
@@ -311,7 +312,7 @@ class DecodeMegakernel:
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
                 self.x_out.data_ptr(), self.res_out.data_ptr(), *ll,
                 self._part_o.data_ptr(), self._part_lse.data_ptr(), self._ll_logit.data_ptr(),
-                words, words + 4, words + 8,
+                self._gate_next.data_ptr(), words, words + 4, words + 8,
                 self.timing.data_ptr() if self.timing is not None else 0, self.scale_log2, self.eps,
             )  # fmt: skip
             self._params[key] = packed

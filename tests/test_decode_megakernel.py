@@ -64,18 +64,20 @@ def test_host_constants_mirror_the_cuda_source() -> None:
         assert re.search(rf"#ifndef {name}\n#define {name} (\d+)\n#endif", src).group(1) == str(value), name
     assert re.search(r"#define ERR_LL (\d+)u", src).group(1) == str(dm.ERR_LL)
     assert re.search(r"#define ERR_MBAR (\d+)u", src).group(1) == str(dm.ERR_MBAR)
-    # The Params struct: 29 eight-byte fields, then two floats, as the host packs it.
+    # The Params struct: 30 eight-byte fields, then two floats, as the host packs it.
     body = src[src.index("struct Params {") : src.index("};", src.index("struct Params {"))]
     fields = [f for f in re.findall(r"^\s+([^/\n]+?);", body, re.M)]
     eight = sum(len(f.split(",")) for f in fields if not f.startswith("float"))
-    assert eight == 29 and sum(len(f.split(",")) for f in fields if f.startswith("float")) == 2
-    assert dm._PARAMS.size == 29 * 8 + 2 * 4
+    assert eight == 30 and sum(len(f.split(",")) for f in fields if f.startswith("float")) == 2
+    assert dm._PARAMS.size == 30 * 8 + 2 * 4
     layer = src[src.index("struct LayerPtrs {") : src.index("};", src.index("struct LayerPtrs {"))]
     assert len(re.findall(r"^\s+[^/\n]+?\*\s*\w+;", layer, re.M)) == dm.LAYER_POINTERS
 
 
-# Switch sets the GPU tests run besides the defaults: the other attention splits (TPS).
-OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2)]
+# Switch sets the GPU tests run besides the defaults: the other attention splits (TPS), and the candidates
+# measured against the defaults (XACT, DYN, SUNROLL, QKVA; docs/gpu.md, "The decode megakernel").
+OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(XACT=1), dict(DYN=1), dict(SUNROLL=1), dict(QKVA=0),
+                  dict(XACT=1, DYN=1, SUNROLL=1, QKVA=50)]
 
 
 def test_unknown_switches_are_refused() -> None:

@@ -33,8 +33,12 @@
 //
 // Compile-time constants (defines, from the host): H, NQ, NKV, D, NE (logical experts), TOPK, NI (expert
 // intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
-// MAX_SPLITS, TIMING, and the switch TPS: KV tiles per attention split (more splits where the SMs allow;
-// 0: as many splits as the SMs allow). Inputs are bfloat16; accumulation is float32; rounding points are
+// MAX_SPLITS, TIMING, and the switches: TPS, KV tiles per attention split (more splits where the SMs allow;
+// 0: as many splits as the SMs allow); XACT 1: each down item waits only for its own expert's activations,
+// read into registers (not all of them into shared memory first); DYN 1: the gate-up chunks are taken
+// from a per-layer counter as each CTA's ring frees (CTAs that stream faster take more); SUNROLL 1: a KV
+// tile's score and p.v loops unrolled whole; QKVA: an attention CTA's share of the QKV rows, in percent of
+// another CTA's (so its warps are free for the attention sooner). Inputs are bfloat16; accumulation is float32; rounding points are
 // the reference ops' (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
@@ -64,6 +68,18 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #endif
 #ifndef TPS
 #define TPS 1
+#endif
+#ifndef XACT
+#define XACT 0
+#endif
+#ifndef DYN
+#define DYN 0
+#endif
+#ifndef SUNROLL
+#define SUNROLL 0
+#endif
+#ifndef QKVA
+#define QKVA 100
 #endif
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
@@ -105,6 +121,7 @@ struct Params {
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
   u64* ll_logit;         // [NL][NE]: the router's logits (bf16 values) as LL8 words
+  u32* gate_next;        // [NL]: DYN's next gate-up chunk of each layer (0 between launches)
   u32* epoch;
   u32* exit_count;
   u32* error;
@@ -361,6 +378,9 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define GU_CH MIN_(STAGE_BYTES / (4 * H), 8)        // gate-up units (a gate row and its up row)
 #define DOWN_CH MIN_(STAGE_BYTES / (2 * NI), MAX_DOWN_ROWS)  // down rows of one expert
 #define PRE_TILES 4
+#define CPE ((NI + GU_CH - 1) / GU_CH)  // DYN: gate-up chunks of an expert
+#define NCHUNK (TOPK * CPE)              // DYN: gate-up chunks of a layer
+#define SENTINEL 0x80000000u             // DYN: a stage that ends the gate-up items (| their number)
 
 __device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
   v[0] = bf_lo(lo); v[1] = bf_hi(lo); v[2] = bf_lo(hi); v[3] = bf_hi(hi);
@@ -407,6 +427,47 @@ __device__ __forceinline__ void rows_dot(float (&out)[NR], const u16* rows, int 
   }
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+// rows_dot with x in registers: xr[s] holds x's 8 values at column lane * 8 + 256 s (the same order and bits).
+template <int NR, int LEN>
+__device__ __forceinline__ void rows_dot_reg(float (&out)[NR], const u16* rows, int stride, const U4 (&xr)[LEN / 256],
+                                             int lane) {
+  float acc[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int s = 0; s < LEN / 256; ++s) {
+    const int col = lane * 8 + 256 * s;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = dot8(*(const U4*)(rows + r * stride + col), xr[s], acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+// One expert's activations (LEN LL4 words at src) as the lane's x registers of rows_dot_reg, polled until
+// every word carries flag.
+template <int LEN>
+__device__ __forceinline__ void ll4_read_row(U4 (&xr)[LEN / 256], const u32* src, int lane, u32 flag, u32* err) {
+  constexpr int NS = LEN / 256;
+  U4 a[2 * NS];
+#pragma unroll
+  for (int i = 0; i < 2 * NS; ++i) a[i] = ld_relaxed4(src + lane * 8 + 256 * (i >> 1) + 4 * (i & 1));
+  for (i64 n = 0;; ++n) {
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < 2 * NS; ++i) {
+      if (!ll4_ok(a[i], flag)) {
+        ok = false;
+        a[i] = ld_relaxed4(src + lane * 8 + 256 * (i >> 1) + 4 * (i & 1));
+      }
+    }
+    if (ok || give_up(n, err, WAIT_LIMIT, ERR_LL)) break;
+  }
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    ll4_pack(a[2 * i], xr[i].x, xr[i].y);
+    ll4_pack(a[2 * i + 1], xr[i].z, xr[i].w);
+  }
 }
 // The norm weights a consumer thread's items of a vector of H need (norm_rows_w's g), loaded ahead of use.
 struct NormW {
@@ -488,6 +549,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   float* merge_w = misc + 40;           // [MAX_SPLITS + 1]
   volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
   float* down_acc = misc + 128;         // [NWARPS][MAX_DOWN_ROWS]
+  volatile u32* stage_meta = (volatile u32*)(misc + 128 + NWARPS * MAX_DOWN_ROWS);  // [RING]: DYN's chunks
   const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
@@ -505,8 +567,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   const i64 new_slot = *p.slot;
   const i64 token = *p.token;
 
+  // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
+  // TPS tiles a split where the SMs allow; TPS 0: as many splits as the SMs allow (fewer keys a CTA)
+  int S = TPS > 0 ? (seq_len + TPS * KV_TILE - 1) / (TPS * KV_TILE) : seq_len;
+  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));
+  const int split_len = (seq_len + S - 1) / S;
   // This CTA's slices, fixed for the launch.
-  const int q0 = part_lo(QKV_ROWS, G, c), nq = part_lo(QKV_ROWS, G, c + 1) - q0;
+  // QKV rows: an attention CTA takes QKVA/100 of another CTA's share (where any other CTA is left).
+  auto qkv_lo = [&](int cc) {
+    const int na = NKV * S;
+    const i64 w_all = (i64)QKVA * na + 100LL * (G - na);
+    if (QKVA == 100 || na >= G || w_all <= 0) return part_lo(QKV_ROWS, G, cc);
+    const i64 w = (i64)QKVA * imin(cc, na) + 100LL * imax(0, cc - na);
+    return (int)((i64)QKV_ROWS * w / w_all);
+  };
+  const int q0 = qkv_lo(c), nq = qkv_lo(c + 1) - q0;
   const int o0 = part_lo(H, G, c), o1 = part_lo(H, G, c + 1), no = o1 - o0;  // o-proj, router, down rows
   const int u0 = part_lo(TOPK * NI, G, c), u1 = part_lo(TOPK * NI, G, c + 1);  // gate-up units
   const int n_qkv = (nq + QKV_CH - 1) / QKV_CH, n_opj = (no + OPJ_CH - 1) / OPJ_CH;
@@ -521,11 +596,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   const int n_gate = gu_chunks();
   const int n_rr = c < NE ? (NE - 1 - c) / G + 1 : 0;  // this CTA's router rows: c, c + G, ...
 
-  // This step's attention split, the same in every CTA: S splits of split_len keys per KV head.
-  // TPS tiles a split where the SMs allow; TPS 0: as many splits as the SMs allow (fewer keys a CTA)
-  int S = TPS > 0 ? (seq_len + TPS * KV_TILE - 1) / (TPS * KV_TILE) : seq_len;
-  S = imax(1, imin(S, imin(MAX_SPLITS, G / NKV)));
-  const int split_len = (seq_len + S - 1) / S;
   const bool attn_cta = c < NKV * S;
   const int kvh = attn_cta ? c / S : 0, sp = attn_cta ? c % S : 0;
   const int k0 = attn_cta ? imin(seq_len, sp * split_len) : 0;
@@ -567,6 +637,43 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           }
           __threadfence_block();
         }
+#if DYN
+        if (i == first_expert) {
+          // The gate-up chunks: each taken from the layer's counter as a stage frees, so CTAs that stream
+          // faster take more; then RING sentinels (one a slot, so every warp sees one) carry their number.
+          u32 gn = g;
+          if (lane == 0) {
+            u32 n = 0, next = atomicAdd(p.gate_next + L, 1u);
+            for (int it = 0; it < NCHUNK + RING; ++it, ++gn) {
+              const u32 cur = next;
+              const bool sentinel = cur >= (u32)NCHUNK;
+              if (!sentinel) next = atomicAdd(p.gate_next + L, 1u);  // its answer is needed a stage later
+              if (gn >= RING) mbar_wait(empty_bar(bars, gn), ((gn / RING) - 1) & 1u, err);
+              const u32 stage = smem_addr(ring_mem) + (gn % RING) * STAGE_BYTES, bar = full_bar(bars, gn);
+              if (sentinel) {
+                stage_meta[gn % RING] = SENTINEL | n;
+                mbar_arrive(bar);
+                if (it >= (int)n + RING - 1) break;
+                continue;
+              }
+              fence_async_smem();
+              const int e = cur / CPE, j = (cur % CPE) * GU_CH, m = imin(GU_CH, NI - j);
+              const u16* w = q.w13 + (i64)route_id[e] * (2 * NI) * H;
+              stage_meta[gn % RING] = cur;
+              mbar_expect(bar, m * 2 * H * 2);
+              bulk_load_hint(stage, w + (i64)j * H, m * H * 2, bar, pol_first);
+              bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + j) * H, m * H * 2, bar, pol_first);
+              ++n;
+            }
+            ++gn;
+          }
+          g = __shfl_sync(0xffffffffu, gn, 0);
+          i += n_gate;  // the static count: skipped, the loop goes on with the down items
+          --i;
+          --g;
+          continue;
+        }
+#endif
         if (g >= RING) mbar_wait(empty_bar(bars, g), ((g / RING) - 1) & 1u, err);
         const u32 stage = smem_addr(ring_mem) + (g % RING) * STAGE_BYTES, bar = full_bar(bars, g);
         if (lane == 0) fence_async_smem();
@@ -787,11 +894,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (t == 0) STAMP(16);
         const unsigned char* st = stage_of(g);
         if (head_warp) {
+#if SUNROLL
+          // Every step of the tile at once (their loads side by side); rows past n read key n - 1, unused.
+#pragma unroll
+          for (int j0 = 0; j0 < KV_TILE; j0 += 8) {
+            const int j = j0 + kj;
+            float s = 0.f;
+            {
+              const u16* krow = (const u16*)(st + imin(j, n - 1) * KV_ROW) + kq * (D / 4);
+#else
           for (int j0 = 0; j0 < n; j0 += 8) {
             const int j = j0 + kj;
             float s = 0.f;
             if (j < n) {
               const u16* krow = (const u16*)(st + j * KV_ROW) + kq * (D / 4);
+#endif
               float part[D / 32];  // one chain per 8 dims, summed at the end: short FMA chains
 #pragma unroll
               for (int t4 = 0; t4 < D / 4; t4 += 8) {
@@ -823,10 +940,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           __syncwarp();
 #pragma unroll
           for (int k = 0; k < 4; ++k) acc[k] *= alpha;
+#if SUNROLL
+          // p is 0 past n (above): those steps add 0 x a finite value of key n - 1, which changes no bit.
+#pragma unroll
+          for (int j = 0; j < KV_TILE; ++j) {
+            const float pj = sc[w * 64 + j];
+            const u16* vrow = (const u16*)(st + KV_V_OFF + imin(j, n - 1) * KV_ROW);
+#else
 #pragma unroll 8
           for (int j = 0; j < n; ++j) {
             const float pj = sc[w * 64 + j];
             const u16* vrow = (const u16*)(st + KV_V_OFF + j * KV_ROW);
+#endif
             const u32 va = *(const u32*)(vrow + d), vb = *(const u32*)(vrow + HALF + d);
             acc[0] = fmaf(pj, bf_lo(va), acc[0]);
             acc[1] = fmaf(pj, bf_hi(va), acc[1]);
@@ -1051,6 +1176,37 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       csync();  // route_w, route_id and xn complete
       STAMP(9);
+      // the reference rounds gate and up, then SiLU, then the product
+      auto gate_up = [&](const u16* st, int e, int j, int n) {  // n gate rows, then (at GU_CH rows) n up rows
+        float acc[2 * GU_CH];  // gate rows | up rows
+        rows_dot<2 * GU_CH, H>(acc, st, H, xn, lane);
+#pragma unroll
+        for (int r = 0; r < GU_CH; ++r)
+          if (r < n && lane == r) {
+            const float gate = rbf(acc[r]), up = rbf(acc[GU_CH + r]);
+            const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
+            ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
+          }
+      };
+#if DYN
+      {  // this warp's stages up to its sentinel, which says how many chunks the producer issued
+        u32 n_dyn = 0;
+        u32 g = gb + (u32)((warp - (int)(gb % RING) + RING) % RING);
+        for (int it = 0; it <= NCHUNK; ++it, g += RING) {
+          wait_full(bars, g, err);
+          const u32 meta = stage_meta[g % RING];
+          if (meta & SENTINEL) {
+            n_dyn = meta & ~SENTINEL;
+            release_warp(g);
+            break;
+          }
+          const int j = (int)(meta % CPE) * GU_CH;
+          gate_up((const u16*)stage_of(g), (int)(meta / CPE), j, imin(GU_CH, NI - j));
+          release_warp(g);
+        }
+        gb += n_dyn + RING;
+      }
+#else
       int gu = u0;
       for (int i = 0; i < n_gate; ++i) {
         const u32 g = gb + i;
@@ -1058,38 +1214,42 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         gu = end;
         if (!mine(g)) continue;
         wait_full(bars, g, err);
-        const u16* st = (const u16*)stage_of(g);  // n gate rows, then (at GU_CH rows) n up rows
-        // the reference rounds gate and up, then SiLU, then the product
-        auto put_act = [&](int r, float gate, float up) {
-          const float silu = rbf(gate / (1.f + ex2(-gate * 1.4426950408889634f)));
-          ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
-        };
-        float acc[2 * GU_CH];  // gate rows | up rows
-        rows_dot<2 * GU_CH, H>(acc, st, H, xn, lane);
-#pragma unroll
-        for (int r = 0; r < GU_CH; ++r)
-          if (r < n && lane == r) put_act(r, rbf(acc[r]), rbf(acc[GU_CH + r]));
+        gate_up((const u16*)stage_of(g), e, j, n);
         release_warp(g);
       }
       gb += n_gate;
+#endif
       STAMP(10);
     }
 
     // ---------------- P5: the experts' down rows, weighted and summed ----------------
     {
+#if XACT
+      // Each down item waits only for its own expert's activations, read straight into registers.
+      STAMP(11);
+#else
       u16* act = (u16*)scr;  // [TOPK * NI] bf16
       ll4_to_smem<TOPK * NI>(act, p.ll_act, f16, err, tid);
       STAMP(11);
       csync();
+#endif
       for (int m2 = 0; m2 < n_down; ++m2) {
         const u32 g = gb + m2;
         if (!mine(g)) continue;
         const int k = m2 / pieces, r0 = (m2 % pieces) * DOWN_CH, rn = imin(DOWN_CH, no - r0);
+#if XACT
+        U4 xr[NI / 256];
+        ll4_read_row<NI>(xr, p.ll_act + k * NI, lane, f16, err);
+#endif
         wait_full(bars, g, err);
         const u16* st = (const u16*)stage_of(g);
         const float wk = route_w[k];
         float acc[DOWN_CH];
+#if XACT
+        rows_dot_reg<DOWN_CH, NI>(acc, st, NI, xr, lane);
+#else
         rows_dot<DOWN_CH, NI>(acc, st, NI, act + k * NI, lane);
+#endif
 #pragma unroll
         for (int r = 0; r < DOWN_CH; ++r)
           if (r < rn && lane == r) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc[r];
@@ -1117,6 +1277,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     __threadfence();
     if (atomicAdd(p.exit_count, 1u) == (u32)G - 1) {
       *(volatile u32*)p.exit_count = 0;
+      if (DYN)
+        for (int l = 0; l < NL; ++l) *(volatile u32*)(p.gate_next + l) = 0;
       *(volatile u32*)p.epoch = epoch + 1;
       __threadfence();
     }
