@@ -75,9 +75,9 @@ def test_host_constants_mirror_the_cuda_source() -> None:
 
 
 # Switch sets the GPU tests run besides the defaults: the other attention splits (TPS), and the candidates
-# measured against the defaults (XACT, DYN, SUNROLL, QKVA; docs/gpu.md, "The decode megakernel").
-OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(XACT=1), dict(DYN=1), dict(SUNROLL=1), dict(QKVA=0),
-                  dict(XACT=1, DYN=1, SUNROLL=1, QKVA=50)]
+# measured against the defaults (DYN, PFQ, DYND; docs/gpu.md, "The decode megakernel").
+OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(DYN=1), dict(DYN=1, PFQ=1), dict(PFQ=2), dict(DYND=1),
+                  dict(DYN=1, DYND=1, PFQ=1)]
 
 
 def test_unknown_switches_are_refused() -> None:
