@@ -60,7 +60,7 @@ KV_TILE = 45
 KV_ROW = 272
 MAX_DOWN_ROWS = 32
 MAX_SPLITS = 40
-MISC_BYTES = 6144
+MISC_BYTES = 2048
 ERR_LL = 1
 ERR_MBAR = 2
 
@@ -219,7 +219,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1, "DYN": 0, "PFQ": 0, "DYND": 0}
+SWITCHES = {"TPS": 1, "DYN": 1}
 
 
 class DecodeMegakernel:
@@ -281,7 +281,7 @@ class DecodeMegakernel:
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
         self._ll_logit = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
-        self._gate_next = torch.zeros(2 * plan.layers, dtype=torch.int32, **kw)  # DYN's, DYND's counters
+        self._gate_next = torch.zeros(plan.layers, dtype=torch.int32, **kw)  # DYN's counters, 0 between launches
         self.timing = (
             torch.zeros((plan.ctas, plan.layers, 2 * STAMPS_PER_LAYER), dtype=torch.int64, **kw)
             if timing

@@ -74,10 +74,9 @@ def test_host_constants_mirror_the_cuda_source() -> None:
     assert len(re.findall(r"^\s+[^/\n]+?\*\s*\w+;", layer, re.M)) == dm.LAYER_POINTERS
 
 
-# Switch sets the GPU tests run besides the defaults: the other attention splits (TPS), and the candidates
-# measured against the defaults (DYN, PFQ, DYND; docs/gpu.md, "The decode megakernel").
-OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(DYN=1), dict(DYN=1, PFQ=1), dict(PFQ=2), dict(DYND=1),
-                  dict(DYN=1, DYND=1, PFQ=1)]
+# Switch sets the GPU tests run besides the defaults: the other attention splits (TPS), fixed gate-up slices
+# (DYN 0).
+OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(DYN=0)]
 
 
 def test_unknown_switches_are_refused() -> None:

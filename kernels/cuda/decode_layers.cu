@@ -34,12 +34,9 @@
 // Compile-time constants (defines, from the host): H, NQ, NKV, D, NE (logical experts), TOPK, NI (expert
 // intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
 // MAX_SPLITS, TIMING, and the switches: TPS, KV tiles per attention split (more splits where the SMs allow;
-// 0: as many splits as the SMs allow); DYN 1: the gate-up chunks are taken from a per-layer counter as
-// each CTA's ring frees (CTAs that stream faster take more); PFQ 1 / 2: once a CTA's gate-up chunks
-// are issued, its QKV rows of the next layer are prefetched into L2 (1: evict_last, 2: no policy) and the
-// ring's loads of them take evict_first; DYND 1: the down rows in blocks of output rows taken from a
-// per-layer counter, each block's experts summed in order (so the bits do not depend on who took it). Inputs are bfloat16; accumulation is float32; rounding points are
-// the reference ops' (see kernels/decode_megakernel.py).
+// 0: as many splits as the SMs allow); DYN (1, the default): the gate-up chunks are taken from a per-layer
+// counter as each CTA's ring frees, so CTAs that stream faster take more (0: fixed slices). Inputs are
+// bfloat16; accumulation is float32; rounding points are the reference ops' (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -70,13 +67,7 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define TPS 1
 #endif
 #ifndef DYN
-#define DYN 0
-#endif
-#ifndef PFQ
-#define PFQ 0
-#endif
-#ifndef DYND
-#define DYND 0
+#define DYN 1
 #endif
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
@@ -118,8 +109,7 @@ struct Params {
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
   u64* ll_logit;         // [NL][NE]: the router's logits (bf16 values) as LL8 words
-  u32* gate_next;        // [2 NL]: DYN's next gate-up chunk, then DYND's next down block, of each layer (0
-                         // between launches)
+  u32* gate_next;        // [NL]: DYN's next gate-up chunk of each layer (0 between launches)
   u32* epoch;
   u32* exit_count;
   u32* error;
@@ -365,7 +355,7 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define OFF_HS (OFF_XN + 2 * H)
 #define OFF_SCR (OFF_HS + 2 * H)
 #define OFF_MISC (OFF_SCR + SCR_BYTES)
-#define MISC_BYTES 6144
+#define MISC_BYTES 2048
 #define OFF_BARS (OFF_MISC + MISC_BYTES)
 #define SMEM_BYTES (OFF_BARS + 16 * RING)
 // Items of four values a consumer thread handles in a vector of n values (n a multiple of 4 * NC).
@@ -378,15 +368,7 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define PRE_TILES 4
 #define CPE ((NI + GU_CH - 1) / GU_CH)  // DYN: gate-up chunks of an expert
 #define NCHUNK (TOPK * CPE)              // DYN: gate-up chunks of a layer
-#define SENTINEL 0x80000000u             // DYN, DYND: a stage that ends the dynamic items (| their number)
-// DYND: the down rows in blocks of DR output rows (a power of two, at most 8); a stage holds DEPS experts'
-// rows of a block, a block takes DSPC stages; a CTA takes at most MAXB blocks a layer.
-#define DR_FIT MIN_(8, STAGE_BYTES / (2 * NI))
-#define DR (DR_FIT >= 8 ? 8 : DR_FIT >= 4 ? 4 : DR_FIT >= 2 ? 2 : 1)
-#define NBLK (H / DR)
-#define DEPS MIN_(TOPK, STAGE_BYTES / (DR * NI * 2))
-#define DSPC ((TOPK + DEPS - 1) / DEPS)
-#define MAXB 8
+#define SENTINEL 0x80000000u             // DYN: a stage that ends the gate-up items (| their number)
 
 __device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
   v[0] = bf_lo(lo); v[1] = bf_hi(lo); v[2] = bf_lo(hi); v[3] = bf_hi(hi);
@@ -485,11 +467,6 @@ __device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64
                : "memory");
 }
 
-// The same without a cache policy.
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // With TIMING: consumer thread 0 of each CTA stamps its SM clock at the end of each part of a layer.
 #define STAMP(k)                                                     \
   do {                                                               \
@@ -520,9 +497,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
   float* down_acc = misc + 128;         // [NWARPS][MAX_DOWN_ROWS]
   volatile u32* stage_meta = (volatile u32*)(misc + 128 + NWARPS * MAX_DOWN_ROWS);  // [RING]: DYN's chunks
-  volatile int* blk_list = (volatile int*)(misc + 400);  // [MAXB]: DYND's down blocks of this CTA's layer
-  volatile int* blk_count = (volatile int*)(misc + 408);
-  float* dpart = misc + 512;            // [MAXB][TOPK][DR]: DYND's weighted down rows, summed at the end
   const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
@@ -639,55 +613,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           continue;
         }
 #endif
-        if (PFQ && i == first_expert + n_gate && L + 1 < NL) {
-          // Every gate-up chunk is issued: the next layer's QKV rows of this CTA into L2 now, while the
-          // down rows stream and the act exchange waits, so the ring's later loads of them hit L2.
-          for (int k = lane; k < n_qkv; k += 32) {
-            const int lo = k * QKV_CH, bytes = imin(QKV_CH, nq - lo) * H * 2;
-            const u16* src = p.layers[L + 1].qkv_w + (i64)(q0 + lo) * H;
-            if (PFQ == 1)
-              prefetch_l2_hint(src, bytes, pol_last);
-            else
-              prefetch_l2(src, bytes);
-          }
-        }
-#if DYND
-        if (i == first_expert + n_gate) {
-          // The down rows in blocks of DR output rows, each taken from the layer's counter (at most MAXB a
-          // CTA), every chosen expert's rows of the block in DSPC stages; then RING sentinels, as DYN.
-          u32 gn = g;
-          if (lane == 0) {
-            u32 nst = 0;
-            int nb = 0;
-            u32 next = atomicAdd(p.gate_next + NL + L, 1u);
-            while (nb < MAXB && next < (u32)NBLK) {
-              const u32 b = next;
-              blk_list[nb++] = (int)b;
-              if (nb < MAXB) next = atomicAdd(p.gate_next + NL + L, 1u);
-              for (int s2 = 0; s2 < DSPC; ++s2, ++gn, ++nst) {
-                if (gn >= RING) mbar_wait(empty_bar(bars, gn), ((gn / RING) - 1) & 1u, err);
-                const u32 stage = smem_addr(ring_mem) + (gn % RING) * STAGE_BYTES, bar = full_bar(bars, gn);
-                fence_async_smem();
-                const int k0 = s2 * DEPS, ke = imin(DEPS, TOPK - k0);
-                stage_meta[gn % RING] = ((u32)(nb - 1) << 8) | (u32)k0;
-                mbar_expect(bar, ke * DR * NI * 2);
-                for (int kk = 0; kk < ke; ++kk)
-                  bulk_load_hint(stage + kk * DR * NI * 2, q.w2 + (i64)route_id[k0 + kk] * H * NI + (i64)b * DR * NI,
-                                 DR * NI * 2, bar, pol_first);
-              }
-            }
-            *blk_count = nb;
-            for (int k = 0; k < RING; ++k, ++gn) {
-              if (gn >= RING) mbar_wait(empty_bar(bars, gn), ((gn / RING) - 1) & 1u, err);
-              stage_meta[gn % RING] = SENTINEL | nst;
-              mbar_arrive(full_bar(bars, gn));
-            }
-          }
-          g = __shfl_sync(0xffffffffu, gn, 0) - 1;
-          i = per_layer - 1;  // the static down items: skipped
-          continue;
-        }
-#endif
         if (g >= RING) mbar_wait(empty_bar(bars, g), ((g / RING) - 1) & 1u, err);
         const u32 stage = smem_addr(ring_mem) + (g % RING) * STAGE_BYTES, bar = full_bar(bars, g);
         if (lane == 0) fence_async_smem();
@@ -719,10 +644,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             if (k < n_qkv) {
               const int lo = k * QKV_CH, bytes = imin(QKV_CH, nq - lo) * H * 2;
               mbar_expect(bar, bytes);
-              if (PFQ)  // rows prefetched into L2 leave it first once read
-                bulk_load_hint(stage, q.qkv_w + (i64)(q0 + lo) * H, bytes, bar, pol_first);
-              else
-                bulk_load(stage, q.qkv_w + (i64)(q0 + lo) * H, bytes, bar);
+              bulk_load(stage, q.qkv_w + (i64)(q0 + lo) * H, bytes, bar);
             } else if ((k -= n_qkv + n_tiles) < n_opj) {
               const int lo = k * OPJ_CH, bytes = imin(OPJ_CH, no - lo) * QDIM * 2;
               mbar_expect(bar, bytes);
@@ -1227,43 +1149,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       ll4_to_smem<TOPK * NI>(act, p.ll_act, f16, err, tid);
       STAMP(11);
       csync();
-#if DYND
-      {  // this warp's stages up to its sentinel; each row's experts summed in order once all are in
-        u32 n_st = 0;
-        u32 g = gb + (u32)((warp - (int)(gb % RING) + RING) % RING);
-        for (int it = 0; it <= MAXB * DSPC; ++it, g += RING) {
-          wait_full(bars, g, err);
-          const u32 meta = stage_meta[g % RING];
-          if (meta & SENTINEL) {
-            n_st = meta & ~SENTINEL;
-            release_warp(g);
-            break;
-          }
-          const int jb = (int)(meta >> 8), k0 = (int)(meta & 0xffu), ke = imin(DEPS, TOPK - k0);
-          const u16* st = (const u16*)stage_of(g);
-          for (int kk = 0; kk < ke; ++kk) {
-            float acc[DR];
-            rows_dot<DR, NI>(acc, st + kk * DR * NI, NI, act + (k0 + kk) * NI, lane);
-            const float wk = route_w[k0 + kk];
-#pragma unroll
-            for (int r = 0; r < DR; ++r)
-              if (lane == r) dpart[(jb * TOPK + k0 + kk) * DR + r] = wk * acc[r];
-          }
-          release_warp(g);
-        }
-        gb += n_st + RING;
-        csync();
-        const int nb = *blk_count;
-        for (int idx = tid; idx < nb * DR; idx += NC) {
-          const int jb = idx / DR, r = idx % DR, row = blk_list[jb] * DR + r;
-          float xo = 0.f;
-          for (int k = 0; k < TOPK; ++k) xo += dpart[(jb * TOPK + k) * DR + r];  // a fixed order
-          ll4_put(p.ll_xo + row, xo, f16);
-          if (L == NL - 1) p.x_out[row] = (u16)f2bf(xo);
-        }
-        csync();
-      }
-#else
       for (int m2 = 0; m2 < n_down; ++m2) {
         const u32 g = gb + m2;
         if (!mine(g)) continue;
@@ -1291,7 +1176,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         if (L == NL - 1) p.x_out[o0 + r] = (u16)f2bf(xo);
       }
       csync();
-#endif
       STAMP(12);
     }
   }
@@ -1301,8 +1185,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     __threadfence();
     if (atomicAdd(p.exit_count, 1u) == (u32)G - 1) {
       *(volatile u32*)p.exit_count = 0;
-      if (DYN || DYND)
-        for (int l = 0; l < 2 * NL; ++l) *(volatile u32*)(p.gate_next + l) = 0;
+      if (DYN)
+        for (int l = 0; l < NL; ++l) *(volatile u32*)(p.gate_next + l) = 0;
       *(volatile u32*)p.epoch = epoch + 1;
       __threadfence();
     }
