@@ -60,7 +60,7 @@ KV_TILE = 45
 KV_ROW = 272
 MAX_DOWN_ROWS = 32
 MAX_SPLITS = 40
-MISC_BYTES = 2048
+MISC_BYTES = 4096
 ERR_LL = 1
 ERR_MBAR = 2
 
@@ -214,12 +214,13 @@ LAYER_POINTERS = 11  # the fields of decode_layers.cu's LayerPtrs, one row of ``
 # The Params struct of decode_layers.cu: 30 eight-byte fields, then scale_log2 and eps (float32).
 _PARAMS = struct.Struct("<" + "Q" * 30 + "ff")
 # Where each of a layer's timing stamps is taken (``timing=True``): the end of ... Every CTA passes the first
-# ``SEQUENTIAL_STAMPS`` in order; the rest only the attention CTAs take.
+# ``SEQUENTIAL_STAMPS`` in order; the rest are extra points of the same layer (the ones marked so only the
+# attention CTAs take).
 STAMPS = (
     "layer start", "P1 input arrived", "P1 QKV rows", "P2 attention", "P2b merge", "P3 attn arrived",
     "P3 o-proj rows", "P4 h arrived", "P4 own router logit out", "P4 routing", "P4 gate-up",
     "P5 act arrived", "P5 down rows", "P2 q, k, v arrived (attention CTAs)", "P2 tiles scored (attention CTAs)",
-    "P2 q stored (attention CTAs)", "P2 first tile arrived (attention CTAs)",
+    "P2 q stored (attention CTAs)", "P2 first tile arrived (attention CTAs)", "P3 attn in every thread",
 )  # fmt: skip
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]

@@ -204,7 +204,9 @@ def test_megakernel_matches_the_reference_layers(ctx: int, switches: dict[str, i
     pool_ref = pool.clone()
     counts = [blk.expert_counts.clone() for blk in net.moe_blocks()]
     dev = pool.device
-    for step in range(2):  # twice: the second launch must see new flags (the epoch) and the same result
+    launches = 4
+    for step in range(launches):  # later launches must see new flags (the epoch) and give the same bits: DYN hands
+        # the gate-up chunks out in a different order every launch
         x, res = mk.run(torch.tensor([token], device=dev), torch.tensor([ctx - 1], device=dev),
                         torch.tensor([slot], device=dev), torch.tensor([ctx], dtype=torch.int32, device=dev),
                         table.view(1, -1))  # fmt: skip
@@ -212,11 +214,12 @@ def test_megakernel_matches_the_reference_layers(ctx: int, switches: dict[str, i
         assert mk.error() == 0
         if step == 0:
             x0, res0 = x.clone(), res.clone()
-    assert torch.equal(x, x0) and torch.equal(res, res0), "a second launch gave other values"
+        else:
+            assert torch.equal(x, x0) and torch.equal(res, res0), f"launch {step} gave other values"
     chosen = []
     for blk, before in zip(net.moe_blocks(), counts, strict=True):
         delta = blk.expert_counts - before
-        assert int(delta.sum()) == 2 * blk.top_k and bool(((delta == 0) | (delta == 2)).all())
+        assert int(delta.sum()) == launches * blk.top_k and bool(((delta == 0) | (delta == launches)).all())
         p2l = blk.placement.physical_to_logical
         chosen.append({int(p2l[e]) for e in torch.nonzero(delta).flatten().tolist()})
     written = pool.clone()

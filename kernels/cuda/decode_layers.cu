@@ -367,7 +367,7 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define OFF_HS (OFF_XN + 2 * H)
 #define OFF_SCR (OFF_HS + 2 * H)
 #define OFF_MISC (OFF_SCR + SCR_BYTES)
-#define MISC_BYTES 2048
+#define MISC_BYTES 4096
 #define OFF_BARS (OFF_MISC + MISC_BYTES)
 #define SMEM_BYTES (OFF_BARS + 16 * RING)
 // Items of four values a consumer thread handles in a vector of n values (n a multiple of 4 * NC).
@@ -507,8 +507,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   int* route_id = (int*)(misc + 24);    // [TOPK <= 16]: physical ids
   float* merge_w = misc + 40;           // [MAX_SPLITS + 1]
   volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
-  float* down_acc = misc + 128;         // [NWARPS][MAX_DOWN_ROWS]
-  volatile u32* stage_meta = (volatile u32*)(misc + 128 + NWARPS * MAX_DOWN_ROWS);  // [RING]: DYN's chunks
+  float* down_acc = misc + 512;         // [TOPK][MAX_DOWN_ROWS]: each choice's weighted down rows
+  volatile u32* stage_meta = (volatile u32*)(misc + 128);  // [RING]: DYN's chunks
   const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
@@ -516,7 +516,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     *routed = -1;
   }
-  for (int i = tid; i < NWARPS * MAX_DOWN_ROWS; i += NT) down_acc[i] = 0.f;
   __syncthreads();  // the last barrier of all NT threads
 
   u32* err = p.error;
@@ -1099,6 +1098,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       ll4_to_smem<QDIM>(attn, p.ll_attn, f16, err, tid);
       STAMP(5);
       csync();
+      STAMP(17);
       for (int i = 0; i < n_opj; ++i) {
         const u32 g = gb + i;
         if (!mine(g)) continue;
@@ -1293,7 +1293,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         rows_dot<DOWN_CH, NI>(acc, st, NI, act + k * NI, lane);
 #pragma unroll
         for (int r = 0; r < DOWN_CH; ++r)
-          if (r < rn && lane == r) down_acc[warp * MAX_DOWN_ROWS + r0 + r] += wk * acc[r];
+          if (r < rn && lane == r) down_acc[k * MAX_DOWN_ROWS + r0 + r] = wk * acc[r];
         release_warp(g);
       }
       gb += n_down;
@@ -1301,10 +1301,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       for (int r = tid; r < no; r += NC) {
         float xo = 0.f;
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {  // a fixed order: the same bits every launch
-          xo += down_acc[w * MAX_DOWN_ROWS + r];
-          down_acc[w * MAX_DOWN_ROWS + r] = 0.f;
-        }
+        for (int k = 0; k < TOPK; ++k) xo += down_acc[k * MAX_DOWN_ROWS + r];  // the choices in order
         ll4_put(p.ll_xo + o0 + r, xo, f16);
         if (L == NL - 1) p.x_out[o0 + r] = (u16)f2bf(xo);
       }
