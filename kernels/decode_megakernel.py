@@ -108,12 +108,7 @@ class MegakernelPlan:
     def scr_bytes(self) -> int:
         group = self.heads // self.kv_heads
         return _round16(
-            max(
-                self.top_k * self.inter * 2,
-                self.q_dim * 2,
-                # the attention: q, scores, (tensor cores) p, three vectors of 8 floats, the new token's v
-                group * self.head_dim * 2 + NWARPS * 64 * 4 + 8 * 64 * 2 + 24 * 4 + self.head_dim * 2,
-            )
+            max(self.top_k * self.inter * 2, self.q_dim * 2, group * self.head_dim * 2 + NWARPS * 64 * 4)
         )
 
     @property
@@ -225,7 +220,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1, "DYN": 1, "TCA": 0}
+SWITCHES = {"TPS": 1, "DYN": 1}
 
 
 class DecodeMegakernel:

@@ -35,8 +35,7 @@
 // intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
 // MAX_SPLITS, TIMING, and the switches: TPS, KV tiles per attention split (more splits where the SMs allow;
 // 0: as many splits as the SMs allow); DYN (1, the default): the gate-up chunks are taken from a per-layer
-// counter as each CTA's ring frees, so CTAs that stream faster take more (0: fixed slices); TCA 1: a KV
-// tile's scores and p.v on tensor cores (0: CUDA cores, a head a warp). Inputs are
+// counter as each CTA's ring frees, so CTAs that stream faster take more (0: fixed slices). Inputs are
 // bfloat16; accumulation is float32; rounding points are the reference ops' (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
@@ -69,9 +68,6 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #endif
 #ifndef DYN
 #define DYN 1
-#endif
-#ifndef TCA
-#define TCA 0
 #endif
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 #define ERR_LL 1u
@@ -159,14 +155,6 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
-}
-// c += a b on tensor cores: m16n8k16, bf16 operands (A: four registers, rows g and g + 8; B: two), fp32 c.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 // A barrier of the consumer warps only (the producer warp never waits on them).
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(NC) : "memory"); }
@@ -831,126 +819,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       }
       csync();  // qs complete; every warp is past its own stages before all take the tiles
       STAMP(15);
-#if TCA
-      // The tile on tensor cores (mma m16n8k16, bf16 in, fp32 sums): rows are this KV head's q heads (rows
-      // past GRP and 8..15 zero). Scores: warp w < 6 takes keys 8 w .. 8 w + 7; the head warps take the
-      // softmax as above; p.v: warp w takes dims 16 w .. 16 w + 15 of every head. Keys past n read key
-      // n - 1 (finite) and get p = 0.
-      u16* pbuf = (u16*)(scr + GRP * D * 2 + NWARPS * 64 * 4);  // [8][64]: p, bf16
-      float* tsm = (float*)(pbuf + 8 * 64);                     // alpha [8] | p of the new token [8] | 1 / l [8]
-      u16* vnew = (u16*)(tsm + 24);                             // [D]: the new token's v
-      const int g8 = lane >> 2, t4 = lane & 3;
-      const bool row = g8 < GRP;
-      u32 qa[D / 16][2];  // q as A fragments: columns 2 t4, 2 t4 + 1 and 8 + those of each 16 dims
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        qa[kk][0] = row ? *(const u32*)(qs + g8 * D + 16 * kk + 2 * t4) : 0u;
-        qa[kk][1] = row ? *(const u32*)(qs + g8 * D + 16 * kk + 8 + 2 * t4) : 0u;
-      }
-      float m = NEG_INF, l = 0.f;  // head warps: their head's running max and sum
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // C fragments of dims 16 w + 8 nt
-      for (int t = 0; t < n_tiles; ++t) {
-        const u32 g = gb + t;
-        const int n = imin(KV_TILE, old_end - (k0 + t * KV_TILE));
-        wait_full(bars, g, err);
-        if (t == 0) STAMP(16);
-        const unsigned char* st = stage_of(g);
-        if (8 * w < KV_TILE) {
-          const u16* krow = (const u16*)(st + imin(8 * w + g8, n - 1) * KV_ROW);
-          float c4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk)
-            mma_bf16(c4, qa[kk][0], 0u, qa[kk][1], 0u, *(const u32*)(krow + 16 * kk + 2 * t4),
-                     *(const u32*)(krow + 16 * kk + 8 + 2 * t4));
-          const int key = 8 * w + 2 * t4;
-          if (row && key < n) sc[g8 * 64 + key] = c4[0] * p.scale_log2;
-          if (row && key + 1 < n) sc[g8 * 64 + key + 1] = c4[1] * p.scale_log2;
-        }
-        csync();
-        if (head_warp) {
-          const float sa = lane < n ? sc[w * 64 + lane] : NEG_INF;
-          const float sb = lane + 32 < n ? sc[w * 64 + lane + 32] : NEG_INF;
-          const float m_new = fmaxf(m, warp_max(fmaxf(sa, sb)));
-          const float alpha = ex2(m - m_new);  // m = -inf before the first keys: alpha = 0
-          const float pa = lane < n ? ex2(sa - m_new) : 0.f, pb = lane + 32 < n ? ex2(sb - m_new) : 0.f;
-          l = l * alpha + warp_sum(pa + pb);
-          m = m_new;
-          pbuf[w * 64 + lane] = (u16)f2bf(pa);  // the p.v product takes p in bf16
-          pbuf[w * 64 + lane + 32] = (u16)f2bf(pb);
-          if (lane == 0) tsm[w] = alpha;
-        }
-        csync();
-        {
-          const float al = row ? tsm[g8] : 0.f;
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            acc[nt][0] *= al;
-            acc[nt][1] *= al;
-          }
-          const u16* vbase = (const u16*)(st + KV_V_OFF);
-#pragma unroll
-          for (int ks = 0; ks < (KV_TILE + 15) / 16; ++ks) {
-            const u32 a0 = row ? *(const u32*)(pbuf + g8 * 64 + 16 * ks + 2 * t4) : 0u;
-            const u32 a2 = row ? *(const u32*)(pbuf + g8 * 64 + 16 * ks + 8 + 2 * t4) : 0u;
-            const int ka = 16 * ks + 2 * t4;
-            const int r0 = imin(ka, n - 1) * (KV_ROW / 2), r1 = imin(ka + 1, n - 1) * (KV_ROW / 2);
-            const int r2 = imin(ka + 8, n - 1) * (KV_ROW / 2), r3 = imin(ka + 9, n - 1) * (KV_ROW / 2);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              const int dim = 16 * w + 8 * nt + g8;
-              const u32 b0 = (u32)vbase[r0 + dim] | ((u32)vbase[r1 + dim] << 16);
-              const u32 b1 = (u32)vbase[r2 + dim] | ((u32)vbase[r3 + dim] << 16);
-              mma_bf16(acc[nt], a0, 0u, a2, 0u, b0, b1);
-            }
-          }
-        }
-        csync();  // the tile is read
-        if (tid == 0) mbar_arrive(empty_bar(bars, g));
-      }
-      STAMP(14);
-      if (own) {  // the new token's key and value, from registers
-        if (w == 0) {
-          vnew[d] = (u16)f2bf(x[8]);
-          vnew[d + 1] = (u16)f2bf(x[9]);
-          vnew[HALF + d] = (u16)f2bf(x[10]);
-          vnew[HALF + d + 1] = (u16)f2bf(x[11]);
-        }
-        if (head_warp) {
-          const float s = warp_sum(x[0] * x[4] + x[1] * x[5] + x[2] * x[6] + x[3] * x[7]) * p.scale_log2;
-          const float m_new = fmaxf(m, s);
-          const float alpha = ex2(m - m_new), pr = ex2(s - m_new);
-          l = l * alpha + pr;
-          m = m_new;
-          if (lane == 0) {
-            tsm[w] = alpha;
-            tsm[8 + w] = rbf(pr);
-          }
-        }
-        csync();
-        const float al = row ? tsm[g8] : 0.f, pn = row ? tsm[8 + g8] : 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            acc[nt][j] = acc[nt][j] * al + pn * bf2f(vnew[16 * w + 8 * nt + 2 * t4 + j]);
-      }
-      if (head_warp && lane == 0) {
-        const bool any = l > 0.f;
-        tsm[16 + w] = any ? 1.f / l : 0.f;
-        st_relaxed64(p.ll_part_lse + (i64)sp * NQ + head, ll8(any ? m + lg2(l) : NEG_INF, f32));
-      }
-      csync();
-      if (row) {
-        const float il = tsm[16 + g8];
-        U4* po = p.ll_part_o + ((i64)sp * NQ + kvh * GRP + g8) * (D / 2);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          U4 a;
-          a.x = __float_as_uint(acc[nt][0] * il); a.y = f32; a.z = __float_as_uint(acc[nt][1] * il); a.w = f32;
-          st_relaxed4(po + (16 * w + 8 * nt + 2 * t4) / 2, a);  // dims 16 w + 8 nt + 2 t4, + 1
-        }
-      }
-#else
       // Scores: 8 keys a step, lane 8 kq + kj takes quarter kq of key kj's dims (32 q values a lane).
       const int kq = lane >> 3, kj = lane & 7;
       float qq[D / 4];
@@ -1037,7 +905,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         st_relaxed4(po + HALF / 2 + lane, b);  // dims HALF + d, HALF + d + 1
         if (lane == 0) st_relaxed64(p.ll_part_lse + (i64)sp * NQ + head, ll8(lse, f32));
       }
-#endif
     }
     gb += n_tiles;
     STAMP(3);
