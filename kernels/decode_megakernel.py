@@ -1,9 +1,10 @@
 """Batch-1 decode of a Qwen3-MoE-shaped model: every decoder layer in one persistent CUDA kernel.
 
 Experimental and off by default (``decode_megakernel``): it is correct (tests against the reference ops and
-greedy tokens in the engine, on an H200), but still slower than the op-by-op graphs it would replace:
-2.51 ms against 2.29 ms a Qwen3-30B-A3B step at 512 tokens of context (2.81 before the thirtieth run's
-changes; docs/gpu.md, "The decode megakernel", with where its time goes and what is left).
+greedy tokens in the engine, on an H200), but still slower than the op-by-op graphs it would replace at 512
+tokens of context: 2.36 ms against 2.29 ms a Qwen3-30B-A3B step (2.55 against 2.54 at 4k; 2.51 before the
+thirty-first run's changes, 2.81 before the thirtieth; docs/gpu.md, "The decode megakernel", with where its
+time goes and what is left).
 
 Why: at batch 1 a Qwen3-30B-A3B layer reads ~115 MB of weights (QKV 21, o-proj 17, router 0.5, eight
 experts 75), 27 us at the H200's copy rate, but the op-by-op Triton chain takes ~44 us a layer: eight
@@ -18,7 +19,8 @@ warps and a producer warp. Each CTA owns fixed slices of every projection; the p
 HBM into an 8-stage ring in shared memory with bulk copies (``cp.async.bulk`` on an mbarrier), in the
 order the layer consumes them and as far ahead as the ring allows: the next layer's QKV rows while this
 layer's down rows are used, the o-proj rows while the attention runs; the experts' rows once routing has
-chosen them. Values pass between CTAs through "LL" words (a bf16 and a 16-bit flag in one 32-bit store; a
+chosen them, the gate-up rows in chunks handed out by a per-layer counter so that CTAs which stream faster
+take more. Values pass between CTAs through "LL" words (a bf16 and a 16-bit flag in one 32-bit store; a
 float32 and a 32-bit flag in one 64-bit store), polled by their readers: a grid-wide exchange costs one L2
 round trip, with no counter, fence or barrier. Triton cannot express this: its loads become register tiles
 or, for ``tl.dot`` operands, software-pipelined copies inside one loop; it has no warp that issues copies
@@ -282,7 +284,8 @@ class DecodeMegakernel:
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
         self._ll_logit = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
-        self._gate_next = torch.zeros(plan.layers, dtype=torch.int32, **kw)  # DYN's counters, 0 between launches
+        # DYN's counters of the gate-up chunks handed out, one a layer, 0 between launches
+        self._gate_next = torch.zeros(plan.layers, dtype=torch.int32, **kw)
         self.timing = (
             torch.zeros((plan.ctas, plan.layers, 2 * STAMPS_PER_LAYER), dtype=torch.int64, **kw)
             if timing

@@ -204,9 +204,10 @@ def test_megakernel_matches_the_reference_layers(ctx: int, switches: dict[str, i
     pool_ref = pool.clone()
     counts = [blk.expert_counts.clone() for blk in net.moe_blocks()]
     dev = pool.device
+    # Later launches must see new flags (the epoch) and give the same bits: DYN hands the gate-up chunks out
+    # in a different order every launch.
     launches = 4
-    for step in range(launches):  # later launches must see new flags (the epoch) and give the same bits: DYN hands
-        # the gate-up chunks out in a different order every launch
+    for step in range(launches):
         x, res = mk.run(torch.tensor([token], device=dev), torch.tensor([ctx - 1], device=dev),
                         torch.tensor([slot], device=dev), torch.tensor([ctx], dtype=torch.int32, device=dev),
                         table.view(1, -1))  # fmt: skip
