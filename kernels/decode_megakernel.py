@@ -218,6 +218,7 @@ STAMPS = (
     "P3 o-proj rows", "P4 h arrived", "P4 own router logit out", "P4 routing", "P4 gate-up",
     "P5 act arrived", "P5 down rows", "P2 q, k, v arrived (attention CTAs)", "P2 tiles scored (attention CTAs)",
     "P2 q stored (attention CTAs)", "P2 first tile arrived (attention CTAs)", "P3 attn in every thread",
+    *(f"P1 QKV stage {i} landed" for i in range(7)), *(f"P3 o-proj stage {i} landed" for i in range(6)),
 )  # fmt: skip
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]

@@ -480,6 +480,19 @@ __device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64
     }                                                                \
   } while (0)
 
+// With TIMING: lane 0 of the warp that takes a stage stamps when it has landed (item stamps, QKV and o-proj).
+#define WSTAMP(k)                                                    \
+  do {                                                               \
+    if (TIMING && lane == 0) {                                       \
+      u64 t_, g_;                                                    \
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_)::"memory");    \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)::"memory"); \
+      u64* s_ = p.timing + ((i64)c * NL + L) * 2 * STAMPS_PER_LAYER;  \
+      s_[k] = t_;                                                    \
+      s_[STAMPS_PER_LAYER + (k)] = g_;                               \
+    }                                                                \
+  } while (0)
+
 extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -736,6 +749,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const u32 g = gb + i;
         if (!mine(g)) continue;
         wait_full(bars, g, err);
+        if (i < 7) WSTAMP(18 + i);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(QKV_CH, nq - i * QKV_CH);
         float acc[QKV_CH];  // rows past n are stale stage bytes: computed, never used
@@ -970,6 +984,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const u32 g = gb + i;
         if (!mine(g)) continue;
         wait_full(bars, g, err);
+        if (i < 6) WSTAMP(25 + i);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(OPJ_CH, no - i * OPJ_CH);
         auto put_row = [&](int r, float acc) {
