@@ -467,10 +467,10 @@ __device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64
                : "memory");
 }
 
-// With TIMING: consumer thread 0 of each CTA stamps its SM clock at the end of each part of a layer.
-#define STAMP(k)                                                     \
+// With TIMING: a stamp of the SM clock and the global timer at part k of a layer, by the thread `who`.
+#define STAMP_BY(who, k)                                             \
   do {                                                               \
-    if (TIMING && tid == 0) {                                        \
+    if (TIMING && (who)) {                                           \
       u64 t_, g_;                                                    \
       asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_)::"memory");    \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)::"memory"); \
@@ -479,19 +479,10 @@ __device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64
       s_[STAMPS_PER_LAYER + (k)] = g_;                               \
     }                                                                \
   } while (0)
-
-// With TIMING: lane 0 of the warp that takes a stage stamps when it has landed (item stamps, QKV and o-proj).
-#define WSTAMP(k)                                                    \
-  do {                                                               \
-    if (TIMING && lane == 0) {                                       \
-      u64 t_, g_;                                                    \
-      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_)::"memory");    \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)::"memory"); \
-      u64* s_ = p.timing + ((i64)c * NL + L) * 2 * STAMPS_PER_LAYER;  \
-      s_[k] = t_;                                                    \
-      s_[STAMPS_PER_LAYER + (k)] = g_;                               \
-    }                                                                \
-  } while (0)
+// Consumer thread 0 of each CTA, at the end of each part of a layer.
+#define STAMP(k) STAMP_BY(tid == 0, k)
+// Lane 0 of the warp that takes a stage, once it has landed (the QKV and o-proj stages).
+#define WSTAMP(k) STAMP_BY(lane == 0, k)
 
 extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
