@@ -223,7 +223,7 @@ STAMPS = (
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1, "DYN": 1}
+SWITCHES = {"TPS": 1, "DYN": 1, "TCG": 0}
 
 
 class DecodeMegakernel:
