@@ -670,10 +670,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             }
             ++gn;
           }
-          g = __shfl_sync(0xffffffffu, gn, 0);
-          i += n_gate;  // the static count: skipped, the loop goes on with the down items
-          --i;
-          --g;
+          // The loop goes on with the down items, which follow the static count of gate-up items (n_gate >= 1:
+          // the plan has at least as many gate-up units as SMs).
+          g = __shfl_sync(0xffffffffu, gn, 0) - 1;
+          i = first_expert + n_gate - 1;
           continue;
         }
 #endif
