@@ -218,10 +218,14 @@ STAMPS = (
     "P3 o-proj rows", "P4 h arrived", "P4 own router logit out", "P4 routing", "P4 gate-up",
     "P5 act arrived", "P5 down rows", "P2 q, k, v arrived (attention CTAs)", "P2 tiles scored (attention CTAs)",
     "P2 q stored (attention CTAs)", "P2 first tile arrived (attention CTAs)", "P3 attn in every thread",
-    *(f"P1 QKV stage {i} landed" for i in range(7)), *(f"P3 o-proj stage {i} landed" for i in range(6)),
 )  # fmt: skip
 SEQUENTIAL_STAMPS = 13
 STAMPS_PER_LAYER = 32  # the .cu's: clock64 at [k], globaltimer at [32 + k]
+# The .cu's stage stamps (QKV_STAMP0, QKV_STAMPS, OPJ_STAMP0, OPJ_STAMPS): when each warp found its stage
+# landed, right after the stamps above.
+QKV_STAMPS, OPJ_STAMPS = 7, 6
+STAMPS += tuple(f"P1 QKV stage {i} landed" for i in range(QKV_STAMPS))
+STAMPS += tuple(f"P3 o-proj stage {i} landed" for i in range(OPJ_STAMPS))
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
 SWITCHES = {"TPS": 1, "DYN": 1, "TCG": 0}
 
@@ -379,7 +383,8 @@ class DecodeMegakernel:
                 out[name] = [float(col.min()), float(col.median()), float(col.max())]
         gate_end = STAMPS.index("P4 gate-up")
         out["latest CTAs at the gate-up's end"] = [float(x) for x in torch.argsort(t[:, gate_end])[-8:]]
-        out["latest CTAs at the QKV rows' end"] = [float(x) for x in torch.argsort(t[:, 2])[-8:]]
+        qkv_end = STAMPS.index("P1 QKV rows")
+        out["latest CTAs at the QKV rows' end"] = [float(x) for x in torch.argsort(t[:, qkv_end])[-8:]]
         return out
 
     def error(self) -> int:

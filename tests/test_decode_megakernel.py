@@ -60,6 +60,11 @@ def test_host_constants_mirror_the_cuda_source() -> None:
     for name in ("NWARPS", "RING", "KV_TILE", "KV_ROW", "MAX_DOWN_ROWS", "MISC_BYTES"):
         assert int(defined[name]) == getattr(dm, name), name
     assert int(defined["STAMPS_PER_LAYER"]) == dm.STAMPS_PER_LAYER
+    # The stage stamps follow the parts' stamps, and every name has its slot.
+    assert int(defined["QKV_STAMP0"]) == dm.STAMPS.index("P1 QKV stage 0 landed")
+    assert int(defined["OPJ_STAMP0"]) == dm.STAMPS.index("P3 o-proj stage 0 landed")
+    assert (int(defined["QKV_STAMPS"]), int(defined["OPJ_STAMPS"])) == (dm.QKV_STAMPS, dm.OPJ_STAMPS)
+    assert len(dm.STAMPS) <= dm.STAMPS_PER_LAYER
     for name, value in dm.SWITCHES.items():  # each switch's default, as the source sets it when undefined
         assert re.search(rf"#ifndef {name}\n#define {name} (\d+)\n#endif", src).group(1) == str(value), name
     assert re.search(r"#define ERR_LL (\d+)u", src).group(1) == str(dm.ERR_LL)

@@ -74,6 +74,13 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define TCG 0
 #endif
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
+// The timing build's stage stamps: QKV stage i landed at [QKV_STAMP0 + i] (i < QKV_STAMPS), o-proj stage i at
+// [OPJ_STAMP0 + i] (i < OPJ_STAMPS), after the 18 stamps of the layer's parts.
+#define QKV_STAMP0 18
+#define QKV_STAMPS 7
+#define OPJ_STAMP0 25
+#define OPJ_STAMPS 6
+static_assert(QKV_STAMP0 + QKV_STAMPS <= OPJ_STAMP0 && OPJ_STAMP0 + OPJ_STAMPS <= STAMPS_PER_LAYER, "stamps");
 #define ERR_LL 1u
 #define ERR_MBAR 2u
 
@@ -801,7 +808,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const u32 g = gb + i;
         if (!mine(g)) continue;
         wait_full(bars, g, err);
-        if (i < 7) WSTAMP(18 + i);
+        if (i < QKV_STAMPS) WSTAMP(QKV_STAMP0 + i);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(QKV_CH, nq - i * QKV_CH);
         float acc[QKV_CH];  // rows past n are stale stage bytes: computed, never used
@@ -1036,7 +1043,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         const u32 g = gb + i;
         if (!mine(g)) continue;
         wait_full(bars, g, err);
-        if (i < 6) WSTAMP(25 + i);
+        if (i < OPJ_STAMPS) WSTAMP(OPJ_STAMP0 + i);
         const u16* st = (const u16*)stage_of(g);
         const int n = imin(OPJ_CH, no - i * OPJ_CH);
         auto put_row = [&](int r, float acc) {
