@@ -152,10 +152,6 @@ class Plan:
     # Batch-1 decode points also with builds of other switches (kernels.decode_megakernel.SWITCHES):
     # (label, switches, with a timing build too)
     megakernel_variants: tuple[tuple[str, dict[str, int], bool], ...] = ()
-    # Batch-1 decode points of MoE shapes also with the speculative expert prefetch (engine/moe/
-    # expert_prefetch.py): (label, gate-up fraction, down fraction); the last one again with the guesses
-    # and the routed experts recorded, for the guess's hit rate.
-    expert_prefetch_variants: tuple[tuple[str, float, float], ...] = ()
     smoke: bool = False
 
 
@@ -851,25 +847,9 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                                 )
                                 timed.append((f"{shape}-mk-{label}-timed", build))
                                 variants.append((f"{shape}-mk-{label}-timed", build))
-                    prefetches: dict[str, tuple[float, float, bool]] = {}
-                    if (
-                        batch == 1
-                        and megakernel is None
-                        and engine.model.moe_blocks()
-                        and engine.runner.graphs
-                    ):
-                        for label, gate_up, down in plan.expert_prefetch_variants:
-                            prefetches[f"{shape}-pf-{label}"] = (gate_up, down, False)
-                            variants.append((f"{shape}-pf-{label}", None))
-                        if plan.expert_prefetch_variants:
-                            label, gate_up, down = plan.expert_prefetch_variants[-1]
-                            prefetches[f"{shape}-pf-{label}-rec"] = (gate_up, down, True)
-                            variants.append((f"{shape}-pf-{label}-rec", None))
                     for name, mk in variants:
                         graphs = engine.runner.graphs
-                        if name in prefetches or engine.model.expert_prefetch is not None:
-                            set_expert_prefetch(engine, prefetches.get(name))
-                        elif graphs is not None and graphs.megakernel is not mk:
+                        if graphs is not None and graphs.megakernel is not mk:
                             graphs.set_megakernel(mk)
                         try:
                             decode_point(
@@ -885,14 +865,6 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                         except Exception as exc:
                             log.exception("decode %s batch %d ctx %d failed", name, batch, ctx)
                             res.errors.append(f"decode {name} b{batch} c{ctx}: {exc!r}")
-                        else:
-                            if name in prefetches and prefetches[name][2]:
-                                hit = engine.model.expert_prefetch.hit_rate()
-                                res.decode[-1]["guess_hit_rate"] = hit
-                                log.info("expert prefetch %s ctx %d: guessed %.1f%% of the routed experts",
-                                         name, ctx, 100 * hit)  # fmt: skip
-                    if engine.model.expert_prefetch is not None:
-                        set_expert_prefetch(engine, None)
                     for label, build in timed:
                         phases = build.phase_cycles()
                         skew = build.phase_skew(build.plan.layers // 2)
@@ -1008,39 +980,6 @@ def sampling_label(plan: Plan) -> str:
 # The SamplingParams fields ``--decode-sampling`` may set, with their types (the decode section sets
 # max_tokens and ignore_eos itself).
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int}
-
-
-def set_expert_prefetch(engine: LLMEngine, setting: tuple[float, float, bool] | None) -> None:
-    """Batch-1 decode with the speculative expert prefetch ((gate-up fraction, down fraction, record the
-    guesses)) or without (None); the batch-1 graph is captured again."""
-    from engine.moe.expert_prefetch import ExpertPrefetcher
-
-    model = engine.model
-    if model.expert_prefetch is not None:
-        model.expert_prefetch.record(False)
-    prefetch = None
-    if setting is not None:
-        gate_up, down, record = setting
-        prefetch = ExpertPrefetcher(model.moe_blocks(), model.norm.device, gate_up, down)
-        prefetch.record(record)
-    model.set_expert_prefetch(prefetch)
-    graphs = engine.runner.graphs
-    graphs.set_megakernel(graphs.megakernel)  # captures the batch-1 graph again
-
-
-def parse_expert_prefetch_variants(text: str) -> tuple[tuple[str, float, float], ...]:
-    """'label:GATE_UP,DOWN;...' -> ((label, gate-up fraction, down fraction), ...)."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        label, _, pair = part.partition(":")
-        try:
-            gate_up, down = (float(v) for v in pair.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected label:GATE_UP,DOWN (fractions)") from None
-        if not label or not (0 <= gate_up <= 1 and 0 <= down <= 1):
-            raise argparse.ArgumentTypeError(f"{part!r}: a label and two fractions in [0, 1]")
-        out.append((label, gate_up, down))
-    return tuple(out)
 
 
 def parse_megakernel_variants(text: str) -> tuple[tuple[str, dict[str, int], bool], ...]:
@@ -1308,15 +1247,6 @@ def main(argv: list[str] | None = None) -> None:
         "'two:TPS=2;all+t:TPS=0' (label, '+t' for a timing build too, then SWITCH=value pairs; "
         "kernels.decode_megakernel.SWITCHES)",
     )
-    parser.add_argument(
-        "--expert-prefetch-variants",
-        type=parse_expert_prefetch_variants,
-        default=(),
-        help="batch-1 MoE decode points also with the speculative expert prefetch "
-        "(engine/moe/expert_prefetch.py), e.g. 'half:0.5,0;down:0,1' (label, then the share of each guessed "
-        "expert's gate-up and down rows prefetched into L2); the last one again with the guesses recorded "
-        "(its hit rate)",
-    )
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU: checks the plumbing")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_bench_out")
     args = parser.parse_args(argv)
@@ -1362,7 +1292,6 @@ def main(argv: list[str] | None = None) -> None:
         megakernel_compare=args.megakernel_compare,
         megakernel_timing=args.megakernel_timing,
         megakernel_variants=args.megakernel_variants,
-        expert_prefetch_variants=args.expert_prefetch_variants,
     )
     sections = set(args.sections.split(","))
     triton_device.PDL_ENABLED = not args.no_pdl

@@ -34,7 +34,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,10 +136,8 @@ def decode_step_pieces(
                 model.begin_forward()
                 state["x"], state["residual"] = model.embed_tokens[input_ids], None
             x, residual = state["x"], state["residual"]
-            prefetch = model.expert_prefetch  # its side launches are joined before the piece ends
-            with prefetch.arm() if prefetch is not None else nullcontext():
-                for layer in layers[lo:hi]:
-                    x, residual = layer(x, residual, positions, model.cos_sin, kv_pool, meta)
+            for layer in layers[lo:hi]:
+                x, residual = layer(x, residual, positions, model.cos_sin, kv_pool, meta)
             if hi == len(layers):
                 logits_out.copy_(model.final_logits(x, residual))  # one copy: converts to fp32 too
             state["x"], state["residual"] = x, residual

@@ -8,7 +8,6 @@ RMSNorm, MoE layers); weights are stored fused (qkv, gate-up, expert w13) and ev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,9 +16,6 @@ from engine.models.model_config import ModelConfig
 from engine.models.rope_cache import cos_sin_cache
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.layer import MoEBlock
-
-if TYPE_CHECKING:
-    from engine.moe.expert_prefetch import ExpertPrefetcher
 from kernels import Ops
 from kernels.fp8_weight import Fp8Layout, linear_weight
 from kernels.kv_cache import FP8_KV_DTYPES
@@ -181,8 +177,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.self_attn = Attention(cfg, layer, ops, dtype, device, fp8)
-        # Set by DecoderModel.set_expert_prefetch on MoE layers: launched once the layer's input is written.
-        self.expert_prefetch: ExpertPrefetcher | None = None
         self.mlp: nn.Module
         if cfg.moe_layers and cfg.moe_layers[layer]:
             self.mlp = MoEBlock(
@@ -211,8 +205,6 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, residual = self.qkv(x, residual)
-        if self.expert_prefetch is not None:
-            self.expert_prefetch.launch(residual, self.post_attention_layernorm, self.eps, self.mlp)
         o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
         return self.post_attention(o, residual)
 
@@ -292,7 +284,6 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.expert_prefetch: ExpertPrefetcher | None = None  # set_expert_prefetch
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
@@ -335,11 +326,3 @@ class DecoderModel(nn.Module):
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
-
-    def set_expert_prefetch(self, prefetch: ExpertPrefetcher | None) -> None:
-        """Have every MoE layer launch ``prefetch`` (``engine/moe/expert_prefetch.py``) while it is armed,
-        or none. Captured graphs keep what they captured: capture again after."""
-        self.expert_prefetch = prefetch
-        for layer in self.layers:
-            if isinstance(layer.mlp, MoEBlock):
-                layer.expert_prefetch = prefetch

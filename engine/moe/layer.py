@@ -68,8 +68,6 @@ class MoEBlock(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         )
-        # Where set (engine/moe/expert_prefetch.py's ``record``): row 0's routed physical experts, kept.
-        self.routed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """The block on normalised hidden states x [T, H]; ``router_logits`` (x @ gate.T) where the caller
@@ -86,8 +84,6 @@ class MoEBlock(nn.Module):
             self.expert_counts,
             x.dtype,
         )
-        if self.routed is not None:
-            self.routed.copy_(topk_phys[0])
         return self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
 
     def _experts(self, x: torch.Tensor, topk_w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
