@@ -227,7 +227,7 @@ QKV_STAMPS, OPJ_STAMPS = 7, 6
 STAMPS += tuple(f"P1 QKV stage {i} landed" for i in range(QKV_STAMPS))
 STAMPS += tuple(f"P3 o-proj stage {i} landed" for i in range(OPJ_STAMPS))
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1, "DYN": 1, "TCG": 0, "SPEC": 0}
+SWITCHES = {"TPS": 1, "DYN": 1, "TCG": 0}
 
 
 class DecodeMegakernel:
@@ -287,7 +287,7 @@ class DecodeMegakernel:
             offset += _round16(n)
         self._part_o = torch.zeros(MAX_SPLITS * plan.heads * plan.head_dim, dtype=torch.int64, **kw)
         self._part_lse = torch.zeros(MAX_SPLITS * plan.heads, dtype=torch.int64, **kw)
-        self._ll_logit = torch.zeros((2 * plan.layers, plan.experts), dtype=torch.int64, **kw)  # logits, guesses
+        self._ll_logit = torch.zeros((plan.layers, plan.experts), dtype=torch.int64, **kw)
         self._words = torch.zeros(16, dtype=torch.int32, **kw)  # epoch | exit count | error
         # DYN's counters of the gate-up chunks handed out, one a layer, 0 between launches
         self._gate_next = torch.zeros(plan.layers, dtype=torch.int32, **kw)

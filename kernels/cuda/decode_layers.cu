@@ -36,9 +36,7 @@
 // MAX_SPLITS, TIMING, and the switches: TPS, KV tiles per attention split (more splits where the SMs allow;
 // 0: as many splits as the SMs allow); DYN (1, the default): the gate-up chunks are taken from a per-layer
 // counter as each CTA's ring frees, so CTAs that stream faster take more (0: fixed slices); TCG 1: the stages'
-// row dots on tensor cores (rows_dot_tc; correct on the H200, slower); SPEC n (with DYN): up to n gate-up stages a
-// CTA of the experts guessed from the layer's input, streamed before the routing (the speculative expert
-// stream, below). Inputs are
+// row dots on tensor cores (rows_dot_tc; not yet run on a GPU). Inputs are
 // bfloat16; accumulation is float32; rounding points are the reference ops' (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
@@ -74,9 +72,6 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #endif
 #ifndef TCG
 #define TCG 0
-#endif
-#ifndef SPEC
-#define SPEC 0
 #endif
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 // The timing build's stage stamps: QKV stage i landed at [QKV_STAMP0 + i] (i < QKV_STAMPS), o-proj stage i at
@@ -124,7 +119,7 @@ struct Params {
   u32* ll_xo;            // [H]
   U4* ll_part_o;         // [MAX_SPLITS][NQ][D / 2] pairs of LL8 words
   u64* ll_part_lse;      // [MAX_SPLITS][NQ] LL8 words
-  u64* ll_logit;         // [2 NL][NE]: the router's logits (bf16 values) as LL8 words, then SPEC's guessed ones
+  u64* ll_logit;         // [NL][NE]: the router's logits (bf16 values) as LL8 words
   u32* gate_next;        // [NL]: DYN's next gate-up chunk of each layer (0 between launches)
   u32* epoch;
   u32* exit_count;
@@ -385,16 +380,6 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define CPE ((NI + GU_CH - 1) / GU_CH)  // DYN: gate-up chunks of an expert
 #define NCHUNK (TOPK * CPE)              // DYN: gate-up chunks of a layer
 #define SENTINEL 0x80000000u             // DYN: a stage that ends the gate-up items (| their number)
-// SPEC: the speculative expert stream. Each CTA's router row is also applied to the layer's *input* (normalised
-// with the post-attention norm's weight) in P1, published as LL8 words beside the logits; the producer reads
-// them once it has issued the router item, takes the same top-k every CTA takes, and streams guessed chunks
-// s = c, c + G, ... (s < SPEC_TOTAL; chunk s: guessed expert s / CPE, units (s % CPE) GU_CH on) into the ring,
-// which is otherwise idle from the o-projection to the routing. After routing, a chunk whose guessed expert
-// was chosen (as choice k) is used as DYN's chunk (k, s % CPE) would be; the counter then hands out only the
-// chunks no guess covered. Which chunks those are follows from the guess and the routing alone, the same in
-// every CTA, and each row's act is computed by the same code: the bits do not depend on SPEC.
-#define SPEC_TOTAL (SPEC * G < NCHUNK ? SPEC * G : NCHUNK)
-static_assert(!SPEC || (DYN && H % 256 == 0 && SPEC <= RING), "SPEC needs DYN, H a multiple of 256, <= RING stages");
 
 __device__ __forceinline__ void unpack4(u32 lo, u32 hi, float (&v)[4]) {
   v[0] = bf_lo(lo); v[1] = bf_hi(lo); v[2] = bf_lo(hi); v[3] = bf_hi(hi);
@@ -584,7 +569,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   volatile int* routed = (volatile int*)(misc + 120);  // the last layer this CTA has routed
   float* down_acc = misc + 512;         // [TOPK][MAX_DOWN_ROWS]: each choice's weighted down rows
   volatile u32* stage_meta = (volatile u32*)(misc + 128);  // [RING]: DYN's chunks
-  volatile int* guess_phys = (volatile int*)(misc + 160);  // [TOPK <= 16]: SPEC's guessed physical experts
   const u32 bars = smem_addr(smem + OFF_BARS);
 
   if (tid == 0) {
@@ -621,7 +605,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
   };
   const int n_gate = gu_chunks();
   const int n_rr = c < NE ? (NE - 1 - c) / G + 1 : 0;  // this CTA's router rows: c, c + G, ...
-  const int n_spec = SPEC ? imax(0, imin(SPEC, (SPEC_TOTAL - c + G - 1) / G)) : 0;  // SPEC: chunks c + G t
 
   const bool attn_cta = c < NKV * S;
   const int kvh = attn_cta ? c / S : 0, sp = attn_cta ? c % S : 0;
@@ -650,56 +633,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
       int gu = u0;  // the next gate-up unit
       for (int i = 0; i < per_layer; ++i, ++g) {
         if (i == first_expert) {  // the experts: once this CTA has routed the layer
-#if SPEC
-          {  // the guess (every CTA's, the same), then this CTA's guessed chunks, as the ring frees
-            constexpr int NLG = (NE + 31) / 32;
-            const u32 f32 = epoch * (NL + 1) + L + 1;
-            float lg[NLG];
-            ll8_read<NLG>(lg, p.ll_logit + (i64)(NL + L) * NE + lane, 32, (NE - lane + 31) / 32, f32, err);
-#pragma unroll
-            for (int k = 0; k < NLG; ++k) lg[k] = k * 32 + lane < NE ? lg[k] : NEG_INF;
-            int my_e = 0;
-#pragma unroll
-            for (int t = 0; t < TOPK; ++t) {  // the largest guessed logit, the lowest expert among equal ones
-              float bv = NEG_INF;
-              int be = NE;
-#pragma unroll
-              for (int k = 0; k < NLG; ++k)
-                if (lg[k] > bv) bv = lg[k], be = k * 32 + lane;
-#pragma unroll
-              for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-                if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
-              }
-              be = be < NE ? be : t;  // no finite guess left (NaN logits): any expert, the same everywhere
-#pragma unroll
-              for (int k = 0; k < NLG; ++k)
-                if (k * 32 + lane == be) lg[k] = NEG_INF;
-              if (lane == t) my_e = be;
-            }
-            const int my_phys = lane < TOPK ? (int)q.l2p[(i64)my_e * p.l2p_stride] : 0;  // replica 0: token 0's
-            u32 gs = g;
-            for (int t = 0; t < TOPK; ++t) {
-              const int ph = __shfl_sync(0xffffffffu, my_phys, t);
-              if (lane == 0) guess_phys[t] = ph;
-            }
-            if (lane == 0) {
-              for (int t = 0; t < n_spec; ++t, ++gs) {
-                const int s = c + G * t, j = s / CPE, r = (s % CPE) * GU_CH, m = imin(GU_CH, NI - r);
-                if (gs >= RING) mbar_wait(empty_bar(bars, gs), ((gs / RING) - 1) & 1u, err);
-                const u32 stage = smem_addr(ring_mem) + (gs % RING) * STAGE_BYTES, bar = full_bar(bars, gs);
-                fence_async_smem();
-                const u16* w = q.w13 + (i64)guess_phys[j] * (2 * NI) * H;
-                mbar_expect(bar, m * 2 * H * 2);
-                bulk_load_hint(stage, w + (i64)r * H, m * H * 2, bar, pol_first);
-                bulk_load_hint(stage + GU_CH * H * 2, w + (i64)(NI + r) * H, m * H * 2, bar, pol_first);
-              }
-            }
-            __syncwarp();
-            g += n_spec;
-          }
-#endif
           if (L + 1 < NL) {  // this split's old keys and values of the next layer, each row into L2
             const u16* base = p.kv_pool + (i64)(L + 1) * p.pool_layer + (i64)kvh * p.pool_head;
             for (int kpos = k0 + lane; kpos < old_end; kpos += 32) {
@@ -720,32 +653,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
           // faster take more; then RING sentinels (one a slot, so every warp sees one) carry their number.
           u32 gn = g;
           if (lane == 0) {
-            // SPEC: choice k's first cov[k] chunks were streamed as guesses; the counter numbers the rest
-            int cov[TOPK];
-            u32 n_left = 0;
-#pragma unroll
-            for (int k = 0; k < TOPK; ++k) {
-              cov[k] = 0;
-              if (SPEC)
-                for (int j = 0; j < TOPK; ++j)
-                  if (guess_phys[j] == route_id[k]) cov[k] = imax(0, imin(CPE, SPEC_TOTAL - j * CPE));
-              n_left += CPE - cov[k];
-            }
-            auto chunk_of = [&](u32 x) {  // the counter's x-th chunk: choice k's chunk cov[k] + ...
-              u32 out = 0;
-              bool done = false;
-#pragma unroll
-              for (int k = 0; k < TOPK; ++k) {
-                const u32 left = CPE - cov[k];
-                if (!done && x < left) out = k * CPE + cov[k] + x, done = true;
-                if (!done) x -= left;
-              }
-              return out;
-            };
             u32 n = 0, next = atomicAdd(p.gate_next + L, 1u);
             for (int it = 0; it < NCHUNK + RING; ++it, ++gn) {
-              const bool sentinel = next >= n_left;
-              const u32 cur = sentinel ? next : chunk_of(next);
+              const u32 cur = next;
+              const bool sentinel = cur >= (u32)NCHUNK;
               if (!sentinel) next = atomicAdd(p.gate_next + L, 1u);  // its answer is needed a stage later
               if (gn >= RING) mbar_wait(empty_bar(bars, gn), ((gn / RING) - 1) & 1u, err);
               const u32 stage = smem_addr(ring_mem) + (gn % RING) * STAGE_BYTES, bar = full_bar(bars, gn);
@@ -908,27 +819,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
         release_warp(g);
       }
       gb += n_qkv;
-#if SPEC
-      if (warp == NWARPS - 1) {  // the guess: this CTA's router rows against the input, post-norm weighted
-        for (int r = 0; r < n_rr; ++r) {
-          const u16* row = lp.gate_w + (i64)(c + r * G) * H;
-          float acc = 0.f;
-#pragma unroll 2
-          for (int col = lane * 8; col < H; col += 256) {
-            const U4 hv = *(const U4*)(hs + col), gw = *(const U4*)(lp.post_norm + col);
-            const U4 wv = *(const U4*)(row + col);
-            const u32 x0 = norm2(gw.x, hv.x, inv), x1 = norm2(gw.y, hv.y, inv);
-            const u32 x2 = norm2(gw.z, hv.z, inv), x3 = norm2(gw.w, hv.w, inv);
-            acc = fmaf(bf_lo(x0), bf_lo(wv.x), acc); acc = fmaf(bf_hi(x0), bf_hi(wv.x), acc);
-            acc = fmaf(bf_lo(x1), bf_lo(wv.y), acc); acc = fmaf(bf_hi(x1), bf_hi(wv.y), acc);
-            acc = fmaf(bf_lo(x2), bf_lo(wv.z), acc); acc = fmaf(bf_hi(x2), bf_hi(wv.z), acc);
-            acc = fmaf(bf_lo(x3), bf_lo(wv.w), acc); acc = fmaf(bf_hi(x3), bf_hi(wv.w), acc);
-          }
-          acc = warp_sum(acc);
-          if (lane == 0) st_relaxed64(p.ll_logit + (i64)(NL + L) * NE + c + r * G, ll8(acc, f32));
-        }
-      }
-#endif
       STAMP(2);
     }
 
@@ -1293,21 +1183,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) decode_layers(const Params p
             ll4_put(p.ll_act + e * NI + j + r, silu * up, f16);
           }
       };
-#if SPEC
-      for (int t = 0; t < n_spec; ++t) {  // the guessed chunks: used where the guess was chosen
-        const u32 g = gb + t;
-        if (!mine(g)) continue;
-        wait_full(bars, g, err);
-        const int s = c + G * t, j = s / CPE, r = (s % CPE) * GU_CH;
-        int k = -1;
-#pragma unroll
-        for (int kk = 0; kk < TOPK; ++kk)
-          if (route_id[kk] == guess_phys[j]) k = kk;
-        if (k >= 0) gate_up((const u16*)stage_of(g), k, r, imin(GU_CH, NI - r));
-        release_warp(g);
-      }
-      gb += n_spec;
-#endif
 #if DYN
       {  // this warp's stages up to its sentinel, which says how many chunks the producer issued
         u32 n_dyn = 0;
