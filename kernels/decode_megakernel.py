@@ -227,7 +227,7 @@ QKV_STAMPS, OPJ_STAMPS = 7, 6
 STAMPS += tuple(f"P1 QKV stage {i} landed" for i in range(QKV_STAMPS))
 STAMPS += tuple(f"P3 o-proj stage {i} landed" for i in range(OPJ_STAMPS))
 # The .cu's compile-time switches and their defaults (a test compares them): what each does is in its header.
-SWITCHES = {"TPS": 1, "DYN": 1, "TCG": 0}
+SWITCHES = {"TPS": 1, "DYN": 1}
 
 
 class DecodeMegakernel:

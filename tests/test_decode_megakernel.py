@@ -80,8 +80,8 @@ def test_host_constants_mirror_the_cuda_source() -> None:
 
 
 # Switch sets the GPU tests run besides the defaults: the other attention splits (TPS), fixed gate-up slices
-# (DYN 0), the stages' row dots on tensor cores (TCG 1).
-OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(DYN=0), dict(TCG=1)]
+# (DYN 0).
+OTHER_SWITCHES = [dict(TPS=0), dict(TPS=2), dict(DYN=0)]
 
 
 def test_unknown_switches_are_refused() -> None:

@@ -35,8 +35,7 @@
 // intermediate size), BS (KV block size), NL (layers), QK_NORM, NORM_TOPK, STAGE_BYTES, SCR_BYTES,
 // MAX_SPLITS, TIMING, and the switches: TPS, KV tiles per attention split (more splits where the SMs allow;
 // 0: as many splits as the SMs allow); DYN (1, the default): the gate-up chunks are taken from a per-layer
-// counter as each CTA's ring frees, so CTAs that stream faster take more (0: fixed slices); TCG 1: the stages'
-// row dots on tensor cores (rows_dot_tc; not yet run on a GPU). Inputs are
+// counter as each CTA's ring frees, so CTAs that stream faster take more (0: fixed slices). Inputs are
 // bfloat16; accumulation is float32; rounding points are the reference ops' (see kernels/decode_megakernel.py).
 
 typedef unsigned int u32;
@@ -69,9 +68,6 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #endif
 #ifndef DYN
 #define DYN 1
-#endif
-#ifndef TCG
-#define TCG 0
 #endif
 #define STAMPS_PER_LAYER 32  // clock64 at [k], globaltimer at [STAMPS_PER_LAYER + k]
 // The timing build's stage stamps: QKV stage i landed at [QKV_STAMP0 + i] (i < QKV_STAMPS), o-proj stage i at
@@ -410,67 +406,11 @@ __device__ __forceinline__ float row_dot(const u16* row, const u16* x, int len, 
   for (int col = lane * 8; col < len; col += 256) acc = dot8(*(const U4*)(row + col), *(const U4*)(x + col), acc);
   return warp_sum(acc);
 }
-// c += a b on tensor cores: m16n8k16, bf16 operands (A: four registers, rows g and g + 8; B: two), fp32 c.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// rows_dot on tensor cores (TCG): one mma takes 128 values of a row. Step s's values of row r are laid out as A
-// (rows 0..7; 8..15 zero) and x's as B, both by f(i, k) = s 128 + 8 i + k (k < 8) or s 128 + 64 + 8 i + k - 8, so
-// that lane (g, t) loads the words 64 s + 4 g + t and 64 s + 32 + 4 g + t: 32 banks, no conflict. The product's
-// diagonal element (i, i) is then the dot of the 16 values f(i, .); summed over the steps in the accumulator
-// and over the diagonal at the end (lane (g, g / 2) holds element (g, g)). Rows with few steps each keep two
-// accumulators, so that no chain of dependent mma is longer than half the steps.
-template <int NR, int LEN>
-__device__ __forceinline__ void rows_dot_tc(float (&out)[NR], const u16* rows, int stride, const u16* x, int lane) {
-  constexpr int STEPS = LEN / 128;
-  constexpr int NA = (NR < 4 && STEPS >= 4) ? 2 : 1;
-  constexpr int RG = NR < 8 ? NR : 8;  // rows a pass (their accumulators live at once)
-  const int g = lane >> 2, t = lane & 3, lo = 8 * g + 2 * t, hi = 64 + 8 * g + 2 * t;
-  const bool diag = t == (g >> 1), odd = g & 1;
-#pragma unroll
-  for (int r0 = 0; r0 < NR; r0 += RG) {
-    float acc[RG][NA][4];
-#pragma unroll
-    for (int r = 0; r < RG; ++r)
-#pragma unroll
-      for (int a = 0; a < NA; ++a)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) acc[r][a][k] = 0.f;
-#pragma unroll 2  // not whole: the loads of every step at once would need more registers than there are
-    for (int s0 = 0; s0 < STEPS; s0 += NA) {
-#pragma unroll
-      for (int a = 0; a < NA; ++a) {
-        const int s = s0 + a;
-        const u32 b0 = *(const u32*)(x + s * 128 + lo), b1 = *(const u32*)(x + s * 128 + hi);
-#pragma unroll
-        for (int r = 0; r < RG; ++r) {
-          const u16* w = rows + (r0 + r) * stride + s * 128;
-          if (r0 + r < NR) mma_bf16(acc[r][a], *(const u32*)(w + lo), 0u, *(const u32*)(w + hi), 0u, b0, b1);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < RG; ++r) {
-      float v = 0.f;
-#pragma unroll
-      for (int a = 0; a < NA; ++a) v += diag ? (odd ? acc[r][a][1] : acc[r][a][0]) : 0.f;
-      if (r0 + r < NR) out[r0 + r] = warp_sum(v);
-    }
-  }
-}
 // The dots of NR rows (row r at rows + r * stride) with x, LEN bf16 each, all in shared memory; out[r] the
 // warp's sum, in every lane. Each row keeps its own accumulator in row_dot's order (the same bits); the rows
-// share each step's load of x, and their FMA chains run side by side instead of one after another. With TCG,
-// rows_dot_tc (LEN a multiple of 128).
+// share each step's load of x, and their FMA chains run side by side instead of one after another.
 template <int NR, int LEN>
 __device__ __forceinline__ void rows_dot(float (&out)[NR], const u16* rows, int stride, const u16* x, int lane) {
-#if TCG
-  rows_dot_tc<NR, LEN>(out, rows, stride, x, lane);
-#else
   float acc[NR];
 #pragma unroll
   for (int r = 0; r < NR; ++r) acc[r] = 0.f;
@@ -482,7 +422,6 @@ __device__ __forceinline__ void rows_dot(float (&out)[NR], const u16* rows, int 
   }
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
-#endif
 }
 // The norm weights a consumer thread's items of a vector of H need (norm_rows_w's g), loaded ahead of use.
 struct NormW {
