@@ -364,6 +364,10 @@ __device__ __forceinline__ void wait_full(u32 bars, u32 g, u32* err) { mbar_wait
 #define OFF_MISC (OFF_SCR + SCR_BYTES)
 #define MISC_BYTES 4096
 #define OFF_BARS (OFF_MISC + MISC_BYTES)
+// The misc area's floats (decode_layers' misc pointers): gsum [0, 8), route_w [8, 24), route_id [24, 40),
+// merge_w [40, 40 + MAX_SPLITS + 1), routed at 120, stage_meta [128, 128 + RING), down_acc from 512 on.
+static_assert(40 + MAX_SPLITS + 1 <= 120 && 128 + RING <= 512 && 512 + 16 * MAX_DOWN_ROWS <= MISC_BYTES / 4,
+              "the misc area's parts overlap or overflow");
 #define SMEM_BYTES (OFF_BARS + 16 * RING)
 // Items of four values a consumer thread handles in a vector of n values (n a multiple of 4 * NC).
 #define ITEMS(n) ((n) / (4 * NC))
