@@ -776,6 +776,16 @@ def serve_point(engine: LLMEngine, name: str, rate: float, mode: str, plan: Plan
     log.info("serve %s", json.dumps(row))
 
 
+def release_memory(plan: Plan) -> None:
+    """Give what the last engine or model held back to the device, once the frame that ran it has returned:
+    until then its locals (the graphs, megakernel builds, outputs) keep the weights and the KV pool alive,
+    and the next shape's KV pool, sized from the device's free memory, would come out too small."""
+    gc.collect()
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
+        log.info("device memory free after release: %.1f GiB", torch.cuda.mem_get_info()[0] / 2**30)
+
+
 def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str], profile: bool) -> None:
     label, raw = SHAPES[shape]
     model_dir = write_config(raw, plan.smoke)
@@ -898,10 +908,7 @@ def run_engine_sections(shape: str, plan: Plan, res: Results, sections: set[str]
                 engine.config.lookahead_late_launch = late
                 engine.lookahead_join_prompts = join_prompts
     finally:
-        del engine
-        gc.collect()
-        if plan.device == "cuda":
-            torch.cuda.empty_cache()
+        engine.close()  # its CUDA graphs now; the rest once this frame's locals (graphs, builds) are gone
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -944,26 +951,20 @@ def run_hf(shape: str, plan: Plan, res: Results) -> None:
         assert out.shape[1] == plan.e2e_prompt + new, out.shape
         return time.perf_counter() - t
 
-    try:
-        for batch in plan.e2e_batches:
-            generate(batch, 2)  # the same warm-up per batch shape as pdmesh's (e2e_point)
-            seconds = generate(batch, plan.e2e_new)
-            row = dict(
-                model=shape,
-                engine=f"transformers {transformers.__version__}",
-                batch=batch,
-                prompt=plan.e2e_prompt,
-                new=plan.e2e_new,
-                seconds=seconds,
-                tok_s=batch * plan.e2e_new / seconds,
-            )
-            res.hf.append(row)
-            log.info("hf %s", json.dumps(row))
-    finally:
-        model = None
-        gc.collect()
-        if plan.device == "cuda":
-            torch.cuda.empty_cache()
+    for batch in plan.e2e_batches:
+        generate(batch, 2)  # the same warm-up per batch shape as pdmesh's (e2e_point)
+        seconds = generate(batch, plan.e2e_new)
+        row = dict(
+            model=shape,
+            engine=f"transformers {transformers.__version__}",
+            batch=batch,
+            prompt=plan.e2e_prompt,
+            new=plan.e2e_new,
+            seconds=seconds,
+            tok_s=batch * plan.e2e_new / seconds,
+        )
+        res.hf.append(row)
+        log.info("hf %s", json.dumps(row))
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -1308,6 +1309,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as exc:
                 log.exception("engine sections of %s failed", shape)
                 res.errors.append(f"engine {shape}: {exc!r}")
+            release_memory(plan)
     if "hf" in sections:
         for shape in args.shapes.split(","):
             try:
@@ -1315,6 +1317,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as exc:
                 log.exception("transformers %s failed", shape)
                 res.errors.append(f"transformers {shape}: {exc!r}")
+            release_memory(plan)
     (out / "gpu_bench.json").write_text(json.dumps(asdict(res), indent=1))
     text = summary(res, plan)
     (out / "gpu_bench_summary.md").write_text(text + "\n")
