@@ -299,7 +299,7 @@ def test_an_engine_gives_its_gpu_memory_back(close: bool) -> None:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    def run_one() -> tuple[weakref.ref, int]:
+    def run_one() -> tuple[weakref.ref, int, int]:
         engine = LLMEngine(
             EngineConfig(
                 model="tiny-moe",
@@ -318,15 +318,16 @@ def test_an_engine_gives_its_gpu_memory_back(close: bool) -> None:
         while engine.has_unfinished():
             engine.step()
         assert sum(engine.runner.graphs.replays.values()) > 0
+        in_use = torch.cuda.memory_allocated()
         if close:
             engine.close()
-        return weakref.ref(engine), pool_bytes
+        return weakref.ref(engine), pool_bytes, in_use
 
     run_one()
     _settle()
     base_alloc, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    ref, pool_bytes = run_one()
-    assert pool_bytes >= 2**29
+    ref, pool_bytes, in_use = run_one()
+    assert pool_bytes >= 2**29 and in_use - base_alloc >= pool_bytes  # what must come back was taken
     _settle()
     alive = ref()
     assert alive is None, "the engine is still referenced:\n" + "\n".join(_holders(alive))
