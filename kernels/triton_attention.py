@@ -49,6 +49,10 @@ class DecodeConfig:
     words_num_stages: int = 3
     min_tokens_per_split: int = 128  # 256 was 8% slower at bs 1, ctx 4k (docs/kernels.md)
     max_splits: int = 32
+    # One query token (a batch-1 decode step): 64 against 32 made the step at 4k 2.55 -> 2.43 ms (Qwen3-30B-
+    # A3B) and 4.10 -> 4.05 (Llama-3.1-8B), 512 unchanged; at two tokens 64 lost 2% at 512 (3.35 -> 3.41 ms,
+    # Qwen3-30B-A3B), so it stays 32 there (H200, two rounds each, performance.md "Thirty-fourth run").
+    max_splits_one_token: int = 64
 
 
 @dataclass(frozen=True)
@@ -555,14 +559,16 @@ def _extend_kernel(
 
 
 def num_kv_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per (token, KV head): enough programs for about two waves, at least 128 keys per split.
+    """Splits per (token, KV head): enough programs for about two waves, at least 128 keys per split, at
+    most ``DECODE_CONFIG.max_splits`` (``max_splits_one_token`` for one token).
 
     A power of two, so few variants are ever compiled; it depends on shapes and ``max_seq_len`` only.
     """
     sms = sm_count(device) if device.type == "cuda" else 4
     by_occupancy = triton.cdiv(2 * sms, max(1, num_tokens * num_kv_heads))
     by_length = triton.cdiv(max(1, max_seq_len), DECODE_CONFIG.min_tokens_per_split)
-    splits = max(1, min(by_occupancy, by_length, DECODE_CONFIG.max_splits))
+    cap = DECODE_CONFIG.max_splits_one_token if num_tokens == 1 else DECODE_CONFIG.max_splits
+    splits = max(1, min(by_occupancy, by_length, cap))
     return triton.next_power_of_2(splits)
 
 

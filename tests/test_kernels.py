@@ -11,6 +11,7 @@ inputs, under per-dtype bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -342,6 +343,25 @@ def test_decode_attention_long_and_short(layout: tuple, monkeypatch: pytest.Monk
     # Force several KV splits, some past the end of the short sequences, so the LSE merge is exercised.
     monkeypatch.setattr(triton_attention, "num_kv_splits", lambda *_: 4)
     check_attention([1] * 4, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+
+
+def test_kv_split_count_follows_occupancy_length_and_the_one_token_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """num_kv_splits: about two waves of programs, >= min_tokens_per_split keys a split, a power of two, and
+    a higher cap for one query token (a batch-1 decode step) than for several."""
+    cfg = dataclasses.replace(
+        triton_attention.DECODE_CONFIG, min_tokens_per_split=128, max_splits=4, max_splits_one_token=8
+    )
+    monkeypatch.setattr(triton_attention, "DECODE_CONFIG", cfg)
+    monkeypatch.setattr(triton_attention, "sm_count", lambda _device: 132)
+    cuda = torch.device("cuda")  # only read for its type: sm_count is patched
+    splits = triton_attention.num_kv_splits
+    assert splits(1, 4, 8192, cuda) == 8  # occupancy 66, length 64: the one-token cap
+    assert splits(2, 4, 8192, cuda) == 4  # occupancy 33: the cap for several tokens
+    assert splits(1, 4, 300, cuda) == 4  # length: cdiv(300, 128) = 3, rounded up to a power of two
+    assert splits(64, 4, 8192, cuda) == 2  # occupancy: cdiv(264, 256) = 2
+    assert splits(1, 4, 1, cuda) == 1
 
 
 def test_decode_merge_never_reads_an_empty_split(monkeypatch: pytest.MonkeyPatch) -> None:
