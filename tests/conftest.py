@@ -6,9 +6,27 @@ any test module (and so before anything imports triton).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to run beside Hugging Face's ``kernels`` package: its import name is this project's
+    ``kernels/``, so transformers, finding its metadata, imports ours in its place and every test that
+    builds a transformers model fails with an ImportError far from the cause (docs/architecture.md,
+    "Dependencies")."""
+    try:
+        found = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise pytest.UsageError(
+        f"Hugging Face's `kernels` {found} is installed, and its import name is pdmesh's `kernels/`: "
+        "transformers would import pdmesh's package in its place. `pip uninstall kernels` (transformers "
+        "requires it from 5.25; pdmesh pins transformers below that)."
+    )
