@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse to run beside Hugging Face's ``kernels`` package: its import name is this project's
-    ``kernels/``, so transformers, finding its metadata, imports ours in its place and every test that
-    builds a transformers model fails with an ImportError far from the cause (docs/architecture.md,
+    ``kernels/``, so transformers, finding its metadata, imports ours in its place and the tests that
+    build transformers models fail with an ImportError far from the cause (docs/architecture.md,
     "Dependencies")."""
     try:
         found = importlib.metadata.version("kernels")
