@@ -1,7 +1,8 @@
 """Set-up for every test module: without a GPU, Triton kernels run in the interpreter.
 
 ``TRITON_INTERPRET`` is read when triton is imported, so it is set here: pytest imports this file before
-any test module (and so before anything imports triton).
+any test module (and so before anything imports triton). The interpreter then gets
+``tests.interpreter_patching``, which takes a repeated cost out of its helper calls.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import os
 import pytest
 import torch
 
+from tests import interpreter_patching
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    interpreter_patching.install()
 
 
 def pytest_configure(config: pytest.Config) -> None:
