@@ -16,11 +16,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from mesh.telemetry import extract_context, metrics_handler
+from protos.pdmesh.v1 import common_pb2
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
@@ -52,35 +55,107 @@ def sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def build_generation(
+@dataclass
+class ChoiceRequest:
+    """One choice of a request: the generation the workers run, and the text its choice starts with."""
+
+    index: int
+    generation: Generation
+    echo: str = ""
+
+
+async def build_choices(
     model: ServedModel, parsed: ParsedRequest, request_id: str, headers: Any
-) -> Generation:
-    """Model check, chat rendering, tokenization (off the event loop), length and sampling checks: a
-    request workers accept."""
+) -> list[ChoiceRequest]:
+    """Model check, chat rendering, tokenization (off the event loop), length and sampling checks, then
+    one generation per choice: ``n`` per prompt, choice ``i * n + j`` for sample ``j`` of prompt ``i``
+    (as vLLM numbers them). With several choices each runs as a request of its own on the workers, id
+    ``{index}_{request_id}``, and a seeded request's sample ``j`` takes seed + j (vLLM's parallel
+    sampling rules), so every choice is reproducible and the samples differ."""
     model.check_model(parsed.model)
-    if parsed.prompt_token_ids is not None:
-        ids = parsed.prompt_token_ids
-    elif parsed.kind == "chat_completions":
+    carrier = [(k.lower(), v) for k, v in headers.items()]
+    trace_context = extract_context(carrier)
+    prompts: list[tuple[list[int], str]] = []  # token ids, echo text
+    if parsed.kind == "chat_completions":
         ids = await model.tokenize_chat(
             parsed.messages, parsed.add_generation_prompt, parsed.add_special_tokens
         )
+        prompts.append((ids, ""))
     else:
-        ids = await model.tokenize(parsed.prompt_text or "", parsed.add_special_tokens)
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                ids = await model.tokenize(prompt, parsed.add_special_tokens)
+                prompts.append((ids, prompt if parsed.echo else ""))
+            else:
+                echo = model.tokenizer.decode(prompt, skip_special_tokens=False) if parsed.echo else ""
+                prompts.append((prompt, echo))
     param = "messages" if parsed.kind == "chat_completions" else "prompt"
-    model.check_prompt(ids, param=param)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.kind == "completions" else None
-    max_tokens = model.resolve_max_tokens(parsed.sampling.max_tokens, len(ids), default)
-    sampling = model.sampling_params(parsed.sampling, max_tokens)
-    carrier = [(k.lower(), v) for k, v in headers.items()]
-    return Generation(
-        request_id=request_id,
-        prompt_token_ids=ids,
-        sampling_params=sampling,
-        endpoint=parsed.kind,
-        session_id=parsed.session_id,
-        cache_salt=parsed.cache_salt,
-        trace_context=extract_context(carrier),
-    )
+    total = len(prompts) * parsed.n
+    choices = []
+    for i, (ids, echo) in enumerate(prompts):
+        model.check_prompt(ids, param=param)
+        max_tokens = model.resolve_max_tokens(parsed.sampling.max_tokens, len(ids), default)
+        sampling = model.sampling_params(parsed.sampling, max_tokens)
+        for j in range(parsed.n):
+            index = i * parsed.n + j
+            params = sampling
+            if j and sampling.HasField("seed"):
+                params = common_pb2.SamplingParams()
+                params.CopyFrom(sampling)
+                params.seed = (sampling.seed + j) % 2**64
+            gen = Generation(
+                request_id=request_id if total == 1 else f"{index}_{request_id}",
+                prompt_token_ids=ids,
+                sampling_params=params,
+                endpoint=parsed.kind,
+                session_id=parsed.session_id,
+                cache_salt=parsed.cache_salt,
+                trace_context=trace_context,
+            )
+            choices.append(ChoiceRequest(index, gen, echo))
+    return choices
+
+
+async def merged_chunks(
+    orchestrator: Orchestrator, choices: list[ChoiceRequest]
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """Every choice's chunks as they come, tagged with its index. The choices run concurrently; the first
+    to fail raises here, and leaving (a failure, the caller closing this, a client gone) closes every
+    choice's generation, which cancels it on the workers."""
+    if len(choices) == 1:  # the common case: no tasks in between
+        async with contextlib.aclosing(orchestrator.generate(choices[0].generation)) as chunks:
+            async for chunk in chunks:
+                yield choices[0].index, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | None | BaseException]] = asyncio.Queue()
+
+    async def run(choice: ChoiceRequest) -> None:
+        try:
+            async with contextlib.aclosing(orchestrator.generate(choice.generation)) as chunks:
+                async for chunk in chunks:
+                    queue.put_nowait((choice.index, chunk))
+            queue.put_nowait((choice.index, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the reader, which raises it
+            queue.put_nowait((choice.index, exc))
+
+    tasks = [asyncio.create_task(run(c), name=c.generation.request_id) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class HttpApi:
@@ -152,11 +227,11 @@ class HttpApi:
             parsed = (parse_completion if kind == "completions" else parse_chat)(body, request.headers)
             prefix = "cmpl" if kind == "completions" else "chatcmpl"
             request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
-            gen = await build_generation(self.model, parsed, request_id, request.headers)
-            writer = _Writer(self.model, parsed, request_id, kind)
+            choices = await build_choices(self.model, parsed, request_id, request.headers)
+            writer = _Writer(self.model, parsed, request_id, kind, choices)
             if parsed.stream:
-                return await self._stream(request, gen, writer, outcome)
-            return await self._complete(gen, writer)
+                return await self._stream(request, choices, writer, outcome)
+            return await self._complete(choices, writer)
         except RouterError as exc:
             outcome["status"] = exc.metric_status
             return error_response(exc)
@@ -174,20 +249,24 @@ class HttpApi:
         finally:
             self.metrics.requests.labels(endpoint=kind, status=outcome["status"]).inc()
 
-    async def _complete(self, gen: Generation, writer: _Writer) -> web.Response:
-        async with contextlib.aclosing(self.orchestrator.generate(gen)) as chunks:
-            async for chunk in chunks:
-                writer.add(chunk)
+    async def _complete(self, choices: list[ChoiceRequest], writer: _Writer) -> web.Response:
+        async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:
+            async for index, chunk in chunks:
+                writer.add(index, chunk)
         return web.json_response(writer.full_response())
 
     async def _stream(
-        self, request: web.Request, gen: Generation, writer: _Writer, outcome: dict[str, str]
+        self,
+        request: web.Request,
+        choices: list[ChoiceRequest],
+        writer: _Writer,
+        outcome: dict[str, str],
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        async with contextlib.aclosing(self.orchestrator.generate(gen)) as chunks:
+        async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:
             try:
-                async for chunk in chunks:
-                    events = writer.add(chunk)
+                async for index, chunk in chunks:
+                    events = writer.add(index, chunk)
                     if response is None:
                         response = web.StreamResponse(headers=SSE_HEADERS)
                         await response.prepare(request)
@@ -205,9 +284,9 @@ class HttpApi:
                     else RouterError(f"internal error: {type(exc).__name__}")
                 )
                 if isinstance(exc, RouterError):
-                    log.warning("request %s failed mid-stream: %s", gen.request_id, exc.message)
+                    log.warning("request %s failed mid-stream: %s", writer.request_id, exc.message)
                 else:
-                    log.exception("request %s failed mid-stream", gen.request_id)
+                    log.exception("request %s failed mid-stream", writer.request_id)
                 outcome["status"] = error.metric_status
                 await response.write(sse(error.to_openai()))
                 await response.write_eof()
@@ -220,25 +299,53 @@ class HttpApi:
         return response
 
 
-class _Writer:
-    """Turns a request's chunks into OpenAI JSON: stream events as they come, or one reply at the end."""
+class _Choice:
+    """One choice's text, logprobs and finish, as its chunks come."""
 
-    def __init__(self, model: ServedModel, parsed: ParsedRequest, request_id: str, kind: str) -> None:
+    def __init__(self, model: ServedModel, parsed: ParsedRequest, request: ChoiceRequest) -> None:
+        sp = parsed.sampling
+        self.index = request.index
+        self.echo = request.echo  # the text before the generated text
+        self.echo_pending = bool(request.echo)  # not streamed yet
+        self.text = TextStream(model.tokenizer, sp.stop, sp.skip_special_tokens)
+        self.last_token_id: int | None = None  # for the stop reason of a stop token
+        self.completion_logprobs = CompletionLogprobs(model.tokenizer)
+        self.logprob_parts: list[Any] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.usage: common_pb2.Usage | None = None
+        self.stop_token_ids = set(sp.stop_token_ids)
+
+    def stop_reason_now(self) -> str | int | None:
+        if self.finish_reason != "stop":
+            return None
+        if self.text.stopped_on is not None:
+            return self.text.stopped_on
+        if self.last_token_id in self.stop_token_ids:
+            return self.last_token_id
+        return None
+
+
+class _Writer:
+    """Turns a request's chunks into OpenAI JSON: stream events as they come, or one reply at the end.
+    Each chunk belongs to one choice (its index); a streamed event carries that choice alone."""
+
+    def __init__(
+        self,
+        model: ServedModel,
+        parsed: ParsedRequest,
+        request_id: str,
+        kind: str,
+        requests: list[ChoiceRequest],
+    ) -> None:
         self.model = model
         self.parsed = parsed
         self.request_id = request_id
         self.kind = kind
         self.created = int(time.time())
-        sp = parsed.sampling
-        self.text = TextStream(model.tokenizer, sp.stop, sp.skip_special_tokens)
-        self.last_token_id: int | None = None  # for the stop reason of a stop token
-        self.want_logprobs = sp.logprobs is not None
-        self.completion_logprobs = CompletionLogprobs(model.tokenizer)
-        self.logprob_parts: list[Any] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.usage: dict[str, Any] | None = None
-        self.stop_token_ids = set(sp.stop_token_ids)
+        self.want_logprobs = parsed.sampling.logprobs is not None
+        self.n = parsed.n
+        self.choices = {r.index: _Choice(model, parsed, r) for r in requests}
 
     @property
     def object_name(self) -> str:
@@ -253,63 +360,57 @@ class _Writer:
             "choices": choices,
         }
 
-    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
-        """Take one chunk; return the stream events it makes (ignored when not streaming)."""
+    def add(self, index: int, chunk: Chunk) -> list[dict[str, Any]]:
+        """Take one chunk of choice ``index``; return the stream events it makes (ignored when not
+        streaming)."""
+        c = self.choices[index]
         if chunk.token_ids:
-            self.last_token_id = chunk.token_ids[-1]
-        delta = self.text.add(chunk.token_ids)
+            c.last_token_id = chunk.token_ids[-1]
+        delta = c.text.add(chunk.token_ids)
+        if c.echo_pending:
+            delta, c.echo_pending = c.echo + delta, False
         logprobs: Any = None
         if self.want_logprobs and chunk.logprobs:
             logprobs = (
-                self.completion_logprobs.part(chunk.logprobs)
+                c.completion_logprobs.part(chunk.logprobs)
                 if self.kind == "completions"
                 else chat_logprobs(self.model.tokenizer, chunk.logprobs)
             )
-            self.logprob_parts.append(logprobs)
+            c.logprob_parts.append(logprobs)
         if chunk.finished:
-            delta += self.text.finish()
-            self.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
-            self.stop_reason = self._stop_reason()
-            if chunk.usage is not None:
-                self.usage = usage_json(chunk.usage)
+            delta += c.text.finish()
+            c.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
+            c.stop_reason = c.stop_reason_now()
+            c.usage = chunk.usage
         if not delta and logprobs is None and not chunk.finished:
             return []
-        return [self._envelope([self._choice(delta, logprobs, stream=True)], chunk=True)]
+        return [self._envelope([self._choice(c, delta, logprobs, stream=True)], chunk=True)]
 
-    def _stop_reason(self) -> str | int | None:
-        if self.finish_reason != "stop":
-            return None
-        if self.text.stopped_on is not None:
-            return self.text.stopped_on
-        if self.last_token_id in self.stop_token_ids:
-            return self.last_token_id
-        return None
-
-    def _choice(self, text: str, logprobs: Any, stream: bool) -> dict[str, Any]:
-        finish = self.finish_reason
+    def _choice(self, c: _Choice, text: str, logprobs: Any, stream: bool) -> dict[str, Any]:
+        finish = c.finish_reason
         if self.kind == "completions":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs}
+            choice: dict[str, Any] = {"index": c.index, "text": text, "logprobs": logprobs}
         else:
             key = "delta" if stream else "message"
             body: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
             choice = {
-                "index": 0,
+                "index": c.index,
                 key: body,
                 "logprobs": {"content": logprobs} if logprobs is not None else None,
             }
         choice["finish_reason"] = finish
-        choice["stop_reason"] = self.stop_reason if finish is not None else None
+        choice["stop_reason"] = c.stop_reason if finish is not None else None
         return choice
 
     def opening(self) -> list[dict[str, Any]]:
-        """Events sent before the first tokens' (chat: the assistant role)."""
+        """Events sent before the first tokens' (chat: the assistant role, for every choice)."""
         if self.kind == "completions":
             return []
         return [
             self._envelope(
                 [
                     {
-                        "index": 0,
+                        "index": index,
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
@@ -317,19 +418,37 @@ class _Writer:
                 ],
                 chunk=True,
             )
+            for index in sorted(self.choices)
         ]
 
+    def usage(self) -> dict[str, Any] | None:
+        """The request's usage: each prompt's tokens once (however many choices it has), every choice's
+        completion tokens, and of each prompt the tokens every one of its choices found cached."""
+        done = [c for c in self.choices.values() if c.usage is not None]
+        if not done:
+            return None
+        total = common_pb2.Usage()
+        by_prompt: dict[int, list[common_pb2.Usage]] = {}
+        for c in done:
+            by_prompt.setdefault(c.index // self.n, []).append(c.usage)
+            total.completion_tokens += c.usage.completion_tokens
+        for usages in by_prompt.values():
+            total.prompt_tokens += usages[0].prompt_tokens
+            total.cached_prompt_tokens += min(u.cached_prompt_tokens for u in usages)
+        return usage_json(total)
+
     def usage_chunk(self) -> dict[str, Any]:
-        return {**self._envelope([], chunk=True), "usage": self.usage}
+        return {**self._envelope([], chunk=True), "usage": self.usage()}
 
     def full_response(self) -> dict[str, Any]:
-        logprobs: Any = None
-        if self.want_logprobs:
-            if self.kind == "completions":
-                logprobs = CompletionLogprobs.merge(self.logprob_parts)
-            else:
-                logprobs = [entry for part in self.logprob_parts for entry in part]
-        return {
-            **self._envelope([self._choice(self.text.text, logprobs, stream=False)], chunk=False),
-            "usage": self.usage,
-        }
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            logprobs: Any = None
+            if self.want_logprobs:
+                if self.kind == "completions":
+                    logprobs = CompletionLogprobs.merge(c.logprob_parts)
+                else:
+                    logprobs = [entry for part in c.logprob_parts for entry in part]
+            choices.append(self._choice(c, c.echo + c.text.text, logprobs, stream=False))
+        return {**self._envelope(choices, chunk=False), "usage": self.usage()}

@@ -29,6 +29,8 @@ FINISH_REASONS = {
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices per prompt, OpenAI's limit
+MAX_CHOICES = 2048  # prompts x n in one request: each choice is a request of its own on the workers
 
 
 @dataclass
@@ -37,9 +39,10 @@ class ParsedRequest:
 
     kind: str  # "completions" | "chat_completions"
     model: str | None
-    prompt_text: str | None = None  # completions (text prompt) or the rendered chat
-    prompt_token_ids: list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: each a text or token ids
     messages: list[dict[str, Any]] = field(default_factory=list)
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: each choice's text starts with its prompt
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     sampling: SamplingInput = field(default_factory=SamplingInput)
@@ -145,16 +148,11 @@ def _is_int(value: Any) -> bool:
 
 
 def _reject_unsupported(f: _Fields) -> None:
-    n = f.int("n")
-    if n is not None and n != 1:
-        raise InvalidRequestError(
-            f"n must be 1: this router returns one choice per request, got {n}", param="n"
-        )
     best_of = f.int("best_of")
     if best_of is not None and best_of != 1:
-        raise InvalidRequestError(f"best_of must be 1, got {best_of}", param="best_of")
-    if f.bool("echo", False):
-        raise InvalidRequestError("echo is not supported", param="echo")
+        raise InvalidRequestError(
+            f"best_of must be 1 (ask for n choices instead), got {best_of}", param="best_of"
+        )
     if f.present("suffix"):
         raise InvalidRequestError("suffix is not supported", param="suffix")
     if f.body.get("logit_bias"):
@@ -202,9 +200,13 @@ def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
             )
         include_usage = _Fields(options).bool("include_usage", False)
     session = f.str("session_id") or headers.get("X-Session-ID") or headers.get("x-session-id")
+    n = f.int("n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}", param="n")
     return ParsedRequest(
         kind=kind,
         model=f.str("model"),
+        n=n or 1,
         stream=stream,
         include_usage=include_usage,
         session_id=session or None,
@@ -217,35 +219,61 @@ def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
 def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
     f = _Fields(body)
     req = _common(f, "completions", headers or {})
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise InvalidRequestError("'prompt' is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        req.prompt_text = prompt
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        req.prompt_token_ids = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    req.prompts = _prompts(body.get("prompt"))
+    if len(req.prompts) * req.n > MAX_CHOICES:
         raise InvalidRequestError(
-            f"a batch of {len(prompt)} prompts is not supported: send one prompt per request", param="prompt"
+            f"{len(req.prompts)} prompts x n={req.n} is {len(req.prompts) * req.n} choices; at most "
+            f"{MAX_CHOICES} a request",
+            param="prompt",
         )
-    else:
-        raise InvalidRequestError("'prompt' must be a string or an array of token ids", param="prompt")
     req.add_special_tokens = f.bool("add_special_tokens", True)
     logprobs = f.int("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError(
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs"
         )
+    req.echo = f.bool("echo", False)
+    if req.echo and logprobs is not None:
+        raise InvalidRequestError(
+            "echo with logprobs is not supported: the workers return no logprobs for prompt tokens",
+            param="echo",
+        )
     req.sampling = _sampling(f, logprobs)
     req.sampling.max_tokens = f.int("max_tokens")
     return req
 
 
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The completions ``prompt`` field as a list of prompts: a string, an array of token ids, or an
+    array of either (a batch)."""
+    if prompt is None:
+        raise InvalidRequestError("'prompt' is required", param="prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        return [list(prompt)]  # [] too: the length check names an empty prompt
+    if isinstance(prompt, list) and prompt:
+        batch: list[str | list[int]] = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                batch.append(p)
+            elif isinstance(p, list) and all(_is_int(t) for t in p):
+                batch.append(list(p))
+            else:
+                raise InvalidRequestError(
+                    f"prompt[{i}] must be a string or an array of token ids", param="prompt"
+                )
+        return batch
+    raise InvalidRequestError(
+        "'prompt' must be a string, an array of token ids, or an array of either", param="prompt"
+    )
+
+
 def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
     f = _Fields(body)
     req = _common(f, "chat_completions", headers or {})
+    if f.bool("echo", False):
+        raise InvalidRequestError("echo is not supported on chat completions", param="echo")
     req.messages = _messages(body.get("messages"))
     req.add_generation_prompt = f.bool("add_generation_prompt", True)
     # Chat templates carry their own BOS; vLLM adds no special tokens to a rendered chat by default.

@@ -57,8 +57,8 @@ def test_completion_request_fields_are_parsed() -> None:
         }
     )
     s = req.sampling
-    assert (req.prompt_text, req.stream, req.include_usage, req.session_id, req.user) == (
-        "hi",
+    assert (req.prompts, req.stream, req.include_usage, req.session_id, req.user) == (
+        ["hi"],
         True,
         True,
         "s1",
@@ -75,16 +75,35 @@ def test_completion_request_fields_are_parsed() -> None:
 
 
 def test_prompt_forms() -> None:
-    assert parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
-    assert parse_completion({"prompt": ["one"]}).prompt_text == "one"
-    assert parse_completion({"prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
-    with pytest.raises(InvalidRequestError, match="batch of 2 prompts"):
-        parse_completion({"prompt": ["a", "b"]})
+    assert parse_completion({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
+    assert parse_completion({"prompt": ["one"]}).prompts == ["one"]
+    assert parse_completion({"prompt": [[4, 5]]}).prompts == [[4, 5]]
+    assert parse_completion({"prompt": ["a", [6], "b"], "n": 2}).prompts == ["a", [6], "b"]
+    assert parse_completion({"prompt": []}).prompts == [[]]  # the length check names it empty
     with pytest.raises(InvalidRequestError, match="'prompt' is required") as err:
         parse_completion({})
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequestError, match="'prompt' must be"):
         parse_completion({"prompt": 5})
+    with pytest.raises(InvalidRequestError, match=r"prompt\[1\] must be a string or an array of token ids"):
+        parse_completion({"prompt": ["a", 5]})
+    with pytest.raises(InvalidRequestError, match=r"prompt\[0\] must be"):
+        parse_completion({"prompt": [["a"]]})
+    with pytest.raises(InvalidRequestError, match="30 prompts x n=100 is 3000 choices; at most 2048"):
+        parse_completion({"prompt": ["a"] * 30, "n": 100})
+    with pytest.raises(InvalidRequestError, match="1024 prompts x n=3 is 3072 choices"):
+        parse_completion({"prompt": ["a"] * 1024, "n": 3})
+
+
+def test_n_and_echo() -> None:
+    assert parse_completion({"prompt": "x"}).n == 1
+    assert parse_completion({"prompt": "x", "n": 128}).n == 128
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 3}).n == 3
+    assert parse_completion({"prompt": "x", "echo": True}).echo
+    assert not parse_completion({"prompt": "x"}).echo
+    with pytest.raises(InvalidRequestError, match="echo is not supported on chat completions") as err:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert err.value.param == "echo"
 
 
 def test_session_id_from_header() -> None:
@@ -104,14 +123,18 @@ def test_session_id_from_header() -> None:
         ({"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be an integer, got boolean"),
         ({"prompt": "x", "stop": [1]}, "stop", "'stop' must be a string or an array of strings"),
         ({"prompt": "x", "stream": "yes"}, "stream", "'stream' must be a boolean"),
-        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "n": 0}, "n", "n must be between 1 and 128, got 0"),
+        ({"prompt": "x", "n": 129}, "n", "n must be between 1 and 128, got 129"),
+        ({"prompt": "x", "n": 1.5}, "n", "'n' must be an integer"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "best_of must be 1"),
         ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
         (
             {"prompt": "x", "stream_options": {"include_usage": True}},
             "stream_options",
             "only allowed when stream",
         ),
-        ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
+        ({"prompt": "x", "echo": "yes"}, "echo", "'echo' must be a boolean"),
     ],
 )
 def test_completion_type_errors_name_the_field(body: dict[str, Any], param: str, message: str) -> None:
@@ -410,6 +433,13 @@ def test_http_errors_have_the_openai_shape() -> None:
                 ("/v1/completions", {"max_tokens": 3}, 400, "BadRequestError", "'prompt' is required"),
                 ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "BadRequestError", "top_p must be in"),
                 ("/v1/completions", {"prompt": "x" * 200}, 400, "BadRequestError", "prompt has 201 tokens"),
+                (  # every prompt of a batch is checked before any is sent
+                    "/v1/completions",
+                    {"prompt": ["x", "x" * 200], "n": 2},
+                    400,
+                    "BadRequestError",
+                    "prompt has 201 tokens",
+                ),
                 (
                     "/v1/completions",
                     {"prompt": "x", "max_tokens": 500},
@@ -428,6 +458,13 @@ def test_http_errors_have_the_openai_shape() -> None:
                 ("/v1/completions", {"prompt": "x"}, 503, "ServiceUnavailableError", "no decode worker"),
                 (
                     "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "x"}], "n": 3},
+                    503,
+                    "ServiceUnavailableError",
+                    "no decode worker",
+                ),
+                (
+                    "/v1/chat/completions",
                     {"messages": [{"role": "user", "content": "x"}], "stream": True},
                     503,
                     "ServiceUnavailableError",
@@ -440,7 +477,7 @@ def test_http_errors_have_the_openai_shape() -> None:
                 assert fragment in _assert_error_shape(got, status, kind)
             async with session.get(base + "/metrics") as resp:
                 text = await resp.text()
-            assert 'pdmesh_router_requests_total{endpoint="completions",status="invalid"} 5.0' in text
+            assert 'pdmesh_router_requests_total{endpoint="completions",status="invalid"} 6.0' in text
             assert 'pdmesh_router_requests_total{endpoint="completions",status="unavailable"} 1.0' in text
 
     asyncio.run(run())

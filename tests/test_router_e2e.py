@@ -177,7 +177,63 @@ def test_bad_requests_get_the_openai_error_shape(router: Router) -> None:
     assert "not valid JSON" in body["error"]["message"]
 
 
-def test_client_disconnect_leaves_no_block_held(router: Router, pd_workers) -> None:  # noqa: F811
+def test_n_choices_of_a_batch_of_prompts_equal_offline(router: Router, llm: LLM) -> None:
+    """n choices of each of a batch of prompts, as vLLM numbers and seeds them: choice i * n + j is sample
+    j of prompt i, seeded seed + j. Each equals the offline engine's output for that prompt and seed."""
+    prompts = ["Fan out a prompt into", [70, 97, 110, 32, 111, 117, 116]]  # a text and token ids
+    reply = router.client.completions.create(
+        model=MODEL, prompt=prompts, n=3, max_tokens=12, extra_body={"ignore_eos": True}, **SEEDED
+    )
+    assert [c.index for c in reply.choices] == list(range(6))
+    expected = [
+        _offline(llm, p, 12, ignore_eos=True, **{**SEEDED, "seed": SEEDED["seed"] + j})
+        for p in prompts
+        for j in range(3)
+    ]
+    assert [c.text for c in reply.choices] == [e.text for e in expected]
+    assert len({c.text for c in reply.choices[:3]}) > 1  # the samples differ: not one request three times
+    assert all(c.finish_reason == "length" for c in reply.choices)
+    prompt_tokens = len(expected[0].prompt_token_ids) + len(expected[3].prompt_token_ids)
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens, 6 * 12)
+    # echo: each choice's text starts with its prompt (the token ids' decoded text).
+    echoed = router.client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, temperature=0.0, echo=True, extra_body={"ignore_eos": True}
+    )
+    greedy = [_offline(llm, p, 5, temperature=0.0, ignore_eos=True).text for p in prompts]
+    assert [c.text for c in echoed.choices] == [prompts[0] + greedy[0], "Fan out" + greedy[1]]
+
+
+def test_streamed_chat_with_n_choices_equals_offline(router: Router, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Give me two answers."}]
+    stream = router.client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, max_tokens=10, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **SEEDED,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    assert sorted(c.choices[0].index for c in chunks[:2]) == [0, 1]
+    assert all(len(c.choices) == 1 for c in chunks[:-1])  # one choice an event, as vLLM streams
+    text = {0: "", 1: ""}
+    finish: dict[int, str] = {}
+    for c in chunks[:-1]:
+        choice = c.choices[0]
+        text[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    prompt_ids = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_special_tokens=False)
+    expected = [
+        _offline(llm, prompt_ids, 10, ignore_eos=True, **{**SEEDED, "seed": SEEDED["seed"] + j})
+        for j in range(2)
+    ]
+    assert [text[0], text[1]] == [e.text for e in expected] and finish == {0: "length", 1: "length"}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 20)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_leaves_no_block_held(router: Router, pd_workers, n: int) -> None:  # noqa: F811
     async def free_blocks() -> list[int]:
         out = []
         for svc in pd_workers:
@@ -189,7 +245,7 @@ def test_client_disconnect_leaves_no_block_held(router: Router, pd_workers) -> N
         return out
 
     stream = router.client.completions.create(
-        model=MODEL, prompt="A long answer " * 20, max_tokens=3000, temperature=0.0, stream=True,
+        model=MODEL, prompt="A long answer " * 20, max_tokens=3000, temperature=0.0, stream=True, n=n,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     for i, _chunk in enumerate(stream):
