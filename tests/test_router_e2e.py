@@ -313,6 +313,58 @@ def test_concurrent_requests_equal_offline(router: Router, llm: LLM) -> None:
     assert asyncio.run(run()) == expected
 
 
+def test_a_choice_failing_mid_stream_cancels_the_others(pd_workers, tmp_path: Path) -> None:  # noqa: F811
+    """n=2 over two decode workers in round robin: one choice each. Killing one worker mid-stream ends the
+    streamed reply with an error event, and the other choice is cancelled on its worker: nothing left
+    running, every block free."""
+    prefill, decode = pd_workers
+    doomed = ServiceProcess.start("decode_svc", *worker_args())
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, doomed.address, "--stats-interval-s", "60",
+        "--routing", "round_robin",
+    )  # fmt: skip
+    try:
+        router = Router(proc, tmp_path / "unused.jsonl")
+        body = {"model": MODEL, "prompt": "Two choices, one doomed", "n": 2, "max_tokens": 2000,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://{router.http}/v1/completions", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+
+        def stream(request: urllib.request.Request) -> list[dict[str, Any]]:
+            """The reply's events; once both choices stream, kills `doomed` if it runs one of them, else
+            returns at once (the client leaves)."""
+            events: list[dict[str, Any]] = []
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events.append(json.loads(line[len("data: ") :]))
+                    seen = {e["choices"][0]["index"] for e in events if e.get("choices")}
+                    if seen == {0, 1} and doomed.alive:
+                        if _running([doomed]) != 1:
+                            return []  # both on the survivor: leave, and try again
+                        doomed.kill()
+            return events
+
+        for _attempt in range(4):
+            events = stream(request)
+            if events:
+                break
+        else:
+            raise AssertionError("the two choices never ran on the two decode workers")
+        assert "error" in events[-1], events[-1]
+        assert not any(e["choices"][0]["finish_reason"] for e in events[:-1])  # neither choice finished
+        assert wait_until(lambda: _running([decode, prefill]) == 0, timeout=15)
+        assert proc.alive
+    finally:
+        doomed.kill()
+        assert proc.stop() == 0, proc.log()
+
+
 def test_a_decode_worker_killed_mid_stream_does_not_take_the_router_down(pd_workers, tmp_path: Path) -> None:  # noqa: F811
     prefill, decode = pd_workers
     doomed = ServiceProcess.start("decode_svc", *worker_args())
