@@ -459,7 +459,12 @@ class LLMEngine:
             tokens = self.sampler.sample(logits, params, positions)
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
-        token_list, logprobs = self.sampler(logits, params, positions)
+        histories = (
+            [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
+            if any(p.has_penalties for p in params)
+            else None
+        )
+        token_list, logprobs = self.sampler(logits, params, positions, histories)
         for seq, tok, lp in zip(sample_seqs, token_list, logprobs, strict=True):
             self._count_prompt(seq)
             self._append_token(seq, tok, lp)
@@ -469,21 +474,21 @@ class LLMEngine:
     @staticmethod
     def _can_run_ahead(seqs: list[Sequence], sample_seqs: list[Sequence]) -> bool:
         """A batch whose tokens may stay on the device: every sequence samples (decodes, or ends its
-        prompt), no logprobs to compute on the host, no KV to hold for a transfer. The next step is then
-        a pure decode of (some of) the same sequences, unless requests wait."""
+        prompt), none that needs the host's tokens (logprobs, penalties), no KV to hold for a transfer.
+        The next step is then a pure decode of (some of) the same sequences, unless requests wait."""
         return len(sample_seqs) == len(seqs) and all(
-            s.params.logprobs is None and not s.hold_kv for s in sample_seqs
+            not s.params.needs_host_step and not s.hold_kv for s in sample_seqs
         )
 
     def _joining(self) -> list[Sequence] | None:
         """The waiting requests the next lookahead step can take in: all of them, when every one could run
-        ahead (no logprobs, no KV to hold) and is either an imported request ready to decode its first
+        ahead (no logprobs or penalties, no KV to hold) and is either an imported request ready to decode its first
         token (KV in place, one token to compute) or a new prompt (none computed, no output: not a
         preempted one); None when any other request waits. Whether their tokens fit the step is
         ``_step_lookahead``'s to check."""
         waiting = list(self.scheduler.waiting)
         if all(
-            s.params.logprobs is None
+            not s.params.needs_host_step
             and not s.hold_kv
             and (
                 (s.block_table and s.num_uncomputed_tokens == 1)

@@ -1,4 +1,5 @@
-"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
+"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, top-N
+logprobs.
 
 Sampling is an exponential race, argmax(probs / E) with E ~ Exponential(1) per token. The noise comes
 from a counter-based hash of (row key, token id), computed in one vectorised pass on the logits' device;
@@ -22,6 +23,7 @@ import torch
 import xxhash
 
 from engine.device_copy import host_to_device
+from engine.penalties import apply_penalties
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from kernels.ops import TORCH_OPS, get_ops
@@ -62,6 +64,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         positions: list[int],
+        histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> torch.Tensor:
         """The sampled token ids [B] (int64), left on the logits' device. The per-row values go to a GPU
         through pinned memory (``host_to_device``), so the host does not wait for the device work queued
@@ -70,7 +73,9 @@ class Sampler:
         Each row's path follows from its own parameters and the device, decided on the host: greedy rows
         take the argmax; where ``uses_kernel``, every other row the op table's kernel (top-k and top-p
         without a sort); elsewhere rows with top-k or top-p take the torch race with a sort (on those rows
-        only) and the others the torch race without one."""
+        only) and the others the torch race without one. Rows with penalties race on their penalised
+        logits (``engine.penalties``), which need ``histories``: each row's prompt and output token ids."""
+        logits = apply_penalties(logits, params, histories)
         batch, vocab = logits.shape
         device = logits.device
         if all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
@@ -128,11 +133,14 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         positions: list[int],
+        histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [B, V] fp32; positions: each request's output index of the token being sampled."""
+        """logits: [B, V] fp32; positions: each request's output index of the token being sampled;
+        histories: each row's prompt and output token ids (needed where a row has penalties). Logprobs
+        are those of the raw logits, before penalties and temperature (vLLM's default)."""
         batch = logits.shape[0]
         device = logits.device
-        tokens = self.sample(logits, params, positions)
+        tokens = self.sample(logits, params, positions, histories)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * batch
         want = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -126,7 +126,17 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
     }
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "skip_special_tokens"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "logprobs",
+        "skip_special_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         if p.HasField(name):
             kw[name] = getattr(p, name)
     if "seed" in kw and kw["seed"] >= 2**63:

@@ -39,7 +39,7 @@ INLINE_ENCODE_MAX_CHARS = 512
 # Tokenization mostly holds the GIL: more threads would not add throughput, only take turns from the loop.
 TOKENIZE_THREADS = 2
 
-# Penalties the engine does not implement: accepted at their neutral value only (never ignored).
+# The penalties (engine/penalties.py) and their values that turn them off.
 NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
@@ -169,14 +169,8 @@ class ServedModel:
 
     def sampling_params(self, s: SamplingInput, max_tokens: int) -> common_pb2.SamplingParams:
         """Validate with the engine's rules and build the message workers take."""
-        for name, value in s.penalties.items():
-            neutral = NEUTRAL_PENALTIES[name]
-            if value != neutral:
-                raise InvalidRequestError(
-                    f"{name} is not supported by this engine (only {neutral:g} is accepted), got {value:g}",
-                    param=name,
-                )
         kwargs: dict[str, Any] = {
+            **s.penalties,
             "max_tokens": max_tokens,
             "stop": list(s.stop),
             "stop_token_ids": list(s.stop_token_ids),
@@ -207,6 +201,9 @@ class ServedModel:
         )
         if params.seed is not None:
             out.seed = params.seed % 2**64  # torch.Generator.manual_seed's rule for negative seeds
+        for name, neutral in NEUTRAL_PENALTIES.items():
+            if getattr(params, name) != neutral:
+                setattr(out, name, getattr(params, name))
         if params.logprobs is not None:
             out.logprobs = params.logprobs
         return out

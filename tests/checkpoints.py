@@ -155,9 +155,11 @@ def make_checkpoint(
     return path
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **load: Any) -> list[int]:
-    """transformers' own greedy continuation of one prompt (EOS ignored), float32; ``load``: more
-    ``from_pretrained`` arguments."""
+def hf_greedy(
+    path: Path, prompt: list[int], max_new_tokens: int, generate: dict[str, Any] | None = None, **load: Any
+) -> list[int]:
+    """transformers' own greedy continuation of one prompt (EOS ignored), float32; ``generate``: more
+    ``generate`` arguments (logits processors, penalties); ``load``: more ``from_pretrained`` arguments."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **load).eval()
@@ -171,6 +173,7 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **load: Any) -
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **(generate or {}),
         )
     return out[0, len(prompt) :].tolist()
 

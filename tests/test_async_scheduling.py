@@ -9,6 +9,7 @@ same); the GPU test runs the Triton ops with CUDA graphs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -219,6 +220,30 @@ def test_mixed_traffic_matches_the_synchronous_engine(model: str, seed: int) -> 
     assert lookahead.engine.lookahead_steps > 0
     reasons = {r for r, _ in sync.finish_reasons()}
     assert {"stop", "length", "abort"} <= reasons, reasons
+
+
+def test_penalised_requests_step_synchronously_and_match_the_synchronous_engine(model: str) -> None:
+    """Penalties read a request's whole output, so a step with a penalised request runs synchronously;
+    the outputs, events and totals stay the synchronous engine's, and penalised rows really run (their
+    tokens differ from the same script's without penalties)."""
+    script = random_script(model, 2)
+    adds = [a for a in script if isinstance(a, Add)]
+    penalised = [adds[1], adds[4], next(a for a in script if isinstance(a, Import))]
+    for a in penalised:
+        a.params = dataclasses.replace(
+            a.params, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3
+        )
+    config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    sync = run_script(script, EOS[model], **config)
+    lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert lookahead.engine is not None and lookahead.engine.lookahead_steps > 0  # the rest still ran ahead
+    for a in penalised:
+        a.params = dataclasses.replace(
+            a.params, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0
+        )
+    plain = run_script(script, EOS[model], **config)
+    assert any(plain.outputs[a.request_id] != sync.outputs[a.request_id] for a in penalised)
 
 
 def test_traffic_mix_reaches_every_finish_kind(model: str) -> None:

@@ -202,9 +202,26 @@ def test_sampling_values_are_checked_with_the_engine_messages(model: ServedModel
         model.sampling_params(SamplingInput(temperature=-0.1), 4)
     with pytest.raises(InvalidRequestError, match=r"stop_token_ids \[600\] are outside the vocabulary"):
         model.sampling_params(SamplingInput(stop_token_ids=[600]), 4)
-    with pytest.raises(InvalidRequestError, match="presence_penalty is not supported"):
-        model.sampling_params(SamplingInput(penalties={"presence_penalty": 0.5}), 4)
-    model.sampling_params(SamplingInput(penalties={"presence_penalty": 0.0, "repetition_penalty": 1.0}), 4)
+    with pytest.raises(InvalidRequestError, match=r"presence_penalty must be in \[-2, 2\], got 2.5") as err:
+        model.sampling_params(SamplingInput(penalties={"presence_penalty": 2.5}), 4)
+    assert err.value.param == "presence_penalty"
+    with pytest.raises(InvalidRequestError, match="frequency_penalty must be in"):
+        model.sampling_params(SamplingInput(penalties={"frequency_penalty": -3.0}), 4)
+    with pytest.raises(InvalidRequestError, match="repetition_penalty must be a finite number > 0, got 0"):
+        model.sampling_params(SamplingInput(penalties={"repetition_penalty": 0.0}), 4)
+    # Neutral values are not sent; others are, as given.
+    neutral = model.sampling_params(
+        SamplingInput(penalties={"presence_penalty": 0.0, "repetition_penalty": 1.0}), 4
+    )
+    assert not any(
+        neutral.HasField(n) for n in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    )
+    sent = model.sampling_params(
+        SamplingInput(penalties={"frequency_penalty": 0.5, "repetition_penalty": 1.25}), 4
+    )
+    assert (sent.frequency_penalty, sent.repetition_penalty) == (0.5, 1.25) and not sent.HasField(
+        "presence_penalty"
+    )
 
 
 def test_sampling_message_fields(model: ServedModel) -> None:

@@ -135,6 +135,21 @@ def test_completion_logprobs_and_stop_string_equal_offline(router: Router, llm: 
     assert stopped.choices[0].text == offline_stopped.text and stopped.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_penalties_over_the_mesh_equal_offline(router: Router, llm: LLM, sampling: dict[str, Any]) -> None:
+    """The prefill worker samples the first token with the prompt as history, the decode worker the rest
+    with the output so far (the first token included): the offline engine's tokens."""
+    prompt = "Say it again and again and again and again:"
+    penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.4}
+    reply = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True, "repetition_penalty": 1.4},
+        **penalties, **sampling,
+    )  # fmt: skip
+    expected = _offline(llm, prompt, 24, ignore_eos=True, repetition_penalty=1.4, **penalties, **sampling)
+    assert reply.choices[0].text == expected.text
+    assert expected.text != _offline(llm, prompt, 24, ignore_eos=True, **sampling).text  # they matter here
+
+
 def test_grpc_generate_streams_the_offline_tokens(router: Router, llm: LLM) -> None:
     prompt = list(b"gRPC clients send token ids")
 

@@ -1,0 +1,67 @@
+"""Repetition, frequency and presence penalties on a batch's logits, before sampling (vLLM's rules).
+
+For each row with a penalty, over the vocabulary: the repetition penalty r divides the positive logits and
+multiplies the negative ones of every token seen in the prompt or the output so far (transformers'
+``RepetitionPenaltyLogitsProcessor``); then the frequency penalty subtracts f times each token's count in
+the output, and the presence penalty p once for each token the output holds. Rows without a penalty are
+not touched, and nothing is computed for a batch without one. The sampler's logprobs stay those of the
+raw logits (vLLM's default). A row needs its whole output so far, so the engine runs steps with such a
+request synchronously (``SamplingParams.needs_host_step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.device_copy import host_to_device
+from engine.sampling_params import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+) -> torch.Tensor:
+    """``logits`` [B, V] with each penalised row's penalties applied (a new tensor), or ``logits`` itself
+    when no row has one. ``histories``: each row's (prompt token ids, output token ids so far)."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("penalties need each row's prompt and output token ids")
+    batch, vocab = logits.shape
+    device = logits.device
+    # One host tensor of every penalised row's ids, padded with `vocab` (a column dropped below), and
+    # the rows' three penalties: two copies to the device.
+    prompts = [list(histories[i][0]) for i in rows]
+    outputs = [list(histories[i][1]) for i in rows]
+    width = max(1, max(len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)))
+    ids = torch.full((len(rows), 2, width), vocab, dtype=torch.int64)
+    for r, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        ids[r, 0, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        ids[r, 1, : len(o)] = torch.tensor(o, dtype=torch.int64)
+    values = torch.tensor(
+        [
+            (params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty)
+            for i in rows
+        ],
+        dtype=torch.float32,
+    )
+    ids, values = host_to_device(ids, device), host_to_device(values, device)
+    ones = torch.ones(ids.shape[1:], dtype=torch.float32, device=device).expand(len(rows), -1, -1)
+    counts = torch.zeros((len(rows), 2, vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(2, ids, ones)
+    output_counts = counts[:, 1, :vocab]
+    seen = (counts[:, 0, :vocab] + output_counts) > 0
+    index = host_to_device(torch.tensor(rows, dtype=torch.int64), device) if len(rows) < batch else None
+    x = logits.float() if index is None else logits[index].float()
+    rep = values[:, 0:1]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - values[:, 1:2] * output_counts - values[:, 2:3] * (output_counts > 0).to(x.dtype)
+    if index is None:
+        return x.to(logits.dtype)
+    out = logits.clone()
+    out.index_copy_(0, index, x.to(logits.dtype))
+    return out

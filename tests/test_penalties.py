@@ -1,0 +1,118 @@
+"""Repetition, frequency and presence penalties (engine/penalties.py) against transformers.
+
+The repetition penalty is transformers' own ``repetition_penalty``; frequency and presence penalties (the
+OpenAI API's, which transformers lacks) are given to transformers' ``generate`` as a logits processor
+written here from the OpenAI definition, run after its repetition penalty as vLLM orders them. Greedy
+tokens must equal transformers' token for token, batched and alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.penalties import apply_penalties
+from tests.checkpoints import VOCAB, hf_greedy, make_checkpoint
+
+NEW_TOKENS = 40
+
+
+class _OpenAIPenalties:
+    """``logits -= frequency * count + presence * (count > 0)`` over the tokens generated so far."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        out = scores.clone()
+        for row in range(scores.shape[0]):
+            tokens, counts = torch.unique(input_ids[row, self.prompt_len :], return_counts=True)
+            for token, count in zip(tokens.tolist(), counts.tolist(), strict=True):
+                out[row, token] -= self.frequency * count + self.presence
+        return out
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    # Prompts that repeat themselves, so the repetition penalty has prompt tokens to act on.
+    return [[rng.randrange(3, 40) for _ in range(n)] * 2 for n in (3, 9, 20)]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def checkpoint(request, tmp_path_factory):
+    return make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=5)
+
+
+@pytest.mark.parametrize(
+    ("repetition", "frequency", "presence"),
+    [(1.8, 0.0, 0.0), (1.0, 0.9, 0.0), (1.0, 0.0, 1.5), (1.3, 0.4, -0.6)],
+    ids=["repetition", "frequency", "presence", "all-three"],
+)
+def test_greedy_with_penalties_matches_transformers(checkpoint, repetition, frequency, presence) -> None:
+    import transformers
+
+    prompts = _prompts()
+    expected = []
+    for p in prompts:
+        processors = transformers.LogitsProcessorList([_OpenAIPenalties(len(p), frequency, presence)])
+        expected.append(
+            hf_greedy(
+                checkpoint, p, NEW_TOKENS, {"repetition_penalty": repetition, "logits_processor": processors}
+            )
+        )
+    plain = [hf_greedy(checkpoint, p, NEW_TOKENS) for p in prompts]
+    assert expected != plain  # the penalties change these outputs: the comparison below tests them
+    llm = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=repetition,
+        frequency_penalty=frequency, presence_penalty=presence,
+    )  # fmt: skip
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    # In a batch with unpenalised rows (which must keep their own tokens) and alone.
+    plain_params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    mixed = llm.generate(prompts + prompts, [params] * 3 + [plain_params] * 3)
+    assert [o.token_ids for o in mixed] == expected + plain
+    assert llm.generate([prompts[1]], params)[0].token_ids == expected[1]
+
+
+def test_penalties_touch_only_penalised_rows_and_seen_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB) * 4
+    params = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(presence_penalty=-1.0),
+    ]
+    histories = [([1, 2], [3]), ([5, 6], [7, 7, 8, 5]), ([], [9, 9])]
+    out = apply_penalties(logits, params, histories)
+    assert torch.equal(out[0], logits[0])  # no penalty: the row's bits unchanged
+    row, ref = out[1], logits[1].clone()
+    for t in (5, 6, 7, 8):  # seen in the prompt or the output: repetition
+        ref[t] = ref[t] / 2.0 if ref[t] > 0 else ref[t] * 2.0
+    ref[7] -= 0.5 * 2 + 0.25
+    ref[8] -= 0.5 + 0.25
+    ref[5] -= 0.5 + 0.25  # in the prompt and once in the output
+    torch.testing.assert_close(row, ref, rtol=0, atol=1e-6)
+    assert torch.equal(out[2][torch.arange(VOCAB) != 9], logits[2][torch.arange(VOCAB) != 9])
+    assert out[2][9] == logits[2][9] + 1.0
+    assert apply_penalties(logits, [SamplingParams()] * 3, None) is logits  # nothing computed
+    with pytest.raises(ValueError, match="penalties need"):
+        apply_penalties(logits, params, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+        ("frequency_penalty", float("nan"), r"frequency_penalty must be in \[-2, 2\]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0, got 0.0"),
+        ("repetition_penalty", float("inf"), "repetition_penalty must be a finite number > 0"),
+    ],
+)
+def test_penalty_values_are_checked(field: str, value: float, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**{field: value}).validate()
