@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from engine.device_copy import host_to_device
-from engine.penalties import apply_penalties
+from engine.logits_processors import apply_penalties
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from kernels.ops import TORCH_OPS, get_ops
@@ -74,7 +74,7 @@ class Sampler:
         take the argmax; where ``uses_kernel``, every other row the op table's kernel (top-k and top-p
         without a sort); elsewhere rows with top-k or top-p take the torch race with a sort (on those rows
         only) and the others the torch race without one. Rows with penalties race on their penalised
-        logits (``engine.penalties``), which need ``histories``: each row's prompt and output token ids."""
+        logits (``engine.logits_processors``), which need ``histories``: each row's prompt and output token ids."""
         logits = apply_penalties(logits, params, histories)
         batch, vocab = logits.shape
         device = logits.device

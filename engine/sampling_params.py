@@ -21,7 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token's
     skip_special_tokens: bool = True
-    # engine/penalties.py: off at these values.
+    # engine/logits_processors.py: off at these values.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -39,7 +39,7 @@ INLINE_ENCODE_MAX_CHARS = 512
 # Tokenization mostly holds the GIL: more threads would not add throughput, only take turns from the loop.
 TOKENIZE_THREADS = 2
 
-# The penalties (engine/penalties.py) and their values that turn them off.
+# The penalties (engine/logits_processors.py) and their values that turn them off.
 NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 

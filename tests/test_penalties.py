@@ -1,4 +1,4 @@
-"""Repetition, frequency and presence penalties (engine/penalties.py) against transformers.
+"""Repetition, frequency and presence penalties (engine/logits_processors.py) against transformers.
 
 The repetition penalty is transformers' own ``repetition_penalty``; frequency and presence penalties (the
 OpenAI API's, which transformers lacks) are given to transformers' ``generate`` as a logits processor
@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.penalties import apply_penalties
+from engine.logits_processors import apply_penalties
 from tests.checkpoints import VOCAB, hf_greedy, make_checkpoint
 
 NEW_TOKENS = 40
