@@ -1,12 +1,13 @@
-"""Repetition, frequency and presence penalties on a batch's logits, before sampling (vLLM's rules).
+"""What a request does to its logits before sampling: logit bias, then penalties (vLLM's order and rules).
 
-For each row with a penalty, over the vocabulary: the repetition penalty r divides the positive logits and
-multiplies the negative ones of every token seen in the prompt or the output so far (transformers'
-``RepetitionPenaltyLogitsProcessor``); then the frequency penalty subtracts f times each token's count in
-the output, and the presence penalty p once for each token the output holds. Rows without a penalty are
-not touched, and nothing is computed for a batch without one. The sampler's logprobs stay those of the
-raw logits (vLLM's default). A row needs its whole output so far, so the engine runs steps with such a
-request synchronously (``SamplingParams.needs_host_step``).
+``logit_bias`` adds each listed token's bias to its logit (OpenAI's). Then, for each row with a penalty,
+over the vocabulary: the repetition penalty r divides the positive logits and multiplies the negative ones
+of every token seen in the prompt or the output so far (transformers' ``RepetitionPenaltyLogitsProcessor``);
+then the frequency penalty subtracts f times each token's count in the output, and the presence penalty p
+once for each token the output holds. Rows without either are not touched, and nothing is computed for a
+batch without any. The sampler's logprobs stay those of the raw logits (vLLM's default). A penalised row
+needs its whole output so far, so the engine runs steps with such a request synchronously
+(``SamplingParams.needs_host_step``); a bias needs nothing but the request, so biased rows run ahead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,28 @@ import torch
 
 from engine.device_copy import host_to_device
 from engine.sampling_params import SamplingParams
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+) -> torch.Tensor:
+    """The logits each row samples from: its bias added, then its penalties applied (a new tensor), or
+    ``logits`` itself when no row has either. ``histories``: as ``apply_penalties``."""
+    return apply_penalties(apply_logit_bias(logits, params), params, histories)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with each row's ``logit_bias`` added (a new tensor), or ``logits`` itself when no row
+    has one."""
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias.items()]
+    if not entries:
+        return logits
+    device = logits.device
+    index = host_to_device(torch.tensor([(r, t) for r, t, _ in entries], dtype=torch.int64), device)
+    values = host_to_device(torch.tensor([b for _, _, b in entries], dtype=logits.dtype), device)
+    return logits.index_put((index[:, 0], index[:, 1]), values, accumulate=True)
 
 
 def apply_penalties(
@@ -37,7 +60,7 @@ def apply_penalties(
     # the rows' three penalties: two copies to the device.
     prompts = [list(histories[i][0]) for i in rows]
     outputs = [list(histories[i][1]) for i in rows]
-    width = max(1, max(len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)))
+    width = max(1, *(len(p) for p in prompts), *(len(o) for o in outputs))
     ids = torch.full((len(rows), 2, width), vocab, dtype=torch.int64)
     for r, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
         ids[r, 0, : len(p)] = torch.tensor(p, dtype=torch.int64)

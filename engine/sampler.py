@@ -1,5 +1,5 @@
-"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, top-N
-logprobs.
+"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, logit bias and penalties, per-request
+seeds, top-N logprobs.
 
 Sampling is an exponential race, argmax(probs / E) with E ~ Exponential(1) per token. The noise comes
 from a counter-based hash of (row key, token id), computed in one vectorised pass on the logits' device;
@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from engine.device_copy import host_to_device
-from engine.logits_processors import apply_penalties
+from engine.logits_processors import process_logits
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from kernels.ops import TORCH_OPS, get_ops
@@ -73,9 +73,10 @@ class Sampler:
         Each row's path follows from its own parameters and the device, decided on the host: greedy rows
         take the argmax; where ``uses_kernel``, every other row the op table's kernel (top-k and top-p
         without a sort); elsewhere rows with top-k or top-p take the torch race with a sort (on those rows
-        only) and the others the torch race without one. Rows with penalties race on their penalised
-        logits (``engine.logits_processors``), which need ``histories``: each row's prompt and output token ids."""
-        logits = apply_penalties(logits, params, histories)
+        only) and the others the torch race without one. Rows with a logit bias or penalties sample from
+        their processed logits (``engine.logits_processors``); penalties need ``histories``: each row's
+        prompt and output token ids."""
+        logits = process_logits(logits, params, histories)
         batch, vocab = logits.shape
         device = logits.device
         if all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches

@@ -25,12 +25,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
 
@@ -72,7 +74,15 @@ class SamplingParams:
             )
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequestError(f"seed must fit in 64 bits, got {self.seed}")
+        out_of_range = {t: b for t, b in self.logit_bias.items() if not -100.0 <= b <= 100.0}
+        if out_of_range:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {out_of_range}")
         if vocab_size is not None:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})"
+                )
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequestError(

@@ -139,6 +139,8 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
     ):
         if p.HasField(name):
             kw[name] = getattr(p, name)
+    if p.logit_bias:
+        kw["logit_bias"] = dict(p.logit_bias)
     if "seed" in kw and kw["seed"] >= 2**63:
         kw["seed"] -= 2**64
     return kw

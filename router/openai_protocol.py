@@ -155,8 +155,6 @@ def _reject_unsupported(f: _Fields) -> None:
         )
     if f.present("suffix"):
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    if f.body.get("logit_bias"):
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     if f.body.get("tools"):
         raise InvalidRequestError("tools are not supported", param="tools")
     fmt = f.body.get("response_format")
@@ -183,7 +181,28 @@ def _sampling(f: _Fields, logprobs: int | None) -> SamplingInput:
         value = f.number(name)
         if value is not None:
             s.penalties[name] = value
+    s.logit_bias = _logit_bias(f)
     return s
+
+
+def _logit_bias(f: _Fields) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: an object from token ids (as strings, or JSON numbers) to numbers."""
+    value = f.body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise f._bad("logit_bias", "an object mapping token ids to numbers")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key.strip() if isinstance(key, str) else key
+        if not (isinstance(token, int) or (isinstance(token, str) and token.lstrip("-").isdigit())):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidRequestError(
+                f"logit_bias[{key!r}] must be a finite number, got {_json_type(bias)}", param="logit_bias"
+            )
+        out[int(token)] = float(bias)
+    return out
 
 
 def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:

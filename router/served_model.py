@@ -59,6 +59,7 @@ class SamplingInput:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     penalties: dict[str, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 class ServedModel:
@@ -171,6 +172,7 @@ class ServedModel:
         """Validate with the engine's rules and build the message workers take."""
         kwargs: dict[str, Any] = {
             **s.penalties,
+            "logit_bias": dict(s.logit_bias),
             "max_tokens": max_tokens,
             "stop": list(s.stop),
             "stop_token_ids": list(s.stop_token_ids),
@@ -204,6 +206,7 @@ class ServedModel:
         for name, neutral in NEUTRAL_PENALTIES.items():
             if getattr(params, name) != neutral:
                 setattr(out, name, getattr(params, name))
+        out.logit_bias.update(params.logit_bias)
         if params.logprobs is not None:
             out.logprobs = params.logprobs
         return out
@@ -233,4 +236,5 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     for name in NEUTRAL_PENALTIES:
         if p.HasField(name):
             s.penalties[name] = getattr(p, name)
+    s.logit_bias = dict(p.logit_bias)
     return s

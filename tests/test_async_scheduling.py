@@ -246,6 +246,26 @@ def test_penalised_requests_step_synchronously_and_match_the_synchronous_engine(
     assert any(plain.outputs[a.request_id] != sync.outputs[a.request_id] for a in penalised)
 
 
+def test_biased_requests_run_ahead_and_match_the_synchronous_engine(model: str) -> None:
+    """A logit bias needs no history: every request biased, the steps still run ahead, with the
+    synchronous engine's outputs, and the bias shows in them."""
+    config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    script = random_script(model, 3)
+    plain = run_script(script, EOS[model], **config)
+    for a in script:
+        if isinstance(a, (Add, Import)):
+            a.params = dataclasses.replace(a.params, logit_bias={STOP_TOKENS[model][0]: -100.0, 7: 5.0})
+    sync = run_script(script, EOS[model], **config)
+    lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert lookahead.engine is not None and lookahead.engine.lookahead_steps > 0
+
+    def sampled(trace: Trace) -> list[int]:
+        return [t for outs in trace.outputs.values() for o in outs for t in o[0]]
+
+    assert sampled(sync).count(7) > sampled(plain).count(7) and STOP_TOKENS[model][0] not in sampled(sync)
+
+
 def test_traffic_mix_reaches_every_finish_kind(model: str) -> None:
     """The scripts above stop on EOS, on stop tokens and on stop strings, not only on length."""
     config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)

@@ -1,9 +1,11 @@
-"""Repetition, frequency and presence penalties (engine/logits_processors.py) against transformers.
+"""Logit bias and repetition, frequency and presence penalties (engine/logits_processors.py) against
+transformers.
 
-The repetition penalty is transformers' own ``repetition_penalty``; frequency and presence penalties (the
-OpenAI API's, which transformers lacks) are given to transformers' ``generate`` as a logits processor
-written here from the OpenAI definition, run after its repetition penalty as vLLM orders them. Greedy
-tokens must equal transformers' token for token, batched and alone.
+The logit bias is transformers' ``sequence_bias`` on one-token sequences; the repetition penalty is its
+``repetition_penalty``; frequency and presence penalties (the OpenAI API's, which transformers lacks) are
+given to transformers' ``generate`` as a logits processor written here from the OpenAI definition, run
+after its repetition penalty as vLLM orders them. Greedy tokens must equal transformers' token for token,
+batched and alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.logits_processors import apply_penalties
+from engine.logits_processors import apply_logit_bias, apply_penalties
 from tests.checkpoints import VOCAB, hf_greedy, make_checkpoint
 
 NEW_TOKENS = 40
@@ -116,3 +118,36 @@ def test_penalties_touch_only_penalised_rows_and_seen_tokens() -> None:
 def test_penalty_values_are_checked(field: str, value: float, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**{field: value}).validate()
+
+
+def test_greedy_with_logit_bias_matches_transformers(checkpoint) -> None:
+    prompts = _prompts()
+    plain = [hf_greedy(checkpoint, p, NEW_TOKENS) for p in prompts]
+    favourite = max(set(plain[0]), key=plain[0].count)  # banned below: the plain output's commonest token
+    bias = {favourite: -100.0, 17: 4.0, 23: 2.5}
+    expected = [
+        hf_greedy(checkpoint, p, NEW_TOKENS, {"sequence_bias": {(t,): b for t, b in bias.items()}})
+        for p in prompts
+    ]
+    assert expected != plain and all(favourite not in e for e in expected)
+    llm = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logit_bias=bias)
+    plain_params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    mixed = llm.generate(prompts + prompts, [params] * 3 + [plain_params] * 3)
+    assert [o.token_ids for o in mixed] == expected + plain
+
+
+def test_logit_bias_adds_to_its_tokens_only() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, VOCAB)
+    params = [SamplingParams(logit_bias={3: 1.5, 200: -100.0}), SamplingParams()]
+    out = apply_logit_bias(logits, params)
+    expected = logits.clone()
+    expected[0, 3] += 1.5
+    expected[0, 200] -= 100.0
+    assert torch.equal(out, expected) and not torch.equal(logits, expected)  # a new tensor
+    assert apply_logit_bias(logits, [SamplingParams()] * 2) is logits
+    with pytest.raises(InvalidRequestError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={3: 101.0}).validate()
+    with pytest.raises(InvalidRequestError, match=r"logit_bias token ids \[400\] are outside the vocabulary"):
+        SamplingParams(logit_bias={400: 1.0}).validate(VOCAB)

@@ -95,6 +95,30 @@ def test_prompt_forms() -> None:
         parse_completion({"prompt": ["a"] * 1024, "n": 3})
 
 
+def test_logit_bias_is_parsed_and_checked(model: ServedModel) -> None:
+    parsed = parse_completion({"prompt": "x", "logit_bias": {"5": 1.5, " 7": -100, "9": 0}})
+    assert parsed.sampling.logit_bias == {5: 1.5, 7: -100.0, 9: 0.0}
+    sent = model.sampling_params(parsed.sampling, 4)
+    assert dict(sent.logit_bias) == {5: 1.5, 7: -100.0, 9: 0.0}
+    assert not model.sampling_params(SamplingInput(), 4).logit_bias
+    for body, message in [
+        ({"logit_bias": [1]}, "'logit_bias' must be an object mapping token ids to numbers, got array"),
+        ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids, got 'a'"),
+        ({"logit_bias": {"5": "x"}}, r"logit_bias\['5'\] must be a finite number, got string"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            parse_completion({"prompt": "x", **body})
+        assert err.value.param == "logit_bias"
+    for bias, message in [
+        ({5: 150.0}, r"logit_bias values must be in \[-100, 100\]"),
+        ({-1: 1.0}, r"logit_bias token ids \[-1\] are outside the vocabulary"),
+        ({600: 1.0}, r"logit_bias token ids \[600\] are outside the vocabulary"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            model.sampling_params(SamplingInput(logit_bias=bias), 4)
+        assert err.value.param == "logit_bias"
+
+
 def test_n_and_echo() -> None:
     assert parse_completion({"prompt": "x"}).n == 1
     assert parse_completion({"prompt": "x", "n": 128}).n == 128

@@ -136,16 +136,21 @@ def test_completion_logprobs_and_stop_string_equal_offline(router: Router, llm: 
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_penalties_over_the_mesh_equal_offline(router: Router, llm: LLM, sampling: dict[str, Any]) -> None:
+def test_penalties_and_logit_bias_over_the_mesh_equal_offline(
+    router: Router, llm: LLM, sampling: dict[str, Any]
+) -> None:
     """The prefill worker samples the first token with the prompt as history, the decode worker the rest
     with the output so far (the first token included): the offline engine's tokens."""
     prompt = "Say it again and again and again and again:"
     penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.4}
+    bias = {65: 4.0, 97: -100.0}  # 'A' up, 'a' banned
     reply = router.client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True, "repetition_penalty": 1.4},
-        **penalties, **sampling,
+        logit_bias={str(t): b for t, b in bias.items()}, **penalties, **sampling,
     )  # fmt: skip
-    expected = _offline(llm, prompt, 24, ignore_eos=True, repetition_penalty=1.4, **penalties, **sampling)
+    expected = _offline(
+        llm, prompt, 24, ignore_eos=True, repetition_penalty=1.4, logit_bias=bias, **penalties, **sampling
+    )
     assert reply.choices[0].text == expected.text
     assert expected.text != _offline(llm, prompt, 24, ignore_eos=True, **sampling).text  # they matter here
 
