@@ -24,11 +24,12 @@ from aiohttp import web
 
 from mesh.telemetry import extract_context, metrics_handler
 from protos.pdmesh.v1 import common_pb2
-from router.errors import RouterError
+from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
     FINISH_REASONS,
     CompletionLogprobs,
+    JsonFields,
     ParsedRequest,
     chat_logprobs,
     parse_chat,
@@ -38,7 +39,7 @@ from router.openai_protocol import (
 )
 from router.orchestrator import Chunk, Generation, Orchestrator
 from router.served_model import COMPLETIONS_DEFAULT_MAX_TOKENS, ServedModel
-from router.text_stream import TextStream
+from router.text_stream import TextStream, token_text
 from router.worker_pool import DECODE, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
         return app
@@ -195,6 +198,59 @@ class HttpApi:
                 ],
             }
         )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a completions ``prompt`` (text) or chat ``messages`` (rendered with the
+        chat template) to token ids, with the same options as generation."""
+        try:
+            body = parse_json_body(await request.read())
+            f = JsonFields(body)
+            self.model.check_model(f.str("model"))
+            if "messages" in body:
+                parsed = parse_chat(body, request.headers)
+                ids = await self.model.tokenize_chat(
+                    parsed.messages, parsed.add_generation_prompt, parsed.add_special_tokens
+                )
+            else:
+                prompt = f.str("prompt")
+                if prompt is None:
+                    raise InvalidRequestError("'prompt' (a string) or 'messages' is required", param="prompt")
+                ids = await self.model.tokenize(prompt, f.bool("add_special_tokens", True))
+            strs = (
+                [token_text(self.model.tokenizer, t) for t in ids]
+                if f.bool("return_token_strs", False)
+                else None
+            )
+            return web.json_response(
+                {
+                    "count": len(ids),
+                    "max_model_len": self.model.max_model_len,
+                    "tokens": ids,
+                    "token_strs": strs,
+                }
+            )
+        except RouterError as exc:
+            return error_response(exc)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: token ids to text (special tokens kept)."""
+        try:
+            body = parse_json_body(await request.read())
+            f = JsonFields(body)
+            self.model.check_model(f.str("model"))
+            if body.get("tokens") is None:
+                raise InvalidRequestError("'tokens' is required", param="tokens")
+            ids = f.int_list("tokens")
+            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.model.vocab_size})",
+                    param="tokens",
+                )
+            text = self.model.tokenizer.decode(ids, skip_special_tokens=False)
+            return web.json_response({"prompt": text})
+        except RouterError as exc:
+            return error_response(exc)
 
     async def health(self, request: web.Request) -> web.Response:
         workers = {

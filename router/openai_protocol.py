@@ -78,7 +78,7 @@ def _json_type(value: Any) -> str:
     return "object"
 
 
-class _Fields:
+class JsonFields:
     """Typed access to a JSON object's fields; every error names the field."""
 
     def __init__(self, body: Mapping[str, Any]) -> None:
@@ -147,7 +147,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _reject_unsupported(f: _Fields) -> None:
+def _reject_unsupported(f: JsonFields) -> None:
     best_of = f.int("best_of")
     if best_of is not None and best_of != 1:
         raise InvalidRequestError(
@@ -164,7 +164,7 @@ def _reject_unsupported(f: _Fields) -> None:
         )
 
 
-def _sampling(f: _Fields, logprobs: int | None) -> SamplingInput:
+def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
     s = SamplingInput(
         temperature=f.number("temperature"),
         top_p=f.number("top_p"),
@@ -185,7 +185,7 @@ def _sampling(f: _Fields, logprobs: int | None) -> SamplingInput:
     return s
 
 
-def _logit_bias(f: _Fields) -> dict[int, float]:
+def _logit_bias(f: JsonFields) -> dict[int, float]:
     """OpenAI's ``logit_bias``: an object from token ids (as strings, or JSON numbers) to numbers."""
     value = f.body.get("logit_bias")
     if value is None:
@@ -205,7 +205,7 @@ def _logit_bias(f: _Fields) -> dict[int, float]:
     return out
 
 
-def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
+def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
     _reject_unsupported(f)
     stream = f.bool("stream", False)
     include_usage = False
@@ -217,7 +217,7 @@ def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        include_usage = _Fields(options).bool("include_usage", False)
+        include_usage = JsonFields(options).bool("include_usage", False)
     session = f.str("session_id") or headers.get("X-Session-ID") or headers.get("x-session-id")
     n = f.int("n")
     if n is not None and not 1 <= n <= MAX_N:
@@ -236,7 +236,7 @@ def _common(f: _Fields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
 
 
 def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
-    f = _Fields(body)
+    f = JsonFields(body)
     req = _common(f, "completions", headers or {})
     req.prompts = _prompts(body.get("prompt"))
     if len(req.prompts) * req.n > MAX_CHOICES:
@@ -289,7 +289,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
-    f = _Fields(body)
+    f = JsonFields(body)
     req = _common(f, "chat_completions", headers or {})
     if f.bool("echo", False):
         raise InvalidRequestError("echo is not supported on chat completions", param="echo")

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.logits_processors import apply_logit_bias, apply_penalties
 from tests.checkpoints import VOCAB, hf_greedy, make_checkpoint
+from tests.kernel_testing import needs_gpu
 
 NEW_TOKENS = 40
 
@@ -151,3 +152,27 @@ def test_logit_bias_adds_to_its_tokens_only() -> None:
         SamplingParams(logit_bias={3: 101.0}).validate()
     with pytest.raises(InvalidRequestError, match=r"logit_bias token ids \[400\] are outside the vocabulary"):
         SamplingParams(logit_bias={400: 1.0}).validate(VOCAB)
+
+
+@needs_gpu
+def test_gpu_engine_applies_bias_and_penalties_as_the_cpu_engine() -> None:
+    """On a GPU (Triton ops, decode graphs, asynchronous scheduling on): greedy rows with a bias and
+    penalties give the CPU reference engine's tokens, and a batch of biased rows still runs ahead."""
+    prompts = _prompts()
+    base = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    params = [
+        SamplingParams(**base, repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0}),
+        SamplingParams(**base, presence_penalty=1.2),
+        SamplingParams(**base, logit_bias={20: 2.0, 30: -100.0}),
+    ]
+    cpu = LLM("tiny-dense", device="cpu", dtype="float32")
+    gpu = LLM("tiny-dense", device="cuda", dtype="float32", num_kv_blocks=512)
+    assert gpu.engine.config.async_scheduling
+    expected = [o.token_ids for o in cpu.generate(prompts, params)]
+    assert [o.token_ids for o in gpu.generate(prompts, params)] == expected
+    before = gpu.engine.lookahead_steps
+    biased = [params[2]] * 3
+    assert [o.token_ids for o in gpu.generate(prompts, biased)] == [
+        o.token_ids for o in cpu.generate(prompts, biased)
+    ]
+    assert gpu.engine.lookahead_steps > before

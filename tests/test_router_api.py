@@ -524,6 +524,40 @@ def test_http_errors_have_the_openai_shape() -> None:
     asyncio.run(run())
 
 
+def test_tokenize_and_detokenize_endpoints() -> None:
+    """vLLM's /tokenize and /detokenize: the served tokenizer, the chat template, the OpenAI error shape."""
+
+    async def run() -> None:
+        async with running_router() as svc, aiohttp.ClientSession() as session:
+            base = f"http://127.0.0.1:{svc.http_port}"
+            tokenizer = ByteTokenizer()
+            status, got = await _post(
+                session, base + "/tokenize", {"prompt": "héllo", "return_token_strs": True}
+            )
+            ids = tokenizer.encode("héllo", add_special_tokens=True)
+            assert status == 200 and got["tokens"] == ids and got["count"] == len(ids)
+            assert got["max_model_len"] == 128 and len(got["token_strs"]) == len(ids)
+            messages = [{"role": "user", "content": "hi"}]
+            status, chat = await _post(session, base + "/tokenize", {"messages": messages})
+            rendered = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+            assert status == 200 and chat["tokens"] == rendered and chat["token_strs"] is None
+            status, text = await _post(session, base + "/detokenize", {"tokens": ids})
+            assert status == 200 and text["prompt"] == tokenizer.decode(ids, skip_special_tokens=False)
+            for path, body, code, fragment in [
+                ("/tokenize", {}, 400, "'prompt' (a string) or 'messages' is required"),
+                ("/tokenize", {"prompt": "x", "model": "other"}, 404, "does not exist"),
+                ("/tokenize", {"messages": "x"}, 400, "'messages' must be"),
+                ("/detokenize", {"tokens": [1, 999]}, 400, "token ids [999] are outside the vocabulary"),
+                ("/detokenize", {"tokens": "x"}, 400, "'tokens' must be an array of integers"),
+                ("/detokenize", {}, 400, "'tokens' is required"),
+            ]:
+                status, err = await _post(session, base + path, body)
+                assert status == code, (path, body, err)
+                assert fragment in _assert_error_shape(err, code, err["error"]["type"])
+
+    asyncio.run(run())
+
+
 def test_models_and_health_endpoints() -> None:
     async def run() -> None:
         async with running_router(served_model_name="tiny") as svc, aiohttp.ClientSession() as session:
