@@ -456,7 +456,7 @@ class LLMEngine:
         positions = [len(s.output_token_ids) for s in sample_seqs]
         params = [s.params for s in sample_seqs]
         if self.config.async_scheduling and self._can_run_ahead(batch.seqs, sample_seqs):
-            tokens = self.sampler.sample(logits, params, positions)
+            tokens = self.sampler.sample(logits, params, positions, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
         histories = (
@@ -464,7 +464,7 @@ class LLMEngine:
             if any(p.has_penalties for p in params)
             else None
         )
-        token_list, logprobs = self.sampler(logits, params, positions, histories)
+        token_list, logprobs = self.sampler(logits, params, positions, histories, self.eos_token_ids)
         for seq, tok, lp in zip(sample_seqs, token_list, logprobs, strict=True):
             self._count_prompt(seq)
             self._append_token(seq, tok, lp)
@@ -597,7 +597,9 @@ class LLMEngine:
             seq.num_computed_tokens += n
             pool.cache_full_blocks(seq)
         positions = [len(s.output_token_ids) for s in seqs]
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], positions)
+        tokens = self.sampler.sample(
+            logits, [s.params for s in seqs], positions, eos_token_ids=self.eos_token_ids
+        )
         self._inflight = _InFlight.start(seqs, tokens, self.runner.late_point)
         return True
 

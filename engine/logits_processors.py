@@ -1,18 +1,22 @@
-"""What a request does to its logits before sampling: logit bias, then penalties (vLLM's order and rules).
+"""What a request does to its logits before sampling, in vLLM's order and by its rules: allowed tokens,
+logit bias, the minimum length, then penalties.
 
-``logit_bias`` adds each listed token's bias to its logit (OpenAI's). Then, for each row with a penalty,
-over the vocabulary: the repetition penalty r divides the positive logits and multiplies the negative ones
-of every token seen in the prompt or the output so far (transformers' ``RepetitionPenaltyLogitsProcessor``);
-then the frequency penalty subtracts f times each token's count in the output, and the presence penalty p
-once for each token the output holds. Rows without either are not touched, and nothing is computed for a
-batch without any. The sampler's logprobs stay those of the raw logits (vLLM's default). A penalised row
-needs its whole output so far, so the engine runs steps with such a request synchronously
-(``SamplingParams.needs_host_step``); a bias needs nothing but the request, so biased rows run ahead.
+``allowed_token_ids`` sets every other token's logit to -inf. ``logit_bias`` adds each listed token's
+bias to its logit (OpenAI's). ``min_tokens`` sets the logits of the end-of-sequence tokens (unless
+``ignore_eos``) and of ``stop_token_ids`` to -inf while fewer tokens than that have been generated. Then,
+for each row with a penalty, over the vocabulary: the repetition penalty r divides the positive logits and
+multiplies the negative ones of every token seen in the prompt or the output so far (transformers'
+``RepetitionPenaltyLogitsProcessor``); then the frequency penalty subtracts f times each token's count in
+the output, and the presence penalty p once for each token the output holds. Rows without any of these
+are not touched, and nothing is computed for a batch without any. The sampler's logprobs stay those of
+the raw logits (vLLM's default). A penalised row needs its whole output so far, so the engine runs steps
+with such a request synchronously (``SamplingParams.needs_host_step``); the others need only the request
+and the row's output position, which the host knows also for a step run ahead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -24,10 +28,53 @@ def process_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+    positions: Sequence[int] = (),
+    eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
-    """The logits each row samples from: its bias added, then its penalties applied (a new tensor), or
-    ``logits`` itself when no row has either. ``histories``: as ``apply_penalties``."""
-    return apply_penalties(apply_logit_bias(logits, params), params, histories)
+    """The logits each row samples from (a new tensor), or ``logits`` itself when no row asks for any
+    processing. ``histories``: as ``apply_penalties``; ``positions``: each row's output index of the token
+    being sampled (needed for ``min_tokens``); ``eos_token_ids``: the model's end-of-sequence tokens."""
+    logits = apply_allowed_token_ids(logits, params)
+    logits = apply_logit_bias(logits, params)
+    logits = apply_min_tokens(logits, params, positions, eos_token_ids)
+    return apply_penalties(logits, params, histories)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with -inf outside each row's ``allowed_token_ids`` (a new tensor), or ``logits`` itself
+    when no row restricts its tokens."""
+    entries = [
+        (r, t) for r, p in enumerate(params) if p.allowed_token_ids is not None for t in p.allowed_token_ids
+    ]
+    if not entries:
+        return logits
+    rows = sorted({r for r, _ in entries})
+    index = host_to_device(torch.tensor(entries, dtype=torch.int64), logits.device)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.index_put_((index[:, 0], index[:, 1]), keep.new_ones(()))  # a device value: no copy, no wait
+    restricted = torch.zeros(logits.shape[0], dtype=torch.bool)
+    restricted[rows] = True
+    keep |= ~host_to_device(restricted, logits.device)[:, None]  # unrestricted rows keep every token
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    eos_token_ids: Collection[int],
+) -> torch.Tensor:
+    """``logits`` with -inf at the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) of each
+    row whose output has fewer than ``min_tokens`` tokens (a new tensor), or ``logits`` itself when none."""
+    entries = []
+    for row, p in enumerate(params):
+        if p.min_tokens and positions[row] < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            entries += [(row, t) for t in sorted(stops)]
+    if not entries:
+        return logits
+    index = host_to_device(torch.tensor(entries, dtype=torch.int64), logits.device)
+    return logits.index_put((index[:, 0], index[:, 1]), logits.new_full((), float("-inf")))
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, logit bias and penalties, per-request
-seeds, top-N logprobs.
+"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, allowed tokens, logit bias, a minimum
+length and penalties, per-request seeds, top-N logprobs.
 
 Sampling is an exponential race, argmax(probs / E) with E ~ Exponential(1) per token. The noise comes
 from a counter-based hash of (row key, token id), computed in one vectorised pass on the logits' device;
@@ -18,6 +18,8 @@ and a copy to the GPU every step: 32 MB at batch 64 with a 128k vocabulary.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 import xxhash
@@ -65,6 +67,7 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],
         histories: list[tuple[list[int], list[int]]] | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> torch.Tensor:
         """The sampled token ids [B] (int64), left on the logits' device. The per-row values go to a GPU
         through pinned memory (``host_to_device``), so the host does not wait for the device work queued
@@ -73,10 +76,10 @@ class Sampler:
         Each row's path follows from its own parameters and the device, decided on the host: greedy rows
         take the argmax; where ``uses_kernel``, every other row the op table's kernel (top-k and top-p
         without a sort); elsewhere rows with top-k or top-p take the torch race with a sort (on those rows
-        only) and the others the torch race without one. Rows with a logit bias or penalties sample from
-        their processed logits (``engine.logits_processors``); penalties need ``histories``: each row's
-        prompt and output token ids."""
-        logits = process_logits(logits, params, histories)
+        only) and the others the torch race without one. Rows with allowed tokens, a logit bias, a minimum
+        length or penalties sample from their processed logits (``engine.logits_processors``); penalties
+        need ``histories`` (each row's prompt and output token ids), a minimum length ``eos_token_ids``."""
+        logits = process_logits(logits, params, histories, positions, eos_token_ids)
         batch, vocab = logits.shape
         device = logits.device
         if all(p.greedy for p in params):  # decided on the host: no device round trip for greedy batches
@@ -135,13 +138,14 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],
         histories: list[tuple[list[int], list[int]]] | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [B, V] fp32; positions: each request's output index of the token being sampled;
         histories: each row's prompt and output token ids (needed where a row has penalties). Logprobs
         are those of the raw logits, before penalties and temperature (vLLM's default)."""
         batch = logits.shape[0]
         device = logits.device
-        tokens = self.sample(logits, params, positions, histories)
+        tokens = self.sample(logits, params, positions, histories, eos_token_ids)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * batch
         want = [i for i, p in enumerate(params) if p.logprobs is not None]

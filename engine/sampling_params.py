@@ -26,6 +26,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
+    allowed_token_ids: list[int] | None = None  # sample only among these (None: every token)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,6 +35,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
 
@@ -74,6 +78,14 @@ class SamplingParams:
             )
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequestError(f"seed must fit in 64 bits, got {self.seed}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError(
+                "allowed_token_ids must not be empty (leave it out to allow every token)"
+            )
         out_of_range = {t: b for t, b in self.logit_bias.items() if not -100.0 <= b <= 100.0}
         if out_of_range:
             raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {out_of_range}")
@@ -82,6 +94,11 @@ class SamplingParams:
             if bad:
                 raise InvalidRequestError(
                     f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})"
+                )
+            bad = [t for t in self.allowed_token_ids or [] if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
                 )
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

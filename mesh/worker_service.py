@@ -141,6 +141,10 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
             kw[name] = getattr(p, name)
     if p.logit_bias:
         kw["logit_bias"] = dict(p.logit_bias)
+    if p.min_tokens:
+        kw["min_tokens"] = p.min_tokens
+    if p.allowed_token_ids:
+        kw["allowed_token_ids"] = list(p.allowed_token_ids)
     if "seed" in kw and kw["seed"] >= 2**63:
         kw["seed"] -= 2**64
     return kw

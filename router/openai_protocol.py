@@ -182,6 +182,9 @@ def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
         if value is not None:
             s.penalties[name] = value
     s.logit_bias = _logit_bias(f)
+    s.min_tokens = f.int("min_tokens") or 0
+    if f.present("allowed_token_ids"):
+        s.allowed_token_ids = f.int_list("allowed_token_ids")
     return s
 
 

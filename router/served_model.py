@@ -60,6 +60,8 @@ class SamplingInput:
     skip_special_tokens: bool = True
     penalties: dict[str, float] = field(default_factory=dict)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
 
 
 class ServedModel:
@@ -173,6 +175,8 @@ class ServedModel:
         kwargs: dict[str, Any] = {
             **s.penalties,
             "logit_bias": dict(s.logit_bias),
+            "min_tokens": s.min_tokens,
+            "allowed_token_ids": s.allowed_token_ids,
             "max_tokens": max_tokens,
             "stop": list(s.stop),
             "stop_token_ids": list(s.stop_token_ids),
@@ -207,6 +211,8 @@ class ServedModel:
             if getattr(params, name) != neutral:
                 setattr(out, name, getattr(params, name))
         out.logit_bias.update(params.logit_bias)
+        out.min_tokens = params.min_tokens
+        out.allowed_token_ids.extend(params.allowed_token_ids or [])
         if params.logprobs is not None:
             out.logprobs = params.logprobs
         return out
@@ -237,4 +243,6 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
         if p.HasField(name):
             s.penalties[name] = getattr(p, name)
     s.logit_bias = dict(p.logit_bias)
+    s.min_tokens = p.min_tokens
+    s.allowed_token_ids = list(p.allowed_token_ids) or None
     return s

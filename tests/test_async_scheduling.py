@@ -246,15 +246,19 @@ def test_penalised_requests_step_synchronously_and_match_the_synchronous_engine(
     assert any(plain.outputs[a.request_id] != sync.outputs[a.request_id] for a in penalised)
 
 
-def test_biased_requests_run_ahead_and_match_the_synchronous_engine(model: str) -> None:
-    """A logit bias needs no history: every request biased, the steps still run ahead, with the
-    synchronous engine's outputs, and the bias shows in them."""
+def test_biased_requests_with_a_minimum_length_run_ahead_and_match_the_synchronous_engine(model: str) -> None:
+    """A logit bias and a minimum length need no history: every request biased and given one, the steps
+    still run ahead, with the synchronous engine's outputs, and the bias shows in them."""
     config = dict(model=model, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
     script = random_script(model, 3)
     plain = run_script(script, EOS[model], **config)
     for a in script:
         if isinstance(a, (Add, Import)):
-            a.params = dataclasses.replace(a.params, logit_bias={STOP_TOKENS[model][0]: -100.0, 7: 5.0})
+            a.params = dataclasses.replace(
+                a.params,
+                logit_bias={STOP_TOKENS[model][0]: -100.0, 7: 5.0},
+                min_tokens=min(4, a.params.max_tokens),  # reads the row's position, right also run ahead
+            )
     sync = run_script(script, EOS[model], **config)
     lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
     assert_same(sync, lookahead)

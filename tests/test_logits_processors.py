@@ -17,7 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.logits_processors import apply_logit_bias, apply_penalties
+from engine.logits_processors import apply_logit_bias, apply_penalties, process_logits
 from tests.checkpoints import VOCAB, hf_greedy, make_checkpoint
 from tests.kernel_testing import needs_gpu
 
@@ -152,6 +152,57 @@ def test_logit_bias_adds_to_its_tokens_only() -> None:
         SamplingParams(logit_bias={3: 101.0}).validate()
     with pytest.raises(InvalidRequestError, match=r"logit_bias token ids \[400\] are outside the vocabulary"):
         SamplingParams(logit_bias={400: 1.0}).validate(VOCAB)
+
+
+def test_min_tokens_and_allowed_token_ids_match_transformers(checkpoint) -> None:
+    """min_tokens against transformers' MinNewTokensLengthLogitsProcessor (the stop token as its EOS), the
+    stop applied to its output afterwards; allowed_token_ids against its suppress_tokens of the rest."""
+    import transformers
+
+    prompts = _prompts()
+    plain = [hf_greedy(checkpoint, p, NEW_TOKENS) for p in prompts]
+    llm = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128)
+    base = {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    for p, out in zip(prompts, plain, strict=True):
+        stop = out[2]  # early in the plain output: without min_tokens the request ends by its third token
+        assert len(llm.generate([p], SamplingParams(**base, stop_token_ids=[stop]))[0].token_ids) <= 3
+        processor = transformers.MinNewTokensLengthLogitsProcessor(len(p), 10, [stop])
+        ref = hf_greedy(
+            checkpoint, p, NEW_TOKENS, {"logits_processor": transformers.LogitsProcessorList([processor])}
+        )
+        assert stop not in ref[:10]
+        ends = [i for i, t in enumerate(ref) if t == stop]
+        expected = ref[: ends[0] + 1] if ends else ref
+        got = llm.generate([p], SamplingParams(**base, stop_token_ids=[stop], min_tokens=10))[0].token_ids
+        assert got == expected
+    allowed = sorted({t for out in plain for t in out[5:15]})  # tokens the model likes, not all of them
+    suppressed = [t for t in range(VOCAB) if t not in allowed]
+    expected = [hf_greedy(checkpoint, p, NEW_TOKENS, {"suppress_tokens": suppressed}) for p in prompts]
+    assert expected != plain and all(set(e) <= set(allowed) for e in expected)
+    got = llm.generate(prompts, SamplingParams(**base, allowed_token_ids=allowed))
+    assert [o.token_ids for o in got] == expected
+
+
+def test_min_tokens_spares_eos_with_ignore_eos_and_ends_at_its_length() -> None:
+    logits = torch.zeros(3, 8)
+    params = [
+        SamplingParams(min_tokens=2, stop_token_ids=[5]),
+        SamplingParams(min_tokens=2, stop_token_ids=[5], ignore_eos=True),
+        SamplingParams(min_tokens=2, stop_token_ids=[5]),
+    ]
+    out = process_logits(logits, params, None, positions=[1, 1, 2], eos_token_ids={7})
+    inf = float("-inf")
+    assert out[0].tolist() == [0, 0, 0, 0, 0, inf, 0, inf]  # EOS and the stop token, before 2 tokens
+    assert out[1].tolist() == [0, 0, 0, 0, 0, inf, 0, 0]  # ignore_eos: EOS is not a stop
+    assert out[2].tolist() == [0.0] * 8  # its third token: no minimum left
+    with pytest.raises(
+        InvalidRequestError, match=r"min_tokens must be between 0 and max_tokens \(4\), got 5"
+    ):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[]).validate()
+    with pytest.raises(InvalidRequestError, match=r"allowed_token_ids \[400\] are outside the vocabulary"):
+        SamplingParams(allowed_token_ids=[1, 400]).validate(VOCAB)
 
 
 @needs_gpu

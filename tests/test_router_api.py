@@ -119,6 +119,25 @@ def test_logit_bias_is_parsed_and_checked(model: ServedModel) -> None:
         assert err.value.param == "logit_bias"
 
 
+def test_min_tokens_and_allowed_token_ids_are_parsed_and_checked(model: ServedModel) -> None:
+    parsed = parse_completion({"prompt": "x", "min_tokens": 3, "allowed_token_ids": [5, 6]})
+    assert (parsed.sampling.min_tokens, parsed.sampling.allowed_token_ids) == (3, [5, 6])
+    sent = model.sampling_params(parsed.sampling, 4)
+    assert (sent.min_tokens, list(sent.allowed_token_ids)) == (3, [5, 6])
+    unset = model.sampling_params(SamplingInput(), 4)
+    assert (unset.min_tokens, list(unset.allowed_token_ids)) == (0, [])
+    with pytest.raises(
+        InvalidRequestError, match=r"min_tokens must be between 0 and max_tokens \(4\), got 9"
+    ) as err:
+        model.sampling_params(SamplingInput(min_tokens=9), 4)
+    assert err.value.param == "min_tokens"
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids must not be empty") as err:
+        model.sampling_params(parse_completion({"prompt": "x", "allowed_token_ids": []}).sampling, 4)
+    assert err.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidRequestError, match="'allowed_token_ids' must be an array of integers"):
+        parse_completion({"prompt": "x", "allowed_token_ids": ["a"]})
+
+
 def test_n_and_echo() -> None:
     assert parse_completion({"prompt": "x"}).n == 1
     assert parse_completion({"prompt": "x", "n": 128}).n == 128

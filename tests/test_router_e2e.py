@@ -155,6 +155,26 @@ def test_penalties_and_logit_bias_over_the_mesh_equal_offline(
     assert expected.text != _offline(llm, prompt, 24, ignore_eos=True, **sampling).text  # they matter here
 
 
+def test_min_tokens_and_allowed_token_ids_over_the_mesh_equal_offline(router: Router, llm: LLM) -> None:
+    prompt = "Short answers end early:"
+    plain = _offline(llm, prompt, 30, temperature=0.0)
+    stop = plain.token_ids[1]
+    sampling = {"temperature": 0.0, "stop_token_ids": [stop], "min_tokens": 12}
+    reply = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0.0,
+        extra_body={"stop_token_ids": [stop], "min_tokens": 12},
+    )  # fmt: skip
+    expected = _offline(llm, prompt, 30, **sampling)
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected.token_ids) >= 12
+    assert reply.choices[0].text == expected.text
+    allowed = sorted(set(plain.token_ids[3:12]))
+    reply = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0.0, extra_body={"allowed_token_ids": allowed}
+    )
+    expected = _offline(llm, prompt, 20, temperature=0.0, allowed_token_ids=allowed)
+    assert reply.choices[0].text == expected.text and set(expected.token_ids) <= set(allowed)
+
+
 def test_grpc_generate_streams_the_offline_tokens(router: Router, llm: LLM) -> None:
     prompt = list(b"gRPC clients send token ids")
 
