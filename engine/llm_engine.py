@@ -660,7 +660,8 @@ class LLMEngine:
             detok.add([token])
             found = find_stop(detok.text, p.stop, checked)  # type: ignore[arg-type]
             if found is not None:
-                seq.output_text = detok.text[: found[0]]
+                end = found[0] + (len(found[1]) if p.include_stop_str_in_output else 0)
+                seq.output_text = detok.text[:end]
                 return "stop", found[1]
         if self._at_length_limit(seq, len(seq.output_token_ids), seq.num_tokens):
             return "length", None

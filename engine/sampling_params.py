@@ -21,6 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token's
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     # engine/logits_processors.py: off at these values.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -141,6 +141,8 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
             kw[name] = getattr(p, name)
     if p.logit_bias:
         kw["logit_bias"] = dict(p.logit_bias)
+    if p.include_stop_str_in_output:
+        kw["include_stop_str_in_output"] = True
     if p.min_tokens:
         kw["min_tokens"] = p.min_tokens
     if p.allowed_token_ids:

@@ -74,7 +74,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 gen = await build_generation(self.model, request, context.invocation_metadata())
                 sp = gen.sampling_params
                 text = (
-                    TextStream(self.model.tokenizer, list(sp.stop), sp.skip_special_tokens)
+                    TextStream(
+                        self.model.tokenizer,
+                        list(sp.stop),
+                        sp.skip_special_tokens,
+                        sp.include_stop_str_in_output,
+                    )
                     if request.return_text
                     else None
                 )

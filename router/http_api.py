@@ -261,7 +261,9 @@ class _Choice:
         self.index = request.index
         self.echo = request.echo  # the text before the generated text
         self.echo_pending = bool(request.echo)  # not streamed yet
-        self.text = TextStream(model.tokenizer, sp.stop, sp.skip_special_tokens)
+        self.text = TextStream(
+            model.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output
+        )
         self.last_token_id: int | None = None  # for the stop reason of a stop token
         self.completion_logprobs = CompletionLogprobs(model.tokenizer)
         self.logprob_parts: list[Any] = []

@@ -183,6 +183,7 @@ def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
             s.penalties[name] = value
     s.logit_bias = _logit_bias(f)
     s.min_tokens = f.int("min_tokens") or 0
+    s.include_stop_str_in_output = f.bool("include_stop_str_in_output", False)
     if f.present("allowed_token_ids"):
         s.allowed_token_ids = f.int_list("allowed_token_ids")
     return s

@@ -62,6 +62,7 @@ class SamplingInput:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class ServedModel:
@@ -177,6 +178,7 @@ class ServedModel:
             "logit_bias": dict(s.logit_bias),
             "min_tokens": s.min_tokens,
             "allowed_token_ids": s.allowed_token_ids,
+            "include_stop_str_in_output": s.include_stop_str_in_output,
             "max_tokens": max_tokens,
             "stop": list(s.stop),
             "stop_token_ids": list(s.stop_token_ids),
@@ -213,6 +215,7 @@ class ServedModel:
         out.logit_bias.update(params.logit_bias)
         out.min_tokens = params.min_tokens
         out.allowed_token_ids.extend(params.allowed_token_ids or [])
+        out.include_stop_str_in_output = params.include_stop_str_in_output
         if params.logprobs is not None:
             out.logprobs = params.logprobs
         return out
@@ -245,4 +248,5 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     s.logit_bias = dict(p.logit_bias)
     s.min_tokens = p.min_tokens
     s.allowed_token_ids = list(p.allowed_token_ids) or None
+    s.include_stop_str_in_output = p.include_stop_str_in_output
     return s

@@ -17,14 +17,20 @@ class TextStream:
     """Feed token ids with ``add``; take the text that is safe to send; ``finish`` flushes the rest."""
 
     def __init__(
-        self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
+        """``include_stop``: the text ends after the stop string that ended it, not before it."""
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self._text = ""  # all text decoded so far (before any stop cut)
         self._sent = 0  # characters of _text already returned
         self.stopped_on: str | None = None  # the stop string that ended the text
+        self._include_stop = include_stop
 
     @property
     def text(self) -> str:
@@ -59,6 +65,8 @@ class TextStream:
         if found is None:
             return False
         idx, self.stopped_on = found
+        if self._include_stop:
+            idx += len(self.stopped_on)
         self._text = self._text[:idx]
         self._sent = min(self._sent, idx)
         return True

@@ -428,6 +428,12 @@ def test_text_stream_cuts_at_stop_string_and_holds_back_its_prefix() -> None:
     assert ts.add(_ids("zzz")) == "" and ts.finish() == "" and ts.text == "abc"
 
 
+def test_text_stream_can_keep_the_stop_string() -> None:
+    ts = TextStream(ByteTokenizer(), stop=["STOP"], include_stop=True)
+    out = [ts.add(_ids(c)) for c in "abcSTOPzz"]
+    assert "".join(out) + ts.finish() == ts.text == "abcSTOP" and ts.stopped_on == "STOP"
+
+
 def test_text_stream_without_match_flushes_on_finish() -> None:
     ts = TextStream(ByteTokenizer(), stop=["xyz"])
     assert ts.add(_ids("hello x")) == "hello"

@@ -133,6 +133,18 @@ def test_completion_logprobs_and_stop_string_equal_offline(router: Router, llm: 
     )
     offline_stopped = _offline(llm, prompt, 16, temperature=0.0, stop=[stop])
     assert stopped.choices[0].text == offline_stopped.text and stopped.choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output: the text keeps the stop string, streamed or not, as offline.
+    kept = _offline(llm, prompt, 16, temperature=0.0, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == offline_stopped.text + stop
+    extra = {"include_stop_str_in_output": True}
+    whole = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0, stop=[stop], extra_body=extra
+    )
+    streamed = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0, stop=[stop], extra_body=extra, stream=True
+    )
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in streamed if c.choices) == kept.text
+    assert whole.choices[0].stop_reason == stop  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
