@@ -8,6 +8,7 @@ requests get the OpenAI error shape; a client that disconnects leaves no KV bloc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -365,10 +366,10 @@ def test_concurrent_requests_equal_offline(router: Router, llm: LLM) -> None:
     assert asyncio.run(run()) == expected
 
 
-def test_a_choice_failing_mid_stream_cancels_the_others(pd_workers, tmp_path: Path) -> None:  # noqa: F811
-    """n=2 over two decode workers in round robin: one choice each. Killing one worker mid-stream ends the
-    streamed reply with an error event, and the other choice is cancelled on its worker: nothing left
-    running, every block free."""
+@contextlib.contextmanager
+def _doomed_decode_worker(pd_workers, tmp_path: Path) -> Iterator[tuple[Router, ServiceProcess]]:  # noqa: F811
+    """A router over the fixture's workers and one more decode worker, for the test to kill; round robin
+    between the two decode workers."""
     prefill, decode = pd_workers
     doomed = ServiceProcess.start("decode_svc", *worker_args())
     proc = ServiceProcess.start(
@@ -377,7 +378,19 @@ def test_a_choice_failing_mid_stream_cancels_the_others(pd_workers, tmp_path: Pa
         "--routing", "round_robin",
     )  # fmt: skip
     try:
-        router = Router(proc, tmp_path / "unused.jsonl")
+        yield Router(proc, tmp_path / "unused.jsonl"), doomed
+        assert proc.alive
+    finally:
+        doomed.kill()
+        assert proc.stop() == 0, proc.log()
+
+
+def test_a_choice_failing_mid_stream_cancels_the_others(pd_workers, tmp_path: Path) -> None:  # noqa: F811
+    """n=2 over two decode workers in round robin: one choice each. Killing one worker mid-stream ends the
+    streamed reply with an error event, and the other choice is cancelled on its worker: nothing left
+    running, every block free."""
+    prefill, decode = pd_workers
+    with _doomed_decode_worker(pd_workers, tmp_path) as (router, doomed):
         # 4000 tokens: the surviving choice, left running, would take many times the 5 s allowed below.
         body = {"model": MODEL, "prompt": "Two choices, one doomed", "n": 2, "max_tokens": 4000,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -412,22 +425,10 @@ def test_a_choice_failing_mid_stream_cancels_the_others(pd_workers, tmp_path: Pa
         assert "error" in events[-1], events[-1]
         assert not any(e["choices"][0]["finish_reason"] for e in events[:-1])  # neither choice finished
         assert wait_until(lambda: _running([decode, prefill]) == 0, timeout=5)  # cancelled, not finished
-        assert proc.alive
-    finally:
-        doomed.kill()
-        assert proc.stop() == 0, proc.log()
 
 
 def test_a_decode_worker_killed_mid_stream_does_not_take_the_router_down(pd_workers, tmp_path: Path) -> None:  # noqa: F811
-    prefill, decode = pd_workers
-    doomed = ServiceProcess.start("decode_svc", *worker_args())
-    proc = ServiceProcess.start(
-        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
-        "--decode-workers", decode.address, doomed.address, "--stats-interval-s", "60",
-        "--routing", "round_robin",
-    )  # fmt: skip
-    try:
-        router = Router(proc, tmp_path / "unused.jsonl")
+    with _doomed_decode_worker(pd_workers, tmp_path) as (router, doomed):
         doomed_id = re.search(r"worker_id=(\S+)", "\n".join(doomed.lines)).group(1)  # type: ignore[union-attr]
         params = common_pb2.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -452,12 +453,9 @@ def test_a_decode_worker_killed_mid_stream_does_not_take_the_router_down(pd_work
 
         code = asyncio.run(stream_until_killed())
         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-        assert proc.alive
+        assert router.proc.alive
         for i in range(3):  # the dead worker is still "up" for the poller: the router retries elsewhere
             reply = router.client.completions.create(
                 model=MODEL, prompt=f"after {i}", max_tokens=4, temperature=0.0
             )
             assert reply.choices[0].finish_reason in ("length", "stop")
-    finally:
-        doomed.kill()
-        assert proc.stop() == 0, proc.log()
