@@ -34,6 +34,8 @@ def process_logits(
     """The logits each row samples from (a new tensor), or ``logits`` itself when no row asks for any
     processing. ``histories``: as ``apply_penalties``; ``positions``: each row's output index of the token
     being sampled (needed for ``min_tokens``); ``eos_token_ids``: the model's end-of-sequence tokens."""
+    if not any(p.processes_logits for p in params):  # one pass over the batch, every step: keep it cheap
+        return logits
     logits = apply_allowed_token_ids(logits, params)
     logits = apply_logit_bias(logits, params)
     logits = apply_min_tokens(logits, params, positions, eos_token_ids)

@@ -50,6 +50,19 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def processes_logits(self) -> bool:
+        """Whether this request changes its logits before sampling (engine/logits_processors.py). Read for
+        every row of every step: plain attribute tests, no calls."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.logit_bias)
+        )
+
+    @property
     def needs_host_step(self) -> bool:
         """Whether a step that samples this request must run synchronously: its logprobs are computed on
         the host, and its penalties need its whole output so far, which a token still on the device

@@ -36,7 +36,7 @@ async def build_choices(
     model.check_model(parsed.model)
     carrier = [(k.lower(), v) for k, v in headers.items()]
     trace_context = extract_context(carrier)
-    prompts: list[tuple[list[int], str]] = []  # token ids, echo text
+    prompts: list[tuple[list[int], str | list[int]]] = []  # token ids, and the prompt as given
     if parsed.kind == "chat_completions":
         ids = await model.tokenize_chat(
             parsed.messages, parsed.add_generation_prompt, parsed.add_special_tokens
@@ -44,18 +44,21 @@ async def build_choices(
         prompts.append((ids, ""))
     else:
         for prompt in parsed.prompts:
-            if isinstance(prompt, str):
-                ids = await model.tokenize(prompt, parsed.add_special_tokens)
-                prompts.append((ids, prompt if parsed.echo else ""))
-            else:
-                echo = model.tokenizer.decode(prompt, skip_special_tokens=False) if parsed.echo else ""
-                prompts.append((prompt, echo))
+            ids = (
+                await model.tokenize(prompt, parsed.add_special_tokens) if isinstance(prompt, str) else prompt
+            )
+            prompts.append((ids, prompt))
     param = "messages" if parsed.kind == "chat_completions" else "prompt"
     default = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.kind == "completions" else None
     total = len(prompts) * parsed.n
     choices = []
-    for i, (ids, echo) in enumerate(prompts):
-        model.check_prompt(ids, param=param)
+    for i, (ids, given) in enumerate(prompts):
+        model.check_prompt(ids, param=param)  # before echo decodes token ids: they are in the vocabulary
+        echo = ""
+        if parsed.echo:
+            echo = (
+                given if isinstance(given, str) else model.tokenizer.decode(given, skip_special_tokens=False)
+            )
         max_tokens = model.resolve_max_tokens(parsed.sampling.max_tokens, len(ids), default)
         sampling = model.sampling_params(parsed.sampling, max_tokens)
         for j in range(parsed.n):

@@ -139,12 +139,7 @@ class HttpApi:
             if body.get("tokens") is None:
                 raise InvalidRequestError("'tokens' is required", param="tokens")
             ids = f.int_list("tokens")
-            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.model.vocab_size})",
-                    param="tokens",
-                )
+            self.model.check_token_ids(ids, "token ids", "tokens")
             text = self.model.tokenizer.decode(ids, skip_special_tokens=False)
             return web.json_response({"prompt": text})
         except RouterError as exc:

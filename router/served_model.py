@@ -133,14 +133,18 @@ class ServedModel:
                 f"the chat template rejected the messages: {exc}", param="messages"
             ) from None
 
+    def check_token_ids(self, token_ids: Sequence[int], what: str, param: str) -> None:
+        """Every id inside the vocabulary, or a 400 naming the first offenders as ``what``."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", param=param
+            )
+
     def check_prompt(self, prompt_token_ids: Sequence[int], param: str = "prompt") -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: it must have at least one token", param=param)
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", param=param
-            )
+        self.check_token_ids(prompt_token_ids, "prompt token ids", param)
         n, limit = len(prompt_token_ids), self.max_model_len
         if n >= limit:
             raise InvalidRequestError(

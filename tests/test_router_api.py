@@ -499,6 +499,13 @@ def test_http_errors_have_the_openai_shape() -> None:
                 ("/v1/completions", {"max_tokens": 3}, 400, "BadRequestError", "'prompt' is required"),
                 ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "BadRequestError", "top_p must be in"),
                 ("/v1/completions", {"prompt": "x" * 200}, 400, "BadRequestError", "prompt has 201 tokens"),
+                (  # echo of token ids outside the vocabulary: the length and vocabulary check, not a decode error
+                    "/v1/completions",
+                    {"prompt": [[1, 999]], "echo": True},
+                    400,
+                    "BadRequestError",
+                    "prompt token ids [999] are outside the vocabulary",
+                ),
                 (  # every prompt of a batch is checked before any is sent
                     "/v1/completions",
                     {"prompt": ["x", "x" * 200], "n": 2},
@@ -543,7 +550,7 @@ def test_http_errors_have_the_openai_shape() -> None:
                 assert fragment in _assert_error_shape(got, status, kind)
             async with session.get(base + "/metrics") as resp:
                 text = await resp.text()
-            assert 'pdmesh_router_requests_total{endpoint="completions",status="invalid"} 6.0' in text
+            assert 'pdmesh_router_requests_total{endpoint="completions",status="invalid"} 7.0' in text
             assert 'pdmesh_router_requests_total{endpoint="completions",status="unavailable"} 1.0' in text
 
     asyncio.run(run())

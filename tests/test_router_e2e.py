@@ -186,6 +186,7 @@ def test_min_tokens_and_allowed_token_ids_over_the_mesh_equal_offline(router: Ro
     )
     expected = _offline(llm, prompt, 20, temperature=0.0, allowed_token_ids=allowed)
     assert reply.choices[0].text == expected.text and set(expected.token_ids) <= set(allowed)
+    assert expected.token_ids != plain.token_ids[:20]  # the restriction shows: ignored, the text would differ
 
 
 def test_grpc_generate_streams_the_offline_tokens(router: Router, llm: LLM) -> None:
