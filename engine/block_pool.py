@@ -79,8 +79,9 @@ class BlockPool:
 
     # ---- allocation -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of ``seq``; at least one token is always left to compute."""
-        if not self.enable_prefix_caching:
+        """Cached blocks holding the longest prefix of ``seq``; at least one token is always left to compute.
+        Nothing for a sequence with prompt logprobs still to compute (vLLM's rule too)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         self.update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -23,6 +23,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -76,6 +78,7 @@ class LLM:
             results: dict[str, CompletionOutput] = {}
             tokens: dict[str, list[int]] = {rid: [] for rid in ids}
             logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+            prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
             while len(results) < len(ids) or self._lockstep is not None:
                 outs = self._step()
                 if outs is None:  # every rank is done
@@ -83,6 +86,8 @@ class LLM:
                 for out in outs:
                     tokens[out.request_id].extend(out.new_token_ids)
                     logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         results[out.request_id] = CompletionOutput(
                             prompt_token_ids=token_prompts[ids.index(out.request_id)],
@@ -92,6 +97,7 @@ class LLM:
                             stop_reason=out.stop_reason,
                             logprobs=logprobs[out.request_id],
                             num_cached_tokens=out.num_cached_tokens,
+                            prompt_logprobs=prompt_logprobs.get(out.request_id),
                         )
         except BaseException:
             for rid in added:

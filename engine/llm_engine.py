@@ -55,6 +55,9 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs, on the output that carries the first token: one entry per prompt
+    # token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -352,9 +355,12 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> list[int]:
-        """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids."""
+        """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids. The
+        prompt is not computed here, so neither are its logprobs (the prefill worker's reply has them)."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate(request_id, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=None)
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
         # With a step in flight, blocks that are free now and hold no cached content are taken without
         # reading that step: what it finishes frees more blocks but cannot take these, and taking them
@@ -447,7 +453,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
-        sample_seqs, logits = self.runner.execute(batch)
+        sample_seqs, logits, prompt_logprobs = self.runner.execute(batch)
+        for seq, found in prompt_logprobs:
+            seq.prompt_logprobs += found
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
@@ -482,13 +490,14 @@ class LLMEngine:
 
     def _joining(self) -> list[Sequence] | None:
         """The waiting requests the next lookahead step can take in: all of them, when every one could run
-        ahead (no logprobs or penalties, no KV to hold) and is either an imported request ready to decode its first
+        ahead (no logprobs, prompt logprobs or penalties, no KV to hold) and is either an imported request ready to decode its first
         token (KV in place, one token to compute) or a new prompt (none computed, no output: not a
         preempted one); None when any other request waits. Whether their tokens fit the step is
         ``_step_lookahead``'s to check."""
         waiting = list(self.scheduler.waiting)
         if all(
             not s.params.needs_host_step
+            and not s.wants_prompt_logprobs
             and not s.hold_kv
             and (
                 (s.block_table and s.num_uncomputed_tokens == 1)
@@ -679,6 +688,12 @@ class LLMEngine:
         new_tokens: list[int] | None = None,
         new_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
+        # The prompt's logprobs go out with the first token (they are complete once it is sampled).
+        prompt_logprobs = (
+            list(seq.prompt_logprobs)
+            if seq.params.prompt_logprobs is not None and seq._emitted == 0
+            else None
+        )
         if new_tokens is None:
             new_tokens = seq.output_token_ids[seq._emitted :]
             new_logprobs = seq.output_logprobs[seq._emitted :] if seq.params.logprobs is not None else []
@@ -693,6 +708,7 @@ class LLMEngine:
             request_id=seq.request_id,
             new_token_ids=list(new_tokens),
             new_logprobs=list(new_logprobs or []),
+            prompt_logprobs=prompt_logprobs if new_tokens else None,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

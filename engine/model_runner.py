@@ -34,10 +34,10 @@ from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
 from engine.prefill_graphs import PrefillGraphs
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
 from kernels.cuda_module import CudaCompileError, CudaDriverError
 from kernels.decode_megakernel import DecodeMegakernel
 from kernels.decode_megakernel import unsupported as megakernel_unsupported
@@ -66,6 +66,63 @@ class GroupPass(NamedTuple):
 
 EAGER = GroupPass()
 PASS_KINDS = ("decode_graph", "prefill_graph", "eager")
+# Prompt logprobs are computed this many logits a pass at most (~256 MB of fp32 logits), whatever the
+# chunk's length.
+_PROMPT_LOGITS_ELEMENTS = 1 << 26
+
+
+class Executed(NamedTuple):
+    """What ``ModelRunner.execute`` computed: the sequences that sample now and their logits [n, V]
+    (fp32), and each sequence's prompt logprobs computed by this step, in prompt order."""
+
+    sample_seqs: list[Sequence]
+    logits: torch.Tensor
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]]
+
+
+@dataclass
+class PromptLogprobRows:
+    """The rows of a step's tokens whose logits give prompt logprobs: the token at position p gives the
+    logprob of prompt token p + 1, for the positions of each sequence's chunk not yet done (a sequence
+    recomputed after preemption does not compute them again)."""
+
+    seqs: list[Sequence]
+    rows: list[np.ndarray]  # per sequence: indices into the step's tokens
+    targets: list[list[int]]  # per sequence: the prompt tokens those rows predict
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> PromptLogprobRows | None:
+        out = None
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.wants_prompt_logprobs:
+                start = seq.num_computed_tokens
+                lo = max(start, len(seq.prompt_logprobs) - 1)
+                hi = min(start + n, len(seq.prompt_token_ids) - 1)
+                if hi > lo:
+                    out = out or cls([], [], [])
+                    out.seqs.append(seq)
+                    out.rows.append(np.arange(lo - start + offset, hi - start + offset))
+                    out.targets.append(seq.prompt_token_ids[lo + 1 : hi + 1])
+            offset += n
+        return out
+
+    def compute(
+        self, logits_of: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, device: torch.device
+    ) -> list[tuple[Sequence, list[TokenLogprobs]]]:
+        """``logits_of(rows)``: the logits [len(rows), V] of those token rows (an index tensor on
+        ``device``), asked for a bounded number of rows at a time."""
+        step = max(1, _PROMPT_LOGITS_ELEMENTS // vocab_size)
+        out = []
+        for seq, rows, targets in zip(self.seqs, self.rows, self.targets, strict=True):
+            top_n = seq.params.prompt_logprobs or 0
+            found: list[TokenLogprobs] = []
+            for a in range(0, len(rows), step):
+                index = torch.from_numpy(rows[a : a + step]).to(device)
+                target = torch.tensor(targets[a : a + step], dtype=torch.int64, device=device)
+                found += token_logprobs(logits_of(index), target, [top_n] * len(target))
+            out.append((seq, found))
+        return out
 
 
 @dataclass
@@ -422,22 +479,32 @@ class ModelRunner:
         self.pass_kinds["prefill_graph"] += 1
         return pg.run(input_ids, positions, meta, size)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step; returns the sequences that sample now and their logits [n, V] (fp32).
+    def execute(self, batch: ScheduledBatch) -> Executed:
+        """Run one step; returns the sequences that sample now, their logits [n, V] (fp32), and the
+        prompt logprobs this step computed (``PromptLogprobRows``).
 
         After a graph replay the logits are a view of the graph's output buffer: use them before the
         next step."""
         self.late_point = None
         self.forward_passes += 1
         tokens = sum(batch.num_new_tokens)
+        prompt_rows = PromptLogprobRows.of(batch)
         agreed = self._group_pass(len(batch.seqs) if max(batch.num_new_tokens) == 1 else None, tokens)
         if agreed.decode is not None:
-            return self._execute_decode_graph(batch.seqs, agreed.decode)
+            return self._execute_decode_graph(batch.seqs, agreed.decode, prompt_rows)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta, agreed)
+        prompt_logprobs = (
+            prompt_rows.compute(
+                lambda r: self.model.compute_logits(hidden[r]), self.model.cfg.vocab_size, self.device
+            )
+            if prompt_rows
+            else []
+        )
         if not sample_seqs:
-            return [], hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        return sample_seqs, self.model.compute_logits(hidden[rows])
+            empty = hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
+            return Executed([], empty, prompt_logprobs)
+        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), prompt_logprobs)
 
     def execute_lookahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are still on the device (asynchronous scheduling): token
@@ -467,19 +534,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _execute_decode_graph(
-        self, seqs: list[Sequence], size: int | None = None
-    ) -> tuple[list[Sequence], torch.Tensor]:
+        self, seqs: list[Sequence], size: int | None = None, prompt_rows: PromptLogprobRows | None = None
+    ) -> Executed:
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         token_ids = np.fromiter((s.token_at(s.num_computed_tokens) for s in seqs), dtype=np.int64, count=n)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
         logits = self._replay_decode(seqs, positions, token_ids, size)
+        # One token a sequence: the batch's token rows are the logits' rows.
+        prompt_logprobs = (
+            prompt_rows.compute(lambda r: logits[r], self.model.cfg.vocab_size, self.device)
+            if prompt_rows
+            else []
+        )
         sampling = np.flatnonzero(positions + 1 == num_tokens)
         if len(sampling) == n:
-            return seqs, logits
+            return Executed(seqs, logits, prompt_logprobs)
         # A one-token prefill chunk that is not the prompt's end takes part without sampling.
         index = host_to_device(torch.from_numpy(sampling), self.device)
-        return [seqs[i] for i in sampling], logits[index]
+        return Executed([seqs[i] for i in sampling], logits[index], prompt_logprobs)
 
     def _replay_decode(
         self,

@@ -151,15 +151,9 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:  # one transfer of each result to the host, not one per row
             rows = torch.tensor(want, device=device)
-            lp = torch.log_softmax(logits[rows], dim=-1)
-            chosen = lp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
-            top_n = max(params[i].logprobs or 0 for i in want)
-            top_v, top_i = lp.topk(top_n, dim=-1)
-            top_v_rows, top_i_rows = top_v.tolist(), top_i.tolist()
-            for row, i in enumerate(want):
-                n = params[i].logprobs or 0
-                top = list(zip(top_i_rows[row][:n], top_v_rows[row][:n], strict=True))
-                logprobs[i] = TokenLogprobs(token_list[i], chosen[row], top)
+            found = token_logprobs(logits[rows], tokens[rows], [params[i].logprobs or 0 for i in want])
+            for i, lp in zip(want, found, strict=True):
+                logprobs[i] = lp
         return token_list, logprobs
 
 
@@ -202,3 +196,26 @@ def _torch_race(
     top_k = rows[:, 3] if any(p.top_k > 0 for p in params) else None
     top_p = rows[:, 2] if any(p.top_p < 1.0 for p in params) else None
     return TORCH_OPS.gumbel_sample(logits, rows[:, 0], row_keys, min_p, top_k, top_p)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_ns: list[int]) -> list[TokenLogprobs]:
+    """Row i's logprob of ``token_ids[i]``, its rank (1 = most likely; ties rank together) and the row's
+    ``top_ns[i]`` most likely tokens, from raw logits [n, V]; one transfer of each result to the host.
+    Sampled tokens' logprobs (the sampler) and prompt logprobs (``ModelRunner.execute``) both come here."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1))
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    top_n = max(top_ns, default=0)
+    if top_n:
+        top_v, top_i = lp.topk(top_n, dim=-1)
+        top_v_rows, top_i_rows = top_v.tolist(), top_i.tolist()
+    else:
+        top_v_rows = top_i_rows = [[] for _ in top_ns]
+    ids = token_ids.tolist()
+    return [
+        TokenLogprobs(
+            ids[r], chosen_list[r], list(zip(top_i_rows[r][:n], top_v_rows[r][:n], strict=True)), ranks[r]
+        )
+        for r, n in enumerate(top_ns)
+    ]

@@ -20,6 +20,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token's
+    # Top-N logprobs at each prompt token from the second on, and that token's own with its rank; 0 = only
+    # the prompt token's. The prompt is then computed whole: none of it comes from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     # engine/logits_processors.py: off at these values.
@@ -82,6 +85,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -19,6 +19,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int = 0  # of token_id among the vocabulary by logprob, 1 = most likely; 0 = not computed
 
 
 @dataclass(eq=False)  # identity: the scheduler's list removals must not compare every field
@@ -31,6 +32,8 @@ class Sequence:
     root_hash: int | None = None  # block-hash chain root when the request has its own cache salt
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token computed so far, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids so far
     num_computed_tokens: int = 0
@@ -46,6 +49,10 @@ class Sequence:
     prompt_counted: bool = False  # prompt tokens added to the engine's totals
     _emitted: int = 0  # output tokens already reported to the caller
 
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -57,6 +64,14 @@ class Sequence:
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some of its prompt logprobs are still to compute: its prompt must then be computed, not
+        taken from the prefix cache, and in a synchronous step (``ModelRunner.execute``)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def is_finished(self) -> bool:

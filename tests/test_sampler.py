@@ -123,6 +123,7 @@ def test_logprobs_are_of_the_sampled_token_with_each_rows_top_n() -> None:
         got, n = logprobs[i], params[i].logprobs
         assert got is not None and got.token_id == tokens[i]
         assert got.logprob == lp[i, tokens[i]].item()
+        assert got.rank == int((lp[i] > lp[i, tokens[i]]).sum()) + 1
         top_v, top_i = lp[i].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.int64))
         assert got.top == list(zip(top_i.tolist(), top_v.tolist(), strict=True))
     assert logprobs[3].top[0][0] == tokens[3]  # a greedy row's token is its best
