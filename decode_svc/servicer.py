@@ -19,6 +19,7 @@ from mesh.worker_service import (
     WorkerServicerBase,
     logprobs_from_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_kwargs,
 )
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -153,7 +154,10 @@ class DecodeServicer(WorkerServicerBase):
                 self.metrics.tpot.observe((now - last_ns) / 1e9 / len(tokens))
             last_ns = now
             resp = worker_pb2.DecodeResponse(
-                request_id=rid, token_ids=tokens, logprobs=[logprobs_to_proto(lp) for lp in logprobs]
+                request_id=rid,
+                token_ids=tokens,
+                logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+                prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
             )
             if out.finished:
                 resp.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)

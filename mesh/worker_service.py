@@ -136,6 +136,7 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        "prompt_logprobs",
     ):
         if p.HasField(name):
             kw[name] = getattr(p, name)
@@ -157,7 +158,14 @@ def logprobs_to_proto(lp: Any) -> common_pb2.Logprobs:
         token_id=lp.token_id,
         logprob=lp.logprob,
         top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
+
+
+def prompt_logprobs_to_proto(prompt_logprobs: list[Any] | None) -> list[common_pb2.Logprobs]:
+    """An engine output's prompt logprobs as the protos carry them: from the second prompt token on (the
+    first has none)."""
+    return [logprobs_to_proto(lp) for lp in (prompt_logprobs or [])[1:]]
 
 
 @dataclass
@@ -167,10 +175,11 @@ class ProtoLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0
 
 
 def logprobs_from_proto(p: common_pb2.Logprobs) -> ProtoLogprobs:
-    return ProtoLogprobs(p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top_logprobs])
+    return ProtoLogprobs(p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top_logprobs], p.rank)
 
 
 class EventFanout:

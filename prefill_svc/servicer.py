@@ -16,6 +16,7 @@ from mesh.worker_service import (
     FINISH_REASONS,
     WorkerServicerBase,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_kwargs,
 )
 from protos.pdmesh.v1 import common_pb2, worker_pb2
@@ -48,6 +49,7 @@ class PrefillServicer(WorkerServicerBase):
                 self.check_admission()
                 params = SamplingParams(**sampling_kwargs(request.sampling_params))
                 out = None
+                prompt_logprobs = None  # on the output with the first token
                 async for item in self.aengine.generate(
                     rid,
                     list(request.prompt_token_ids),
@@ -56,6 +58,7 @@ class PrefillServicer(WorkerServicerBase):
                     cache_salt=request.cache_salt or None,
                 ):
                     out = item
+                    prompt_logprobs = item.prompt_logprobs or prompt_logprobs
                 if out is None or not out.finished:
                     raise RuntimeError(f"the engine's stream for {rid} ended without a finished output")
             except Exception as exc:  # every failure leaves as a gRPC status
@@ -64,7 +67,10 @@ class PrefillServicer(WorkerServicerBase):
             self.metrics.ttft.observe((out.first_token_ns - out.arrival_time_ns) / 1e9)
             self.metrics.queue_time.observe(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
             resp = worker_pb2.PrefillResponse(
-                request_id=rid, first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens
+                request_id=rid,
+                first_token_id=out.new_token_ids[0],
+                num_cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=prompt_logprobs_to_proto(prompt_logprobs),
             )
             if out.new_logprobs:
                 resp.first_token_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))

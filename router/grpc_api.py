@@ -89,6 +89,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             request_id=gen.request_id,
                             token_ids=chunk.token_ids,
                             logprobs=chunk.logprobs,
+                            prompt_logprobs=chunk.prompt_logprobs,
                             finish_reason=chunk.finish_reason,
                             prefill_worker=chunk.prefill_worker,
                             decode_worker=chunk.decode_worker,

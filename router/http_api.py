@@ -37,6 +37,7 @@ from router.openai_protocol import (
     parse_completion,
     parse_json_body,
     usage_json,
+    vllm_prompt_logprobs,
 )
 from router.orchestrator import Chunk, Orchestrator
 from router.served_model import ServedModel
@@ -256,6 +257,8 @@ class _Choice:
         self.index = request.index
         self.echo = request.echo  # the text before the generated text
         self.echo_pending = bool(request.echo)  # not streamed yet
+        self.prompt_token_ids = request.generation.prompt_token_ids
+        self.prompt_logprobs: list[Any] | None = None  # vLLM's prompt_logprobs field, once they came
         self.text = TextStream(
             model.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output
         )
@@ -321,6 +324,16 @@ class _Writer:
         if c.echo_pending:
             delta, c.echo_pending = c.echo + delta, False
         logprobs: Any = None
+        echoed: dict[str, Any] | None = None
+        if chunk.prompt_logprobs:
+            if self.parsed.prompt_logprobs is not None:
+                c.prompt_logprobs = vllm_prompt_logprobs(
+                    self.model.tokenizer, chunk.prompt_logprobs, self.parsed.prompt_logprobs
+                )
+            if self.want_logprobs and self.parsed.echo:
+                top_n = self.parsed.sampling.logprobs or 0
+                echoed = c.completion_logprobs.prompt_part(c.prompt_token_ids, chunk.prompt_logprobs, top_n)
+                c.logprob_parts.append(echoed)
         if self.want_logprobs and chunk.logprobs:
             logprobs = (
                 c.completion_logprobs.part(chunk.logprobs)
@@ -328,6 +341,8 @@ class _Writer:
                 else chat_logprobs(self.model.tokenizer, chunk.logprobs)
             )
             c.logprob_parts.append(logprobs)
+        if echoed is not None:  # one event: the echoed prompt's logprobs, then its first token's
+            logprobs = CompletionLogprobs.merge([echoed, logprobs] if logprobs is not None else [echoed])
         if chunk.finished:
             delta += c.text.finish()
             c.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
@@ -341,6 +356,8 @@ class _Writer:
         finish = c.finish_reason
         if self.kind == "completions":
             choice: dict[str, Any] = {"index": c.index, "text": text, "logprobs": logprobs}
+            if self.parsed.prompt_logprobs is not None and not stream:
+                choice["prompt_logprobs"] = c.prompt_logprobs
         else:
             key = "delta" if stream else "message"
             body: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
@@ -402,4 +419,9 @@ class _Writer:
                 else:
                     logprobs = [entry for part in c.logprob_parts for entry in part]
             choices.append(self._choice(c, c.echo + c.text.text, logprobs, stream=False))
-        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+        out = {**self._envelope(choices, chunk=False), "usage": self.usage()}
+        if self.kind != "completions" and self.parsed.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.choices[
+                min(self.choices)
+            ].prompt_logprobs  # one prompt: vLLM's place
+        return out

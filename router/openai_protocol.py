@@ -46,6 +46,10 @@ class ParsedRequest:
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     sampling: SamplingInput = field(default_factory=SamplingInput)
+    # vLLM's prompt_logprobs: the reply shows each prompt token's logprob, rank and this many top
+    # alternatives (completions: in each choice; chat: beside the choices). The workers compute
+    # ``sampling.prompt_logprobs``, which echo with logprobs may raise.
+    prompt_logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
@@ -256,14 +260,22 @@ def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str] | None 
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs"
         )
     req.echo = f.bool("echo", False)
-    if req.echo and logprobs is not None:
-        raise InvalidRequestError(
-            "echo with logprobs is not supported: the workers return no logprobs for prompt tokens",
-            param="echo",
-        )
     req.sampling = _sampling(f, logprobs)
     req.sampling.max_tokens = f.int("max_tokens")
+    _prompt_logprobs(f, req)
+    if req.echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+        req.sampling.prompt_logprobs = max(logprobs, req.sampling.prompt_logprobs or 0)
     return req
+
+
+def _prompt_logprobs(f: JsonFields, req: ParsedRequest) -> None:
+    """vLLM's ``prompt_logprobs`` extra (an int; its range is the engine's check), refused when streaming
+    as vLLM refuses it."""
+    req.prompt_logprobs = req.sampling.prompt_logprobs = f.int("prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidRequestError(
+            "prompt_logprobs is not available when stream is true", param="prompt_logprobs"
+        )
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -314,6 +326,7 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str] | None = None
     req.sampling = _sampling(f, logprobs)
     max_completion = f.int("max_completion_tokens")
     req.sampling.max_tokens = max_completion if max_completion is not None else f.int("max_tokens")
+    _prompt_logprobs(f, req)
     return req
 
 
@@ -397,6 +410,24 @@ class CompletionLogprobs:
             "text_offset": offsets,
         }
 
+    def prompt_part(
+        self, prompt_token_ids: Sequence[int], entries: Sequence[common_pb2.Logprobs], top_n: int
+    ) -> dict[str, Any]:
+        """The echoed prompt's tokens (``entries``: from the second on): the first has no logprob (null,
+        as OpenAI's echo gives it), the others their ``top_n`` best alternatives."""
+        first = token_text(self.tokenizer, prompt_token_ids[0])
+        part = {
+            "tokens": [first],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [self.offset],
+        }
+        self.offset += len(first)
+        rest = self.part([_top(e, top_n) for e in entries])
+        for key, values in rest.items():
+            part[key].extend(values)
+        return part
+
     @staticmethod
     def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, list[Any]] = {
@@ -409,6 +440,39 @@ class CompletionLogprobs:
             for k in out:
                 out[k].extend(p[k])
         return out
+
+
+def _top(entry: common_pb2.Logprobs, n: int) -> common_pb2.Logprobs:
+    """``entry`` with its first ``n`` alternatives only (the workers computed as many as any use asked)."""
+    if len(entry.top_logprobs) <= n:
+        return entry
+    return common_pb2.Logprobs(
+        token_id=entry.token_id, logprob=entry.logprob, top_logprobs=entry.top_logprobs[:n]
+    )
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[common_pb2.Logprobs], top_n: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token an object from token
+    ids to ``{logprob, rank, decoded_token}``: the prompt token's own and its ``top_n`` best alternatives
+    (ranks 1..top_n)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for e in entries:
+        found = {
+            str(e.token_id): {
+                "logprob": e.logprob,
+                "rank": e.rank,
+                "decoded_token": token_text(tokenizer, e.token_id),
+            }
+        }
+        for rank, a in enumerate(e.top_logprobs[:top_n], start=1):
+            found.setdefault(
+                str(a.token_id),
+                {"logprob": a.logprob, "rank": rank, "decoded_token": token_text(tokenizer, a.token_id)},
+            )
+        out.append(found)
+    return out
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[common_pb2.Logprobs]) -> list[dict[str, Any]]:

@@ -109,6 +109,8 @@ class Chunk:
     token_ids: list[int]
     logprobs: list[common_pb2.Logprobs] = field(default_factory=list)
     finish_reason: int = FINISH_UNSPECIFIED
+    # On the first chunk, with SamplingParams.prompt_logprobs: the prompt's from its second token on.
+    prompt_logprobs: list[common_pb2.Logprobs] = field(default_factory=list)
     usage: common_pb2.Usage | None = None
     prefill_worker: str = ""
     decode_worker: str = ""
@@ -184,7 +186,11 @@ class Orchestrator:
                 first = await self._prefill(g, rr, prefill_worker, st, deadline, ctx)
                 self.chooser.prefill_done(rr)
             if first is not None:
-                chunk = Chunk([first.first_token_id], prefill_worker=st.prefill_worker.name)  # type: ignore[union-attr]
+                chunk = Chunk(
+                    [first.first_token_id],
+                    prompt_logprobs=list(first.prompt_logprobs),
+                    prefill_worker=st.prefill_worker.name,  # type: ignore[union-attr]
+                )
                 if first.HasField("first_token_logprobs"):
                     chunk.logprobs.append(first.first_token_logprobs)
                 st.num_cached = first.num_cached_tokens
@@ -391,6 +397,8 @@ class Orchestrator:
                         token_ids,
                         logprobs,
                         response.finish_reason,
+                        # Only while the client has nothing: a replayed prefill's are sent already.
+                        prompt_logprobs=list(response.prompt_logprobs) if not st.num_generated else [],
                         prefill_worker=prefill_name,
                         decode_worker=worker.name,
                     )

@@ -63,6 +63,7 @@ class SamplingInput:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class ServedModel:
@@ -188,6 +189,7 @@ class ServedModel:
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
             "logprobs": s.logprobs,
+            "prompt_logprobs": s.prompt_logprobs,
             "skip_special_tokens": s.skip_special_tokens,
             "seed": s.seed,
         }
@@ -222,6 +224,8 @@ class ServedModel:
         out.include_stop_str_in_output = params.include_stop_str_in_output
         if params.logprobs is not None:
             out.logprobs = params.logprobs
+        if params.prompt_logprobs is not None:
+            out.prompt_logprobs = params.prompt_logprobs
         return out
 
 
@@ -253,4 +257,5 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     s.min_tokens = p.min_tokens
     s.allowed_token_ids = list(p.allowed_token_ids) or None
     s.include_stop_str_in_output = p.include_stop_str_in_output
+    s.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
     return s

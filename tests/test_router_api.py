@@ -149,6 +149,17 @@ def test_n_and_echo() -> None:
     assert err.value.param == "echo"
 
 
+def test_echo_with_logprobs_asks_the_workers_for_prompt_logprobs() -> None:
+    """The echoed prompt's logprobs come from the workers' prompt logprobs: as many alternatives as the
+    larger of logprobs and an explicit prompt_logprobs; the reply's prompt_logprobs field only when asked."""
+    echoed = parse_completion({"prompt": "x", "echo": True, "logprobs": 3})
+    assert echoed.sampling.prompt_logprobs == 3 and echoed.prompt_logprobs is None
+    both = parse_completion({"prompt": "x", "echo": True, "logprobs": 1, "prompt_logprobs": 4})
+    assert both.sampling.prompt_logprobs == 4 and both.prompt_logprobs == 4
+    assert parse_completion({"prompt": "x", "logprobs": 3}).sampling.prompt_logprobs is None
+    assert parse_completion({"prompt": "x", "echo": True}).sampling.prompt_logprobs is None
+
+
 def test_session_id_from_header() -> None:
     assert parse_completion({"prompt": "x"}, {"X-Session-ID": "abc"}).session_id == "abc"
     assert parse_completion({"prompt": "x", "session_id": "body"}, {"X-Session-ID": "h"}).session_id == "body"
@@ -176,7 +187,12 @@ def test_session_id_from_header() -> None:
             "stream_options",
             "only allowed when stream",
         ),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
+        (
+            {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs",
+            "prompt_logprobs is not available when stream is true",
+        ),
+        ({"prompt": "x", "prompt_logprobs": "2"}, "prompt_logprobs", "'prompt_logprobs' must be an integer"),
         ({"prompt": "x", "echo": "yes"}, "echo", "'echo' must be a boolean"),
     ],
 )

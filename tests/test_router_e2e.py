@@ -27,6 +27,7 @@ from engine import LLM, SamplingParams
 from engine.tokenizer import render_chat
 from mesh.telemetry import read_spans_jsonl
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.text_stream import token_text
 from tests.mesh_fixtures import ServiceProcess, pd_workers, wait_until, worker_args  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -212,6 +213,126 @@ def test_grpc_generate_streams_the_offline_tokens(router: Router, llm: LLM) -> N
         expected = _offline(llm, prompt, 20, ignore_eos=True, **sampling)
         assert tokens == expected.token_ids and text == expected.text
         assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == 20
+
+
+def _post(router: Router, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://{router.http}{path}", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+async def grpc_prompt_logprobs(address: str, prompt: list[int]) -> list[common_pb2.Logprobs]:
+    """The prompt logprobs (top 3) of a Generate call: on its first message only."""
+    params = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    found: list[list[common_pb2.Logprobs]] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        request = router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=prompt), sampling_params=params
+        )
+        async for msg in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60):
+            found.append(list(msg.prompt_logprobs))
+    assert all(not f for f in found[1:])
+    return found[0]
+
+
+def _assert_vllm_prompt_logprobs(got: list[Any], expected: list[Any], top_n: int, llm: LLM) -> None:
+    """vLLM's ``prompt_logprobs`` shape against the offline engine's prompt logprobs."""
+    assert len(got) == len(expected) and got[0] is None
+    for entry, e in zip(got[1:], expected[1:], strict=True):
+        own = entry[str(e.token_id)]
+        assert own["logprob"] == pytest.approx(e.logprob, abs=1e-4) and own["rank"] == e.rank
+        assert own["decoded_token"] == token_text(llm.tokenizer, e.token_id)
+        for rank, (token, value) in enumerate(e.top[:top_n], start=1):
+            assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-4)
+            assert entry[str(token)]["rank"] == (e.rank if token == e.token_id else rank)
+        assert set(entry) == {str(e.token_id)} | {str(t) for t, _ in e.top[:top_n]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_scores_the_prompt_as_offline(router: Router, llm: LLM, stream: bool) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, a token or two. The reply's
+    logprobs cover the prompt (its first token null) and then the generated tokens."""
+    prompt = "The capital of France is"
+    reply = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0, echo=True, logprobs=2, stream=stream,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    if stream:
+        events = [c for c in reply if c.choices]
+        text = "".join(c.choices[0].text for c in events)
+        parts = [c.choices[0].logprobs for c in events if c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        token_logprobs = [v for p in parts for v in p.token_logprobs]
+        top = [t for p in parts for t in p.top_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+    else:
+        text = reply.choices[0].text
+        lp = reply.choices[0].logprobs
+        tokens, token_logprobs, top, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    expected = _offline(llm, prompt, 2, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    ids = expected.prompt_token_ids + expected.token_ids
+    piece = lambda t: token_text(llm.tokenizer, t)  # noqa: E731
+    assert text == prompt + expected.text
+    assert tokens == [piece(t) for t in ids]
+    assert offsets == [sum(len(piece(t)) for t in ids[:i]) for i in range(len(ids))]
+    assert token_logprobs[0] is None and top[0] is None
+    entries = expected.prompt_logprobs[1:] + expected.logprobs
+    assert token_logprobs[1:] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+    for got, e in zip(top[1:], entries, strict=True):
+        assert got == pytest.approx({piece(t): v for t, v in e.top}, abs=1e-4)
+
+
+def test_prompt_logprobs_in_completions_chat_and_grpc_equal_offline(router: Router, llm: LLM) -> None:
+    prompt = "Score every token of this prompt"
+    expected = _offline(llm, prompt, 3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    reply = _post(router, "/v1/completions", {**body, "prompt_logprobs": 2})
+    _assert_vllm_prompt_logprobs(reply["choices"][0]["prompt_logprobs"], expected.prompt_logprobs, 2, llm)
+    assert reply["choices"][0]["text"] == expected.text  # prompt logprobs do not change the tokens
+    # Chat: beside the choices, as vLLM puts them.
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = _post(router, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                    "temperature": 0.0, "prompt_logprobs": 0})  # fmt: skip
+    chat_ids = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_special_tokens=False)
+    chat_expected = _offline(llm, chat_ids, 2, temperature=0.0, prompt_logprobs=0)
+    _assert_vllm_prompt_logprobs(chat["prompt_logprobs"], chat_expected.prompt_logprobs, 0, llm)
+    # Streaming: refused, as vLLM refuses it.
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(router, "/v1/completions", {**body, "prompt_logprobs": 1, "stream": True})
+    assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == "prompt_logprobs"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(router, "/v1/completions", {**body, "prompt_logprobs": 21})
+    assert err.value.code == 400 and "prompt_logprobs must be between 0 and 20" in err.value.read().decode()
+
+    got = asyncio.run(grpc_prompt_logprobs(router.grpc, expected.prompt_token_ids))
+    _assert_proto_prompt_logprobs(got, expected.prompt_logprobs)
+
+
+def _assert_proto_prompt_logprobs(got: list[common_pb2.Logprobs], expected: list[Any]) -> None:
+    assert [(e.token_id, e.rank) for e in got] == [(e.token_id, e.rank) for e in expected[1:]]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-4)
+    assert [[t.token_id for t in e.top_logprobs] for e in got] == [
+        [t for t, _ in e.top] for e in expected[1:]
+    ]
+
+
+def test_prompt_logprobs_of_a_decode_worker_that_prefills_equal_offline(pd_workers, llm: LLM) -> None:  # noqa: F811
+    """No prefill worker: the decode worker computes the prompt, and its first message carries them."""
+    _, decode = pd_workers
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--decode-workers", decode.address
+    )
+    try:
+        prompt = list(b"decode-only prompt")
+        expected = _offline(llm, prompt, 3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+        _assert_proto_prompt_logprobs(
+            asyncio.run(grpc_prompt_logprobs(proc.address, prompt)), expected.prompt_logprobs
+        )
+    finally:
+        assert proc.stop() == 0, proc.log()
 
 
 def test_bad_requests_get_the_openai_error_shape(router: Router) -> None:
