@@ -240,6 +240,8 @@ class LLMEngine:
         self._imports: dict[str, Sequence] = {}  # decode-side requests whose KV is being pulled
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
+        # Unfinished requests with prompt logprobs still to compute (most steps have none: no scan then).
+        self._scoring: set[str] = set()
         self._inflight: _InFlight | None = None  # async_scheduling: the step whose tokens are unread
         self.lookahead_steps = 0
         self.lookahead_drains = 0
@@ -304,6 +306,8 @@ class LLMEngine:
         self._seqs[request_id] = seq
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if seq.wants_prompt_logprobs:
+            self._scoring.add(request_id)
         self.scheduler.add(seq)
 
     def _salted_root(self, cache_salt: str | None) -> int | None:
@@ -453,9 +457,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
-        sample_seqs, logits, prompt_logprobs = self.runner.execute(batch)
+        sample_seqs, logits, prompt_logprobs = self.runner.execute(batch, bool(self._scoring))
         for seq, found in prompt_logprobs:
             seq.prompt_logprobs += found
+            if not seq.wants_prompt_logprobs:
+                self._scoring.discard(seq.request_id)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
@@ -490,9 +496,9 @@ class LLMEngine:
 
     def _joining(self) -> list[Sequence] | None:
         """The waiting requests the next lookahead step can take in: all of them, when every one could run
-        ahead (no logprobs, prompt logprobs or penalties, no KV to hold) and is either an imported request ready to decode its first
-        token (KV in place, one token to compute) or a new prompt (none computed, no output: not a
-        preempted one); None when any other request waits. Whether their tokens fit the step is
+        ahead (no logprobs, prompt logprobs or penalties, no KV to hold) and is either an imported request
+        ready to decode its first token (KV in place, one token to compute) or a new prompt (none computed,
+        no output: not a preempted one); None when any other request waits. Whether their tokens fit the step is
         ``_step_lookahead``'s to check."""
         waiting = list(self.scheduler.waiting)
         if all(
@@ -678,6 +684,7 @@ class LLMEngine:
 
     def _finalize(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
+        self._scoring.discard(seq.request_id)
         if seq.hold_kv and seq.finish_reason is not None:
             self._held[seq.request_id] = seq
         self._detok.pop(seq.request_id, None)

@@ -92,6 +92,7 @@ class PromptLogprobRows:
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> PromptLogprobRows | None:
+        """None when no sequence of the batch computes prompt logprobs now."""
         out = None
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -479,22 +480,23 @@ class ModelRunner:
         self.pass_kinds["prefill_graph"] += 1
         return pg.run(input_ids, positions, meta, size)
 
-    def execute(self, batch: ScheduledBatch) -> Executed:
-        """Run one step; returns the sequences that sample now, their logits [n, V] (fp32), and the
-        prompt logprobs this step computed (``PromptLogprobRows``).
+    def execute(self, batch: ScheduledBatch, prompt_logprobs: bool = False) -> Executed:
+        """Run one step; returns the sequences that sample now, their logits [n, V] (fp32), and, when
+        ``prompt_logprobs`` says some request of the batch may want them (the caller knows for free; the
+        scan costs 40 us at batch 256), the prompt logprobs this step computed (``PromptLogprobRows``).
 
         After a graph replay the logits are a view of the graph's output buffer: use them before the
         next step."""
         self.late_point = None
         self.forward_passes += 1
         tokens = sum(batch.num_new_tokens)
-        prompt_rows = PromptLogprobRows.of(batch)
+        prompt_rows = PromptLogprobRows.of(batch) if prompt_logprobs else None
         agreed = self._group_pass(len(batch.seqs) if max(batch.num_new_tokens) == 1 else None, tokens)
         if agreed.decode is not None:
             return self._execute_decode_graph(batch.seqs, agreed.decode, prompt_rows)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta, agreed)
-        prompt_logprobs = (
+        scored = (
             prompt_rows.compute(
                 lambda r: self.model.compute_logits(hidden[r]), self.model.cfg.vocab_size, self.device
             )
@@ -503,8 +505,8 @@ class ModelRunner:
         )
         if not sample_seqs:
             empty = hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-            return Executed([], empty, prompt_logprobs)
-        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), prompt_logprobs)
+            return Executed([], empty, scored)
+        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored)
 
     def execute_lookahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are still on the device (asynchronous scheduling): token

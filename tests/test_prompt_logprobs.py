@@ -136,6 +136,20 @@ def test_asynchronous_scheduling_gives_the_same_prompt_logprobs_and_still_runs_a
     assert ahead_engine.lookahead_steps > 0  # decode steps still run ahead
 
 
+def test_a_request_aborted_mid_prompt_leaves_nothing_behind() -> None:
+    llm = LLM("tiny-dense", num_kv_blocks=32, block_size=4, max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request("scored", list(range(3, 40)), _params(prompt_logprobs=1))
+    engine.step()  # the first chunk of 8
+    assert engine._scoring == {"scored"}
+    assert engine.abort("scored")
+    assert not engine._scoring and engine.block_pool.num_free_blocks == 32
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    # Finished requests leave it too; without any, steps skip the scan.
+    llm.generate([[5, 6, 7]], _params(prompt_logprobs=0))
+    assert not engine._scoring
+
+
 @pytest.mark.parametrize("value", [-1, 21])
 def test_prompt_logprobs_out_of_range_is_refused(value: int) -> None:
     llm = LLM("tiny-dense", num_kv_blocks=16)
