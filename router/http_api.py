@@ -259,6 +259,7 @@ class _Choice:
         self.echo_pending = bool(request.echo)  # not streamed yet
         self.prompt_token_ids = request.generation.prompt_token_ids
         self.prompt_logprobs: list[Any] | None = None  # vLLM's prompt_logprobs field, once they came
+        self.started = False  # a chunk came (the first carries the prompt's logprobs)
         self.text = TextStream(
             model.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output
         )
@@ -325,7 +326,8 @@ class _Writer:
             delta, c.echo_pending = c.echo + delta, False
         logprobs: Any = None
         echoed: dict[str, Any] | None = None
-        if chunk.prompt_logprobs:
+        if not c.started:  # the prompt's logprobs, when asked for (none for a prompt of one token)
+            c.started = True
             if self.parsed.prompt_logprobs is not None:
                 c.prompt_logprobs = vllm_prompt_logprobs(
                     self.model.tokenizer, chunk.prompt_logprobs, self.parsed.prompt_logprobs
@@ -421,7 +423,8 @@ class _Writer:
             choices.append(self._choice(c, c.echo + c.text.text, logprobs, stream=False))
         out = {**self._envelope(choices, chunk=False), "usage": self.usage()}
         if self.kind != "completions" and self.parsed.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self.choices[
+            first = self.choices[
                 min(self.choices)
-            ].prompt_logprobs  # one prompt: vLLM's place
+            ]  # a chat has one prompt: its logprobs go beside the choices
+            out["prompt_logprobs"] = first.prompt_logprobs
         return out

@@ -285,6 +285,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_offline(router: Router, llm: LL
         assert got == pytest.approx({piece(t): v for t, v in e.top}, abs=1e-4)
 
 
+def test_a_one_token_prompt_echoes_with_a_null_logprob(router: Router, llm: LLM) -> None:
+    body = {"model": MODEL, "prompt": [65], "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
+            "echo": True, "logprobs": 1, "prompt_logprobs": 1}  # fmt: skip
+    choice = _post(router, "/v1/completions", body)["choices"][0]
+    expected = _offline(llm, [65], 2, temperature=0.0, ignore_eos=True, logprobs=1)
+    assert choice["prompt_logprobs"] == [None]
+    assert choice["logprobs"]["tokens"] == [token_text(llm.tokenizer, t) for t in [65, *expected.token_ids]]
+    assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected.logprobs])
+
+
 def test_prompt_logprobs_in_completions_chat_and_grpc_equal_offline(router: Router, llm: LLM) -> None:
     prompt = "Score every token of this prompt"
     expected = _offline(llm, prompt, 3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
