@@ -200,22 +200,22 @@ def _torch_race(
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_ns: list[int]) -> list[TokenLogprobs]:
     """Row i's logprob of ``token_ids[i]``, its rank (1 = most likely; ties rank together) and the row's
-    ``top_ns[i]`` most likely tokens, from raw logits [n, V]; one transfer of each result to the host.
-    Sampled tokens' logprobs (the sampler) and prompt logprobs (``ModelRunner.execute``) both come here."""
+    ``top_ns[i]`` most likely tokens, from raw logits [n, V]. One transfer to the host for all of it (in
+    float64, which holds float32 values, ranks and token ids exactly). Sampled tokens' logprobs (the
+    sampler) and prompt logprobs (``ModelRunner.execute``) both come here."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, token_ids.view(-1, 1))
-    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
-    chosen_list = chosen.squeeze(1).tolist()
-    top_n = max(top_ns, default=0)
-    if top_n:
-        top_v, top_i = lp.topk(top_n, dim=-1)
-        top_v_rows, top_i_rows = top_v.tolist(), top_i.tolist()
-    else:
-        top_v_rows = top_i_rows = [[] for _ in top_ns]
-    ids = token_ids.tolist()
+    ids = token_ids.view(-1, 1)
+    chosen = lp.gather(1, ids)
+    rank = (lp > chosen).sum(dim=1, keepdim=True) + 1
+    top_v, top_i = lp.topk(max(top_ns, default=0), dim=-1)
+    rows = torch.cat([t.double() for t in (ids, chosen, rank, top_v, top_i)], dim=1).tolist()
+    k = top_v.shape[1]
     return [
         TokenLogprobs(
-            ids[r], chosen_list[r], list(zip(top_i_rows[r][:n], top_v_rows[r][:n], strict=True)), ranks[r]
+            int(row[0]),
+            row[1],
+            [(int(t), v) for t, v in zip(row[3 + k : 3 + k + n], row[3 : 3 + n], strict=True)],
+            int(row[2]),
         )
-        for r, n in enumerate(top_ns)
+        for row, n in zip(rows, top_ns, strict=True)
     ]

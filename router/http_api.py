@@ -256,10 +256,9 @@ class _Choice:
         sp = parsed.sampling
         self.index = request.index
         self.echo = request.echo  # the text before the generated text
-        self.echo_pending = bool(request.echo)  # not streamed yet
         self.prompt_token_ids = request.generation.prompt_token_ids
         self.prompt_logprobs: list[Any] | None = None  # vLLM's prompt_logprobs field, once they came
-        self.started = False  # a chunk came (the first carries the prompt's logprobs)
+        self.started = False  # a chunk came (the first carries the echo and the prompt's logprobs)
         self.text = TextStream(
             model.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output
         )
@@ -322,12 +321,11 @@ class _Writer:
         if chunk.token_ids:
             c.last_token_id = chunk.token_ids[-1]
         delta = c.text.add(chunk.token_ids)
-        if c.echo_pending:
-            delta, c.echo_pending = c.echo + delta, False
         logprobs: Any = None
         echoed: dict[str, Any] | None = None
-        if not c.started:  # the prompt's logprobs, when asked for (none for a prompt of one token)
+        if not c.started:  # the echo and the prompt's logprobs, when asked for
             c.started = True
+            delta = c.echo + delta
             if self.parsed.prompt_logprobs is not None:
                 c.prompt_logprobs = vllm_prompt_logprobs(
                     self.model.tokenizer, chunk.prompt_logprobs, self.parsed.prompt_logprobs
