@@ -20,7 +20,6 @@ from mesh.worker_service import (
     logprobs_from_proto,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
-    sampling_kwargs,
 )
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -43,7 +42,7 @@ class DecodeServicer(WorkerServicerBase):
         with self.request_scope("Decode", rid, context) as span:
             try:
                 self.check_admission()
-                params = SamplingParams(**sampling_kwargs(request.sampling_params))
+                params = await self.sampling_params(request.sampling_params)
                 prompt = list(request.prompt_token_ids)
                 if request.HasField("kv_handle"):
                     stream = self._decode_imported(request, params, prompt)

@@ -34,6 +34,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.structured_outputs import GrammarCompiler, apply_grammar_masks
 from engine.tokenizer import IncrementalDetokenizer, find_stop
 from kernels import get_ops
 from kernels.kv_cache import FP8_KV_DTYPES
@@ -203,6 +204,7 @@ class LLMEngine:
         # With an engine-wide cache salt the engine is its own cache domain (mesh.block_hash).
         self.model_fingerprint = salted_fingerprint(loaded.fingerprint, config.cache_salt)
         self.eos_token_ids = frozenset(loaded.cfg.eos_token_ids)
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.cfg.vocab_size, self.eos_token_ids)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, config.dtype)
         self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
@@ -279,6 +281,8 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         params.validate(self.vocab_size)
+        if params.structured_outputs is not None:  # compiled once: serving code does it off this thread
+            self.grammars.compile(params.structured_outputs)
         need = -(-(n + 1) // self.config.block_size)
         if need > self.block_pool.num_blocks:
             raise InvalidRequestError(
@@ -303,6 +307,7 @@ class LLMEngine:
             arrival_time_ns=time.time_ns(),
             root_hash=self._salted_root(cache_salt),
         )
+        self._start_grammar(seq)
         self._seqs[request_id] = seq
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -390,8 +395,13 @@ class LLMEngine:
             root_hash=self._salted_root(cache_salt),
         )
         seq.block_table = blocks
+        self._start_grammar(seq)
         self._imports[request_id] = seq
         return blocks
+
+    def _start_grammar(self, seq: Sequence) -> None:
+        if seq.params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(seq.params.structured_outputs)
 
     def commit_import(
         self,
@@ -406,6 +416,12 @@ class LLMEngine:
         if not 0 <= first_token_id < self.vocab_size:
             self.block_pool.free(seq)
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
+        if seq.grammar is not None and not seq.grammar.allows(first_token_id):
+            self.block_pool.free(seq)
+            raise InvalidRequestError(
+                f"first token id {first_token_id} is not allowed by the request's structured_outputs "
+                "(was it sampled without the constraint?)"
+            )
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens
         self._seqs[request_id] = seq
@@ -473,6 +489,7 @@ class LLMEngine:
             tokens = self.sampler.sample(logits, params, positions, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
+        logits = self._apply_grammars(logits, sample_seqs, positions)
         histories = (
             [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
             if any(p.has_penalties for p in params)
@@ -483,6 +500,22 @@ class LLMEngine:
             self._count_prompt(seq)
             self._append_token(seq, tok, lp)
             outputs.append(self._output(seq))
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]
+    ) -> torch.Tensor:
+        """``logits`` with each constrained row held to its grammar (structured outputs). A row whose
+        grammar is complete allows only end-of-sequence tokens, which its ``min_tokens`` would also forbid:
+        its position is moved past ``min_tokens`` so that the row keeps them rather than sample from -inf."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return logits
+        matchers = [seqs[i].grammar for i in rows]
+        for i, m in zip(rows, matchers, strict=True):
+            if m.is_stopped:  # type: ignore[union-attr]
+                positions[i] = max(positions[i], seqs[i].params.min_tokens)
+        masks = self.grammars.fill_masks(matchers)  # type: ignore[arg-type]
+        return apply_grammar_masks(logits, rows, masks)
 
     # ---- asynchronous scheduling: one decode step of lookahead ------------------------------------
     @staticmethod
@@ -650,7 +683,18 @@ class LLMEngine:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         self.generated_tokens_total += 1
-        reason, stop_reason = self._check_stop(seq, token)
+        if seq.grammar is not None and not seq.grammar.consume(token):
+            # Only a token sampled with every token masked gets here (allowed_token_ids and the grammar
+            # leaving none in common): the output can no longer match, so the request ends.
+            log.warning(
+                "request %s: token %d is outside its structured_outputs grammar (%s); aborting it",
+                seq.request_id,
+                token,
+                seq.grammar.error,
+            )
+            reason, stop_reason = "abort", None
+        else:
+            reason, stop_reason = self._check_stop(seq, token)
         if reason is None and seq.hold_kv:
             reason = PREFILL_DONE
         elif reason is not None:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured_outputs import StructuredOutputs
 
 
 @dataclass
@@ -32,6 +33,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
     allowed_token_ids: list[int] | None = None  # sample only among these (None: every token)
+    # Hold the output to a JSON schema, regex, choice or grammar (engine/structured_outputs.py); a dict
+    # of StructuredOutputs' fields is taken too.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +47,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -69,8 +75,8 @@ class SamplingParams:
     def needs_host_step(self) -> bool:
         """Whether a step that samples this request must run synchronously: its logprobs are computed on
         the host, and its penalties need its whole output so far, which a token still on the device
-        (asynchronous scheduling) would leave short."""
-        return self.logprobs is not None or self.has_penalties
+        (asynchronous scheduling) would leave short; a grammar's mask is computed from every token so far."""
+        return self.logprobs is not None or self.has_penalties or self.structured_outputs is not None
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -105,6 +111,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "allowed_token_ids must not be empty (leave it out to allow every token)"
             )
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         out_of_range = {t: b for t, b in self.logit_bias.items() if not -100.0 <= b <= 100.0}
         if out_of_range:
             raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {out_of_range}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import GrammarMatcher
 
 
 class SequenceStatus(Enum):
@@ -47,6 +48,7 @@ class Sequence:
     first_scheduled_ns: int = 0  # when the scheduler first gave it compute (queue time ends)
     first_token_ns: int = 0
     prompt_counted: bool = False  # prompt tokens added to the engine's totals
+    grammar: GrammarMatcher | None = None  # with params.structured_outputs: where its output is in it
     _emitted: int = 0  # output tokens already reported to the caller
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ and an incremental detokenizer that never emits half a UTF-8 character.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Sequence
@@ -101,6 +102,14 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text, without padding or truncation (what llguidance reads,
+        engine/structured_outputs.py)."""
+        tok = copy.copy(self._tok)
+        tok.no_padding()
+        tok.no_truncation()
+        return tok.to_str()
 
 
 @functools.lru_cache(maxsize=16)

@@ -22,11 +22,13 @@ from typing import Any
 
 import grpc
 
+from engine.sampling_params import SamplingParams
 from mesh.background import BackgroundTasks
 from mesh.config import check_choices, setting
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.structured_outputs_proto import structured_outputs_from_proto
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -148,6 +150,8 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
         kw["min_tokens"] = p.min_tokens
     if p.allowed_token_ids:
         kw["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_outputs_from_proto(p.structured_outputs)
     if "seed" in kw and kw["seed"] >= 2**63:
         kw["seed"] -= 2**64
     return kw
@@ -470,6 +474,14 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
             device=meta.device,
             mem_type=meta.mem_type,
         )
+
+    async def sampling_params(self, p: common_pb2.SamplingParams) -> SamplingParams:
+        """The engine's parameters for a request. A structured-output constraint is compiled here, on a
+        thread of its own, so that the engine thread (which then finds it compiled) never waits on it."""
+        params = SamplingParams(**sampling_kwargs(p))
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+        return params
 
     # ---- drain and admission -------------------------------------------------------------------
     def check_admission(self) -> None:

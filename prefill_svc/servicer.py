@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine import SamplingParams
 from engine.llm_engine import PREFILL_DONE
 from mesh.telemetry import get_tracer
 from mesh.worker_service import (
@@ -17,7 +16,6 @@ from mesh.worker_service import (
     WorkerServicerBase,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
-    sampling_kwargs,
 )
 from protos.pdmesh.v1 import common_pb2, worker_pb2
 
@@ -47,7 +45,7 @@ class PrefillServicer(WorkerServicerBase):
         with self.request_scope("Prefill", rid, context) as span:
             try:
                 self.check_admission()
-                params = SamplingParams(**sampling_kwargs(request.sampling_params))
+                params = await self.sampling_params(request.sampling_params)
                 out = None
                 prompt_logprobs = None  # on the output with the first token
                 async for item in self.aengine.generate(

@@ -19,6 +19,7 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from protos.pdmesh.v1 import common_pb2
 from router.errors import InvalidRequestError
+from router.output_constraints import parse_output_constraint
 from router.served_model import NEUTRAL_PENALTIES, SamplingInput
 from router.text_stream import token_text
 
@@ -161,11 +162,6 @@ def _reject_unsupported(f: JsonFields) -> None:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     if f.body.get("tools"):
         raise InvalidRequestError("tools are not supported", param="tools")
-    fmt = f.body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise InvalidRequestError(
-            'response_format other than {"type": "text"} is not supported', param="response_format"
-        )
 
 
 def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
@@ -190,6 +186,7 @@ def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
     s.include_stop_str_in_output = f.bool("include_stop_str_in_output", False)
     if f.present("allowed_token_ids"):
         s.allowed_token_ids = f.int_list("allowed_token_ids")
+    s.structured_outputs = parse_output_constraint(f.body)
     return s
 
 

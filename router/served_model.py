@@ -27,7 +27,9 @@ from engine.errors import InvalidRequestError as EngineInvalidRequest
 from engine.loader import load_tokenizer
 from engine.models.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputs
 from engine.tokenizer import Tokenizer, render_chat
+from mesh.structured_outputs_proto import structured_outputs_from_proto, structured_outputs_to_proto
 from protos.pdmesh.v1 import common_pb2
 from router.errors import InvalidRequestError, ModelNotFoundError
 from router.worker_pool import WorkerPool
@@ -64,6 +66,7 @@ class SamplingInput:
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ServedModel:
@@ -192,6 +195,7 @@ class ServedModel:
             "prompt_logprobs": s.prompt_logprobs,
             "skip_special_tokens": s.skip_special_tokens,
             "seed": s.seed,
+            "structured_outputs": s.structured_outputs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(s, name)
@@ -226,6 +230,8 @@ class ServedModel:
             out.logprobs = params.logprobs
         if params.prompt_logprobs is not None:
             out.prompt_logprobs = params.prompt_logprobs
+        if params.structured_outputs is not None:
+            out.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
         return out
 
 
@@ -258,4 +264,12 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     s.allowed_token_ids = list(p.allowed_token_ids) or None
     s.include_stop_str_in_output = p.include_stop_str_in_output
     s.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+    if p.HasField("structured_outputs"):
+        s.structured_outputs = structured_outputs_from_proto(p.structured_outputs)
+        if s.structured_outputs is None:
+            raise InvalidRequestError(
+                "structured_outputs is set but names no constraint (json_schema, json_object, regex, "
+                "choice or grammar)",
+                param="structured_outputs",
+            )
     return s
