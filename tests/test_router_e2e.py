@@ -364,6 +364,94 @@ def test_bad_requests_get_the_openai_error_shape(router: Router) -> None:
     assert "not valid JSON" in body["error"]["message"]
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["city", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_structured_outputs_over_the_mesh_equal_offline(
+    router: Router, llm: LLM, sampling: dict[str, Any]
+) -> None:
+    """Each way of asking (OpenAI's response_format, vLLM's structured_outputs and guided_* fields, the
+    gRPC field), through a prefill worker (which samples the first token under the grammar) and a decode
+    worker (which goes on from it), gives the offline engine's constrained output."""
+    prompt = "Weather report:"
+    compact = {"json": SCHEMA, "disable_any_whitespace": True}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
+         {"json": SCHEMA}),
+        ({"structured_outputs": compact}, compact),
+        ({"structured_outputs": {"choice": ["sunny", "rain", "fog"]}}, {"choice": ["sunny", "rain", "fog"]}),
+        ({"guided_regex": "[0-9]{2}C, wind [NESW]"}, {"regex": "[0-9]{2}C, wind [NESW]"}),
+    ]  # fmt: skip
+    free = _offline(llm, prompt, 40, **sampling).text
+    for body, spec in cases:
+        reply = router.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, extra_body=body, **sampling
+        )
+        expected = _offline(llm, prompt, 40, structured_outputs=spec, **sampling)
+        assert reply.choices[0].text == expected.text != free, body
+        assert reply.choices[0].finish_reason == expected.finish_reason
+    obj = json.loads(_offline(llm, prompt, 40, structured_outputs=compact, **sampling).text)
+    assert set(obj) == {"city", "n"} and isinstance(obj["n"], int)
+    # Chat, streamed, any JSON object.
+    messages = [{"role": "user", "content": "Reply in JSON."}]
+    stream = router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, stream=True,
+        response_format={"type": "json_object"}, **sampling,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    prompt_ids = llm.tokenizer.encode(render_chat(llm.tokenizer, messages), add_special_tokens=False)
+    assert text == _offline(llm, prompt_ids, 30, structured_outputs={"json_object": True}, **sampling).text
+    assert text.startswith("{")
+
+    async def grpc_text() -> str:
+        params = common_pb2.SamplingParams(
+            max_tokens=40,
+            structured_outputs=common_pb2.StructuredOutputs(regex="[a-z]{1,6} [0-9]{1,3}"),
+            **sampling,
+        )
+        request = router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=list(prompt.encode())), sampling_params=params, return_text=True
+        )
+        async with grpc.aio.insecure_channel(router.grpc) as channel:
+            return "".join(
+                [m.text async for m in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60)]
+            )
+
+    expected = _offline(
+        llm, list(prompt.encode()), 40, structured_outputs={"regex": "[a-z]{1,6} [0-9]{1,3}"}, **sampling
+    )
+    assert asyncio.run(grpc_text()) == expected.text and re.fullmatch("[a-z]{1,6} [0-9]{1,3}", expected.text)
+
+
+def test_bad_structured_outputs_get_a_400_and_hold_nothing(router: Router, pd_workers) -> None:  # noqa: F811
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "nope"),  # compiled by the worker: its INVALID_ARGUMENT
+        ({"guided_regex": "a(b"}, "unclosed group"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "only one output constraint"),
+        ({"response_format": {"type": "xml"}}, "json_schema"),
+    ]  # fmt: skip
+    for body, message in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                reply = router.client.completions.create(
+                    model=MODEL, prompt="x", max_tokens=5, stream=stream, extra_body=body
+                )
+                if stream:
+                    list(reply)
+            assert err.value.status_code == 400 and message in err.value.message, (body, err.value.message)
+    wait_until(lambda: _running(pd_workers) == 0, timeout=10)
+
+
 def test_n_choices_of_a_batch_of_prompts_equal_offline(router: Router, llm: LLM) -> None:
     """n choices of each of a batch of prompts, as vLLM numbers and seeds them: choice i * n + j is sample
     j of prompt i, seeded seed + j. Each equals the offline engine's output for that prompt and seed."""

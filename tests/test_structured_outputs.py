@@ -1,0 +1,228 @@
+"""Structured outputs (engine/structured_outputs.py): outputs held to a JSON schema, any JSON object, a regex,
+a list of choices or a grammar.
+
+Greedy tokens must equal transformers' greedy decoding with the grammar's mask applied to its logits by
+llguidance directly (its own bitmask, unpacked here, not the engine's code), token for token, batched with
+an unconstrained request that must keep its own tokens. Sampled outputs must parse and match their
+schema. Bad constraints are refused before anything is allocated; a decode worker refuses an imported
+first token its grammar forbids; a request whose grammar and allowed tokens leave nothing to sample ends,
+with every block back in the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.structured_outputs import StructuredOutputs
+from mesh.structured_outputs_proto import structured_outputs_from_proto, structured_outputs_to_proto
+from tests.checkpoints import make_checkpoint
+
+EOS = 257  # the checkpoints' tokenizer's </s>: a special token, as a real model's EOS is
+NEW_TOKENS = 48
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = {
+    "json": StructuredOutputs(json=json.dumps(SCHEMA), disable_any_whitespace=True),
+    "regex": StructuredOutputs(regex=r"[a-f]{2,5}-[0-9]{3}"),
+    "choice": StructuredOutputs(choice=("north", "south", "east")),
+    "grammar": StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[xyz]/ | start'),
+}
+
+
+def _matches(kind: str, text: str) -> bool:
+    if kind == "json":
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return False
+        return (
+            isinstance(obj, dict)
+            and set(obj) == {"name", "age", "ok"}
+            and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 6
+            and type(obj["age"]) is int
+            and 0 <= obj["age"] <= 150
+            and isinstance(obj["ok"], bool)
+        )
+    if kind == "regex":
+        return re.fullmatch(r"[a-f]{2,5}-[0-9]{3}", text) is not None
+    if kind == "choice":
+        return text in ("north", "south", "east")
+    depth = 0  # the grammar: balanced parentheses of comma-separated x, y, z
+    for prev, ch in zip(" " + text, text, strict=False):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0 or ch not in "(),xyz" or (prev in "(," and ch in ",)"):
+            return False
+    return depth == 0 and text.startswith("(")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"), seed=7, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128)
+
+
+def _transformers_constrained_greedy(checkpoint, prompt: list[int], spec: StructuredOutputs) -> list[int]:
+    """transformers' forward, the mask from llguidance's own ``compute_bitmask``, argmax; until EOS."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    tok = llguidance.LLTokenizer(
+        Tokenizer.from_file(str(checkpoint / "tokenizer.json")).to_str(), n_vocab=vocab, eos_token=EOS
+    )
+    matcher = llguidance.LLMatcher(tok, spec.grammar_source())
+    ids = list(prompt)
+    out: list[int] = []
+    while len(out) < NEW_TOKENS:
+        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        allowed = [(int(words[t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        logits[torch.tensor(allowed) == 0] = float("-inf")
+        token = int(logits.argmax())
+        out.append(token)
+        if token == EOS:
+            break
+        assert matcher.consume_token(token)
+        ids.append(token)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_greedy_constrained_tokens_equal_transformers_with_the_mask(checkpoint, llm: LLM, kind: str) -> None:
+    spec = CONSTRAINTS[kind]
+    prompts = [[5, 17, 99, 31], [200, 7, 7, 64, 12, 3]]
+    expected = [_transformers_constrained_greedy(checkpoint, p, spec) for p in prompts]
+    constrained = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, structured_outputs=spec)
+    plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    alone = llm.generate(prompts, plain)
+    outs = llm.generate([*prompts, prompts[0]], [constrained, constrained, plain])
+    assert [o.token_ids for o in outs[:2]] == expected
+    assert outs[2].token_ids == alone[0].token_ids  # the unconstrained row keeps its own tokens
+    for o, a in zip(outs[:2], alone, strict=True):
+        assert o.finish_reason == "stop" and o.token_ids[-1] == EOS  # the grammar completed, then EOS
+        assert _matches(kind, o.text), o.text
+        assert not _matches(kind, a.text)  # unconstrained, the model writes something else
+
+
+def test_sampled_json_matches_the_schema_with_asynchronous_scheduling() -> None:
+    """The built-in model (byte tokenizer), sampling, several seeds, constrained and free rows together."""
+    llm = LLM("tiny-dense", num_kv_blocks=256, async_scheduling=True)
+    spec = {"json": SCHEMA, "disable_any_whitespace": True}
+    params = [
+        SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_outputs=spec) for s in range(6)
+    ]
+    free = SamplingParams(max_tokens=30, temperature=1.0, seed=1, ignore_eos=True)
+    outs = llm.generate(["Person:"] * 6 + ["free text"], [*params, free])
+    for o in outs[:6]:
+        assert o.finish_reason == "stop" and _matches("json", o.text), o.text
+    assert len({o.text for o in outs[:6]}) > 1  # sampled, not one forced string
+    assert outs[6].token_ids == llm.generate(["free text"], free)[0].token_ids
+    assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"json": '{"type": "nope"}'}, "structured_outputs json"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"regex": "a(b"}, "unclosed group"),
+        ({"grammar": "start: missing_rule"}, "structured_outputs grammar"),
+        ({"choice": []}, "non-empty strings"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+        ({}, "exactly one"),
+    ],
+)
+def test_bad_constraints_are_refused_before_anything_is_allocated(llm: LLM, spec, message: str) -> None:
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=spec))
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.reserve_import("bad", [1, 2, 3], SamplingParams(structured_outputs=spec))
+    assert not engine.has_unfinished() and not engine._imports
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_a_complete_grammar_ends_the_request_despite_min_tokens(llm: LLM) -> None:
+    spec = StructuredOutputs(choice=("ab",))
+    out = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=20, min_tokens=10, structured_outputs=spec))[0]
+    assert out.text == "ab" and out.finish_reason == "stop" and out.token_ids[-1] == EOS
+
+
+def test_no_token_left_to_sample_aborts_the_request_and_frees_its_blocks(llm: LLM) -> None:
+    spec = StructuredOutputs(regex="[0-9]+")
+    letters = list(range(ord("a") - 33, ord("z") - 32))  # byte-level ids of letters: no digit among them
+    outs = llm.generate(
+        [[1, 2, 3], [4, 5, 6]],
+        [
+            SamplingParams(
+                max_tokens=10, temperature=0.0, allowed_token_ids=letters, structured_outputs=spec
+            ),
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        ],
+    )
+    assert outs[0].finish_reason == "abort" and len(outs[0].token_ids) == 1
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 10
+    engine = llm.engine
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_an_imported_first_token_the_grammar_forbids_is_refused(llm: LLM) -> None:
+    """A decode worker continues a prefill worker's request: the first token must be the grammar's."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"choice": ["xy"]})
+    x, q = engine.tokenizer.encode("x", add_special_tokens=False)[0], engine.tokenizer.encode("q")[-1]
+    engine.reserve_import("imp", [1, 2, 3, 4], params)
+    with pytest.raises(InvalidRequestError, match="not allowed by the request's structured_outputs"):
+        engine.commit_import("imp", q)
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    engine.reserve_import("imp", [1, 2, 3, 4], params)
+    engine.commit_import("imp", x)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            text = out.text
+    assert text == "xy" and tokens[-1] == EOS
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_preemption_keeps_each_output_where_it_was_in_its_grammar(checkpoint) -> None:
+    """A pool too small for every request at once preempts some mid-output; their outputs are those of a
+    pool with room for all (the grammar state follows the tokens, which preemption keeps)."""
+    spec = CONSTRAINTS["grammar"]
+    prompts = [[i, i + 1, i + 2, i + 3] * 4 for i in range(10, 16)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
+    roomy = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128)
+    tight = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=14, block_size=4)
+    expected = roomy.generate(prompts, params)
+    got = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+@pytest.mark.parametrize("kind", [*CONSTRAINTS, "json_object"])
+def test_the_proto_carries_each_kind(kind: str) -> None:
+    spec = CONSTRAINTS.get(kind) or StructuredOutputs(json_object=True, disable_any_whitespace=True)
+    assert structured_outputs_from_proto(structured_outputs_to_proto(spec)) == spec
