@@ -131,15 +131,21 @@ def _compiled_chat_template(template: str) -> Any:
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
 ) -> str:
-    """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none)."""
+    """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none).
+    ``template_kwargs``: more template variables (``tools``, vLLM's ``chat_template_kwargs`` such as
+    Qwen3's ``enable_thinking``)."""
     template = _compiled_chat_template(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
     extra = getattr(tokenizer, "special_tokens", {}) or {}
     return template.render(
+        **{k: v for k, v in extra.items() if v is not None},
+        **template_kwargs,
         messages=messages,
         add_generation_prompt=add_generation_prompt,
-        **{k: v for k, v in extra.items() if v is not None},
     )
 
 

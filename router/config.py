@@ -15,6 +15,7 @@ from router.scoring.weighted_picker import (
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_PREFIX_WEIGHT,
 )
+from router.tool_calls import TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -96,6 +97,12 @@ class RouterConfig:
         3,
         "Decode workers tried for one request before giving up (a retry happens only before any token "
         "reached the client).",
+    )
+    tool_call_parser: str = setting(
+        "hermes",
+        'How chat replies are read for tool calls when tool_choice is "auto" (docs/api.md): hermes '
+        '(<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), or none ("auto" is then a 400).',
+        choices=TOOL_CALL_PARSERS,
     )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 

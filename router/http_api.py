@@ -42,6 +42,7 @@ from router.openai_protocol import (
 from router.orchestrator import Chunk, Orchestrator
 from router.served_model import ServedModel
 from router.text_stream import TextStream, token_text
+from router.tool_calls import ToolCallStream
 from router.worker_pool import DECODE, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,12 @@ class HttpApi:
             f = JsonFields(body)
             self.model.check_model(f.str("model"))
             if "messages" in body:
-                parsed = parse_chat(body, request.headers)
+                parsed = parse_chat(body, request.headers, self.model.tool_call_parser)
                 ids = await self.model.tokenize_chat(
-                    parsed.messages, parsed.add_generation_prompt, parsed.add_special_tokens
+                    parsed.messages,
+                    parsed.add_generation_prompt,
+                    parsed.add_special_tokens,
+                    parsed.template_kwargs,
                 )
             else:
                 prompt = f.str("prompt")
@@ -174,7 +178,10 @@ class HttpApi:
         outcome = {"status": "ok"}  # _stream overwrites it when a request fails after streaming began
         try:
             body = parse_json_body(await request.read())
-            parsed = (parse_completion if kind == "completions" else parse_chat)(body, request.headers)
+            if kind == "completions":
+                parsed = parse_completion(body, request.headers)
+            else:
+                parsed = parse_chat(body, request.headers, self.model.tool_call_parser)
             prefix = "cmpl" if kind == "completions" else "chatcmpl"
             request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
             choices = await build_choices(self.model, parsed, request_id, request.headers)
@@ -269,6 +276,9 @@ class _Choice:
         self.stop_reason: str | int | None = None
         self.usage: common_pb2.Usage | None = None
         self.stop_token_ids = set(sp.stop_token_ids)
+        # Chat with tools: the text read as content and tool calls (router.tool_calls).
+        tools = parsed.tools
+        self.tools = ToolCallStream(tools) if tools is not None and tools.parses_output else None
 
     def stop_reason_now(self) -> str | int | None:
         if self.finish_reason != "stop":
@@ -348,11 +358,21 @@ class _Writer:
             c.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
             c.stop_reason = c.stop_reason_now()
             c.usage = chunk.usage
-        if not delta and logprobs is None and not chunk.finished:
+        calls: list[dict[str, Any]] = []
+        if c.tools is not None:
+            delta, calls = c.tools.add(delta)
+            if chunk.finished:
+                rest, more = c.tools.finish()
+                delta, calls = delta + rest, calls + more
+                if c.tools.calls and c.finish_reason == "stop" and c.tools.request.choice != "function":
+                    c.finish_reason = "tool_calls"  # OpenAI's; a named function's call ends on "stop"
+        if not delta and logprobs is None and not chunk.finished and not calls:
             return []
-        return [self._envelope([self._choice(c, delta, logprobs, stream=True)], chunk=True)]
+        return [self._envelope([self._choice(c, delta, logprobs, stream=True, calls=calls)], chunk=True)]
 
-    def _choice(self, c: _Choice, text: str, logprobs: Any, stream: bool) -> dict[str, Any]:
+    def _choice(
+        self, c: _Choice, text: str, logprobs: Any, stream: bool, calls: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         finish = c.finish_reason
         if self.kind == "completions":
             choice: dict[str, Any] = {"index": c.index, "text": text, "logprobs": logprobs}
@@ -361,6 +381,13 @@ class _Writer:
         else:
             key = "delta" if stream else "message"
             body: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
+            if c.tools is not None:
+                if stream:
+                    if calls:
+                        body = {"content": text, "tool_calls": calls} if text else {"tool_calls": calls}
+                else:
+                    body["content"] = c.tools.content or None if c.tools.calls else c.tools.content
+                    body["tool_calls"] = c.tools.calls
             choice = {
                 "index": c.index,
                 key: body,

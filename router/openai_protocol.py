@@ -22,6 +22,7 @@ from router.errors import InvalidRequestError
 from router.output_constraints import parse_output_constraint
 from router.served_model import NEUTRAL_PENALTIES, SamplingInput
 from router.text_stream import token_text
+from router.tool_calls import ToolRequest, parse_tools
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -51,6 +52,9 @@ class ParsedRequest:
     # alternatives (completions: in each choice; chat: beside the choices). The workers compute
     # ``sampling.prompt_logprobs``, which echo with logprobs may raise.
     prompt_logprobs: int | None = None
+    # Chat: the template's further variables (tools, chat_template_kwargs) and how tool calls are read.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolRequest | None = None
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
@@ -160,8 +164,6 @@ def _reject_unsupported(f: JsonFields) -> None:
         )
     if f.present("suffix"):
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    if f.body.get("tools"):
-        raise InvalidRequestError("tools are not supported", param="tools")
 
 
 def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
@@ -242,6 +244,8 @@ def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedReque
 
 def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
     f = JsonFields(body)
+    if f.body.get("tools"):
+        raise InvalidRequestError("tools are a chat completions field", param="tools")
     req = _common(f, "completions", headers or {})
     req.prompts = _prompts(body.get("prompt"))
     if len(req.prompts) * req.n > MAX_CHOICES:
@@ -301,7 +305,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ParsedRequest:
+def parse_chat(
+    body: Mapping[str, Any], headers: Mapping[str, str] | None = None, tool_call_parser: str = "hermes"
+) -> ParsedRequest:
     f = JsonFields(body)
     req = _common(f, "chat_completions", headers or {})
     if f.bool("echo", False):
@@ -321,10 +327,38 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str] | None = None
     elif top:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     req.sampling = _sampling(f, logprobs)
+    _tools_and_template(f, req, tool_call_parser)
     max_completion = f.int("max_completion_tokens")
     req.sampling.max_tokens = max_completion if max_completion is not None else f.int("max_tokens")
     _prompt_logprobs(f, req)
     return req
+
+
+def _tools_and_template(f: JsonFields, req: ParsedRequest, tool_call_parser: str) -> None:
+    kwargs = f.body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise f._bad("chat_template_kwargs", "an object")
+        reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {reserved} (they have fields of their own)",
+                param="chat_template_kwargs",
+            )
+        req.template_kwargs.update(kwargs)
+    req.tools = parse_tools(dict(f.body), tool_call_parser)
+    if req.tools is None:
+        return
+    req.template_kwargs["tools"] = req.tools.tools
+    constraint = req.tools.constraint()
+    if constraint is not None:
+        if req.sampling.structured_outputs is not None:
+            raise InvalidRequestError(
+                "tool_choice required or a named function constrains the output itself; drop the other "
+                "output constraint (response_format, structured_outputs, guided_*)",
+                param="tool_choice",
+            )
+        req.sampling.structured_outputs = constraint
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -77,8 +77,10 @@ class ServedModel:
         served_name: str | None = None,
         max_model_len: int | None = None,
         default_max_tokens_cap: int = 4096,
+        tool_call_parser: str = "hermes",
     ) -> None:
         tokenizer, config, name = load_tokenizer(model)
+        self.tool_call_parser = tool_call_parser  # router.tool_calls: how "auto" tool calls are read
         self.tokenizer: Tokenizer = tokenizer
         self.config: ModelConfig = config
         self.name = served_name or name
@@ -119,19 +121,29 @@ class ServedModel:
         return await self._off_loop(lambda: self.encode(text, add_special_tokens))
 
     async def tokenize_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """``render_chat`` on the loop (the template is compiled once: ~11 us a render, less than the ~0.2 ms
         hop to a thread), then ``tokenize``, which moves only a long text's encode off the loop."""
-        return await self.tokenize(self.render_chat(messages, add_generation_prompt), add_special_tokens)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs or {})
+        return await self.tokenize(text, add_special_tokens)
 
     async def _off_loop(self, work: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The messages through the model's chat template; a template error is the user's (400)."""
         try:
-            return render_chat(self.tokenizer, messages, add_generation_prompt)
+            return render_chat(self.tokenizer, messages, add_generation_prompt, **(template_kwargs or {}))
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {exc}", param="messages"

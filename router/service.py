@@ -110,6 +110,7 @@ class RouterService:
             config.served_model_name,
             config.max_model_len,
             config.default_max_tokens_cap,
+            config.tool_call_parser,
         )
         self.orchestrator = Orchestrator(
             self.pool,

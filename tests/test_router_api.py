@@ -667,3 +667,25 @@ def test_command_line_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.model == "tiny-moe" and cfg.request_timeout_s == 30.0 and cfg.trace_file == "/tmp/t.jsonl"
     with pytest.raises(SystemExit):
         parse_config(["--routing", "telepathy"])
+
+
+def test_chat_tools_constraints_and_template_kwargs_are_parsed() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    req = parse_chat(body)
+    assert req.template_kwargs == {"enable_thinking": False, "tools": [tool]}
+    assert req.tools is not None and req.tools.function == "f"
+    assert req.sampling.structured_outputs == req.tools.constraint()  # the named function's schema
+    plain = parse_chat({"messages": body["messages"], "response_format": {"type": "json_object"}})
+    assert plain.sampling.structured_outputs is not None and plain.sampling.structured_outputs.json_object
+    assert plain.tools is None and plain.template_kwargs == {}
+    with pytest.raises(InvalidRequestError, match="may not set") as err:
+        parse_chat({**body, "chat_template_kwargs": {"messages": []}})
+    assert err.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidRequestError, match="parser"):
+        parse_chat({"messages": body["messages"], "tools": [tool]}, tool_call_parser="none")

@@ -28,6 +28,7 @@ from engine.tokenizer import render_chat
 from mesh.telemetry import read_spans_jsonl
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.text_stream import token_text
+from router.tool_calls import parse_tools
 from tests.mesh_fixtures import ServiceProcess, pd_workers, wait_until, worker_args  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -430,6 +431,156 @@ def test_structured_outputs_over_the_mesh_equal_offline(
         llm, list(prompt.encode()), 40, structured_outputs={"regex": "[a-z]{1,6} [0-9]{1,3}"}, **sampling
     )
     assert asyncio.run(grpc_text()) == expected.text and re.fullmatch("[a-z]{1,6} [0-9]{1,3}", expected.text)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "maximum": 9},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _chat_ids(llm: LLM, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    text = render_chat(llm.tokenizer, messages, tools=tools)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _streamed_tool_calls(stream: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """Content, each call (by index) assembled from its deltas, and the finish reason of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            call["name"] += d.function.name or "" if d.function else ""
+            call["arguments"] += d.function.arguments or "" if d.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_tool_calls_over_the_mesh_equal_offline(router: Router, llm: LLM, sampling: dict[str, Any]) -> None:
+    """A named function and "required" constrain the output (their arguments are the offline engine's
+    constrained output); "auto" reads hermes <tool_call> blocks from the text, here forced by a regex."""
+    messages = [{"role": "user", "content": "Weather in Oslo for two days?"}]
+    tools = [WEATHER_TOOL]
+    ids = _chat_ids(llm, messages, tools)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    schema = WEATHER_TOOL["function"]["parameters"]
+    expected = _offline(
+        llm, ids, 60, structured_outputs={"json": schema, "disable_any_whitespace": True}, **sampling
+    )
+    reply = router.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=60, **sampling
+    )
+    message = reply.choices[0].message
+    assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
+    assert message.tool_calls[0].function.arguments == expected.text and not message.content
+    assert set(json.loads(expected.text)) == {"city", "days"} and reply.choices[0].finish_reason == "stop"
+    content, calls, finish = _streamed_tool_calls(
+        router.client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=tools,
+            tool_choice=named,
+            max_tokens=60,
+            stream=True,
+            **sampling,
+        )
+    )
+    assert (
+        content == ""
+        and calls == {0: {"name": "get_weather", "arguments": expected.text}}
+        and finish == "stop"
+    )
+
+    reply = router.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        max_tokens=80,
+        parallel_tool_calls=False,
+        **sampling,
+    )
+    required = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and required and len(required) == 1
+    constraint = parse_tools(
+        {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False}, "hermes"
+    )
+    offline = json.loads(_offline(llm, ids, 80, structured_outputs=constraint.constraint(), **sampling).text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in required] == [
+        (item["name"], item["parameters"]) for item in offline
+    ]
+    assert all(c.function.name == "get_weather" and set(json.loads(c.function.arguments)) == {"city", "days"}
+               for c in required)  # fmt: skip
+    content, calls, finish = _streamed_tool_calls(
+        router.client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, tool_choice="required", max_tokens=80, stream=True, parallel_tool_calls=False,
+            **sampling,
+        )
+    )  # fmt: skip
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in required
+    ]
+
+    forced = 'Checking\\.<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{2,6}", "days": [1-5]\\}\\}</tool_call>'
+    extra = {"guided_regex": forced}
+    reply = router.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, max_tokens=140, extra_body=extra, **sampling
+    )
+    text = _offline(llm, ids, 140, structured_outputs={"regex": forced}, **sampling).text
+    args = json.loads(text[text.index("{") :].removesuffix("</tool_call>"))["arguments"]
+    message = reply.choices[0].message
+    assert message.content == "Checking." and reply.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == [
+        ("get_weather", args)
+    ]
+    content, calls, finish = _streamed_tool_calls(
+        router.client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=tools,
+            max_tokens=140,
+            extra_body=extra,
+            stream=True,
+            **sampling,
+        )
+    )
+    assert content == "Checking." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", args)]
+
+
+def test_bad_tool_requests_get_a_400(router: Router) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    cases = [
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "not among the tools"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "constrains the output itself"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ]  # fmt: skip
+    for body, message in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            router.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=5, extra_body=body
+            )
+        assert message in err.value.message, err.value.message
+    with pytest.raises(openai.BadRequestError, match="chat completions field"):
+        router.client.completions.create(
+            model=MODEL, prompt="x", max_tokens=5, extra_body={"tools": [WEATHER_TOOL]}
+        )
 
 
 def test_bad_structured_outputs_get_a_400_and_hold_nothing(router: Router, pd_workers) -> None:  # noqa: F811

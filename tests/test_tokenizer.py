@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+from engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, render_chat
 from tests.checkpoints import write_tokenizer
 
 TEXTS = [
@@ -106,3 +106,17 @@ def test_chat_template_is_compiled_once_and_renders_the_same() -> None:
     after = _compiled_chat_template.cache_info()
     assert after.misses == before.misses and after.hits == before.hits + 3
     assert "hi" in first
+
+
+def test_render_chat_passes_tools_and_template_kwargs_to_the_template() -> None:
+    """What chat requests' ``tools`` and ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) reach."""
+    tok = ByteTokenizer()
+    tok.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    assert render_chat(tok, messages) == "user:hi|"
+    assert render_chat(tok, messages, tools=tools, enable_thinking=False) == "TOOLS:f;g;user:hi|<think></think>"

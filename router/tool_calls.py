@@ -1,0 +1,256 @@
+"""Tool calling on the chat API: OpenAI's ``tools`` and ``tool_choice``, served as vLLM serves them.
+
+The tools go to the chat template (``tools=``), which tells the model how to call them. What the model
+writes back is turned into ``tool_calls``:
+- ``tool_choice: "auto"`` (the default with tools): the router's tool-call parser reads the text. The one
+  parser, ``hermes`` (vLLM's name; Qwen2.5/Qwen3, Hermes and others write calls so), takes each
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block as a call; the text before the first
+  block is the message's content. ``--tool-call-parser none`` refuses "auto" (400), as vLLM does without
+  ``--enable-auto-tool-choice``.
+- ``"required"``: the output is held (structured outputs) to a JSON array of ``{"name", "parameters"}``
+  objects, one of the tools each, with its parameters' schema: vLLM's rule. Each item is a call.
+- a named function: the output is held to that function's parameters schema and is its arguments
+  (``finish_reason`` stays "stop", as OpenAI's).
+  Both constraints are compact JSON (no whitespace between tokens): arguments are read by programs, and
+  a model cannot then loop on whitespace until ``max_tokens``.
+- ``"none"``: the text is the content; no parsing.
+
+``ToolCallStream`` turns a choice's text deltas into content deltas and tool-call deltas in OpenAI's
+streaming shape; a whole reply is the same machine fed the whole text, so streamed and whole replies
+always agree. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured_outputs import StructuredOutputs
+from router.errors import InvalidRequestError
+
+TOOL_CALL_PARSERS = ("hermes", "none")
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict[str, Any]]  # as the client gave them: what the chat template reads
+    schemas: dict[str, dict[str, Any]]  # each function's parameters schema
+    choice: str  # "none" | "auto" | "required" | "function"
+    function: str | None = None  # with choice "function": its name
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call
+
+    @property
+    def parses_output(self) -> bool:
+        return self.choice != "none"
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The structured output that "required" and a named function hold the output to."""
+        if self.choice == "function":
+            assert self.function is not None
+            return StructuredOutputs(
+                json=json.dumps(self.schemas[self.function], sort_keys=True), disable_any_whitespace=True
+            )
+        if self.choice != "required":
+            return None
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,  # nothing else is read
+            }
+            for name, schema in self.schemas.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputs(json=json.dumps(array, sort_keys=True), disable_any_whitespace=True)
+
+
+def parse_tools(body: dict[str, Any], parser: str) -> ToolRequest | None:
+    """The request's tools and tool choice (None when it has no tools); 400s name the field."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise InvalidRequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("'tools' must be an array of tools", param="tools")
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+                param="tools",
+            )
+        params = fn.get("parameters")  # type: ignore[union-attr]
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema", param="tools")
+        if name in schemas:
+            raise InvalidRequestError(f"tools has two functions named {name!r}", param="tools")
+        schemas[name] = params or {"type": "object", "properties": {}}
+    if choice is None or choice == "auto":
+        if parser == "none":
+            raise InvalidRequestError(
+                'tool_choice "auto" needs a tool-call parser; this router runs with --tool-call-parser none',
+                param="tool_choice",
+            )
+        return ToolRequest(tools, schemas, "auto", parallel=parallel)
+    if choice in ("none", "required"):
+        return ToolRequest(tools, schemas, choice, parallel=parallel)
+    name = None
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+    ):
+        name = choice["function"].get("name")
+    if not isinstance(name, str):
+        raise InvalidRequestError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if name not in schemas:
+        raise InvalidRequestError(
+            f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+        )
+    return ToolRequest(tools, schemas, "function", name)
+
+
+def _call(index: int, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _hermes_call(block: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one ``<tool_call>`` block's body, or None if it is not one."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+@dataclass
+class ToolCallStream:
+    """One choice's text as content and tool calls. ``add`` takes each text delta and returns the content
+    delta and the tool-call deltas it settles; ``finish`` settles the rest."""
+
+    request: ToolRequest
+    content: str = ""  # every content delta so far
+    calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, for a whole reply
+    _buffer: str = ""
+    _in_call: bool = False
+    _seen_call: bool = False  # after the first call, text outside calls is not content (vLLM's rule)
+
+    def add(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        choice = self.request.choice
+        if choice == "function":
+            return self._named(delta)
+        self._buffer += delta
+        if choice == "required":
+            return "", []
+        out_text, out_calls = "", []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(CALL_END)
+                if end < 0:
+                    break
+                block, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_END) :]
+                self._in_call = False
+                text, calls = self._settle_block(block, closed=True)
+                out_text, out_calls = out_text + text, out_calls + calls
+                continue
+            start = self._buffer.find(CALL_START)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, CALL_START)  # may be the start of a call
+                ready, self._buffer = (
+                    self._buffer[: len(self._buffer) - keep],
+                    self._buffer[len(self._buffer) - keep :],
+                )
+                out_text += self._outside(ready)
+                break
+            out_text += self._outside(self._buffer[:start])
+            self._buffer = self._buffer[start + len(CALL_START) :]
+            self._in_call = True
+        self.content += out_text
+        return out_text, out_calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        rest, self._buffer = self._buffer, ""
+        if self.request.choice == "function":
+            return "", []
+        if self.request.choice == "required":
+            return self._required(rest)
+        if self._in_call:  # an unclosed last block: a call if it parses whole
+            self._in_call = False
+            text, calls = self._settle_block(rest, closed=False)
+        else:
+            text, calls = self._outside(rest), []
+        self.content += text
+        return text, calls
+
+    def _outside(self, text: str) -> str:
+        return "" if self._seen_call else text
+
+    def _settle_block(self, block: str, closed: bool) -> tuple[str, list[dict[str, Any]]]:
+        found = _hermes_call(block.strip())
+        if found is not None and self.calls and not self.request.parallel:
+            return "", []  # parallel_tool_calls false: the first call only
+        if found is None:  # not a call after all: the model's text, markers included
+            raw = CALL_START + block + (CALL_END if closed else "")
+            return self._outside(raw), []
+        self._seen_call = True
+        call = _call(len(self.calls), *found)
+        self.calls.append(call)
+        return "", [call]
+
+    def _required(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = None
+        if not (
+            isinstance(items, list) and items and all(isinstance(i, dict) and "name" in i for i in items)
+        ):
+            self.content += text  # cut short (length): no calls, the text as it is
+            return text, []
+        for item in items:
+            args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+            self.calls.append(_call(len(self.calls), str(item["name"]), args))
+        return "", list(self.calls)
+
+    def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """The text is the named function's arguments: a first delta opens the call, the rest extend it."""
+        if not self.calls:
+            assert self.request.function is not None
+            call = _call(0, self.request.function, delta)
+            self.calls.append(call)
+            return "", [{**call, "function": dict(call["function"])}]  # a copy: the whole call grows
+        if not delta:
+            return "", []
+        self.calls[0]["function"]["arguments"] += delta
+        return "", [{"index": 0, "function": {"arguments": delta}}]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (held back until it is known)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

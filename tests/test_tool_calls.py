@@ -1,0 +1,141 @@
+"""Tool calls read from chat replies (router/tool_calls.py): the request's tools and tool choice, the
+hermes parser over whole and streamed text, and the constraints of "required" and a named function."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import llguidance
+import pytest
+
+from router.errors import InvalidRequestError
+from router.tool_calls import ToolCallStream, ToolRequest, parse_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _run(request: ToolRequest, text: str, pieces: list[str] | None = None) -> tuple[str, list, list, list]:
+    """Feed ``text`` whole or in ``pieces``: (content deltas joined, deltas of tool calls, whole calls,
+    content of the whole reply)."""
+    stream = ToolCallStream(request)
+    content, deltas = "", []
+    for piece in pieces if pieces is not None else [text]:
+        c, d = stream.add(piece)
+        content, deltas = content + c, deltas + d
+    c, d = stream.finish()
+    return content + c, deltas + d, stream.calls, stream.content
+
+
+def _random_pieces(text: str, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 12)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def _names_and_args(calls: list) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+HERMES = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_hermes_calls_are_the_same_whole_and_streamed_in_any_pieces(seed: int) -> None:
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "hermes")
+    assert auto is not None and auto.choice == "auto" and auto.constraint() is None
+    whole = _run(auto, HERMES)
+    streamed = _run(auto, HERMES, _random_pieces(HERMES, seed))
+    expected = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]
+    for content, deltas, calls, total in (whole, streamed):
+        assert content == total == "Let me check.\n"
+        assert _names_and_args(calls) == expected and _names_and_args(deltas) == expected
+        assert [c["index"] for c in calls] == [0, 1] and all(
+            c["id"].startswith("chatcmpl-tool-") for c in calls
+        )
+
+
+def test_hermes_text_that_is_not_a_call_stays_content() -> None:
+    auto = parse_tools({"tools": [WEATHER]}, "hermes")
+    assert auto is not None
+    plain = "No tools needed: 1 < 2 and <tool is not a call."
+    assert _run(auto, plain, _random_pieces(plain, 1))[0] == plain
+    broken = "Try <tool_call>{not json}</tool_call> done"
+    content, deltas, calls, _ = _run(auto, broken, _random_pieces(broken, 2))
+    assert content == broken and not deltas and not calls
+    unclosed = 'x <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'  # cut at the end
+    content, _, calls, _ = _run(auto, unclosed, _random_pieces(unclosed, 3))
+    assert content == "x " and _names_and_args(calls) == [("get_weather", {"city": "Rome"})]
+
+
+def test_required_reads_the_array_and_named_streams_the_arguments() -> None:
+    required = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"}, "none")
+    assert required is not None
+    text = '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Lima"}}]'
+    content, deltas, calls, _ = _run(required, text, _random_pieces(text, 4))
+    assert content == "" and _names_and_args(calls) == [("get_time", {}), ("get_weather", {"city": "Lima"})]
+    assert _names_and_args(deltas) == _names_and_args(calls)
+    cut = '[{"name":"get_time","param'  # max_tokens cut it: no call, the text as content
+    assert _run(required, cut)[:3] == (cut, [], [])
+    named = parse_tools(
+        {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        "hermes",
+    )
+    assert named is not None and named.function == "get_weather"
+    args = '{"city":"Kyiv","days":3}'
+    pieces = _random_pieces(args, 5)
+    content, deltas, calls, _ = _run(named, args, pieces)
+    assert content == "" and _names_and_args(calls) == [("get_weather", {"city": "Kyiv", "days": 3})]
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["function"]["arguments"] == pieces[0]
+    assert "".join(d["function"]["arguments"] for d in deltas) == args
+
+
+def test_the_constraints_compile_and_hold_the_shapes_the_parser_reads() -> None:
+    tools = {"tools": [WEATHER, TIME]}
+    required = parse_tools({**tools, "tool_choice": "required"}, "hermes")
+    named = parse_tools(
+        {**tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "hermes"
+    )
+    assert required is not None and named is not None
+    for request in (required, named):
+        spec = request.constraint()
+        assert spec is not None and spec.disable_any_whitespace
+        assert llguidance.LLMatcher.validate_grammar(spec.grammar_source()) == ""
+    schema = json.loads(required.constraint().json)  # type: ignore[union-attr]
+    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+    assert schema["minItems"] == 1 and names == [["get_weather"], ["get_time"]]
+    assert json.loads(named.constraint().json) == {"type": "object", "properties": {}}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("body", "parser", "message"),
+    [
+        ({"tool_choice": "auto"}, "hermes", "tool_choice needs tools"),
+        ({"tools": [{"type": "function"}]}, "hermes", r"tools\[0\] must be"),
+        ({"tools": [WEATHER, WEATHER]}, "hermes", "two functions named"),
+        ({"tools": [WEATHER]}, "none", "--tool-call-parser none"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "hermes", "tool_choice must be"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "hermes",
+         "not among the tools"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_400s_naming_the_field(body, parser: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        parse_tools(body, parser)
+    assert err.value.param in ("tools", "tool_choice")
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, "none") is not None  # no parsing needed
