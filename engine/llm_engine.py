@@ -244,6 +244,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         # Unfinished requests with prompt logprobs still to compute (most steps have none: no scan then).
         self._scoring: set[str] = set()
+        # Unfinished requests held to a grammar (structured outputs): steps look for their rows only then.
+        self._constrained: set[str] = set()
         self._inflight: _InFlight | None = None  # async_scheduling: the step whose tokens are unread
         self.lookahead_steps = 0
         self.lookahead_drains = 0
@@ -308,6 +310,8 @@ class LLMEngine:
             root_hash=self._salted_root(cache_salt),
         )
         self._start_grammar(seq)
+        if seq.grammar is not None:
+            self._constrained.add(request_id)
         self._seqs[request_id] = seq
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -425,6 +429,8 @@ class LLMEngine:
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens
         self._seqs[request_id] = seq
+        if seq.grammar is not None:
+            self._constrained.add(request_id)
         if seq.params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
         self._count_prompt(seq)
@@ -489,7 +495,8 @@ class LLMEngine:
             tokens = self.sampler.sample(logits, params, positions, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
-        logits = self._apply_grammars(logits, sample_seqs, positions)
+        if self._constrained:
+            logits = self._apply_grammars(logits, sample_seqs, positions)
         histories = (
             [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
             if any(p.has_penalties for p in params)
@@ -729,6 +736,7 @@ class LLMEngine:
     def _finalize(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self._scoring.discard(seq.request_id)
+        self._constrained.discard(seq.request_id)
         if seq.hold_kv and seq.finish_reason is not None:
             self._held[seq.request_id] = seq
         self._detok.pop(seq.request_id, None)

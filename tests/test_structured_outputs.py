@@ -185,7 +185,22 @@ def test_no_token_left_to_sample_aborts_the_request_and_frees_its_blocks(llm: LL
     assert outs[0].finish_reason == "abort" and len(outs[0].token_ids) == 1
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 10
     engine = llm.engine
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks and not engine._constrained
+
+
+def test_an_aborted_constrained_request_leaves_nothing_behind(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=CONSTRAINTS["grammar"])
+    engine.add_request("a", [3, 4, 5], params)
+    engine.add_request("b", [6, 7, 8], params)
+    engine.step()
+    assert engine._constrained == {"a", "b"}
+    engine.abort("a")
+    engine.step()
+    assert engine._constrained == {"b"}
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine._constrained and engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
 def test_an_imported_first_token_the_grammar_forbids_is_refused(llm: LLM) -> None:
@@ -205,7 +220,7 @@ def test_an_imported_first_token_the_grammar_forbids_is_refused(llm: LLM) -> Non
             tokens += out.new_token_ids
             text = out.text
     assert text == "xy" and tokens[-1] == EOS
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks and not engine._constrained
 
 
 def test_preemption_keeps_each_output_where_it_was_in_its_grammar(checkpoint) -> None:

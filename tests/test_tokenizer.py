@@ -119,4 +119,6 @@ def test_render_chat_passes_tools_and_template_kwargs_to_the_template() -> None:
     messages = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
     assert render_chat(tok, messages) == "user:hi|"
-    assert render_chat(tok, messages, tools=tools, enable_thinking=False) == "TOOLS:f;g;user:hi|<think></think>"
+    assert (
+        render_chat(tok, messages, tools=tools, enable_thinking=False) == "TOOLS:f;g;user:hi|<think></think>"
+    )
