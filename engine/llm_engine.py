@@ -479,6 +479,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
+        # Grammar masks depend only on tokens the host has: computed while the device runs the forward.
+        grammar_masks = self._grammar_masks(batch.seqs) if self._constrained else None
         sample_seqs, logits, prompt_logprobs = self.runner.execute(batch, bool(self._scoring))
         for seq, found in prompt_logprobs:
             seq.prompt_logprobs += found
@@ -495,8 +497,8 @@ class LLMEngine:
             tokens = self.sampler.sample(logits, params, positions, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
-        if self._constrained:
-            logits = self._apply_grammars(logits, sample_seqs, positions)
+        if grammar_masks is not None:
+            logits = self._apply_grammars(logits, sample_seqs, positions, *grammar_masks)
         histories = (
             [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
             if any(p.has_penalties for p in params)
@@ -508,20 +510,35 @@ class LLMEngine:
             self._append_token(seq, tok, lp)
             outputs.append(self._output(seq))
 
+    def _grammar_masks(self, seqs: list[Sequence]) -> tuple[dict[Sequence, int], torch.Tensor] | None:
+        """The next-token bitmasks of the constrained ones of ``seqs`` (each sequence's row in them), or
+        None when none is constrained."""
+        constrained = [s for s in seqs if s.grammar is not None]
+        if not constrained:
+            return None
+        masks = self.grammars.fill_masks([s.grammar for s in constrained])  # type: ignore[misc]
+        return {s: i for i, s in enumerate(constrained)}, masks
+
     def _apply_grammars(
-        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        positions: list[int],
+        mask_rows: dict[Sequence, int],
+        masks: torch.Tensor,
     ) -> torch.Tensor:
         """``logits`` with each constrained row held to its grammar (structured outputs). A row whose
         grammar is complete allows only end-of-sequence tokens, which its ``min_tokens`` would also forbid:
         its position is moved past ``min_tokens`` so that the row keeps them rather than sample from -inf."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
+        rows = [i for i, s in enumerate(seqs) if s in mask_rows]
+        if not rows:  # the constrained ones only computed prompt chunks
             return logits
-        matchers = [seqs[i].grammar for i in rows]
-        for i, m in zip(rows, matchers, strict=True):
-            if m.is_stopped:  # type: ignore[union-attr]
+        for i in rows:
+            if seqs[i].grammar.is_stopped:  # type: ignore[union-attr]
                 positions[i] = max(positions[i], seqs[i].params.min_tokens)
-        masks = self.grammars.fill_masks(matchers)  # type: ignore[arg-type]
+        taken = [mask_rows[seqs[i]] for i in rows]
+        if taken != list(range(masks.shape[0])):
+            masks = masks[taken]
         return apply_grammar_masks(logits, rows, masks)
 
     # ---- asynchronous scheduling: one decode step of lookahead ------------------------------------

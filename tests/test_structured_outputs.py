@@ -237,6 +237,24 @@ def test_preemption_keeps_each_output_where_it_was_in_its_grammar(checkpoint) ->
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+def test_prompts_in_chunks_beside_constrained_decodes_equal_whole_prompts(checkpoint, llm: LLM) -> None:
+    """A step budget of 8 tokens: constrained prompts are computed in chunks that sample nothing (their
+    masks computed before the forward go unused), beside rows that decode; the tokens are unchanged."""
+    prompts = [[i % 200 + 3 for i in range(start, start + 21)] for start in (0, 50, 90)]
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=CONSTRAINTS[k])
+        for k in ("json", "grammar", "regex")
+    ]
+    chunked = LLM(
+        model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8
+    )
+    expected = llm.generate(prompts, params)
+    got = chunked.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    plain = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0))
+    assert all(o.token_ids != p.token_ids for o, p in zip(got, plain, strict=True))  # the masks acted
+
+
 @pytest.mark.parametrize("kind", [*CONSTRAINTS, "json_object"])
 def test_the_proto_carries_each_kind(kind: str) -> None:
     spec = CONSTRAINTS.get(kind) or StructuredOutputs(json_object=True, disable_any_whitespace=True)
