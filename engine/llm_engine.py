@@ -498,7 +498,7 @@ class LLMEngine:
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
         if grammar_masks is not None:
-            logits = self._apply_grammars(logits, sample_seqs, positions, *grammar_masks)
+            logits = self._apply_grammars(logits, sample_seqs, params, *grammar_masks)
         histories = (
             [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
             if any(p.has_penalties for p in params)
@@ -523,19 +523,20 @@ class LLMEngine:
         self,
         logits: torch.Tensor,
         seqs: list[Sequence],
-        positions: list[int],
+        params: list[SamplingParams],
         mask_rows: dict[Sequence, int],
         masks: torch.Tensor,
     ) -> torch.Tensor:
         """``logits`` with each constrained row held to its grammar (structured outputs). A row whose
         grammar is complete allows only end-of-sequence tokens, which its ``min_tokens`` would also forbid:
-        its position is moved past ``min_tokens`` so that the row keeps them rather than sample from -inf."""
+        its entry of ``params`` becomes a copy without ``min_tokens``, so that the row keeps them rather
+        than sample from -inf (the request's own parameters are not changed)."""
         rows = [i for i, s in enumerate(seqs) if s in mask_rows]
         if not rows:  # the constrained ones only computed prompt chunks
             return logits
         for i in rows:
-            if seqs[i].grammar.is_stopped:  # type: ignore[union-attr]
-                positions[i] = max(positions[i], seqs[i].params.min_tokens)
+            if params[i].min_tokens and seqs[i].grammar.is_stopped:  # type: ignore[union-attr]
+                params[i] = dataclasses.replace(params[i], min_tokens=0)
         taken = [mask_rows[seqs[i]] for i in rows]
         if taken != list(range(masks.shape[0])):
             masks = masks[taken]
