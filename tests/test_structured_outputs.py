@@ -23,6 +23,7 @@ from engine.errors import InvalidRequestError
 from engine.structured_outputs import StructuredOutputs
 from mesh.structured_outputs_proto import structured_outputs_from_proto, structured_outputs_to_proto
 from tests.checkpoints import make_checkpoint
+from tests.kernel_testing import needs_gpu
 
 EOS = 257  # the checkpoints' tokenizer's </s>: a special token, as a real model's EOS is
 NEW_TOKENS = 48
@@ -259,3 +260,30 @@ def test_prompts_in_chunks_beside_constrained_decodes_equal_whole_prompts(checkp
 def test_the_proto_carries_each_kind(kind: str) -> None:
     spec = CONSTRAINTS.get(kind) or StructuredOutputs(json_object=True, disable_any_whitespace=True)
     assert structured_outputs_from_proto(structured_outputs_to_proto(spec)) == spec
+
+
+@needs_gpu
+def test_gpu_engine_holds_outputs_to_grammars_as_the_cpu_engine() -> None:
+    """On a GPU (Triton ops, decode graphs, asynchronous scheduling on, the masks copied from pinned host
+    memory): constrained greedy rows give the CPU engine's tokens, beside a free row, and once they are
+    done a free batch runs ahead again."""
+    prompts = [[5, 17, 99, 31], [200, 7, 7, 64, 12, 3], [9, 9, 9]]
+    params = [
+        SamplingParams(
+            max_tokens=60,
+            temperature=0.0,
+            structured_outputs={"json": SCHEMA, "disable_any_whitespace": True},
+        ),
+        SamplingParams(max_tokens=60, temperature=0.0, structured_outputs={"regex": r"[a-f]{2,5}-[0-9]{3}"}),
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+    ]
+    cpu = LLM("tiny-dense", device="cpu", dtype="float32")
+    gpu = LLM("tiny-dense", device="cuda", dtype="float32", num_kv_blocks=512)
+    assert gpu.engine.config.async_scheduling
+    expected = cpu.generate(prompts, params)
+    got = gpu.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert _matches("json", got[0].text) and _matches("regex", got[1].text)
+    before = gpu.engine.lookahead_steps
+    gpu.generate(prompts, [params[2]] * 3)
+    assert gpu.engine.lookahead_steps > before and not gpu.engine._constrained
