@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import check_choices, setting
+from router.reasoning import REASONING_PARSERS
 from router.scoring import ROUTING_MODES, RoutingWeights
 from router.scoring.weighted_picker import (
     DEFAULT_HOTSPOT_MARGIN_TOKENS,
@@ -103,6 +104,12 @@ class RouterConfig:
         'How chat replies are read for tool calls when tool_choice is "auto" (docs/api.md): hermes '
         '(<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), or none ("auto" is then a 400).',
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str = setting(
+        "none",
+        "How chat replies' thinking is split from their content (docs/api.md): qwen3 or deepseek_r1 put "
+        "the text inside <think>...</think> in reasoning_content; none leaves it in content.",
+        choices=REASONING_PARSERS,
     )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 

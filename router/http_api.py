@@ -40,6 +40,7 @@ from router.openai_protocol import (
     vllm_prompt_logprobs,
 )
 from router.orchestrator import Chunk, Orchestrator
+from router.reasoning import ReasoningStream
 from router.served_model import ServedModel
 from router.text_stream import TextStream, token_text
 from router.tool_calls import ToolCallStream
@@ -276,7 +277,14 @@ class _Choice:
         self.stop_reason: str | int | None = None
         self.usage: common_pb2.Usage | None = None
         self.stop_token_ids = set(sp.stop_token_ids)
-        # Chat with tools: the text read as content and tool calls (router.tool_calls).
+        # Chat with a reasoning parser: the text read as reasoning and content (router.reasoning).
+        self.reasoning = (
+            ReasoningStream(model.reasoning_parser)
+            if parsed.kind == "chat_completions" and model.reasoning_parser != "none"
+            else None
+        )
+        self.content = ""  # with a reasoning parser: the content part of the text
+        # Chat with tools: the content read as content and tool calls (router.tool_calls).
         tools = parsed.tools
         self.tools = ToolCallStream(tools) if tools is not None and tools.parses_output else None
 
@@ -358,6 +366,15 @@ class _Writer:
             c.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
             c.stop_reason = c.stop_reason_now()
             c.usage = chunk.usage
+        reasoning = ""
+        if c.reasoning is not None:
+            reasoning, delta = c.reasoning.add(delta)
+            if chunk.finished:
+                more_reasoning, rest = c.reasoning.finish()
+                reasoning, delta = reasoning + more_reasoning, delta + rest
+            c.content += delta
+            if not self.parsed.include_reasoning:
+                reasoning = ""
         calls: list[dict[str, Any]] = []
         if c.tools is not None:
             delta, calls = c.tools.add(delta)
@@ -366,9 +383,15 @@ class _Writer:
                 delta, calls = delta + rest, calls + more
                 if c.tools.calls and c.finish_reason == "stop" and c.tools.request.choice != "function":
                     c.finish_reason = "tool_calls"  # OpenAI's; a named function's call ends on "stop"
-        if not delta and logprobs is None and not chunk.finished and not calls:
+        if not delta and logprobs is None and not chunk.finished and not calls and not reasoning:
             return []
-        return [self._envelope([self._choice(c, delta, logprobs, stream=True, calls=calls)], chunk=True)]
+        choice = self._choice(c, delta, logprobs, stream=True, calls=calls)
+        if reasoning:
+            body = {"reasoning_content": reasoning, **choice["delta"]}
+            if not body.get("content"):
+                body.pop("content", None)
+            choice["delta"] = body
+        return [self._envelope([choice], chunk=True)]
 
     def _choice(
         self, c: _Choice, text: str, logprobs: Any, stream: bool, calls: list[dict[str, Any]] | None = None
@@ -445,7 +468,11 @@ class _Writer:
                     logprobs = CompletionLogprobs.merge(c.logprob_parts)
                 else:
                     logprobs = [entry for part in c.logprob_parts for entry in part]
-            choices.append(self._choice(c, c.echo + c.text.text, logprobs, stream=False))
+            text = c.content if c.reasoning is not None else c.echo + c.text.text
+            choice = self._choice(c, text, logprobs, stream=False)
+            if c.reasoning is not None and self.parsed.include_reasoning:
+                choice["message"]["reasoning_content"] = c.reasoning.reasoning or None
+            choices.append(choice)
         out = {**self._envelope(choices, chunk=False), "usage": self.usage()}
         if self.kind != "completions" and self.parsed.prompt_logprobs is not None:
             first = self.choices[

@@ -55,6 +55,7 @@ class ParsedRequest:
     # Chat: the template's further variables (tools, chat_template_kwargs) and how tool calls are read.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolRequest | None = None
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (with a reasoning parser)
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
@@ -328,6 +329,7 @@ def parse_chat(
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     req.sampling = _sampling(f, logprobs)
     _tools_and_template(f, req, tool_call_parser)
+    req.include_reasoning = f.bool("include_reasoning", True)
     max_completion = f.int("max_completion_tokens")
     req.sampling.max_tokens = max_completion if max_completion is not None else f.int("max_tokens")
     _prompt_logprobs(f, req)

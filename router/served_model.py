@@ -78,9 +78,11 @@ class ServedModel:
         max_model_len: int | None = None,
         default_max_tokens_cap: int = 4096,
         tool_call_parser: str = "hermes",
+        reasoning_parser: str = "none",
     ) -> None:
         tokenizer, config, name = load_tokenizer(model)
         self.tool_call_parser = tool_call_parser  # router.tool_calls: how "auto" tool calls are read
+        self.reasoning_parser = reasoning_parser  # router.reasoning: how chat replies' thinking is read
         self.tokenizer: Tokenizer = tokenizer
         self.config: ModelConfig = config
         self.name = served_name or name

@@ -111,6 +111,7 @@ class RouterService:
             config.max_model_len,
             config.default_max_tokens_cap,
             config.tool_call_parser,
+            config.reasoning_parser,
         )
         self.orchestrator = Orchestrator(
             self.pool,

@@ -76,3 +76,12 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """One token as text, for logprobs; ``token_id:<id>`` when it decodes to nothing (special tokens)."""
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     return text if text else f"token_id:{token_id}"
+
+
+def marker_prefix_length(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker``: what a stream holds back until the
+    next text shows whether the marker follows (``<tool_call>``, ``</think>``)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -29,6 +29,7 @@ from typing import Any
 
 from engine.structured_outputs import StructuredOutputs
 from router.errors import InvalidRequestError
+from router.text_stream import marker_prefix_length
 
 TOOL_CALL_PARSERS = ("hermes", "none")
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -178,7 +179,7 @@ class ToolCallStream:
                 continue
             start = self._buffer.find(CALL_START)
             if start < 0:
-                keep = _partial_suffix(self._buffer, CALL_START)  # may be the start of a call
+                keep = marker_prefix_length(self._buffer, CALL_START)  # may be the start of a call
                 ready, self._buffer = (
                     self._buffer[: len(self._buffer) - keep],
                     self._buffer[len(self._buffer) - keep :],
@@ -246,11 +247,3 @@ class ToolCallStream:
             return "", []
         self.calls[0]["function"]["arguments"] += delta
         return "", [{"index": 0, "function": {"arguments": delta}}]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (held back until it is known)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -562,6 +562,54 @@ def test_tool_calls_over_the_mesh_equal_offline(router: Router, llm: LLM, sampli
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", args)]
 
 
+def test_reasoning_parser_splits_thinking_from_content_and_tool_calls(pd_workers, llm: LLM) -> None:  # noqa: F811
+    """A router with --reasoning-parser qwen3: the <think> block goes to reasoning_content (whole and
+    streamed alike), the rest is content, whose hermes tool call is still read; include_reasoning false
+    drops it. The text is forced by a regex so that the random-weight model writes such a reply."""
+    prefill, decode = pd_workers
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, "--reasoning-parser", "qwen3",
+    )  # fmt: skip
+    try:
+        client = Router(proc, Path("unused")).client
+        messages = [{"role": "user", "content": "Think, then call."}]
+        forced = '<think>[a-z ]{3,12}</think>\n\nSure<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{2,5}", "days": 1\\}\\}</tool_call>'
+        ids = _chat_ids(llm, messages, [WEATHER_TOOL])
+        text = _offline(llm, ids, 160, temperature=0.0, structured_outputs={"regex": forced}).text
+        thought = text[len("<think>") : text.index("</think>")]
+        args = json.loads(text[text.index("{") :].removesuffix("</tool_call>"))["arguments"]
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "tools": [WEATHER_TOOL],
+            "max_tokens": 160,
+            "temperature": 0.0,
+        }
+        extra = {"guided_regex": forced}
+        message = client.chat.completions.create(**body, extra_body=extra).choices[0].message.model_dump()
+        assert message["reasoning_content"] == thought and message["content"] == "Sure"
+        assert [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+        ] == [("get_weather", args)]
+        reasoning, content, calls = "", "", []
+        for chunk in client.chat.completions.create(**body, extra_body=extra, stream=True):
+            delta = chunk.choices[0].delta.model_dump()
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            calls += delta.get("tool_calls") or []
+        assert (
+            reasoning == thought
+            and content == "Sure"
+            and [c["function"]["name"] for c in calls] == ["get_weather"]
+        )
+        hidden = client.chat.completions.create(**body, extra_body={**extra, "include_reasoning": False})
+        assert "reasoning_content" not in hidden.choices[0].message.model_dump()
+        assert hidden.choices[0].message.content == "Sure"
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
 def test_bad_tool_requests_get_a_400(router: Router) -> None:
     messages = [{"role": "user", "content": "x"}]
     cases = [
