@@ -405,7 +405,7 @@ class LLMEngine:
 
     def _start_grammar(self, seq: Sequence) -> None:
         if seq.params.structured_outputs is not None:
-            seq.grammar = self.grammars.matcher(seq.params.structured_outputs)
+            seq.grammar = self.grammars.matcher(seq.params.structured_outputs, seq.prompt_token_ids)
 
     def commit_import(
         self,
@@ -513,7 +513,7 @@ class LLMEngine:
     def _grammar_masks(self, seqs: list[Sequence]) -> tuple[dict[Sequence, int], torch.Tensor] | None:
         """The next-token bitmasks of the constrained ones of ``seqs`` (each sequence's row in them), or
         None when none is constrained."""
-        constrained = [s for s in seqs if s.grammar is not None]
+        constrained = [s for s in seqs if s.grammar is not None and s.grammar.phase != "reasoning"]
         if not constrained:
             return None
         masks = self.grammars.fill_masks([s.grammar for s in constrained])  # type: ignore[misc]

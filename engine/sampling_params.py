@@ -127,6 +127,12 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
                 )
+            so = self.structured_outputs
+            if so is not None and so.reasoning is not None and max(so.reasoning) >= vocab_size:
+                raise InvalidRequestError(
+                    f"structured_outputs reasoning tokens {list(so.reasoning)} are outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequestError(

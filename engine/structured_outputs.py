@@ -16,6 +16,7 @@ one request's compile does not stall the others' steps. This module owns no engi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -48,6 +49,9 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    # (think-start token, think-end token) of a reasoning model: the constraint starts after its thinking
+    # (``GrammarMatcher``), as vLLM's does with a reasoning parser. None: from the first token.
+    reasoning: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -55,6 +59,8 @@ class StructuredOutputs:
             object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.reasoning is not None:
+            object.__setattr__(self, "reasoning", tuple(self.reasoning))
 
     @property
     def kind(self) -> str:
@@ -87,6 +93,12 @@ class StructuredOutputs:
                 raise InvalidRequestError(f"structured_outputs json is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError("structured_outputs json must be a JSON schema (an object)")
+        if self.reasoning is not None and (
+            len(self.reasoning) != 2 or self.reasoning[0] == self.reasoning[1] or min(self.reasoning) < 0
+        ):
+            raise InvalidRequestError(
+                "structured_outputs reasoning must be two different token ids (think start, think end)"
+            )
 
     def grammar_source(self) -> str:
         """The constraint as an llguidance grammar (its errors surface when a matcher compiles it)."""
@@ -109,22 +121,49 @@ class StructuredOutputs:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and, for a reasoning model (``StructuredOutputs.reasoning``),
+    whether it is still thinking. ``phase``:
+    - "grammar": every token is held to the grammar;
+    - "reasoning": inside a think block, nothing is held until the think-end token;
+    - "opening": the output may open a think block: the first token is the grammar's or the think start.
+    Where it starts follows the prompt (vLLM's rule: reasoning ends where the end token is): a prompt whose
+    last think marker is a start (the template opened the block) starts in "reasoning"; one whose last is
+    an end (thinking turned off: the template wrote an empty block) in "grammar"; one with neither in
+    "opening"."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(
+        self, matcher: Any, reasoning: tuple[int, int] | None = None, prompt: Sequence[int] = ()
+    ) -> None:
         self._m = matcher
+        self.phase = "grammar"
+        self.think = reasoning
+        if reasoning is not None:
+            start, end = reasoning
+            last = next((t for t in reversed(prompt) if t in (start, end)), None)
+            self.phase = "opening" if last is None else "reasoning" if last == start else "grammar"
 
     def consume(self, token: int) -> bool:
         """Advance past ``token``; False when the grammar does not allow it (the matcher is then stuck)."""
+        if self.phase == "reasoning":
+            if token == self.think[1]:  # type: ignore[index]
+                self.phase = "grammar"
+            return True
+        if self.phase == "opening":
+            if token == self.think[0]:  # type: ignore[index]
+                self.phase = "reasoning"
+                return True
+            self.phase = "grammar"
         return bool(self._m.consume_token(token))
 
     def allows(self, token: int) -> bool:
+        if self.phase == "reasoning" or (self.phase == "opening" and token == self.think[0]):  # type: ignore[index]
+            return True
         return self._m.validate_tokens([token]) == 1
 
     @property
     def is_stopped(self) -> bool:
         """Whether the grammar is complete and only end-of-sequence tokens may follow."""
-        return bool(self._m.is_stopped())
+        return self.phase == "grammar" and bool(self._m.is_stopped())
 
     @property
     def error(self) -> str:
@@ -153,12 +192,13 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled matcher for ``spec`` (cached); InvalidRequestError with llguidance's message when
         the schema, regex or grammar is not valid."""
+        spec.validate()
+        spec = dataclasses.replace(spec, reasoning=None)  # the same grammar, thinking or not
         with self._lock:
             found = self._compiled.get(spec)
             if found is not None:
                 self._compiled.move_to_end(spec)
                 return found
-        spec.validate()
         try:
             import llguidance
         except ImportError:
@@ -177,13 +217,15 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         return matcher
 
-    def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
-        """A fresh matcher at the start of ``spec``'s grammar (a copy of the compiled one)."""
-        return GrammarMatcher(self.compile(spec).deep_copy())
+    def matcher(self, spec: StructuredOutputs, prompt: Sequence[int] = ()) -> GrammarMatcher:
+        """A fresh matcher at the start of ``spec``'s grammar (a copy of the compiled one), for a request
+        with this prompt (where its thinking, if any, stands)."""
+        return GrammarMatcher(self.compile(spec).deep_copy(), spec.reasoning, prompt)
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """The next-token bitmasks of ``matchers``, [n, ceil(vocab / 32)] int32 on the host (bit j of word w
-        allows token 32 w + j), computed in parallel on the host's cores."""
+        """The next-token bitmasks of ``matchers`` (none "reasoning"), [n, ceil(vocab / 32)] int32 on the
+        host (bit j of word w allows token 32 w + j), computed in parallel on the host's cores; an
+        "opening" row's also allows its think-start token."""
         import llguidance
 
         words = (self.vocab_size + 31) // 32
@@ -194,6 +236,11 @@ class GrammarCompiler:
         self._executor.unsafe_compute_mask_ptr(
             [(m._m, i) for i, m in enumerate(matchers)], masks.data_ptr(), words * 4, len(matchers)
         )
+        for i, m in enumerate(matchers):
+            if m.phase == "opening":
+                start = m.think[0]  # type: ignore[index]
+                word = masks[i, start // 32].item() | (1 << (start % 32))
+                masks[i, start // 32] = word - (1 << 32) if word >= 1 << 31 else word  # as int32
         return masks
 
 

@@ -3,12 +3,17 @@ router, which sends it, and the workers, which take it."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from engine.errors import InvalidRequestError
 from engine.structured_outputs import StructuredOutputs
 from protos.pdmesh.v1 import common_pb2
 
 
 def structured_outputs_to_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs:
     msg = common_pb2.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace)
+    if spec.reasoning is not None:
+        msg.think_start_token, msg.think_end_token = spec.reasoning
     kind = spec.kind
     if kind == "json":
         msg.json_schema = spec.json or ""
@@ -28,14 +33,21 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
-    whitespace = msg.disable_any_whitespace
+    common: dict[str, Any] = {"disable_any_whitespace": msg.disable_any_whitespace}
+    has_start, has_end = msg.HasField("think_start_token"), msg.HasField("think_end_token")
+    if has_start != has_end:
+        raise InvalidRequestError(
+            "structured_outputs needs both think_start_token and think_end_token, or neither"
+        )
+    if has_start:
+        common["reasoning"] = (msg.think_start_token, msg.think_end_token)
     if kind == "json_schema":
-        return StructuredOutputs(json=msg.json_schema, disable_any_whitespace=whitespace)
+        return StructuredOutputs(json=msg.json_schema, **common)
     if kind == "json_object":
         # json_object = false is a set oneof that asks for nothing: refused by validate (no kind set).
-        return StructuredOutputs(json_object=msg.json_object, disable_any_whitespace=whitespace)
+        return StructuredOutputs(json_object=msg.json_object, **common)
     if kind == "regex":
-        return StructuredOutputs(regex=msg.regex, disable_any_whitespace=whitespace)
+        return StructuredOutputs(regex=msg.regex, **common)
     if kind == "choice":
-        return StructuredOutputs(choice=tuple(msg.choice.choices), disable_any_whitespace=whitespace)
-    return StructuredOutputs(grammar=msg.grammar, disable_any_whitespace=whitespace)
+        return StructuredOutputs(choice=tuple(msg.choice.choices), **common)
+    return StructuredOutputs(grammar=msg.grammar, **common)

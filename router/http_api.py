@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -183,6 +184,12 @@ class HttpApi:
                 parsed = parse_completion(body, request.headers)
             else:
                 parsed = parse_chat(body, request.headers, self.model.tool_call_parser)
+            spec = parsed.sampling.structured_outputs
+            if kind == "chat_completions" and spec is not None and self.model.think_tokens is not None:
+                # With a reasoning parser the constraint holds the reply after its thinking (vLLM's rule).
+                parsed.sampling.structured_outputs = dataclasses.replace(
+                    spec, reasoning=self.model.think_tokens
+                )
             prefix = "cmpl" if kind == "completions" else "chatcmpl"
             request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
             choices = await build_choices(self.model, parsed, request_id, request.headers)

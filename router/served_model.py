@@ -16,6 +16,7 @@ loop only while the work in it lets go of the GIL: Python code (the chat templat
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +33,10 @@ from engine.tokenizer import Tokenizer, render_chat
 from mesh.structured_outputs_proto import structured_outputs_from_proto, structured_outputs_to_proto
 from protos.pdmesh.v1 import common_pb2
 from router.errors import InvalidRequestError, ModelNotFoundError
+from router.reasoning import THINK_END, THINK_START
 from router.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions and Generate
 
@@ -83,6 +87,13 @@ class ServedModel:
         tokenizer, config, name = load_tokenizer(model)
         self.tool_call_parser = tool_call_parser  # router.tool_calls: how "auto" tool calls are read
         self.reasoning_parser = reasoning_parser  # router.reasoning: how chat replies' thinking is read
+        # With a reasoning parser, chat constraints start after the thinking: its marker tokens.
+        self.think_tokens = think_tokens(tokenizer) if reasoning_parser != "none" else None
+        if reasoning_parser != "none" and self.think_tokens is None:
+            log.warning(
+                "the tokenizer has no single tokens for <think> and </think>: structured outputs will hold "
+                "a chat reply's thinking too"
+            )
         self.tokenizer: Tokenizer = tokenizer
         self.config: ModelConfig = config
         self.name = served_name or name
@@ -249,6 +260,14 @@ class ServedModel:
         return out
 
 
+def think_tokens(tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` where each is one token (Qwen3's, DeepSeek-R1's), else None."""
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_START, THINK_END)]
+    if all(len(i) == 1 for i in ids):
+        return ids[0][0], ids[1][0]
+    return None
+
+
 def _param_of(message: str) -> str | None:
     """The field an engine validation message names (it starts with the field's name)."""
     head = message.split(" ", 1)[0]
@@ -279,7 +298,10 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     s.include_stop_str_in_output = p.include_stop_str_in_output
     s.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
     if p.HasField("structured_outputs"):
-        s.structured_outputs = structured_outputs_from_proto(p.structured_outputs)
+        try:
+            s.structured_outputs = structured_outputs_from_proto(p.structured_outputs)
+        except EngineInvalidRequest as exc:
+            raise InvalidRequestError(str(exc), param="structured_outputs") from None
         if s.structured_outputs is None:
             raise InvalidRequestError(
                 "structured_outputs is set but names no constraint (json_schema, json_object, regex, "

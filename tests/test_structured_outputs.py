@@ -287,3 +287,83 @@ def test_gpu_engine_holds_outputs_to_grammars_as_the_cpu_engine() -> None:
     before = gpu.engine.lookahead_steps
     gpu.generate(prompts, [params[2]] * 3)
     assert gpu.engine.lookahead_steps > before and not gpu.engine._constrained
+
+
+THINK, END_THINK = 300, 301  # two unused ids of the built-in byte tokenizer's vocabulary, as markers
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("tiny-dense", num_kv_blocks=256)
+
+
+def _thinking(regex: str) -> StructuredOutputs:
+    return StructuredOutputs(regex=regex, reasoning=(THINK, END_THINK))
+
+
+def test_the_constraint_starts_after_the_thinking(tiny: LLM) -> None:
+    """A prompt that opens a think block: the output thinks unconstrained (here it is pushed to end its
+    thinking at once, then again later by a smaller bias) and is held to the grammar after the end token."""
+    regex = "[a-c]{4}"
+    bias = {END_THINK: 100.0}
+    out = tiny.generate([[104, 105, THINK]], SamplingParams(max_tokens=20, temperature=0.0, logit_bias=bias,
+                                                            structured_outputs=_thinking(regex)))[0]  # fmt: skip
+    assert out.token_ids[0] == END_THINK and re.fullmatch(regex, bytes(out.token_ids[1:-1]).decode())
+    assert out.finish_reason == "stop"
+    # Unconstrained thinking: without the bias the random model thinks until max_tokens, outside [a-c].
+    free = tiny.generate([[104, 105, THINK]], SamplingParams(max_tokens=20, temperature=0.0,
+                                                             structured_outputs=_thinking(regex)))[0]  # fmt: skip
+    plain = tiny.generate([[104, 105, THINK]], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert free.token_ids == plain.token_ids and END_THINK not in free.token_ids
+
+
+def test_a_closed_think_block_in_the_prompt_starts_the_constraint_at_once(tiny: LLM) -> None:
+    """Thinking turned off (the template wrote an empty block): the grammar from the first token, and the
+    think tokens are not allowed."""
+    bias = {THINK: 100.0, END_THINK: 100.0}
+    params = SamplingParams(
+        max_tokens=20, temperature=0.0, logit_bias=bias, structured_outputs=_thinking("[a-c]{4}")
+    )
+    out = tiny.generate([[104, THINK, END_THINK, 10]], params)[0]
+    assert (
+        re.fullmatch("[a-c]{4}", out.text) and THINK not in out.token_ids and END_THINK not in out.token_ids
+    )
+
+
+def test_an_output_may_open_a_think_block_or_answer_at_once(tiny: LLM) -> None:
+    """No marker in the prompt: the first token is the grammar's or the think start (Qwen3's rule)."""
+    spec = _thinking("[a-c]{4}")
+    opened = tiny.generate([[104, 105]], SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=spec,
+                                                        logit_bias={THINK: 100.0, END_THINK: 50.0},
+                                                        repetition_penalty=3.0))[0]  # fmt: skip
+    assert opened.token_ids[0] == THINK and END_THINK in opened.token_ids
+    after = opened.token_ids[opened.token_ids.index(END_THINK) + 1 : -1]
+    assert re.fullmatch("[a-c]{4}", bytes(after).decode()) and opened.finish_reason == "stop"
+    direct = tiny.generate([[104, 105]], SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=spec,
+                                                        logit_bias={END_THINK: 100.0}))[0]  # fmt: skip
+    assert re.fullmatch("[a-c]{4}", direct.text) and END_THINK not in direct.token_ids
+
+
+def test_an_imported_request_resumes_its_thinking_phase(tiny: LLM) -> None:
+    """A decode worker builds the matcher from the same prompt: a first token inside the think block is
+    allowed whatever it is; the grammar then starts after the end token."""
+    engine = tiny.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={END_THINK: 100.0},
+                            structured_outputs=_thinking("[a-c]{3}"))  # fmt: skip
+    engine.reserve_import("think", [104, 105, THINK], params)
+    engine.commit_import("think", ord("z"))  # thinking: not the grammar's, but allowed
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert tokens[0] == END_THINK and re.fullmatch("[a-c]{3}", bytes(tokens[1:-1]).decode())
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks and not engine._constrained
+
+
+def test_reasoning_markers_are_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="two different token ids"):
+        SamplingParams(structured_outputs=StructuredOutputs(regex="a", reasoning=(5, 5))).validate()
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        SamplingParams(structured_outputs=StructuredOutputs(regex="a", reasoning=(5, 9999))).validate(512)
+    spec = _thinking("a+")
+    assert structured_outputs_from_proto(structured_outputs_to_proto(spec)) == spec
