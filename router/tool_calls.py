@@ -2,11 +2,13 @@
 
 The tools go to the chat template (``tools=``), which tells the model how to call them. What the model
 writes back is turned into ``tool_calls``:
-- ``tool_choice: "auto"`` (the default with tools): the router's tool-call parser reads the text. The one
-  parser, ``hermes`` (vLLM's name; Qwen2.5/Qwen3, Hermes and others write calls so), takes each
+- ``tool_choice: "auto"`` (the default with tools): the router's tool-call parser reads the text (vLLM's
+  names). ``hermes`` (Qwen2.5/Qwen3, Hermes and others write calls so) takes each
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block as a call; the text before the first
-  block is the message's content. ``--tool-call-parser none`` refuses "auto" (400), as vLLM does without
-  ``--enable-auto-tool-choice``.
+  block is the message's content. ``llama3_json`` (Llama 3.1-3.3's JSON tool calling) takes a reply that
+  is JSON, ``{"name": ..., "parameters": {...}}`` objects separated by ``;`` (after an optional
+  ``<|python_tag|>``), as its calls; any other reply is content. ``--tool-call-parser none`` refuses
+  "auto" (400), as vLLM does without ``--enable-auto-tool-choice``.
 - ``"required"``: the output is held (structured outputs) to a JSON array of ``{"name", "parameters"}``
   objects, one of the tools each, with its parameters' schema: vLLM's rule. Each item is a call.
 - a named function: the output is held to that function's parameters schema and is its arguments
@@ -31,7 +33,8 @@ from engine.structured_outputs import StructuredOutputs
 from router.errors import InvalidRequestError
 from router.text_stream import marker_prefix_length
 
-TOOL_CALL_PARSERS = ("hermes", "none")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker before a tool call (a special token: often not in the text)
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
@@ -42,6 +45,7 @@ class ToolRequest:
     choice: str  # "none" | "auto" | "required" | "function"
     function: str | None = None  # with choice "function": its name
     parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call
+    parser: str = "hermes"  # with choice "auto": TOOL_CALL_PARSERS
 
     @property
     def parses_output(self) -> bool:
@@ -104,7 +108,7 @@ def parse_tools(body: dict[str, Any], parser: str) -> ToolRequest | None:
                 'tool_choice "auto" needs a tool-call parser; this router runs with --tool-call-parser none',
                 param="tool_choice",
             )
-        return ToolRequest(tools, schemas, "auto", parallel=parallel)
+        return ToolRequest(tools, schemas, "auto", parallel=parallel, parser=parser)
     if choice in ("none", "required"):
         return ToolRequest(tools, schemas, choice, parallel=parallel)
     name = None
@@ -147,6 +151,23 @@ def _hermes_call(block: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls of a Llama 3 JSON reply (objects separated by ``;``), or None if it is not only calls."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("parameters", obj.get("arguments", {}))
+        calls.append((obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+    return calls or None
+
+
 @dataclass
 class ToolCallStream:
     """One choice's text as content and tool calls. ``add`` takes each text delta and returns the content
@@ -158,6 +179,7 @@ class ToolCallStream:
     _buffer: str = ""
     _in_call: bool = False
     _seen_call: bool = False  # after the first call, text outside calls is not content (vLLM's rule)
+    _json_reply: bool | None = None  # llama3_json: whether the reply is JSON (None: not known yet)
 
     def add(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         choice = self.request.choice
@@ -166,6 +188,8 @@ class ToolCallStream:
         self._buffer += delta
         if choice == "required":
             return "", []
+        if self.request.parser == "llama3_json":
+            return self._llama3_add()
         out_text, out_calls = "", []
         while True:
             if self._in_call:
@@ -198,6 +222,8 @@ class ToolCallStream:
             return "", []
         if self.request.choice == "required":
             return self._required(rest)
+        if self.request.parser == "llama3_json":
+            return self._llama3_finish(rest)
         if self._in_call:  # an unclosed last block: a call if it parses whole
             self._in_call = False
             text, calls = self._settle_block(rest, closed=False)
@@ -234,6 +260,31 @@ class ToolCallStream:
         for item in items:
             args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
             self.calls.append(_call(len(self.calls), str(item["name"]), args))
+        return "", list(self.calls)
+
+    def _llama3_add(self) -> tuple[str, list[dict[str, Any]]]:
+        """Content passes through at once unless the reply opens as JSON; a JSON reply waits for its end."""
+        if self._json_reply is None:
+            head = self._buffer.lstrip()
+            if not head or PYTHON_TAG.startswith(head):
+                return "", []  # not known yet
+            self._json_reply = head.startswith(("{", PYTHON_TAG))
+        if self._json_reply:
+            return "", []
+        text, self._buffer = self._buffer, ""
+        self.content += text
+        return text, []
+
+    def _llama3_finish(self, rest: str) -> tuple[str, list[dict[str, Any]]]:
+        if not self._json_reply:
+            self.content += rest
+            return rest, []
+        found = _llama3_calls(rest.strip().removeprefix(PYTHON_TAG))
+        if found is None:  # not calls after all: the reply is content
+            self.content += rest
+            return rest, []
+        for name, arguments in found[: None if self.request.parallel else 1]:
+            self.calls.append(_call(len(self.calls), name, arguments))
         return "", list(self.calls)
 
     def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:

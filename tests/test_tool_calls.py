@@ -139,3 +139,33 @@ def test_bad_tools_are_400s_naming_the_field(body, parser: str, message: str) ->
         parse_tools(body, parser)
     assert err.value.param in ("tools", "tool_choice")
     assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, "none") is not None  # no parsing needed
+
+
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}; {"name": "get_time", "parameters": {}}'
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_llama3_json_calls_are_the_same_whole_and_streamed(seed: int) -> None:
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "llama3_json")
+    assert auto is not None and auto.parser == "llama3_json"
+    expected = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]
+    for text in (LLAMA, LLAMA.removeprefix("<|python_tag|>"), "\n" + LLAMA):
+        for content, deltas, calls, total in (_run(auto, text), _run(auto, text, _random_pieces(text, seed))):
+            assert content == total == "" and _names_and_args(calls) == expected == _names_and_args(deltas)
+    one = parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": False}, "llama3_json")
+    assert one is not None and _names_and_args(_run(one, LLAMA)[2]) == expected[:1]
+
+
+def test_llama3_json_replies_that_are_not_calls_are_content() -> None:
+    auto = parse_tools({"tools": [WEATHER]}, "llama3_json")
+    assert auto is not None
+    stream = ToolCallStream(auto)
+    assert stream.add("It is ") == ("It is ", [])  # prose passes through at once
+    assert stream.add("sunny {really}") == ("sunny {really}", []) and stream.finish() == ("", [])
+    for text in (
+        '{"city": "no name"}',
+        '{"name": "get_weather", "parameters": {"city": "Os',
+        "<|python_tag|>nope",
+    ):
+        content, deltas, calls, _ = _run(auto, text, _random_pieces(text, 1))
+        assert content == text and not deltas and not calls
