@@ -689,3 +689,5 @@ def test_chat_tools_constraints_and_template_kwargs_are_parsed() -> None:
     assert err.value.param == "chat_template_kwargs"
     with pytest.raises(InvalidRequestError, match="parser"):
         parse_chat({"messages": body["messages"], "tools": [tool]}, tool_call_parser="none")
+    llama = parse_chat({"messages": body["messages"], "tools": [tool]}, tool_call_parser="llama3_json")
+    assert llama.tools is not None and llama.tools.parser == "llama3_json" and llama.tools.choice == "auto"
