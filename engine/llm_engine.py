@@ -493,12 +493,12 @@ class LLMEngine:
             return
         positions = [len(s.output_token_ids) for s in sample_seqs]
         params = [s.params for s in sample_seqs]
+        if grammar_masks is not None:
+            logits = self._apply_grammars(logits, sample_seqs, params, *grammar_masks)
         if self.config.async_scheduling and self._can_run_ahead(batch.seqs, sample_seqs):
             tokens = self.sampler.sample(logits, params, positions, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight.start(sample_seqs, tokens, self.runner.late_point)
             return
-        if grammar_masks is not None:
-            logits = self._apply_grammars(logits, sample_seqs, params, *grammar_masks)
         histories = (
             [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
             if any(p.has_penalties for p in params)
@@ -670,9 +670,13 @@ class LLMEngine:
             seq.num_computed_tokens += n
             pool.cache_full_blocks(seq)
         positions = [len(s.output_token_ids) for s in seqs]
-        tokens = self.sampler.sample(
-            logits, [s.params for s in seqs], positions, eos_token_ids=self.eos_token_ids
-        )
+        params = [s.params for s in seqs]
+        # The tokens just read have advanced every grammar: its masks for this step are known now, on
+        # the host, while the device still runs this step's forward.
+        grammar_masks = self._grammar_masks(seqs) if self._constrained else None
+        if grammar_masks is not None:
+            logits = self._apply_grammars(logits, seqs, params, *grammar_masks)
+        tokens = self.sampler.sample(logits, params, positions, eos_token_ids=self.eos_token_ids)
         self._inflight = _InFlight.start(seqs, tokens, self.runner.late_point)
         return True
 

@@ -75,8 +75,9 @@ class SamplingParams:
     def needs_host_step(self) -> bool:
         """Whether a step that samples this request must run synchronously: its logprobs are computed on
         the host, and its penalties need its whole output so far, which a token still on the device
-        (asynchronous scheduling) would leave short; a grammar's mask is computed from every token so far."""
-        return self.logprobs is not None or self.has_penalties or self.structured_outputs is not None
+        (asynchronous scheduling) would leave short. (A grammar's mask needs every token so far too, but a
+        lookahead step samples only after the tokens in flight are read: structured outputs run ahead.)"""
+        return self.logprobs is not None or self.has_penalties
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -6,8 +6,9 @@ The grammars run on llguidance (vLLM's ``guidance`` backend): ``GrammarCompiler`
 (an LRU of compiled matchers, copied per request); a request's ``GrammarMatcher`` follows its tokens, and
 before each token it samples, ``apply_grammar_masks`` sets the logit of every token its grammar does not
 allow next to -inf. Once the grammar is complete only the end-of-sequence tokens are allowed, so a
-constrained request stops on its own. The masks are computed on the host from tokens the host has read,
-so such a request's steps run synchronously (``SamplingParams.needs_host_step``).
+constrained request stops on its own. The masks are computed on the host from the tokens the host has
+read: before a synchronous step's forward is launched, or, in a lookahead step (asynchronous
+scheduling), once the tokens in flight are read, while its forward runs; either way before sampling.
 
 Compiling can take from a millisecond to a second for large schemas: serving code calls
 ``GrammarCompiler.compile`` off the engine's thread first (the engine then finds it in the cache), so

@@ -367,3 +367,41 @@ def test_reasoning_markers_are_checked() -> None:
         SamplingParams(structured_outputs=StructuredOutputs(regex="a", reasoning=(5, 9999))).validate(512)
     spec = _thinking("a+")
     assert structured_outputs_from_proto(structured_outputs_to_proto(spec)) == spec
+
+
+def test_constrained_requests_run_ahead_with_asynchronous_scheduling() -> None:
+    """Lookahead steps sample after the tokens in flight are read, so grammars (advanced by those tokens)
+    mask them: constrained rows, beside free ones and joining while steps are in flight, give the tokens
+    of the synchronous engine, and the steps do run ahead."""
+    spec = {"json": SCHEMA, "disable_any_whitespace": True}
+    params = [
+        SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=spec),
+        SamplingParams(max_tokens=80, temperature=0.9, seed=4, structured_outputs=spec),
+        SamplingParams(
+            max_tokens=40, temperature=0.9, seed=5, structured_outputs={"regex": "[a-f]{2,9}-[0-9]{3}"}
+        ),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=6, ignore_eos=True),
+    ]
+    prompts = [list(b"Person one:"), list(b"Person two:"), list(b"Code:"), list(b"free")]
+
+    def run(async_scheduling: bool) -> tuple[dict[str, list[int]], int]:
+        engine = LLM("tiny-dense", num_kv_blocks=256, async_scheduling=async_scheduling).engine
+        tokens: dict[str, list[int]] = {}
+        for i in (0, 3):
+            engine.add_request(str(i), prompts[i], params[i])
+        for step in range(200):
+            if step == 3:  # joining while a step is in flight
+                for i in (1, 2):
+                    engine.add_request(str(i), prompts[i], params[i])
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if step > 3 and not engine.has_unfinished():
+                break
+        assert not engine._constrained and engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        return tokens, engine.lookahead_steps
+
+    expected, _ = run(False)
+    got, lookahead = run(True)
+    assert got == expected and lookahead > 20
+    for i in (0, 1):
+        assert _matches("json", bytes(t for t in got[str(i)] if t < 256).decode())
