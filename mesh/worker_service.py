@@ -337,6 +337,18 @@ class WorkerMetrics:
             "from the host: CPU, torch ops, or a step larger than the graphs hold).",
             ["kind"],
         )
+        self.structured_requests = m.counter(
+            "structured_output_requests",
+            "total",
+            "Requests held to a structured output, by kind: json, json_object, regex, choice, grammar.",
+            ["kind"],
+        )
+        self.grammar_compile_time = m.histogram(
+            "grammar_compile_time",
+            "seconds",
+            "Time to have a request's structured-output constraint compiled (microseconds when cached).",
+            buckets=(0.0001, 0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0),
+        )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         self._totals = [
             (self.prompt_tokens, "prompt_tokens_total"),
@@ -479,8 +491,12 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         """The engine's parameters for a request. A structured-output constraint is compiled here, on a
         thread of its own, so that the engine thread (which then finds it compiled) never waits on it."""
         params = SamplingParams(**sampling_kwargs(p))
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+        spec = params.structured_outputs
+        if spec is not None:
+            started = time.monotonic()
+            await asyncio.to_thread(self.engine.grammars.compile, spec)
+            self.metrics.grammar_compile_time.observe(time.monotonic() - started)
+            self.metrics.structured_requests.labels(kind=spec.kind).inc()
         return params
 
     # ---- drain and admission -------------------------------------------------------------------

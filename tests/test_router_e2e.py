@@ -631,6 +631,31 @@ def test_bad_tool_requests_get_a_400(router: Router) -> None:
         )
 
 
+def _metric(svc: ServiceProcess, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_structured_outputs_are_counted_on_the_workers(router: Router, pd_workers) -> None:  # noqa: F811
+    """Each worker counts the constrained requests it takes, by kind, and times their compiles."""
+    counted = [
+        (svc, f"pdmesh_{role}_structured_output_requests_total", '{kind="choice"}')
+        for svc, role in zip(pd_workers, ("prefill", "decode"), strict=True)
+    ]
+    before = [_metric(*c) for c in counted]
+    compiles = _metric(pd_workers[0], "pdmesh_prefill_grammar_compile_time_seconds_count")
+    router.client.completions.create(
+        model=MODEL,
+        prompt="Pick:",
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["up", "down"]}},
+    )
+    assert [_metric(*c) for c in counted] == [b + 1 for b in before]
+    assert _metric(pd_workers[0], "pdmesh_prefill_grammar_compile_time_seconds_count") == compiles + 1
+
+
 def test_bad_structured_outputs_get_a_400_and_hold_nothing(router: Router, pd_workers) -> None:  # noqa: F811
     cases = [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
