@@ -165,6 +165,17 @@ def test_bad_constraints_are_refused_before_anything_is_allocated(llm: LLM, spec
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
+def test_logprobs_are_those_of_the_masked_logits(llm: LLM) -> None:
+    """As vLLM's: a constrained token's alternatives are only tokens its grammar allowed there."""
+    spec = StructuredOutputs(choice=("north", "south"))
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, structured_outputs=spec)
+    )[0]
+    first = out.logprobs[0]
+    assert {t for t, _ in first.top if _ > float("-inf")} == {ord("n") - 33, ord("s") - 33}  # byte-level ids
+    assert first.rank == 1 and all(lp.logprob > float("-inf") for lp in out.logprobs)
+
+
 def test_a_complete_grammar_ends_the_request_despite_min_tokens(llm: LLM) -> None:
     spec = StructuredOutputs(choice=("ab",))
     out = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=20, min_tokens=10, structured_outputs=spec))[0]
