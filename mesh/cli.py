@@ -220,6 +220,10 @@ class Mesh:
             a.model,
             "--routing",
             a.routing,
+            "--tool-call-parser",
+            a.tool_call_parser,
+            "--reasoning-parser",
+            a.reasoning_parser,
         ]
         if self.prefill_addrs:
             router_argv += ["--prefill-workers", *self.prefill_addrs]
@@ -337,6 +341,16 @@ class LauncherSettings:
     )
     redis_url: str | None = setting(None, "Redis for the registry and the KV index (default: none).")
     kv_transfer: str = setting("nixl", "KV transfer backend.", choices=("nixl", "local"))
+    tool_call_parser: str = setting(
+        "hermes",
+        'How the router reads chat replies for tool calls when tool_choice is "auto".',
+        choices=("hermes", "llama3_json", "none"),
+    )
+    reasoning_parser: str = setting(
+        "none",
+        "How the router splits chat replies' thinking into reasoning_content.",
+        choices=("none", "qwen3", "deepseek_r1"),
+    )
 
 
 def _add_mesh_args(p: argparse.ArgumentParser) -> None:

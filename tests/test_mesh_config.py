@@ -101,7 +101,10 @@ def test_the_launchers_choices_are_those_of_the_settings_it_passes_them_to() -> 
 
     launcher = choices(LauncherSettings)
     owners = choices(EngineConfig) | choices(RouterConfig) | choices(WorkerSettings)
-    assert set(launcher) == {"device", "dtype", "kv_cache_dtype", "quantization", "routing", "kv_transfer"}
+    assert set(launcher) == {
+        "device", "dtype", "kv_cache_dtype", "quantization", "routing", "kv_transfer", "tool_call_parser",
+        "reasoning_parser",
+    }  # fmt: skip
     assert all(launcher[name] == owners[name] for name in launcher), (launcher, owners)
 
 
