@@ -42,7 +42,8 @@ class StructuredOutputs:
     """Exactly one of: ``json`` (a JSON schema, as JSON text or an object), ``json_object`` (any JSON
     object), ``regex``, ``choice`` (the output is one of these strings) or ``grammar`` (Lark, or llama.cpp's
     GBNF). ``disable_any_whitespace``: JSON without whitespace between tokens (vLLM's option; by default
-    any JSON whitespace is allowed). Hashable: the compiled-grammar cache's key."""
+    any JSON whitespace is allowed); ``whitespace_pattern``: a regex the whitespace between JSON tokens must
+    match instead (vLLM's ``guided_whitespace_pattern``). Hashable: the compiled-grammar cache's key."""
 
     json: str | None = None
     json_object: bool = False
@@ -50,6 +51,7 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
     # (think-start token, think-end token) of a reasoning model: the constraint starts after its thinking
     # (``GrammarMatcher``), as vLLM's does with a reasoning parser. None: from the first token.
     reasoning: tuple[int, int] | None = None
@@ -94,6 +96,10 @@ class StructuredOutputs:
                 raise InvalidRequestError(f"structured_outputs json is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError("structured_outputs json must be a JSON schema (an object)")
+        if self.whitespace_pattern is not None and self.disable_any_whitespace:
+            raise InvalidRequestError(
+                "structured_outputs takes disable_any_whitespace or whitespace_pattern, not both"
+            )
         if self.reasoning is not None and (
             len(self.reasoning) != 2 or self.reasoning[0] == self.reasoning[1] or min(self.reasoning) < 0
         ):
@@ -106,6 +112,8 @@ class StructuredOutputs:
         import llguidance
 
         options: dict[str, Any] = {"whitespace_flexible": not self.disable_any_whitespace}
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
         kind = self.kind
         try:
             if kind == "json":

@@ -14,6 +14,8 @@ def structured_outputs_to_proto(spec: StructuredOutputs) -> common_pb2.Structure
     msg = common_pb2.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace)
     if spec.reasoning is not None:
         msg.think_start_token, msg.think_end_token = spec.reasoning
+    if spec.whitespace_pattern is not None:
+        msg.whitespace_pattern = spec.whitespace_pattern
     kind = spec.kind
     if kind == "json":
         msg.json_schema = spec.json or ""
@@ -34,6 +36,8 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
     if kind is None:
         return None
     common: dict[str, Any] = {"disable_any_whitespace": msg.disable_any_whitespace}
+    if msg.HasField("whitespace_pattern"):
+        common["whitespace_pattern"] = msg.whitespace_pattern
     has_start, has_end = msg.HasField("think_start_token"), msg.HasField("think_end_token")
     if has_start != has_end:
         raise InvalidRequestError(

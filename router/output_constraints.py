@@ -29,6 +29,7 @@ STRUCTURED_KEYS = {
     "choice",
     "grammar",
     "disable_any_whitespace",
+    "whitespace_pattern",
     "disable_fallback",
 }
 
@@ -47,7 +48,8 @@ def parse_output_constraint(body: Mapping[str, Any]) -> StructuredOutputs | None
     guided = {name: body[name] for name in GUIDED_FIELDS if body.get(name) is not None}
     if guided:
         values = {GUIDED_FIELDS[name]: value for name, value in guided.items()}
-        values["disable_any_whitespace"] = body.get("guided_whitespace_pattern") == ""
+        if body.get("guided_whitespace_pattern") is not None:
+            values["whitespace_pattern"] = body["guided_whitespace_pattern"]
         found[" and ".join(guided)] = _spec(values, next(iter(guided)), prefix="")
     if len(found) > 1:
         raise InvalidRequestError(
@@ -100,7 +102,11 @@ def _structured_outputs(value: Any) -> StructuredOutputs:
 
 def _spec(values: dict[str, Any], param: str, prefix: str) -> StructuredOutputs:
     """A ``StructuredOutputs`` from vLLM-named values, each type checked."""
-    names = {v: k for k, v in GUIDED_FIELDS.items()} if not prefix else {}
+    guided_names = {
+        **{v: k for k, v in GUIDED_FIELDS.items()},
+        "whitespace_pattern": "guided_whitespace_pattern",
+    }
+    names = guided_names if not prefix else {}
 
     def bad(key: str, want: str) -> InvalidRequestError:
         return InvalidRequestError(f"'{prefix}{names.get(key, key)}' must be {want}", param=param)
@@ -116,6 +122,10 @@ def _spec(values: dict[str, Any], param: str, prefix: str) -> StructuredOutputs:
         if not isinstance(schema, dict):
             raise bad("json", "a JSON schema (an object, or its JSON text)")
         kwargs["json"] = json.dumps(schema, sort_keys=True)
+    if "whitespace_pattern" in values:
+        if not isinstance(values["whitespace_pattern"], str):
+            raise bad("whitespace_pattern", "a string (a regex)")
+        kwargs["whitespace_pattern"] = values["whitespace_pattern"]
     for key in ("regex", "grammar"):
         if key in values:
             if not isinstance(values[key], str):

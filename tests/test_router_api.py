@@ -691,3 +691,11 @@ def test_chat_tools_constraints_and_template_kwargs_are_parsed() -> None:
         parse_chat({"messages": body["messages"], "tools": [tool]}, tool_call_parser="none")
     llama = parse_chat({"messages": body["messages"], "tools": [tool]}, tool_call_parser="llama3_json")
     assert llama.tools is not None and llama.tools.parser == "llama3_json" and llama.tools.choice == "auto"
+    guided = parse_chat(
+        {"messages": body["messages"], "guided_json": {"type": "object"}, "guided_whitespace_pattern": " ?"}
+    )
+    assert guided.sampling.structured_outputs is not None
+    assert guided.sampling.structured_outputs.whitespace_pattern == " ?"
+    with pytest.raises(InvalidRequestError, match="not both"):
+        parse_chat({"messages": body["messages"],
+                    "structured_outputs": {"json_object": True, "whitespace_pattern": "", "disable_any_whitespace": True}})  # fmt: skip

@@ -176,6 +176,30 @@ def test_logprobs_are_those_of_the_masked_logits(llm: LLM) -> None:
     assert first.rank == 1 and all(lp.logprob > float("-inf") for lp in out.logprobs)
 
 
+def test_a_whitespace_pattern_holds_the_whitespace_between_json_tokens() -> None:
+    """vLLM's guided_whitespace_pattern: the built-in model, which left to itself writes runs of newlines
+    and tabs between JSON tokens, writes at most single spaces there."""
+    llm = LLM("tiny-dense", num_kv_blocks=256)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    free_ws, held_ws = set(), set()
+    for seed in range(4):
+        params = {"max_tokens": 60, "temperature": 1.0, "seed": seed}
+        free = llm.generate(["x"], SamplingParams(**params, structured_outputs={"json": schema}))[0].text
+        held = llm.generate(
+            ["x"], SamplingParams(**params, structured_outputs={"json": schema, "whitespace_pattern": " ?"})
+        )[0]
+        free_ws |= set(re.findall(r"\s+", free))
+        held_ws |= set(re.findall(r"\s+", held.text))
+        if held.finish_reason == "stop":
+            assert set(json.loads(held.text)) == {"a", "b"}
+    assert held_ws <= {" "} and free_ws - {" "}  # without the pattern the model does write other runs
+    with pytest.raises(InvalidRequestError, match="not both"):
+        StructuredOutputs(
+            json=json.dumps(schema), whitespace_pattern="", disable_any_whitespace=True
+        ).validate()
+
+
 def test_a_complete_grammar_ends_the_request_despite_min_tokens(llm: LLM) -> None:
     spec = StructuredOutputs(choice=("ab",))
     out = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=20, min_tokens=10, structured_outputs=spec))[0]
@@ -269,7 +293,7 @@ def test_prompts_in_chunks_beside_constrained_decodes_equal_whole_prompts(checkp
 
 @pytest.mark.parametrize("kind", [*CONSTRAINTS, "json_object"])
 def test_the_proto_carries_each_kind(kind: str) -> None:
-    spec = CONSTRAINTS.get(kind) or StructuredOutputs(json_object=True, disable_any_whitespace=True)
+    spec = CONSTRAINTS.get(kind) or StructuredOutputs(json_object=True, whitespace_pattern="[ ]?")
     assert structured_outputs_from_proto(structured_outputs_to_proto(spec)) == spec
 
 

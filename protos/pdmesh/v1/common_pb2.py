@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdmesh/v1/common.proto\x12\tpdmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\t\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1c.pdmesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x9b\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.pdmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x1e\n\x11think_start_token\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fthink_end_token\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x06\n\x04kindB\x14\n\x12_think_start_tokenB\x12\n\x10_think_end_token\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x08Logprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"m\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_parent_hash\"D\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\"1\n\x10\x41llBlocksCleared\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\"\xb3\x01\n\x07KVEvent\x12\x30\n\rblocks_stored\x18\x01 \x01(\x0b\x32\x17.pdmesh.v1.BlocksStoredH\x00\x12\x32\n\x0e\x62locks_removed\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.BlocksRemovedH\x00\x12\x39\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x1b.pdmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.pdmesh.v1.KVEvent\"\xc0\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x03\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"S\n\x17TransferMetadataRequest\x12\x1c\n\x14requester_agent_name\x18\x01 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\"\xc1\x01\n\x10TransferMetadata\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x19\n\x11pool_base_address\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x10\n\x08mem_type\x18\x08 \x01(\t\"\xdd\x02\n\x0bWorkerStats\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.pdmesh.v1.WorkerRole\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x16\n\x0erunning_tokens\x18\t \x01(\x04\x12\x15\n\rqueued_tokens\x18\n \x01(\x04\x12\x10\n\x08kv_usage\x18\x0b \x01(\x02\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x1a\n\x12layout_fingerprint\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdmesh/v1/common.proto\x12\tpdmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\t\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1c.pdmesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xd3\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.pdmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x1e\n\x11think_start_token\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fthink_end_token\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x1f\n\x12whitespace_pattern\x18\t \x01(\tH\x03\x88\x01\x01\x42\x06\n\x04kindB\x14\n\x12_think_start_tokenB\x12\n\x10_think_end_tokenB\x15\n\x13_whitespace_pattern\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x08Logprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"m\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_parent_hash\"D\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\"1\n\x10\x41llBlocksCleared\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\"\xb3\x01\n\x07KVEvent\x12\x30\n\rblocks_stored\x18\x01 \x01(\x0b\x32\x17.pdmesh.v1.BlocksStoredH\x00\x12\x32\n\x0e\x62locks_removed\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.BlocksRemovedH\x00\x12\x39\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x1b.pdmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.pdmesh.v1.KVEvent\"\xc0\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x03\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"S\n\x17TransferMetadataRequest\x12\x1c\n\x14requester_agent_name\x18\x01 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\"\xc1\x01\n\x10TransferMetadata\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x19\n\x11pool_base_address\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x10\n\x08mem_type\x18\x08 \x01(\t\"\xdd\x02\n\x0bWorkerStats\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.pdmesh.v1.WorkerRole\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x16\n\x0erunning_tokens\x18\t \x01(\x04\x12\x15\n\rqueued_tokens\x18\n \x01(\x04\x12\x10\n\x08kv_usage\x18\x0b \x01(\x02\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x1a\n\x12layout_fingerprint\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2791
-  _globals['_FINISHREASON']._serialized_end=2936
-  _globals['_TIER']._serialized_start=2938
-  _globals['_TIER']._serialized_end=3009
-  _globals['_WORKERROLE']._serialized_start=3011
-  _globals['_WORKERROLE']._serialized_end=3101
+  _globals['_FINISHREASON']._serialized_start=2847
+  _globals['_FINISHREASON']._serialized_end=2992
+  _globals['_TIER']._serialized_start=2994
+  _globals['_TIER']._serialized_end=3065
+  _globals['_WORKERROLE']._serialized_start=3067
+  _globals['_WORKERROLE']._serialized_end=3157
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=652
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=700
   _globals['_STRUCTUREDOUTPUTS']._serialized_start=876
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1159
-  _globals['_CHOICES']._serialized_start=1161
-  _globals['_CHOICES']._serialized_end=1187
-  _globals['_TOKENLOGPROB']._serialized_start=1189
-  _globals['_TOKENLOGPROB']._serialized_end=1238
-  _globals['_LOGPROBS']._serialized_start=1240
-  _globals['_LOGPROBS']._serialized_end=1346
-  _globals['_USAGE']._serialized_start=1348
-  _globals['_USAGE']._serialized_end=1435
-  _globals['_BLOCKSSTORED']._serialized_start=1437
-  _globals['_BLOCKSSTORED']._serialized_end=1546
-  _globals['_BLOCKSREMOVED']._serialized_start=1548
-  _globals['_BLOCKSREMOVED']._serialized_end=1616
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1618
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1667
-  _globals['_KVEVENT']._serialized_start=1670
-  _globals['_KVEVENT']._serialized_end=1849
-  _globals['_KVEVENTBATCH']._serialized_start=1851
-  _globals['_KVEVENTBATCH']._serialized_end=1960
-  _globals['_KVHANDLE']._serialized_start=1963
-  _globals['_KVHANDLE']._serialized_end=2155
-  _globals['_TRANSFERMETADATAREQUEST']._serialized_start=2157
-  _globals['_TRANSFERMETADATAREQUEST']._serialized_end=2240
-  _globals['_TRANSFERMETADATA']._serialized_start=2243
-  _globals['_TRANSFERMETADATA']._serialized_end=2436
-  _globals['_WORKERSTATS']._serialized_start=2439
-  _globals['_WORKERSTATS']._serialized_end=2788
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1215
+  _globals['_CHOICES']._serialized_start=1217
+  _globals['_CHOICES']._serialized_end=1243
+  _globals['_TOKENLOGPROB']._serialized_start=1245
+  _globals['_TOKENLOGPROB']._serialized_end=1294
+  _globals['_LOGPROBS']._serialized_start=1296
+  _globals['_LOGPROBS']._serialized_end=1402
+  _globals['_USAGE']._serialized_start=1404
+  _globals['_USAGE']._serialized_end=1491
+  _globals['_BLOCKSSTORED']._serialized_start=1493
+  _globals['_BLOCKSSTORED']._serialized_end=1602
+  _globals['_BLOCKSREMOVED']._serialized_start=1604
+  _globals['_BLOCKSREMOVED']._serialized_end=1672
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1674
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1723
+  _globals['_KVEVENT']._serialized_start=1726
+  _globals['_KVEVENT']._serialized_end=1905
+  _globals['_KVEVENTBATCH']._serialized_start=1907
+  _globals['_KVEVENTBATCH']._serialized_end=2016
+  _globals['_KVHANDLE']._serialized_start=2019
+  _globals['_KVHANDLE']._serialized_end=2211
+  _globals['_TRANSFERMETADATAREQUEST']._serialized_start=2213
+  _globals['_TRANSFERMETADATAREQUEST']._serialized_end=2296
+  _globals['_TRANSFERMETADATA']._serialized_start=2299
+  _globals['_TRANSFERMETADATA']._serialized_end=2492
+  _globals['_WORKERSTATS']._serialized_start=2495
+  _globals['_WORKERSTATS']._serialized_end=2844
 # @@protoc_insertion_point(module_scope)

@@ -98,7 +98,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "disable_any_whitespace", "think_start_token", "think_end_token")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "disable_any_whitespace", "think_start_token", "think_end_token", "whitespace_pattern")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class StructuredOutputs(_message.Message):
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     THINK_START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     THINK_END_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WHITESPACE_PATTERN_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
@@ -115,7 +116,8 @@ class StructuredOutputs(_message.Message):
     disable_any_whitespace: bool
     think_start_token: int
     think_end_token: int
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., think_start_token: _Optional[int] = ..., think_end_token: _Optional[int] = ...) -> None: ...
+    whitespace_pattern: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., think_start_token: _Optional[int] = ..., think_end_token: _Optional[int] = ..., whitespace_pattern: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
