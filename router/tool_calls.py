@@ -289,12 +289,12 @@ class ToolCallStream:
 
     def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """The text is the named function's arguments: a first delta opens the call, the rest extend it."""
+        if not delta:  # nothing yet (a reasoning model may still be thinking): no call opened
+            return "", []
         if not self.calls:
             assert self.request.function is not None
             call = _call(0, self.request.function, delta)
             self.calls.append(call)
             return "", [{**call, "function": dict(call["function"])}]  # a copy: the whole call grows
-        if not delta:
-            return "", []
         self.calls[0]["function"]["arguments"] += delta
         return "", [{"index": 0, "function": {"arguments": delta}}]

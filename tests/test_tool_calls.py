@@ -98,10 +98,10 @@ def test_required_reads_the_array_and_named_streams_the_arguments() -> None:
     )
     assert named is not None and named.function == "get_weather"
     args = '{"city":"Kyiv","days":3}'
-    pieces = _random_pieces(args, 5)
+    pieces = ["", *_random_pieces(args, 5)]  # an empty delta first (a model still thinking) opens nothing
     content, deltas, calls, _ = _run(named, args, pieces)
     assert content == "" and _names_and_args(calls) == [("get_weather", {"city": "Kyiv", "days": 3})]
-    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["function"]["arguments"] == pieces[0]
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["function"]["arguments"] == pieces[1]
     assert "".join(d["function"]["arguments"] for d in deltas) == args
 
 
