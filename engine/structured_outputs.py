@@ -187,27 +187,30 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the executor: held for microseconds
+        self._tok_lock = threading.Lock()  # the tokenizer's build, which takes ~1 s once
         self._lltok: Any = None  # built on first use: ~1 s for a 150k-token vocabulary
         self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self._executor: Any = None
 
     def _ll_tokenizer(self) -> Any:
-        with self._lock:
+        with self._tok_lock:  # not the cache's lock: the engine thread's cache hits never wait on it
             if self._lltok is None:
                 self._lltok = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
             return self._lltok
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled matcher for ``spec`` (cached); InvalidRequestError with llguidance's message when
-        the schema, regex or grammar is not valid."""
-        spec.validate()
-        spec = dataclasses.replace(spec, reasoning=None)  # the same grammar, thinking or not
+        the schema, regex or grammar is not valid. A cached one is checked no more (every request's
+        constraint is compiled, so found, at least twice: by its worker, then by the engine)."""
+        if spec.reasoning is not None:
+            spec = dataclasses.replace(spec, reasoning=None)  # the same grammar, thinking or not
         with self._lock:
             found = self._compiled.get(spec)
             if found is not None:
                 self._compiled.move_to_end(spec)
                 return found
+        spec.validate()
         try:
             import llguidance
         except ImportError:
