@@ -45,7 +45,7 @@ class StructuredOutputs:
     any JSON whitespace is allowed); ``whitespace_pattern``: a regex the whitespace between JSON tokens must
     match instead (vLLM's ``guided_whitespace_pattern``). Hashable: the compiled-grammar cache's key."""
 
-    json: str | None = None
+    json: str | dict[str, Any] | None = None  # an object is kept as its canonical JSON text (sorted keys)
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None

@@ -78,7 +78,7 @@ def _response_format(fmt: Any) -> StructuredOutputs | None:
             raise InvalidRequestError(
                 "response_format.json_schema needs a 'schema' object (the JSON schema)", param=param
             )
-        return StructuredOutputs(json=json.dumps(schema, sort_keys=True))
+        return StructuredOutputs(json=schema)
     raise InvalidRequestError(
         f"response_format type must be text, json_object or json_schema, got {kind!r}", param=param
     )
@@ -121,7 +121,7 @@ def _spec(values: dict[str, Any], param: str, prefix: str) -> StructuredOutputs:
                 raise bad("json", f"a JSON schema; it is not valid JSON ({exc})") from None
         if not isinstance(schema, dict):
             raise bad("json", "a JSON schema (an object, or its JSON text)")
-        kwargs["json"] = json.dumps(schema, sort_keys=True)
+        kwargs["json"] = schema
     if "whitespace_pattern" in values:
         if not isinstance(values["whitespace_pattern"], str):
             raise bad("whitespace_pattern", "a string (a regex)")

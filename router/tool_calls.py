@@ -55,9 +55,7 @@ class ToolRequest:
         """The structured output that "required" and a named function hold the output to."""
         if self.choice == "function":
             assert self.function is not None
-            return StructuredOutputs(
-                json=json.dumps(self.schemas[self.function], sort_keys=True), disable_any_whitespace=True
-            )
+            return StructuredOutputs(json=self.schemas[self.function], disable_any_whitespace=True)
         if self.choice != "required":
             return None
         items = [
@@ -72,7 +70,7 @@ class ToolRequest:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not self.parallel:
             array["maxItems"] = 1
-        return StructuredOutputs(json=json.dumps(array, sort_keys=True), disable_any_whitespace=True)
+        return StructuredOutputs(json=array, disable_any_whitespace=True)
 
 
 def parse_tools(body: dict[str, Any], parser: str) -> ToolRequest | None:
@@ -139,6 +137,11 @@ def _call(index: int, name: str, arguments: str) -> dict[str, Any]:
     }
 
 
+def _arguments_text(args: Any) -> str:
+    """A call's arguments as OpenAI gives them: JSON text (a model that wrote them as a string keeps it)."""
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
 def _hermes_call(block: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of one ``<tool_call>`` block's body, or None if it is not one."""
     try:
@@ -148,7 +151,7 @@ def _hermes_call(block: str) -> tuple[str, str] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return obj["name"], _arguments_text(args)
 
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
@@ -162,7 +165,7 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("parameters", obj.get("arguments", {}))
-        calls.append((obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        calls.append((obj["name"], _arguments_text(args)))
         while i < len(text) and text[i] in " \t\r\n;":
             i += 1
     return calls or None
@@ -258,7 +261,7 @@ class ToolCallStream:
             self.content += text  # cut short (length): no calls, the text as it is
             return text, []
         for item in items:
-            args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+            args = _arguments_text(item.get("parameters", {}))
             self.calls.append(_call(len(self.calls), str(item["name"]), args))
         return "", list(self.calls)
 
