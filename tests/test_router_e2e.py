@@ -606,6 +606,14 @@ def test_reasoning_parser_splits_thinking_from_content_and_tool_calls(pd_workers
         hidden = client.chat.completions.create(**body, extra_body={**extra, "include_reasoning": False})
         assert "reasoning_content" not in hidden.choices[0].message.model_dump()
         assert hidden.choices[0].message.content == "Sure"
+        deltas = [
+            chunk.choices[0].delta.model_dump()
+            for chunk in client.chat.completions.create(
+                **body, extra_body={**extra, "include_reasoning": False}, stream=True
+            )
+        ]
+        assert not any(d.get("reasoning_content") for d in deltas)
+        assert "".join(d.get("content") or "" for d in deltas) == "Sure"
     finally:
         assert proc.stop() == 0, proc.log()
 
