@@ -19,15 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from engine.structured_outputs import GrammarCompiler, StructuredOutputs, apply_grammar_masks
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.structured_outputs import GrammarCompiler, StructuredOutputs, apply_grammar_masks  # noqa: E402
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -63,11 +66,17 @@ def _median_ms(fn: Callable[[], object], reps: int = 20, warm: int = 3) -> float
 def _trained_tokenizer(vocab: int) -> object:
     """An HFTokenizer over a byte-level BPE trained on this repository's and Python's standard library's
     Python and Markdown files."""
+    from engine.tokenizer import HFTokenizer
+
+    folder, eos, size = _train_tokenizer_json(vocab)
+    return HFTokenizer(folder, eos_token_ids=[eos], vocab_size=size)
+
+
+def _train_tokenizer_json(vocab: int) -> tuple[Path, int, int]:
+    """The BPE of ``_trained_tokenizer`` saved as tokenizer.json in a new folder: (folder, EOS id, size)."""
     import tempfile
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from engine.tokenizer import HFTokenizer
 
     stdlib = Path(json.__file__).resolve().parent.parent
     files = sorted(str(p) for p in ROOT.rglob("*") if p.suffix in (".py", ".md") and ".git" not in p.parts)
@@ -84,7 +93,7 @@ def _trained_tokenizer(vocab: int) -> object:
     tok.train(files, trainer)
     folder = Path(tempfile.mkdtemp())
     tok.save(str(folder / "tokenizer.json"))
-    return HFTokenizer(folder, eos_token_ids=[tok.token_to_id("</s>")], vocab_size=tok.get_vocab_size())
+    return folder, tok.token_to_id("</s>"), tok.get_vocab_size()
 
 
 def grammar_rows(vocab: int, batches: list[int], device: str) -> list[tuple[str, str]]:
@@ -108,6 +117,7 @@ def grammar_rows(vocab: int, batches: list[int], device: str) -> list[tuple[str,
     for batch in batches:
         # Every position of the document, a batch of matchers there, each mask computed once.
         matchers = [compiler.matcher(spec) for _ in range(batch)]
+        compiler.fill_masks([compiler.matcher(spec)])  # llguidance's first mask builds its tables (~0.3 s)
         fills, allowed = [], []
         for token in document:
             start = time.perf_counter()
@@ -157,16 +167,88 @@ def decode_rows() -> list[tuple[str, str]]:
     return out
 
 
+def engine_rows(
+    shape: str, vocab: int, batches: list[int], new_tokens: int = 48, smoke: bool = False
+) -> list[tuple[str, str]]:
+    """A GPU engine on random weights shaped like ``shape`` (benchmarks/gpu_bench.py's), with the trained
+    tokenizer in its folder: the median step time of ``batch`` 512-token prompts decoding free
+    (``ignore_eos``) against held to the schema (whitespace-free JSON). Steps run as served (asynchronous
+    scheduling, CUDA graphs); the masks are computed on the host while the step before runs. ``smoke``:
+    gpu_bench's small shapes on the CPU (a check of this code, not a figure)."""
+    import shutil
+
+    import numpy as np
+
+    from benchmarks.gpu_bench import SHAPES, Plan, blocks_needed, build_engine, write_config
+    from engine import SamplingParams
+
+    label, cfg = SHAPES[shape]
+    folder, eos, size = _train_tokenizer_json(vocab)
+    model_dir = write_config({**cfg, "eos_token_id": eos}, smoke=smoke)
+    shutil.copy(folder / "tokenizer.json", model_dir / "tokenizer.json")
+    plan = Plan(batches=tuple(batches), max_model_len=2048)
+    if smoke:
+        plan = Plan(
+            batches=tuple(batches), max_model_len=2048, device="cpu", dtype="float32", backend="torch"
+        )
+    engine = build_engine(model_dir, plan, blocks_needed(max(batches), 512 + new_tokens, plan))
+    compact = {"json": SCHEMA, "disable_any_whitespace": True}
+    rng = np.random.default_rng(0)
+    rows: list[tuple[str, str]] = []
+    try:
+        for batch in batches:
+            for kind, params in (
+                ("free", SamplingParams(max_tokens=new_tokens, temperature=0.8, seed=1, ignore_eos=True)),
+                (
+                    "JSON schema",
+                    SamplingParams(
+                        max_tokens=new_tokens, temperature=0.8, seed=1, structured_outputs=compact
+                    ),
+                ),
+            ):
+                for rep in range(2):  # the first compiles and warms up; the second is timed
+                    for i in range(batch):
+                        prompt = rng.integers(0, min(size, engine.vocab_size), 512).tolist()
+                        engine.add_request(f"{kind}-{batch}-{rep}-{i}", prompt, params)
+                    steps, tokens = [], 0
+                    while engine.has_unfinished():
+                        start = time.perf_counter()
+                        outs = engine.step()
+                        steps.append(time.perf_counter() - start)
+                        tokens += sum(len(o.new_token_ids) for o in outs)
+                decode = steps[-(new_tokens // 2) :]  # every row decoding (the prompts' steps are first)
+                rows.append(
+                    (
+                        f"{label}, batch {batch}, {kind}: median decode step",
+                        f"{statistics.median(decode) * 1e3:.2f} ms ({tokens} tokens in {len(steps)} steps)",
+                    )
+                )
+    finally:
+        engine.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument(
+        "--smoke", action="store_true", help="--engine on small shapes on the CPU (checks the code)"
+    )
+    ap.add_argument(
+        "--engine",
+        choices=["moe", "dense"],
+        help="also a GPU engine of this shape (gpu_bench.py's random weights): decode steps free and held to the schema",
+    )
     args = ap.parse_args()
-    rows = grammar_rows(args.vocab, [int(b) for b in args.batches.split(",")], args.device)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = grammar_rows(args.vocab, batches, args.device)
     if not args.skip_decode:
         rows += decode_rows()
+    if args.engine:
+        rows += engine_rows(args.engine, args.vocab, batches, smoke=args.smoke)
     width = max(len(r[0]) for r in rows)
     print(f"| {'what'.ljust(width)} | result |\n|{'-' * (width + 2)}|---|")
     for what, result in rows:
