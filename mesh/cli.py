@@ -344,7 +344,7 @@ class LauncherSettings:
     tool_call_parser: str = setting(
         "hermes",
         'How the router reads chat replies for tool calls when tool_choice is "auto".',
-        choices=("hermes", "llama3_json", "none"),
+        choices=("hermes", "qwen3_coder", "llama3_json", "pythonic", "none"),
     )
     reasoning_parser: str = setting(
         "none",

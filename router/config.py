@@ -102,8 +102,10 @@ class RouterConfig:
     tool_call_parser: str = setting(
         "hermes",
         'How chat replies are read for tool calls when tool_choice is "auto" (docs/api.md): hermes '
-        "(<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), llama3_json (a reply of JSON calls: Llama "
-        '3.1-3.3), or none ("auto" is then a 400).',
+        "(<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), qwen3_coder (<tool_call> blocks of "
+        "<function=...> and <parameter=...> tags: Qwen3-Coder), llama3_json (a reply of JSON calls: Llama "
+        "3.1-3.3), pythonic (a reply that is a Python list of calls: Llama 3.2 and 4), or none "
+        '("auto" is then a 400).',
         choices=TOOL_CALL_PARSERS,
     )
     reasoning_parser: str = setting(

@@ -7,7 +7,12 @@ writes back is turned into ``tool_calls``:
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block as a call; the text before the first
   block is the message's content. ``llama3_json`` (Llama 3.1-3.3's JSON tool calling) takes a reply that
   is JSON, ``{"name": ..., "parameters": {...}}`` objects separated by ``;`` (after an optional
-  ``<|python_tag|>``), as its calls; any other reply is content. ``--tool-call-parser none`` refuses
+  ``<|python_tag|>``), as its calls; any other reply is content. ``qwen3_coder`` (Qwen3-Coder) reads
+  ``<tool_call>`` blocks of XML, ``<function=NAME>`` with one ``<parameter=P>value</parameter>`` per
+  argument, each value typed by the function's parameters schema (a string stays text; integers, numbers,
+  booleans, objects and arrays are parsed). ``pythonic`` (Llama 3.2 and 4, and models tuned to it) takes
+  a reply that is a Python list of calls, ``[get_weather(city="Oslo"), get_time()]``, keyword arguments
+  of literal values, as its calls; any other reply is content. ``--tool-call-parser none`` refuses
   "auto" (400), as vLLM does without ``--enable-auto-tool-choice``.
 - ``"required"``: the output is held (structured outputs) to a JSON array of ``{"name", "parameters"}``
   objects, one of the tools each, with its parameters' schema: vLLM's rule. Each item is a call.
@@ -24,7 +29,9 @@ always agree. Nothing here does I/O.
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +40,11 @@ from engine.structured_outputs import StructuredOutputs
 from router.errors import InvalidRequestError
 from router.text_stream import marker_prefix_length
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "pythonic", "none")
+# The parsers that read a reply as a whole: it is calls only (held back until it ends) or content only.
+WHOLE_REPLY_PARSERS = ("llama3_json", "pythonic")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker before a tool call (a special token: often not in the text)
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
@@ -171,6 +181,103 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
     return calls or None
 
 
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
+# A value ends at its closing tag, or where the next parameter or the function's end begins (vLLM's rule).
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
+
+
+def _qwen3_coder_call(block: str, schemas: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one Qwen3-Coder ``<tool_call>`` body, or None if it is not one."""
+    match = _FUNCTION.search(block)
+    if match is None or not match.group(1).strip():
+        return None
+    name = match.group(1).strip()
+    properties = schemas.get(name, {}).get("properties")
+    types = properties if isinstance(properties, dict) else {}
+    args = {}
+    for param, raw in _PARAMETER.findall(match.group(2)):
+        value = raw.removeprefix("\n").removesuffix("\n")  # the model writes each value on lines of its own
+        spec = types.get(param.strip())
+        args[param.strip()] = _typed_value(value, spec.get("type") if isinstance(spec, dict) else None)
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def _typed_value(text: str, kind: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its schema's type says (vLLM's rules): ``null`` is null; strings,
+    and parameters the schema does not type, stay text; the rest is parsed (a number; a boolean; JSON, then
+    a Python literal), and text that does not parse stays text."""
+    value = text.strip()
+    if value.lower() == "null":
+        return None
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if kind is None or kinds & {"string", "str", "text"}:
+        return text
+    if kinds & {"integer", "number"}:
+        for number in (int, float):
+            try:
+                return number(value)
+            except ValueError:
+                pass
+        return text
+    if "boolean" in kinds and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        return json.loads(value)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls of a pythonic reply (``[f(a=1), g()]``), or None if the reply is not only calls."""
+    text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        args = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                args[keyword.arg] = _literal(keyword.value)
+            except ValueError:
+                return None
+        try:
+            arguments = json.dumps(args, ensure_ascii=False)
+        except (TypeError, ValueError):  # a literal JSON has no form for (bytes, complex, sets)
+            return None
+        calls.append((node.func.id, arguments))
+    return calls
+
+
+def _literal(node: ast.expr) -> Any:
+    """A Python literal, with JSON's true, false and null read as their Python values (models write both)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}  # type: ignore[arg-type]
+    return ast.literal_eval(node)
+
+
 @dataclass
 class ToolCallStream:
     """One choice's text as content and tool calls. ``add`` takes each text delta and returns the content
@@ -182,7 +289,9 @@ class ToolCallStream:
     _buffer: str = ""
     _in_call: bool = False
     _seen_call: bool = False  # after the first call, text outside calls is not content (vLLM's rule)
-    _json_reply: bool | None = None  # llama3_json: whether the reply is JSON (None: not known yet)
+    _calls_reply: bool | None = (
+        None  # whole-reply parsers: whether the reply opens as calls (None: not known)
+    )
 
     def add(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         choice = self.request.choice
@@ -191,8 +300,8 @@ class ToolCallStream:
         self._buffer += delta
         if choice == "required":
             return "", []
-        if self.request.parser == "llama3_json":
-            return self._llama3_add()
+        if self.request.parser in WHOLE_REPLY_PARSERS:
+            return self._whole_reply_add()
         out_text, out_calls = "", []
         while True:
             if self._in_call:
@@ -225,8 +334,8 @@ class ToolCallStream:
             return "", []
         if self.request.choice == "required":
             return self._required(rest)
-        if self.request.parser == "llama3_json":
-            return self._llama3_finish(rest)
+        if self.request.parser in WHOLE_REPLY_PARSERS:
+            return self._whole_reply_finish(rest)
         if self._in_call:  # an unclosed last block: a call if it parses whole
             self._in_call = False
             text, calls = self._settle_block(rest, closed=False)
@@ -239,7 +348,10 @@ class ToolCallStream:
         return "" if self._seen_call else text
 
     def _settle_block(self, block: str, closed: bool) -> tuple[str, list[dict[str, Any]]]:
-        found = _hermes_call(block.strip())
+        if self.request.parser == "qwen3_coder":
+            found = _qwen3_coder_call(block, self.request.schemas)
+        else:
+            found = _hermes_call(block.strip())
         if found is not None and self.calls and not self.request.parallel:
             return "", []  # parallel_tool_calls false: the first call only
         if found is None:  # not a call after all: the model's text, markers included
@@ -265,24 +377,29 @@ class ToolCallStream:
             self.calls.append(_call(len(self.calls), str(item["name"]), args))
         return "", list(self.calls)
 
-    def _llama3_add(self) -> tuple[str, list[dict[str, Any]]]:
-        """Content passes through at once unless the reply opens as JSON; a JSON reply waits for its end."""
-        if self._json_reply is None:
+    def _whole_reply_add(self) -> tuple[str, list[dict[str, Any]]]:
+        """Content passes through at once unless the reply opens as calls (llama3_json: a JSON object,
+        pythonic: a list); such a reply waits for its end."""
+        if self._calls_reply is None:
             head = self._buffer.lstrip()
-            if not head or PYTHON_TAG.startswith(head):
+            tag = PYTHON_TAG if self.request.parser == "llama3_json" else PYTHON_START
+            if not head or tag.startswith(head):
                 return "", []  # not known yet
-            self._json_reply = head.startswith(("{", PYTHON_TAG))
-        if self._json_reply:
+            self._calls_reply = head.startswith(("{" if self.request.parser == "llama3_json" else "[", tag))
+        if self._calls_reply:
             return "", []
         text, self._buffer = self._buffer, ""
         self.content += text
         return text, []
 
-    def _llama3_finish(self, rest: str) -> tuple[str, list[dict[str, Any]]]:
-        if not self._json_reply:
+    def _whole_reply_finish(self, rest: str) -> tuple[str, list[dict[str, Any]]]:
+        if not self._calls_reply:
             self.content += rest
             return rest, []
-        found = _llama3_calls(rest.strip().removeprefix(PYTHON_TAG))
+        if self.request.parser == "pythonic":
+            found = _pythonic_calls(rest)
+        else:
+            found = _llama3_calls(rest.strip().removeprefix(PYTHON_TAG))
         if found is None:  # not calls after all: the reply is content
             self.content += rest
             return rest, []

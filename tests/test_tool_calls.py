@@ -169,3 +169,112 @@ def test_llama3_json_replies_that_are_not_calls_are_content() -> None:
     ):
         content, deltas, calls, _ = _run(auto, text, _random_pieces(text, 1))
         assert content == text and not deltas and not calls
+
+
+TYPED = {
+    "type": "function",
+    "function": {
+        "name": "plan_trip",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "budget": {"type": "number"},
+                "flexible": {"type": "boolean"},
+                "stops": {"type": "array", "items": {"type": "string"}},
+                "prefs": {"type": "object"},
+                "note": {"type": ["string", "null"]},
+            },
+        },
+    },
+}
+QWEN3_CODER = (
+    "I will plan it.\n<tool_call>\n<function=plan_trip>\n<parameter=city>\n12 Rue de l'Été\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=budget>\n99.5\n</parameter>\n<parameter=flexible>\nTrue\n"
+    '</parameter>\n<parameter=stops>\n["Lyon", "Nice"]\n</parameter>\n<parameter=prefs>\n{\'train\': True}\n'
+    "</parameter>\n<parameter=note>\nnull\n</parameter>\n<parameter=untyped>\n42\n</parameter>\n</function>\n"
+    "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_qwen3_coder_calls_are_typed_by_the_schema_whole_and_streamed(seed: int) -> None:
+    auto = parse_tools({"tools": [TYPED, TIME]}, "qwen3_coder")
+    assert auto is not None and auto.parser == "qwen3_coder"
+    args = {
+        "city": "12 Rue de l'Été",  # a string stays text (digits and quotes too)
+        "days": 3,
+        "budget": 99.5,
+        "flexible": True,
+        "stops": ["Lyon", "Nice"],
+        "prefs": {"train": True},  # not JSON (quotes, True): read as a Python literal
+        "note": None,
+        "untyped": "42",  # a parameter the schema does not type stays text (vLLM's rule)
+    }
+    expected = [("plan_trip", args), ("get_time", {})]
+    for content, deltas, calls, total in (
+        _run(auto, QWEN3_CODER),
+        _run(auto, QWEN3_CODER, _random_pieces(QWEN3_CODER, seed)),
+    ):
+        assert content == total == "I will plan it.\n"
+        assert _names_and_args(calls) == expected == _names_and_args(deltas)
+
+
+def test_qwen3_coder_values_that_do_not_parse_stay_text_and_broken_blocks_stay_content() -> None:
+    auto = parse_tools({"tools": [TYPED]}, "qwen3_coder")
+    assert auto is not None
+    text = (
+        "<tool_call>\n<function=plan_trip>\n<parameter=days>\nthree\n</parameter>\n"
+        "<parameter=prefs>\n{'train': true}\n</parameter>\n<parameter=flexible>\nmaybe\n</parameter>\n"
+        "<parameter=city>\nOslo"  # cut short: the value ends with the text
+    )
+    content, _, calls, _ = _run(auto, text, _random_pieces(text, 7))
+    assert content == "" and _names_and_args(calls) == [
+        ("plan_trip", {"days": "three", "prefs": "{'train': true}", "flexible": "maybe", "city": "Oslo"})
+    ]
+    broken = "Look: <tool_call>\nno function here\n</tool_call> done"
+    content, deltas, calls, _ = _run(auto, broken, _random_pieces(broken, 8))
+    assert content == broken and not deltas and not calls
+
+
+PYTHONIC = (
+    '[plan_trip(city="Oslo", days=2, flexible=true, stops=["Bergen"], prefs={"train": None}), get_time()]'
+)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pythonic_calls_are_the_same_whole_and_streamed(seed: int) -> None:
+    auto = parse_tools({"tools": [TYPED, TIME]}, "pythonic")
+    assert auto is not None and auto.parser == "pythonic"
+    expected = [
+        (
+            "plan_trip",
+            {"city": "Oslo", "days": 2, "flexible": True, "stops": ["Bergen"], "prefs": {"train": None}},
+        ),
+        ("get_time", {}),
+    ]
+    for text in (PYTHONIC, f"<|python_start|>{PYTHONIC}<|python_end|>", f"\n {PYTHONIC}\n"):
+        for content, deltas, calls, total in (_run(auto, text), _run(auto, text, _random_pieces(text, seed))):
+            assert content == total == "" and _names_and_args(calls) == expected == _names_and_args(deltas)
+    one = parse_tools({"tools": [TYPED, TIME], "parallel_tool_calls": False}, "pythonic")
+    assert one is not None and _names_and_args(_run(one, PYTHONIC)[2]) == expected[:1]
+
+
+def test_pythonic_replies_that_are_not_calls_are_content() -> None:
+    auto = parse_tools({"tools": [TYPED]}, "pythonic")
+    assert auto is not None
+    stream = ToolCallStream(auto)
+    assert stream.add("It is ") == ("It is ", [])  # prose passes through at once
+    assert stream.add("[sunny]") == ("[sunny]", []) and stream.finish() == ("", [])
+    for text in (
+        "[see the docs](https://example.com)",
+        "[plan_trip('Oslo')]",  # a positional argument: no name to give it
+        "[plan_trip(city=place)]",  # a name, not a literal
+        "[plan_trip(**opts)]",
+        "[plan_trip(city=b'x')]",  # bytes have no JSON form
+        '[plan_trip(city="Os',  # cut short
+        "[]",
+    ):
+        content, deltas, calls, _ = _run(auto, text, _random_pieces(text, 2))
+        assert content == text and not deltas and not calls, text
