@@ -784,7 +784,12 @@ class LLMEngine:
             if isinstance(seq.stop_reason, str):
                 text = seq.output_text
             else:
-                text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+                # A stop token (EOS, or one of stop_token_ids) that ended the request is not in the text
+                # (vLLM's rule), unless include_stop_str_in_output.
+                ids = seq.output_token_ids
+                if seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
+                    ids = ids[:-1]
+                text = self.tokenizer.decode(ids, seq.params.skip_special_tokens)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=list(new_tokens),

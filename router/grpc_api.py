@@ -17,12 +17,11 @@ import grpc
 
 from mesh.grpc_server import abort_with
 from mesh.telemetry import extract_context
-from protos.pdmesh.v1 import router_pb2, router_pb2_grpc
+from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
 from router.orchestrator import Generation, Orchestrator
 from router.served_model import COMPLETIONS_DEFAULT_MAX_TOKENS, ServedModel, sampling_input_from_proto
-from router.text_stream import TextStream
 from router.worker_pool import DECODE, PREFILL, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -74,11 +73,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 gen = await build_generation(self.model, request, context.invocation_metadata())
                 sp = gen.sampling_params
                 text = (
-                    TextStream(
-                        self.model.tokenizer,
+                    self.model.text_stream(
                         list(sp.stop),
                         sp.skip_special_tokens,
                         sp.include_stop_str_in_output,
+                        list(sp.stop_token_ids),
+                        sp.ignore_eos,
                     )
                     if request.return_text
                     else None
@@ -95,7 +95,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             decode_worker=chunk.decode_worker,
                         )
                         if text is not None:
-                            out.text = text.add(chunk.token_ids) + (text.finish() if chunk.finished else "")
+                            stopped = chunk.finish_reason == common_pb2.FINISH_REASON_STOP
+                            out.text = text.add(chunk.token_ids, stopped) + (
+                                text.finish() if chunk.finished else ""
+                            )
                         if chunk.usage is not None:
                             out.usage.CopyFrom(chunk.usage)
                         yield out

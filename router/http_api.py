@@ -43,7 +43,7 @@ from router.openai_protocol import (
 from router.orchestrator import Chunk, Orchestrator
 from router.reasoning import ReasoningStream
 from router.served_model import ServedModel
-from router.text_stream import TextStream, token_text
+from router.text_stream import token_text
 from router.tool_calls import ToolCallStream
 from router.worker_pool import DECODE, WorkerPool
 
@@ -274,8 +274,8 @@ class _Choice:
         self.prompt_token_ids = request.generation.prompt_token_ids
         self.prompt_logprobs: list[Any] | None = None  # vLLM's prompt_logprobs field, once they came
         self.started = False  # a chunk came (the first carries the echo and the prompt's logprobs)
-        self.text = TextStream(
-            model.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output
+        self.text = model.text_stream(
+            sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output, sp.stop_token_ids, sp.ignore_eos
         )
         self.last_token_id: int | None = None  # for the stop reason of a stop token
         self.completion_logprobs = CompletionLogprobs(model.tokenizer)
@@ -345,7 +345,7 @@ class _Writer:
         c = self.choices[index]
         if chunk.token_ids:
             c.last_token_id = chunk.token_ids[-1]
-        delta = c.text.add(chunk.token_ids)
+        delta = c.text.add(chunk.token_ids, stopped=chunk.finish_reason == common_pb2.FINISH_REASON_STOP)
         logprobs: Any = None
         echoed: dict[str, Any] | None = None
         if not c.started:  # the echo and the prompt's logprobs, when asked for

@@ -34,6 +34,7 @@ from mesh.structured_outputs_proto import structured_outputs_from_proto, structu
 from protos.pdmesh.v1 import common_pb2
 from router.errors import InvalidRequestError, ModelNotFoundError
 from router.reasoning import THINK_END, THINK_START
+from router.text_stream import TextStream
 from router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,18 @@ class ServedModel:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {exc}", param="messages"
             ) from None
+
+    def text_stream(
+        self,
+        stop: Sequence[str],
+        skip_special_tokens: bool,
+        include_stop: bool,
+        stop_token_ids: Sequence[int],
+        ignore_eos: bool,
+    ) -> TextStream:
+        """A request's text as the engine makes it: stop strings cut, the stop token left out."""
+        ends = set(stop_token_ids) | (set() if ignore_eos else set(self.config.eos_token_ids))
+        return TextStream(self.tokenizer, stop, skip_special_tokens, include_stop, ends)
 
     def check_token_ids(self, token_ids: Sequence[int], what: str, param: str) -> None:
         """Every id inside the vocabulary, or a 400 naming the first offenders as ``what``."""

@@ -8,7 +8,7 @@ are held back, since they may be the start of a stop string that the next tokens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
@@ -22,8 +22,12 @@ class TextStream:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        stop_token_ids: Collection[int] = (),
     ) -> None:
-        """``include_stop``: the text ends after the stop string that ended it, not before it."""
+        """``include_stop``: the text ends after the stop string or stop token that ended it, not before
+        it. ``stop_token_ids``: the tokens that end the request by themselves (EOS unless ignored, and the
+        request's stop_token_ids); one that ended it is not in the text (vLLM's rule, as the engine's)."""
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -37,10 +41,13 @@ class TextStream:
         """The text returned so far."""
         return self._text[: self._sent]
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """New text safe to send; after a stop string matched, always ''."""
+    def add(self, token_ids: Sequence[int], stopped: bool = False) -> str:
+        """New text safe to send; after a stop string matched, always ''. ``stopped``: these are the
+        request's last tokens and it finished on "stop"."""
         if self.stopped_on is not None:
             return ""
+        if stopped and token_ids and token_ids[-1] in self._stop_token_ids and not self._include_stop:
+            token_ids = token_ids[:-1]
         checked = len(self._text)
         self._text += self._detok.add(list(token_ids))
         if self._cut_at_stop(checked):

@@ -121,6 +121,30 @@ def test_logprobs_stop_tokens_and_strings() -> None:
     assert out.finish_reason == "length" and len(out.token_ids) == 7
 
 
+def test_the_eos_or_stop_token_that_ends_a_request_is_not_in_its_text(tmp_path) -> None:
+    """vLLM's rule: the token that ends a request ("stop" on EOS or on one of stop_token_ids) is in its
+    tokens but not its text, special or not, unless include_stop_str_in_output."""
+    from tests.checkpoints import make_checkpoint
+
+    llm = LLM(str(make_checkpoint("llama", tmp_path)), num_kv_blocks=64)
+    eos = min(llm.engine.eos_token_ids)
+    assert llm.tokenizer.decode([eos], skip_special_tokens=False)  # it has text to leave out
+    for stop in ({"allowed_token_ids": [eos]}, {"allowed_token_ids": [70], "stop_token_ids": [70]}):
+        for include in (False, True):
+            params = SamplingParams(
+                max_tokens=4,
+                temperature=0.0,
+                skip_special_tokens=False,
+                include_stop_str_in_output=include,
+                **stop,
+            )
+            out = llm.generate(["Hi"], params)[0]
+            assert out.finish_reason == "stop" and len(out.token_ids) == 1
+            assert out.text == (
+                llm.tokenizer.decode(out.token_ids, skip_special_tokens=False) if include else ""
+            )
+
+
 class _LongTokenTokenizer:
     """Every token decodes to 25 characters, so a stop string can end far from the text's end."""
 

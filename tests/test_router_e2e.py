@@ -192,6 +192,43 @@ def test_min_tokens_and_allowed_token_ids_over_the_mesh_equal_offline(router: Ro
     assert expected.token_ids != plain.token_ids[:20]  # the restriction shows: ignored, the text would differ
 
 
+def test_a_stop_token_is_left_out_of_the_text_as_offline(router: Router, llm: LLM) -> None:
+    """The token that ends a request (one of stop_token_ids, or EOS) is in its tokens but not its text,
+    unless include_stop_str_in_output (vLLM's rule): whole, streamed and over gRPC, as offline."""
+    prompt = "Stop tokens end the text before them:"
+    plain = _offline(llm, prompt, 30, temperature=0.0, ignore_eos=True)
+    stop = plain.token_ids[4]
+    for include in (False, True):
+        sampling = {"temperature": 0.0, "stop_token_ids": [stop], "include_stop_str_in_output": include}
+        expected = _offline(llm, prompt, 30, **sampling)
+        ids = expected.token_ids
+        assert ids[-1] == stop and expected.stop_reason == stop
+        assert expected.text == llm.tokenizer.decode(ids if include else ids[:-1])
+        assert llm.tokenizer.decode(ids[-1:])  # the stop token has text: leaving it out shows
+        extra = {"stop_token_ids": [stop], "include_stop_str_in_output": include}
+        whole = router.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, temperature=0.0, extra_body=extra
+        )
+        streamed = router.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, temperature=0.0, extra_body=extra, stream=True
+        )
+        text = "".join(c.choices[0].text for c in streamed if c.choices)
+        assert whole.choices[0].text == text == expected.text and whole.choices[0].finish_reason == "stop"
+
+        async def run(include: bool = include) -> str:
+            params = common_pb2.SamplingParams(
+                max_tokens=30, temperature=0.0, stop_token_ids=[stop], include_stop_str_in_output=include
+            )
+            request = router_pb2.GenerateRequest(text=prompt, sampling_params=params, return_text=True)
+            out = ""
+            async with grpc.aio.insecure_channel(router.grpc) as channel:
+                async for msg in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60):
+                    out += msg.text
+            return out
+
+        assert asyncio.run(run()) == expected.text
+
+
 def test_grpc_generate_streams_the_offline_tokens(router: Router, llm: LLM) -> None:
     prompt = list(b"gRPC clients send token ids")
 
