@@ -42,6 +42,7 @@ from router.openai_protocol import (
 )
 from router.orchestrator import Chunk, Orchestrator
 from router.reasoning import ReasoningStream
+from router.responses import ResponseStream, parse_responses
 from router.served_model import ServedModel
 from router.text_stream import token_text
 from router.tool_calls import ToolCallStream
@@ -57,8 +58,10 @@ def error_response(exc: RouterError) -> web.Response:
     return web.json_response(exc.to_openai(), status=exc.http_status)
 
 
-def sse(data: Any) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event; the Responses API names each (``event: response.output_text.delta``)."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 class HttpApi:
@@ -75,6 +78,7 @@ class HttpApi:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -176,24 +180,36 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat_completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: the request run as a chat request (router.responses)."""
+        return await self._generate(request, "responses")
+
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         outcome = {"status": "ok"}  # _stream overwrites it when a request fails after streaming began
         try:
             body = parse_json_body(await request.read())
+            responses = None
             if kind == "completions":
                 parsed = parse_completion(body, request.headers)
+            elif kind == "responses":
+                responses = parse_responses(body)
+                parsed = parse_chat(responses.chat_body, request.headers, self.model.tool_call_parser)
             else:
                 parsed = parse_chat(body, request.headers, self.model.tool_call_parser)
             spec = parsed.sampling.structured_outputs
-            if kind == "chat_completions" and spec is not None and self.model.think_tokens is not None:
+            if kind != "completions" and spec is not None and self.model.think_tokens is not None:
                 # With a reasoning parser the constraint holds the reply after its thinking (vLLM's rule).
                 parsed.sampling.structured_outputs = dataclasses.replace(
                     spec, reasoning=self.model.think_tokens
                 )
-            prefix = "cmpl" if kind == "completions" else "chatcmpl"
-            request_id = parsed.request_id or f"{prefix}-{uuid.uuid4().hex}"
+            prefix = {"completions": "cmpl-", "chat_completions": "chatcmpl-", "responses": "resp_"}[kind]
+            request_id = parsed.request_id or f"{prefix}{uuid.uuid4().hex}"
             choices = await build_choices(self.model, parsed, request_id, request.headers)
-            writer = _Writer(self.model, parsed, request_id, kind, choices)
+            writer = _Writer(self.model, parsed, request_id, "completions" if kind == "completions" else
+                             "chat_completions", choices)  # fmt: skip
+            if responses is not None:
+                out = ResponseStream(request_id, self.model.name, responses.echo)
+                return await self._respond(request, choices, writer, out, outcome)
             if parsed.stream:
                 return await self._stream(request, choices, writer, outcome)
             return await self._complete(choices, writer)
@@ -213,6 +229,59 @@ class HttpApi:
             return error_response(RouterError(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             self.metrics.requests.labels(endpoint=kind, status=outcome["status"]).inc()
+
+    async def _respond(
+        self,
+        request: web.Request,
+        choices: list[ChoiceRequest],
+        writer: _Writer,
+        out: ResponseStream,
+        outcome: dict[str, str],
+    ) -> web.StreamResponse:
+        """A Responses API request: its chat events turned into output items (router.responses); streamed
+        as Responses events, or the Response object whole."""
+        response: web.StreamResponse | None = None
+        events: list[dict[str, Any]] = out.start()
+        async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:
+            try:
+                async for index, chunk in chunks:
+                    for event in writer.add(index, chunk):
+                        events += out.add(event)
+                    if writer.parsed.stream:
+                        if response is None:
+                            response = web.StreamResponse(headers=SSE_HEADERS)
+                            await response.prepare(request)
+                        for event in events:
+                            await response.write(sse(event, event["type"]))
+                        events = []
+                events += out.finish(writer.usage())
+            except ConnectionResetError:
+                raise
+            except Exception as exc:
+                if response is None:
+                    raise  # nothing streamed yet: _generate answers with a status code
+                error = (
+                    exc
+                    if isinstance(exc, RouterError)
+                    else RouterError(f"internal error: {type(exc).__name__}")
+                )
+                log.warning("response %s failed mid-stream: %s", writer.request_id, error.message)
+                outcome["status"] = error.metric_status
+                event = {
+                    "type": "error",
+                    "code": error.openai_type,
+                    "message": error.message,
+                    "param": error.param,
+                }
+                await response.write(sse(event, "error"))
+                await response.write_eof()
+                return response
+        if response is None:
+            return web.json_response(out.response())
+        for event in events:
+            await response.write(sse(event, event["type"]))
+        await response.write_eof()
+        return response
 
     async def _complete(self, choices: list[ChoiceRequest], writer: _Writer) -> web.Response:
         async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:

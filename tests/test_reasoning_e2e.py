@@ -76,3 +76,37 @@ def test_the_constraint_holds_the_reply_after_its_thinking(
     answer = expected.text.split("</think>", 1)[1]
     assert message["content"] == answer and set(json.loads(answer)) == {"n"}
     assert not message["reasoning_content"] and reply.choices[0].finish_reason == "stop"
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(
+    thinking_checkpoint: Path, mesh: openai.OpenAI
+) -> None:
+    """POST /v1/responses with a reasoning parser: the thinking is a reasoning item (reasoning_text) before
+    the message, as chat's reasoning_content and content; streamed as response.reasoning_text.delta."""
+    llm = LLM(model=str(thinking_checkpoint), device="cpu", dtype="float32", num_kv_blocks=64)
+    (end,) = llm.tokenizer.encode("</think>", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Count, thinking first.<think>"}]
+    for push in (3.0, 5.0, 7.0, 9.0, 12.0):  # a bias on </think> that ends the thinking after a few tokens
+        bias = {str(end): push}
+        chat = mesh.chat.completions.create(model=thinking_checkpoint.name, messages=messages, max_tokens=24,
+                                            temperature=0.0, logit_bias=bias)  # fmt: skip
+        message = chat.choices[0].message.model_dump()
+        if message["reasoning_content"] and message["content"]:
+            break
+    else:
+        pytest.fail("no bias gave both thinking and an answer")
+    args = dict(model=thinking_checkpoint.name, input=messages[0]["content"], max_output_tokens=24,
+                temperature=0.0, extra_body={"logit_bias": bias})  # fmt: skip
+    whole = mesh.responses.create(**args)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == message["reasoning_content"]
+    assert whole.output_text == message["content"]
+    reasoning, text, types = "", "", []
+    for event in mesh.responses.create(**args, stream=True):
+        types.append(event.type)
+        if event.type == "response.reasoning_text.delta":
+            reasoning += event.delta
+        elif event.type == "response.output_text.delta":
+            text += event.delta
+    assert reasoning == message["reasoning_content"] and text == message["content"]
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")

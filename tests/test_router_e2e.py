@@ -951,3 +951,121 @@ def test_a_decode_worker_killed_mid_stream_does_not_take_the_router_down(pd_work
                 model=MODEL, prompt=f"after {i}", max_tokens=4, temperature=0.0
             )
             assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def _response_events(stream: Any) -> tuple[list[str], str, list[tuple[str, str]], Any]:
+    """A streamed response's event types, its output text deltas joined, its calls (name, arguments from
+    the argument deltas) and its last event's response."""
+    types, text, calls, last = [], "", [], None
+    for event in stream:
+        types.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        elif event.type == "response.output_item.added" and event.item.type == "function_call":
+            calls.append([event.item.name, event.item.arguments])
+        elif event.type == "response.function_call_arguments.delta":
+            calls[-1][1] += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            last = event.response
+    assert [e for e in types if e.startswith("response.")] == types
+    assert types[:2] == ["response.created", "response.in_progress"]
+    return types, text, [tuple(c) for c in calls], last
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_responses_api_equals_chat_whole_and_streamed(
+    router: Router, llm: LLM, sampling: dict[str, Any]
+) -> None:
+    """POST /v1/responses runs the chat pipeline: instructions + input give the chat's text and usage;
+    max_output_tokens cuts it (status incomplete); the stream's deltas make the whole response's text."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat = router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, extra_body={"ignore_eos": True}, **sampling
+    )
+    extra = {
+        "ignore_eos": True,
+        **({"seed": sampling["seed"]} if "seed" in sampling else {}),
+    }  # a vLLM extra here
+    plain = {k: v for k, v in sampling.items() if k != "seed"}
+    args = dict(model=MODEL, instructions="Be brief.", input="Name a colour.", max_output_tokens=20,
+                extra_body=extra, **plain)  # fmt: skip
+    whole = router.client.responses.create(**args)
+    assert whole.id.startswith("resp_") and whole.object == "response" and whole.model == MODEL
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in whole.output] == ["message"] and whole.output[0].status == "incomplete"
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens and whole.usage.output_tokens == 20
+    assert whole.instructions == "Be brief." and whole.max_output_tokens == 20 and whole.store is False
+    types, text, calls, last = _response_events(router.client.responses.create(**args, stream=True))
+    assert text == whole.output_text and not calls and types[-1] == "response.incomplete"
+    assert last.output[0].content[0].text == whole.output_text and last.usage.output_tokens == 20
+    assert types.index("response.output_item.added") < types.index("response.output_text.delta")
+    assert types[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+
+
+def test_responses_api_tools_and_conversation_items(router: Router, llm: LLM) -> None:
+    """Function tools (flat, the Responses shape) become chat tools; a hermes call in the text is a
+    function_call item, whole and streamed; a conversation's function_call and function_call_output items
+    become the chat's assistant tool calls and tool message (the same prompt as chat's)."""
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    forced = 'Checking\\.<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{2,6}", "days": [1-5]\\}\\}</tool_call>'
+    args = dict(model=MODEL, input="Weather in Oslo?", tools=[tool], max_output_tokens=140, temperature=0.0,
+                extra_body={"structured_outputs": {"regex": forced}})  # fmt: skip
+    whole = router.client.responses.create(**args)
+    assert [item.type for item in whole.output] == [
+        "message",
+        "function_call",
+    ] and whole.status == "completed"
+    message, call = whole.output
+    assert message.content[0].text == "Checking." and call.name == "get_weather"
+    assert call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
+    assert set(json.loads(call.arguments)) == {"city", "days"}
+    types, text, calls, last = _response_events(router.client.responses.create(**args, stream=True))
+    assert text == "Checking." and calls == [("get_weather", call.arguments)]
+    assert "response.function_call_arguments.done" in types and last.output[1].arguments == call.arguments
+    conversation = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "oslo", "days": 1}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]  # fmt: skip
+    follow = router.client.responses.create(
+        model=MODEL, input=conversation, tools=[tool], max_output_tokens=8, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chat = router.client.chat.completions.create(
+        model=MODEL, tools=[WEATHER_TOOL], max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "oslo", "days": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )  # fmt: skip
+    assert (
+        follow.usage.input_tokens == chat.usage.prompt_tokens
+        and follow.output_text == chat.choices[0].message.content
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_responses_api_refuses_what_it_does_not_serve(
+    router: Router, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(router, "/v1/responses", {"model": MODEL, **body})
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["error"]["param"] == param
