@@ -64,6 +64,18 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return head + b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _failed_mid_stream(exc: Exception, request_id: str, outcome: dict[str, str]) -> RouterError:
+    """The error a stream that already began ends with (logged, and counted in ``outcome``)."""
+    if isinstance(exc, RouterError):
+        log.warning("request %s failed mid-stream: %s", request_id, exc.message)
+        error = exc
+    else:
+        log.exception("request %s failed mid-stream", request_id)
+        error = RouterError(f"internal error: {type(exc).__name__}")
+    outcome["status"] = error.metric_status
+    return error
+
+
 class HttpApi:
     def __init__(
         self, model: ServedModel, orchestrator: Orchestrator, pool: WorkerPool, metrics: RouterMetrics
@@ -260,13 +272,7 @@ class HttpApi:
             except Exception as exc:
                 if response is None:
                     raise  # nothing streamed yet: _generate answers with a status code
-                error = (
-                    exc
-                    if isinstance(exc, RouterError)
-                    else RouterError(f"internal error: {type(exc).__name__}")
-                )
-                log.warning("response %s failed mid-stream: %s", writer.request_id, error.message)
-                outcome["status"] = error.metric_status
+                error = _failed_mid_stream(exc, writer.request_id, outcome)
                 event = {
                     "type": "error",
                     "code": error.openai_type,
@@ -312,16 +318,7 @@ class HttpApi:
             except Exception as exc:
                 if response is None:
                     raise  # nothing streamed yet: _generate answers with a status code
-                error = (
-                    exc
-                    if isinstance(exc, RouterError)
-                    else RouterError(f"internal error: {type(exc).__name__}")
-                )
-                if isinstance(exc, RouterError):
-                    log.warning("request %s failed mid-stream: %s", writer.request_id, exc.message)
-                else:
-                    log.exception("request %s failed mid-stream", writer.request_id)
-                outcome["status"] = error.metric_status
+                error = _failed_mid_stream(exc, writer.request_id, outcome)
                 await response.write(sse(error.to_openai()))
                 await response.write_eof()
                 return response
