@@ -1,0 +1,141 @@
+"""The Responses API's pieces (router/responses.py): a Responses request as a chat request, and the
+machine that turns a chat stream's events into output items and Responses events. The endpoint itself is
+tested over the real mesh in test_router_e2e.py and test_reasoning_e2e.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.errors import InvalidRequestError
+from router.responses import ResponseStream, parse_responses
+
+
+def _chunk(finish: str | None = None, **delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+USAGE = {
+    "prompt_tokens": 7,
+    "completion_tokens": 5,
+    "total_tokens": 12,
+    "prompt_tokens_details": {"cached_tokens": 4},
+}
+
+
+def test_a_request_becomes_the_chat_request_it_means() -> None:
+    req = parse_responses({
+        "model": "m", "instructions": "Be terse.", "max_output_tokens": 9, "temperature": 0.2, "top_k": 5,
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"x": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+            {"type": "function_call_output", "call_id": "c2", "output": "two"},
+        ],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}},
+        "store": True, "metadata": {"k": "v"}, "include": ["reasoning.encrypted_content"],
+    })  # fmt: skip
+    chat = req.chat_body
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]  # fmt: skip
+    assert (
+        chat["max_tokens"] == 9 and chat["temperature"] == 0.2 and chat["top_k"] == 5 and chat["model"] == "m"
+    )
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                                                                "strict": True}}]  # fmt: skip
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "out", "schema": {"type": "object"}},
+    }
+    assert "store" not in chat and "include" not in chat
+    assert (
+        req.echo["store"] is False
+        and req.echo["metadata"] == {"k": "v"}
+        and req.echo["max_output_tokens"] == 9
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": 5}, "input"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input"),
+        ({"input": [{"type": "file_search_call"}]}, "input"),
+        ({"input": "x", "instructions": ["a"]}, "instructions"),
+        ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+        ({"input": "x", "text": "json"}, "text"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_served_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        parse_responses(body)
+    assert err.value.param == param
+
+
+def test_the_stream_makes_items_in_the_order_the_reply_wrote_them() -> None:
+    out = ResponseStream("resp_1", "m", {"store": False})
+    events = out.start()
+    events += out.add(_chunk(reasoning_content="Let me see. "))
+    events += out.add(_chunk(reasoning_content="Two calls.", content="Calling."))
+    events += out.add(_chunk(tool_calls=[{"index": 0, "id": "call_a", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": 1}'}}]))  # fmt: skip
+    events += out.add(_chunk(tool_calls=[{"index": 1, "id": "call_b", "type": "function",
+                                          "function": {"name": "g", "arguments": "{"}}]))  # fmt: skip
+    events += out.add(_chunk(tool_calls=[{"index": 1, "function": {"arguments": "}"}}]))  # a named call grows
+    events += out.add(_chunk(finish="tool_calls"))
+    events += out.finish(USAGE)
+    whole = out.response()
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    reasoning, message, first, second = whole["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Let me see. Two calls."}]
+    assert message["content"][0]["text"] == "Calling." and message["status"] == "completed"
+    assert (first["call_id"], first["name"], first["arguments"]) == ("call_a", "f", '{"a": 1}')
+    assert (second["call_id"], second["name"], second["arguments"]) == ("call_b", "g", "{}")
+    assert whole["status"] == "completed" and whole["incomplete_details"] is None
+    assert whole["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}  # fmt: skip
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 4
+    # Each item is closed before the next opens, and the deltas rebuild each item's final text.
+    opened: list[int] = []
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            assert not opened or opened[-1] == -1
+            opened.append(e["output_index"])
+        elif e["type"] == "response.output_item.done":
+            assert opened[-1] == e["output_index"]
+            opened.append(-1)
+    deltas = {kind: "".join(e["delta"] for e in events if e["type"] == kind) for kind in (
+        "response.reasoning_text.delta", "response.output_text.delta", "response.function_call_arguments.delta")}  # fmt: skip
+    assert deltas == {"response.reasoning_text.delta": "Let me see. Two calls.",
+                      "response.output_text.delta": "Calling.",
+                      "response.function_call_arguments.delta": '{"a": 1}{}'}  # fmt: skip
+    assert events[-1]["response"]["output"] == whole["output"]
+
+
+def test_a_reply_cut_by_max_output_tokens_is_incomplete() -> None:
+    out = ResponseStream("resp_2", "m", {})
+    out.start()
+    out.add(_chunk(content="Half a sen"))
+    events = out.add(_chunk(finish="length")) + out.finish(USAGE)
+    whole = out.response()
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert whole["output"][0]["status"] == "incomplete" and events[-1]["type"] == "response.incomplete"
