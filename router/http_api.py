@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import time
@@ -92,6 +93,8 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model_card)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -99,23 +102,31 @@ class HttpApi:
         return app
 
     # ---- simple endpoints ----------------------------------------------------------------------------
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdmesh",
+            "root": self.model.name,
+            "parent": None,
+            "max_model_len": self.model.max_model_len,
+        }
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model.name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "pdmesh",
-                        "root": self.model.name,
-                        "parent": None,
-                        "max_model_len": self.model.max_model_len,
-                    }
-                ],
-            }
-        )
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """OpenAI's model retrieval: the served model's card, or a 404 for another name."""
+        try:
+            self.model.check_model(request.match_info["model"])
+        except RouterError as exc:
+            return error_response(exc)
+        return web.json_response(self._card())
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's ``/version``: this package's version."""
+        return web.json_response({"version": importlib.metadata.version("pdmesh")})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize``: a completions ``prompt`` (text) or chat ``messages`` (rendered with the

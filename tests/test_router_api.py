@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -614,6 +615,12 @@ def test_models_and_health_endpoints() -> None:
                 models = await resp.json()
             assert models["object"] == "list"
             assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 128
+            async with session.get(base + "/v1/models/tiny") as resp:  # OpenAI's models.retrieve
+                assert resp.status == 200 and await resp.json() == models["data"][0]
+            async with session.get(base + "/v1/models/other") as resp:
+                assert resp.status == 404 and "does not exist" in (await resp.json())["error"]["message"]
+            async with session.get(base + "/version") as resp:
+                assert (await resp.json())["version"] == importlib.metadata.version("pdmesh")
             async with session.get(base + "/health") as resp:
                 assert resp.status == 503
                 health = await resp.json()
