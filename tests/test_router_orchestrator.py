@@ -169,12 +169,12 @@ async def _complete(
         return resp.status, await resp.json()
 
 
-async def _sse(svc: RouterService, body: dict[str, Any]) -> list[Any]:
+async def _sse(svc: RouterService, body: dict[str, Any], path: str = "/v1/completions") -> list[Any]:
     """Every event of a streamed completion; the ``[DONE]`` marker as the string "[DONE]"."""
     events: list[Any] = []
     async with (
         aiohttp.ClientSession() as session,
-        session.post(f"http://127.0.0.1:{svc.http_port}/v1/completions", json={**body, "stream": True}) as r,
+        session.post(f"http://127.0.0.1:{svc.http_port}{path}", json={**body, "stream": True}) as r,
     ):
         assert r.status == 200, await r.text()
         async for raw in r.content:
@@ -407,6 +407,28 @@ def test_decode_failure_mid_stream_is_a_clean_error_and_not_retried() -> None:
             assert status == 502 and "after streaming had begun" in body["error"]["message"]
             assert len(decode.names("Decode")) == 2 and spare.names("Decode") == []
             labels = {"endpoint": "completions", "status": "upstream_error"}
+            assert metric(svc.metrics, "pdmesh_router_requests_total", labels) == 2
+
+    asyncio.run(run())
+
+
+def test_a_responses_stream_that_fails_mid_stream_ends_with_an_error_event() -> None:
+    """The Responses API: a decode failure after its first text is an ``error`` event (no
+    response.completed); before any event, the whole request is a 502 with the same message."""
+    prefill = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode", text="BCDEFG", fail_after=2, fail_with=grpc.StatusCode.INTERNAL)
+
+    async def run() -> None:
+        async with mesh([prefill], [decode]) as svc:
+            body = {"input": "x", "max_output_tokens": 10}
+            events = await _sse(svc, body, "/v1/responses")
+            kinds = [e["type"] for e in events]
+            assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "error"
+            assert "response.completed" not in kinds and "after streaming had begun" in events[-1]["message"]
+            assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "ABC"
+            status, reply = await _complete(svc, body, "/v1/responses")
+            assert status == 502 and "after streaming had begun" in reply["error"]["message"]
+            labels = {"endpoint": "responses", "status": "upstream_error"}
             assert metric(svc.metrics, "pdmesh_router_requests_total", labels) == 2
 
     asyncio.run(run())
