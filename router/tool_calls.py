@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 from engine.structured_outputs import StructuredOutputs
 from router.errors import InvalidRequestError
 from router.text_stream import marker_prefix_length
+from router.tool_call_blocks import arguments_text, hermes_call, qwen3_coder_call
 
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "pythonic", "none")
 # The parsers that read a reply as a whole: it is calls only (held back until it ends) or content only.
@@ -147,23 +147,6 @@ def _call(index: int, name: str, arguments: str) -> dict[str, Any]:
     }
 
 
-def _arguments_text(args: Any) -> str:
-    """A call's arguments as OpenAI gives them: JSON text (a model that wrote them as a string keeps it)."""
-    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-
-
-def _hermes_call(block: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of one ``<tool_call>`` block's body, or None if it is not one."""
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], _arguments_text(args)
-
-
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
     """The calls of a Llama 3 JSON reply (objects separated by ``;``), or None if it is not only calls."""
     decoder, calls, i = json.JSONDecoder(), [], 0
@@ -175,60 +158,10 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("parameters", obj.get("arguments", {}))
-        calls.append((obj["name"], _arguments_text(args)))
+        calls.append((obj["name"], arguments_text(args)))
         while i < len(text) and text[i] in " \t\r\n;":
             i += 1
     return calls or None
-
-
-_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
-# A value ends at its closing tag, or where the next parameter or the function's end begins (vLLM's rule).
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
-
-
-def _qwen3_coder_call(block: str, schemas: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of one Qwen3-Coder ``<tool_call>`` body, or None if it is not one."""
-    match = _FUNCTION.search(block)
-    if match is None or not match.group(1).strip():
-        return None
-    name = match.group(1).strip()
-    properties = schemas.get(name, {}).get("properties")
-    types = properties if isinstance(properties, dict) else {}
-    args = {}
-    for param, raw in _PARAMETER.findall(match.group(2)):
-        value = raw.removeprefix("\n").removesuffix("\n")  # the model writes each value on lines of its own
-        spec = types.get(param.strip())
-        args[param.strip()] = _typed_value(value, spec.get("type") if isinstance(spec, dict) else None)
-    return name, json.dumps(args, ensure_ascii=False)
-
-
-def _typed_value(text: str, kind: Any) -> Any:
-    """A Qwen3-Coder parameter's text as its schema's type says (vLLM's rules): ``null`` is null; strings,
-    and parameters the schema does not type, stay text; the rest is parsed (a number; a boolean; JSON, then
-    a Python literal), and text that does not parse stays text."""
-    value = text.strip()
-    if value.lower() == "null":
-        return None
-    kinds = set(kind) if isinstance(kind, list) else {kind}
-    if kind is None or kinds & {"string", "str", "text"}:
-        return text
-    if kinds & {"integer", "number"}:
-        for number in (int, float):
-            try:
-                return number(value)
-            except ValueError:
-                pass
-        return text
-    if "boolean" in kinds and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    try:
-        return json.loads(value)
-    except ValueError:
-        pass
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -349,9 +282,9 @@ class ToolCallStream:
 
     def _settle_block(self, block: str, closed: bool) -> tuple[str, list[dict[str, Any]]]:
         if self.request.parser == "qwen3_coder":
-            found = _qwen3_coder_call(block, self.request.schemas)
+            found = qwen3_coder_call(block, self.request.schemas)
         else:
-            found = _hermes_call(block.strip())
+            found = hermes_call(block.strip())
         if found is not None and self.calls and not self.request.parallel:
             return "", []  # parallel_tool_calls false: the first call only
         if found is None:  # not a call after all: the model's text, markers included
@@ -373,7 +306,7 @@ class ToolCallStream:
             self.content += text  # cut short (length): no calls, the text as it is
             return text, []
         for item in items:
-            args = _arguments_text(item.get("parameters", {}))
+            args = arguments_text(item.get("parameters", {}))
             self.calls.append(_call(len(self.calls), str(item["name"]), args))
         return "", list(self.calls)
 
