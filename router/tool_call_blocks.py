@@ -11,6 +11,10 @@ import json
 import re
 from typing import Any
 
+import regex
+
+from router.json_stream import CanonicalJson
+
 
 def arguments_text(args: Any) -> str:
     """A call's arguments as OpenAI gives them: JSON text (a model that wrote them as a string keeps it)."""
@@ -27,27 +31,6 @@ def hermes_call(block: str) -> tuple[str, str] | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return obj["name"], arguments_text(args)
-
-
-_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
-# A value ends at its closing tag, or where the next parameter or the function's end begins (vLLM's rule).
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
-
-
-def qwen3_coder_call(block: str, schemas: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of one Qwen3-Coder ``<tool_call>`` body, or None if it is not one."""
-    match = _FUNCTION.search(block)
-    if match is None or not match.group(1).strip():
-        return None
-    name = match.group(1).strip()
-    properties = schemas.get(name, {}).get("properties")
-    types = properties if isinstance(properties, dict) else {}
-    args = {}
-    for param, raw in _PARAMETER.findall(match.group(2)):
-        value = raw.removeprefix("\n").removesuffix("\n")  # the model writes each value on lines of its own
-        spec = types.get(param.strip())
-        args[param.strip()] = typed_value(value, spec.get("type") if isinstance(spec, dict) else None)
-    return name, json.dumps(args, ensure_ascii=False)
 
 
 def typed_value(text: str, kind: Any) -> Any:
@@ -77,3 +60,213 @@ def typed_value(text: str, kind: Any) -> Any:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
+
+
+# ---- reading a block as it streams ------------------------------------------------------------------
+# A block's call opens once its function's name is known, and its arguments then stream in the canonical
+# form of router.json_stream (what json.dumps writes), so a client sees a long argument as it is written.
+
+# The head of a hermes block, up to its arguments' value: a name first, then "arguments" (or "parameters").
+_HERMES_HEAD = regex.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*)"\s*,'
+    r'\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+class HermesBlock:
+    """One ``<tool_call>`` block of hermes JSON. ``feed`` takes its text and returns the arguments it settles
+    (``name`` is set once the call opens); ``close`` returns the rest. A block whose head is not
+    ``{"name": ..., "arguments": `` (the keys in another order, say) is read whole at its end:
+    ``whole_call``."""
+
+    def __init__(self) -> None:
+        self.raw = ""  # the block's text so far
+        self.name: str | None = None
+        self._head_failed = False
+        self._json: CanonicalJson | None = None
+        self._string: str | None = None  # arguments given as a JSON string: its text until it ends
+        self._string_read = False
+
+    def feed(self, text: str) -> str:
+        self.raw += text
+        if self.name is None:
+            if self._head_failed:
+                return ""
+            head = _HERMES_HEAD.match(self.raw)
+            if head is None:
+                self._head_failed = _HERMES_HEAD.fullmatch(self.raw, partial=True) is None
+                return ""
+            self.name = json.loads(f'"{head.group(1)}"')
+            text = self.raw[head.end() :]
+        return self._value(text)
+
+    def _value(self, text: str) -> str:
+        if self._json is None and self._string is None:
+            text = text.lstrip()
+            if not text:
+                return ""
+            if text[0] == '"':  # arguments written as a string: given as the string's text, once whole
+                self._string = ""
+            else:
+                self._json = CanonicalJson()
+        if self._json is not None:
+            return self._json.feed(text)
+        assert self._string is not None
+        if self._string_read:
+            return ""
+        self._string += text
+        try:
+            value, _ = json.JSONDecoder().raw_decode(self._string)
+        except ValueError:
+            return ""
+        self._string_read = True
+        return str(value)
+
+    def close(self) -> str:
+        return self._json.finish() if self._json is not None else ""
+
+    def whole_call(self) -> tuple[str, str] | None:
+        """A block whose call never opened: the call its whole text makes, if any."""
+        return hermes_call(self.raw.strip()) if self._head_failed else None
+
+
+_FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
+_PARAMETER_HEAD = "<parameter="
+_VALUE_ENDS = ("</parameter>", _PARAMETER_HEAD, "</function>")  # where a value ends (vLLM's rule)
+
+
+def _held(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could begin one of ``markers``."""
+    return max(
+        (n for marker in markers for n in range(min(len(marker) - 1, len(text)), 0, -1)
+         if text.endswith(marker[:n])),
+        default=0,
+    )  # fmt: skip
+
+
+def _is_string(kind: Any) -> bool:
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    return kind is None or bool(kinds & {"string", "str", "text"})
+
+
+class Qwen3CoderBlock:
+    """One ``<tool_call>`` block of Qwen3-Coder XML, read as ``HermesBlock`` reads hermes's. The call opens
+    at ``<function=NAME>`` (``{``); each parameter adds ``"P": value``: a value the schema types as a string
+    (or does not type) streams as it is written, any other once it ends; ``</function>`` closes it (``}``).
+    The canonical form keeps a parameter given twice twice."""
+
+    def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
+        self.raw = ""
+        self.name: str | None = None
+        self._schemas = schemas
+        self._types: dict[str, Any] = {}
+        self._failed = False
+        self._text = ""  # text after the function's head not yet read
+        self._state = "between"  # "between" parameters, in a parameter's "value", or "end" of the function
+        self._count = 0  # parameters so far
+        self._kind: Any = None  # the parameter's schema type
+        self._value = ""  # the parameter's text so far
+        self._sent = -1  # characters of the value streamed (after its first newline); -1: not opened
+
+    def feed(self, text: str) -> str:
+        self.raw += text
+        if self.name is None:
+            if self._failed:
+                return ""
+            head = _FUNCTION_HEAD.search(self.raw)
+            if head is None:
+                return ""
+            if not head.group(1).strip():
+                self._failed = True
+                return ""
+            self.name = head.group(1).strip()
+            properties = self._schemas.get(self.name, {}).get("properties")
+            self._types = properties if isinstance(properties, dict) else {}
+            self._text = self.raw[head.end() :]
+            return "{" + self._read(end=False)
+        self._text += text
+        return self._read(end=False)
+
+    def close(self) -> str:
+        if self.name is None:
+            return ""
+        out = self._read(end=True)
+        if self._state == "value":
+            out += self._end_value()
+        if self._state != "end":
+            self._state = "end"
+            out += "}"
+        return out
+
+    def whole_call(self) -> tuple[str, str] | None:
+        return None  # a block without a function's head is not a call
+
+    def _read(self, end: bool) -> str:
+        out = ""
+        while self._state != "end":
+            text = self._text
+            if self._state == "between":
+                param, fn_end = text.find(_PARAMETER_HEAD), text.find("</function>")
+                if fn_end >= 0 and (param < 0 or fn_end < param):
+                    self._text, self._state = "", "end"
+                    return out + "}"
+                if param < 0:
+                    self._text = text[len(text) - _held(text, (_PARAMETER_HEAD, "</function>")) :]
+                    return out
+                close = text.find(">", param)
+                newline = text.find("\n", param)
+                if 0 <= newline < (close if close >= 0 else len(text)):  # not a parameter's head
+                    self._text = text[param + 1 :]
+                    continue
+                if close < 0:
+                    self._text = text[param:]
+                    return out
+                name = text[param + len(_PARAMETER_HEAD) : close].strip()
+                self._text = text[close + 1 :]
+                spec = self._types.get(name)
+                self._kind = spec.get("type") if isinstance(spec, dict) else None
+                self._value, self._sent, self._state = "", -1, "value"
+                out += (", " if self._count else "") + json.dumps(name, ensure_ascii=False) + ": "
+                self._count += 1
+                continue
+            ends = [i for i in (text.find(m) for m in _VALUE_ENDS) if i >= 0]
+            if ends:
+                stop = min(ends)
+                self._value += text[:stop]
+                rest = text[stop:]
+                self._text = rest.removeprefix("</parameter>")
+                out += self._end_value()
+                continue
+            held = 0 if end else _held(text, _VALUE_ENDS)
+            self._value += text[: len(text) - held]
+            self._text = text[len(text) - held :]
+            return out + self._stream_value()
+        return out
+
+    def _stream_value(self) -> str:
+        """A string value's text that is settled: not its first or last newline (neither is part of it),
+        and nothing while the value could still be ``null``."""
+        if not _is_string(self._kind) or not self._value:
+            return ""
+        body = self._value.removeprefix("\n")
+        if self._sent < 0:
+            if "null".startswith(body.strip().lower()):
+                return ""
+            self._sent = 0
+            opened = '"'
+        else:
+            opened = ""
+        ready = len(body) - (1 if body.endswith("\n") else 0)
+        part, self._sent = body[self._sent : ready], max(self._sent, ready)
+        return opened + json.dumps(part, ensure_ascii=False)[1:-1]
+
+    def _end_value(self) -> str:
+        self._state = "between"
+        value = self._value.removeprefix("\n").removesuffix("\n")
+        if self._sent >= 0:
+            return json.dumps(value[self._sent :], ensure_ascii=False)[1:-1] + '"'
+        typed = typed_value(value, self._kind)
+        try:
+            return json.dumps(typed, ensure_ascii=False)
+        except (TypeError, ValueError):  # a Python literal JSON has no form for (a set, bytes)
+            return json.dumps(value, ensure_ascii=False)

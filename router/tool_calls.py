@@ -38,7 +38,7 @@ from typing import Any
 from engine.structured_outputs import StructuredOutputs
 from router.errors import InvalidRequestError
 from router.text_stream import marker_prefix_length
-from router.tool_call_blocks import arguments_text, hermes_call, qwen3_coder_call
+from router.tool_call_blocks import HermesBlock, Qwen3CoderBlock, arguments_text
 
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "pythonic", "none")
 # The parsers that read a reply as a whole: it is calls only (held back until it ends) or content only.
@@ -220,7 +220,10 @@ class ToolCallStream:
     content: str = ""  # every content delta so far
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, for a whole reply
     _buffer: str = ""
-    _in_call: bool = False
+    _block: HermesBlock | Qwen3CoderBlock | None = None  # the <tool_call> block being read
+    _block_call: dict[str, Any] | None = None  # the call it opened
+    _block_dropped: bool = False  # a call after the first with parallel_tool_calls false
+    _deltas: dict[int, dict[str, Any]] = field(default_factory=dict)  # call deltas not yet returned
     _seen_call: bool = False  # after the first call, text outside calls is not content (vLLM's rule)
     _calls_reply: bool | None = (
         None  # whole-reply parsers: whether the reply opens as calls (None: not known)
@@ -235,16 +238,21 @@ class ToolCallStream:
             return "", []
         if self.request.parser in WHOLE_REPLY_PARSERS:
             return self._whole_reply_add()
-        out_text, out_calls = "", []
+        out_text = ""
         while True:
-            if self._in_call:
+            if self._block is not None:
                 end = self._buffer.find(CALL_END)
-                if end < 0:
+                if end < 0:  # the block goes on: what cannot be the start of its end is read now
+                    keep = marker_prefix_length(self._buffer, CALL_END)
+                    ready, self._buffer = (
+                        self._buffer[: len(self._buffer) - keep],
+                        self._buffer[len(self._buffer) - keep :],
+                    )
+                    self._feed_block(ready)
                     break
                 block, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_END) :]
-                self._in_call = False
-                text, calls = self._settle_block(block, closed=True)
-                out_text, out_calls = out_text + text, out_calls + calls
+                self._feed_block(block)
+                out_text += self._close_block(closed=True)
                 continue
             start = self._buffer.find(CALL_START)
             if start < 0:
@@ -257,9 +265,13 @@ class ToolCallStream:
                 break
             out_text += self._outside(self._buffer[:start])
             self._buffer = self._buffer[start + len(CALL_START) :]
-            self._in_call = True
+            self._block = (
+                Qwen3CoderBlock(self.request.schemas)
+                if self.request.parser == "qwen3_coder"
+                else HermesBlock()
+            )
         self.content += out_text
-        return out_text, out_calls
+        return out_text, self._take_deltas()
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         rest, self._buffer = self._buffer, ""
@@ -269,31 +281,70 @@ class ToolCallStream:
             return self._required(rest)
         if self.request.parser in WHOLE_REPLY_PARSERS:
             return self._whole_reply_finish(rest)
-        if self._in_call:  # an unclosed last block: a call if it parses whole
-            self._in_call = False
-            text, calls = self._settle_block(rest, closed=False)
+        if self._block is not None:  # an unclosed last block (cut by max_tokens, say)
+            self._feed_block(rest)
+            text = self._close_block(closed=False)
         else:
-            text, calls = self._outside(rest), []
+            text = self._outside(rest)
         self.content += text
-        return text, calls
+        return text, self._take_deltas()
 
     def _outside(self, text: str) -> str:
         return "" if self._seen_call else text
 
-    def _settle_block(self, block: str, closed: bool) -> tuple[str, list[dict[str, Any]]]:
-        if self.request.parser == "qwen3_coder":
-            found = qwen3_coder_call(block, self.request.schemas)
-        else:
-            found = hermes_call(block.strip())
-        if found is not None and self.calls and not self.request.parallel:
-            return "", []  # parallel_tool_calls false: the first call only
-        if found is None:  # not a call after all: the model's text, markers included
-            raw = CALL_START + block + (CALL_END if closed else "")
-            return self._outside(raw), []
+    def _feed_block(self, text: str) -> None:
+        """Read more of the block: its call opens once its function's name is known, then grows."""
+        block = self._block
+        assert block is not None
+        arguments = block.feed(text)
+        if block.name is not None and self._block_call is None and not self._block_dropped:
+            if self.calls and not self.request.parallel:
+                self._block_dropped = True  # parallel_tool_calls false: the first call only
+            else:
+                self._open_call(block.name, "")
+        if self._block_call is not None:
+            self._extend_call(arguments)
+
+    def _close_block(self, closed: bool) -> str:
+        """The block's end: the rest of its call's arguments; a block that opened no call is a call if its
+        whole text makes one, else the model's text, markers included."""
+        block, call, dropped = self._block, self._block_call, self._block_dropped
+        assert block is not None
+        self._block, self._block_call, self._block_dropped = None, None, False
+        arguments = block.close()
+        if call is not None:
+            self._extend_call(arguments, call)
+            return ""
+        if dropped:
+            return ""
+        found = block.whole_call()
+        if found is None:
+            return self._outside(CALL_START + block.raw + (CALL_END if closed else ""))
+        if self.calls and not self.request.parallel:
+            return ""
+        self._open_call(*found)
+        return ""
+
+    def _open_call(self, name: str, arguments: str) -> None:
         self._seen_call = True
-        call = _call(len(self.calls), *found)
+        call = _call(len(self.calls), name, arguments)
         self.calls.append(call)
-        return "", [call]
+        self._block_call = call
+        self._deltas[call["index"]] = {**call, "function": dict(call["function"])}  # a copy: the call grows
+
+    def _extend_call(self, arguments: str, call: dict[str, Any] | None = None) -> None:
+        call = call if call is not None else self._block_call
+        if not arguments or call is None:
+            return
+        call["function"]["arguments"] += arguments
+        delta = self._deltas.setdefault(
+            call["index"], {"index": call["index"], "function": {"arguments": ""}}
+        )
+        delta["function"]["arguments"] += arguments
+
+    def _take_deltas(self) -> list[dict[str, Any]]:
+        deltas, self._deltas = list(self._deltas.values()), {}
+        return deltas
 
     def _required(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         try:

@@ -635,11 +635,13 @@ def test_reasoning_parser_splits_thinking_from_content_and_tool_calls(pd_workers
             reasoning += delta.get("reasoning_content") or ""
             content += delta.get("content") or ""
             calls += delta.get("tool_calls") or []
-        assert (
-            reasoning == thought
-            and content == "Sure"
-            and [c["function"]["name"] for c in calls] == ["get_weather"]
-        )
+        streamed: dict[int, dict[str, str]] = {}
+        for c in calls:  # the call opens with its name, then its arguments grow delta by delta
+            call = streamed.setdefault(c["index"], {"name": "", "arguments": ""})
+            call["name"] += c["function"]["name"] or ""
+            call["arguments"] += c["function"]["arguments"] or ""
+        assert reasoning == thought and content == "Sure" and len(calls) > 1
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [("get_weather", args)]
         hidden = client.chat.completions.create(**body, extra_body={**extra, "include_reasoning": False})
         assert "reasoning_content" not in hidden.choices[0].message.model_dump()
         assert hidden.choices[0].message.content == "Sure"

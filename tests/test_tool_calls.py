@@ -27,15 +27,29 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 
 def _run(request: ToolRequest, text: str, pieces: list[str] | None = None) -> tuple[str, list, list, list]:
-    """Feed ``text`` whole or in ``pieces``: (content deltas joined, deltas of tool calls, whole calls,
-    content of the whole reply)."""
+    """Feed ``text`` whole or in ``pieces``: (content deltas joined, the calls assembled from their streamed
+    deltas, whole calls, content of the whole reply)."""
     stream = ToolCallStream(request)
     content, deltas = "", []
     for piece in pieces if pieces is not None else [text]:
         c, d = stream.add(piece)
         content, deltas = content + c, deltas + d
     c, d = stream.finish()
-    return content + c, deltas + d, stream.calls, stream.content
+    return content + c, _assembled(deltas + d), stream.calls, stream.content
+
+
+def _assembled(deltas: list[dict]) -> list[dict]:
+    """Calls from streamed deltas as a client puts them together: the first of an index opens the call
+    (id, type, name), the rest extend its arguments."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            assert d["id"].startswith("chatcmpl-tool-") and d["type"] == "function" and d["function"]["name"]
+            calls[d["index"]] = {**d, "function": dict(d["function"])}
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
 
 
 def _random_pieces(text: str, seed: int) -> list[str]:
@@ -99,10 +113,13 @@ def test_required_reads_the_array_and_named_streams_the_arguments() -> None:
     assert named is not None and named.function == "get_weather"
     args = '{"city":"Kyiv","days":3}'
     pieces = ["", *_random_pieces(args, 5)]  # an empty delta first (a model still thinking) opens nothing
-    content, deltas, calls, _ = _run(named, args, pieces)
+    content, assembled, calls, _ = _run(named, args, pieces)
     assert content == "" and _names_and_args(calls) == [("get_weather", {"city": "Kyiv", "days": 3})]
+    assert assembled == calls
+    stream = ToolCallStream(named)
+    deltas = [d for piece in pieces for d in stream.add(piece)[1]]
     assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["function"]["arguments"] == pieces[1]
-    assert "".join(d["function"]["arguments"] for d in deltas) == args
+    assert "".join(d["function"]["arguments"] for d in deltas) == args and len(deltas) == len(pieces) - 1
 
 
 def test_the_constraints_compile_and_hold_the_shapes_the_parser_reads() -> None:
@@ -278,3 +295,139 @@ def test_pythonic_replies_that_are_not_calls_are_content() -> None:
     ):
         content, deltas, calls, _ = _run(auto, text, _random_pieces(text, 2))
         assert content == text and not deltas and not calls, text
+
+
+def _deltas_by_piece(request: ToolRequest, pieces: list[str]) -> list[list[dict]]:
+    """The tool-call deltas each piece (then the finish) returns."""
+    stream = ToolCallStream(request)
+    return [stream.add(piece)[1] for piece in pieces] + [stream.finish()[1]]
+
+
+def test_hermes_arguments_stream_as_they_are_written() -> None:
+    """The call opens once its name is read, long before its block closes; its arguments come in many
+    deltas, in json.dumps' form, and put together they are the whole reply's call."""
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "hermes")
+    assert auto is not None
+    args = {"city": "Oslo " * 20 + 'é 😀 " \\ \n', "days": 2, "extra": [1.50, True, None, {"a": []}]}
+    text = 'Sure.<tool_call>\n{"name": "get_weather",\n "arguments": ' + json.dumps(args, ensure_ascii=True,
+           indent=1) + "}\n</tool_call>"  # fmt: skip
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    per_piece = _deltas_by_piece(auto, pieces)
+    opened = next(i for i, d in enumerate(per_piece) if d)
+    head = '"arguments":'
+    assert head in "".join(pieces[: opened + 1]) and head not in "".join(
+        pieces[:opened]
+    )  # opened at its head
+    assert per_piece[opened][0]["function"]["name"] == "get_weather"
+    growing = [i for i, d in enumerate(per_piece) if d and i > opened]
+    assert len(growing) > 40 and growing[-1] < len(pieces) - 2  # the arguments were whole before the block
+    deltas = [d for ds in per_piece for d in ds]
+    whole = _run(auto, text)
+    assert [c["function"] for c in _assembled(deltas)] == [c["function"] for c in whole[1]] and [
+        c["function"] for c in whole[2]
+    ] == [{"name": "get_weather", "arguments": json.dumps(args, ensure_ascii=False)}]
+    assert {d["id"] for d in deltas if "id" in d} == {c["id"] for c in _assembled(deltas)}  # one id a call
+
+
+def _hermes_reply(rng: random.Random, calls: list[tuple[str, object]]) -> str:
+    out = rng.choice(["", "Let me see. "])
+    for name, args in calls:
+        out += "<tool_call>" + rng.choice(["", "\n"]) + json.dumps(
+            {"name": name, rng.choice(["arguments", "parameters"]): args},
+            ensure_ascii=rng.random() < 0.5,
+            indent=rng.choice([None, 2]),
+            separators=rng.choice([None, (",", ":")]),
+        ) + rng.choice(["", "\n"]) + "</tool_call>" + rng.choice(["", "\n"])  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hermes_streamed_calls_equal_whole_ones_for_any_arguments(seed: int) -> None:
+    rng = random.Random(seed)
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "hermes")
+    assert auto is not None
+    for _ in range(60):
+        calls = [
+            (rng.choice(["get_weather", "get_time"]), {
+                "city": "".join(rng.choice('ab"\\\n</>é😀 ') for _ in range(rng.randrange(12))),
+                "days": rng.choice([0, -3, 2.5, 1e300, None, True]),
+                "stops": [rng.random() for _ in range(rng.randrange(3))],
+            })
+            for _ in range(rng.randrange(1, 3))
+        ]  # fmt: skip
+        text = _hermes_reply(rng, calls)
+        whole = _run(auto, text)
+        streamed = _run(auto, text, _random_pieces(text, rng.randrange(1000)))
+        expected = [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+        for _content, assembled, whole_calls, _ in (whole, streamed):
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls] == expected
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in assembled] == expected
+        assert whole[0] == streamed[0] == ("Let me see. " if text.startswith("Let") else "")
+
+
+def test_hermes_blocks_read_whole_cut_short_or_one_call_only() -> None:
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "hermes")
+    assert auto is not None
+    # The keys in another order: not read as it streams, but the block is still a call at its end.
+    text = '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>'
+    per_piece = _deltas_by_piece(auto, _random_pieces(text, 3))
+    assert not any(per_piece[:-2]) and _names_and_args(_run(auto, text)[2]) == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    # Arguments written as a JSON string are given as that string's text, as a whole reply gives them.
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
+    for _content, assembled, calls, _ in (_run(auto, text), _run(auto, text, _random_pieces(text, 4))):
+        assert (
+            [c["function"]["arguments"] for c in calls]
+            == ['{"city": "Rome"}']
+            == [c["function"]["arguments"] for c in assembled]
+        )
+    # Cut short by max_tokens after the call opened: the call keeps what was written (as OpenAI's does).
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Ber'
+    for content, assembled, calls, _ in (_run(auto, text), _run(auto, text, _random_pieces(text, 5))):
+        assert content == "" and [c["function"] for c in calls] == [
+            {"name": "get_weather", "arguments": '{"city": "Ber'}
+        ] == [c["function"] for c in assembled]
+    # parallel_tool_calls false: the second block gives nothing, not even content.
+    one = parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": False}, "hermes")
+    assert one is not None
+    for content, assembled, calls, _ in (_run(one, HERMES), _run(one, HERMES, _random_pieces(HERMES, 6))):
+        assert content == "Let me check.\n" and _names_and_args(calls) == [
+            ("get_weather", {"city": "Oslo", "days": 2})
+        ]
+        assert _names_and_args(assembled) == _names_and_args(calls)
+
+
+def test_qwen3_coder_string_values_stream_as_they_are_written() -> None:
+    """A string parameter (source code, say) streams character by character, held back only where it could
+    be the end of the value or its last newline; typed values and null come whole; the parts put together
+    are the whole reply's arguments."""
+    auto = parse_tools({"tools": [TYPED, TIME]}, "qwen3_coder")
+    assert auto is not None
+    code = 'if a < b and c > d:\n    print("<parameter", x</param)\n\n'
+    text = (
+        "<tool_call>\n<function=plan_trip>\n<parameter=city>\n" + code + "\n</parameter>\n"
+        "<parameter=days>\n12\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+        "<parameter=untyped>\nnullable\n</parameter>\n</function>\n</tool_call>"
+    )
+    expected = {"city": code, "days": 12, "note": None, "untyped": "nullable"}
+    pieces = list(text)
+    per_piece = _deltas_by_piece(auto, pieces)
+    value_start = text.index(code)
+    growing = [i for i, d in enumerate(per_piece) if d]
+    assert per_piece[growing[0]][0]["function"] == {"name": "plan_trip", "arguments": "{"}
+    assert text[: growing[0] + 1].endswith("<function=plan_trip>")  # the call opens with its head
+    inside = [i for i in growing if value_start <= i < value_start + len(code)]
+    assert len(inside) > len(code) // 2  # most characters as they came (not those that could be a tag)
+    arguments = "".join(d["function"]["arguments"] for ds in per_piece for d in ds)
+    whole = _run(auto, text)
+    assert arguments == whole[2][0]["function"]["arguments"] == json.dumps(expected, ensure_ascii=False)
+    assert [c["function"] for c in _assembled([d for ds in per_piece for d in ds])] == [
+        c["function"] for c in whole[1]
+    ]
+    # A value that is null is not streamed as a string first; one cut short ends with the text.
+    for seed in range(4):
+        cut = "<tool_call>\n<function=plan_trip>\n<parameter=note>\nNULL \n</parameter>\n<parameter=city>\nOs"
+        content, assembled, calls, _ = _run(auto, cut, _random_pieces(cut, seed))
+        assert [c["function"]["arguments"] for c in calls] == ['{"note": null, "city": "Os"}']
+        assert assembled[0]["function"]["arguments"] == calls[0]["function"]["arguments"]
