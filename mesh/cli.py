@@ -403,7 +403,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         req = urllib.request.Request(
             f"http://{args.host}:{mesh.http_port}/v1/chat/completions",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **_auth_header()},
         )
         started = time.monotonic()
         with urllib.request.urlopen(req, timeout=120) as resp:
@@ -421,6 +421,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0
     finally:
         mesh.stop()
+
+
+def _auth_header() -> dict[str, str]:
+    """The demo's key, where the router it starts takes one from PDMESH_API_KEY (router.auth)."""
+    keys = [k for k in os.environ.get("PDMESH_API_KEY", "").split(",") if k.strip()]
+    return {"Authorization": f"Bearer {keys[0].strip()}"} if keys else {}
 
 
 def _metric(child: Child, name: str) -> float:

@@ -114,6 +114,13 @@ class RouterConfig:
         "the text inside <think>...</think> in reasoning_content; none leaves it in content.",
         choices=REASONING_PARSERS,
     )
+    api_key: list[str] = setting(
+        [],
+        "API keys of the public APIs (vLLM's --api-key): with any set, HTTP requests under /v1 and gRPC "
+        "calls of pdmesh.v1.Router must carry 'Authorization: Bearer <key>' (401 / UNAUTHENTICATED "
+        "otherwise); /health, /metrics, /version, /tokenize, /detokenize and gRPC health stay open. "
+        "Several keys: --api-key K1 K2 (PDMESH_API_KEY: K1,K2).",
+    )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from mesh.telemetry import metrics_handler
 from protos.pdmesh.v1 import common_pb2
+from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
@@ -79,16 +80,23 @@ def _failed_mid_stream(exc: Exception, request_id: str, outcome: dict[str, str])
 
 class HttpApi:
     def __init__(
-        self, model: ServedModel, orchestrator: Orchestrator, pool: WorkerPool, metrics: RouterMetrics
+        self,
+        model: ServedModel,
+        orchestrator: Orchestrator,
+        pool: WorkerPool,
+        metrics: RouterMetrics,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.model = model
         self.orchestrator = orchestrator
         self.pool = pool
         self.metrics = metrics
+        self.api_keys = api_keys or ApiKeys(())
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = [http_middleware(self.api_keys)] if self.api_keys else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)

@@ -21,6 +21,7 @@ from mesh.kv_index import InProcessKVIndex
 from mesh.registry import RedisRegistry
 from mesh.telemetry import Tracing, setup_tracing
 from protos.pdmesh.v1 import router_pb2, router_pb2_grpc
+from router.auth import ApiKeys, GrpcApiKeyInterceptor
 from router.chooser import WorkerChooser
 from router.config import RouterConfig
 from router.discovery import RegistryDiscovery
@@ -137,13 +138,15 @@ class RouterService:
         if self.discovery is not None:
             await self.discovery.start()
         servicer = RouterServicer(self.model, self.orchestrator, self.pool, self.metrics)
+        keys = ApiKeys(self.config.api_key)
         self.grpc_server, self.grpc_port = await start_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
             [ROUTER_SERVICE],
             self.config.host,
             self.config.port,
+            interceptors=[GrpcApiKeyInterceptor(keys)] if keys else None,
         )
-        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics)
+        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics, keys)
         self._runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
@@ -158,7 +161,7 @@ class RouterService:
             ) from exc
         self.http_port = self._runner.addresses[0][1]
         log.info(
-            "router serving model %s: gRPC %s:%d, HTTP %s:%d, %d prefill and %d decode workers, routing %s, %s",
+            "router serving model %s: gRPC %s:%d, HTTP %s:%d, %d prefill and %d decode workers, routing %s, %s, %s",
             self.model.name,
             self.config.host,
             self.grpc_port,
@@ -170,6 +173,7 @@ class RouterService:
             "registry and KV index in Redis"
             if self.redis is not None
             else "flag workers, in-process KV index",
+            "API keys required" if keys else "no API keys",
         )
 
     async def stop(self, grace_s: float = 5.0) -> None:

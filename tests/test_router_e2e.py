@@ -1071,3 +1071,73 @@ def test_responses_api_refuses_what_it_does_not_serve(
         _post(router, "/v1/responses", {"model": MODEL, **body})
     assert err.value.code == 400
     assert json.loads(err.value.read())["error"]["param"] == param
+
+
+def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa: F811
+    """A router started with --api-key (two keys): /v1 requests and pdmesh.v1.Router calls need one of them
+    as a Bearer token (401 in OpenAI's shape / UNAUTHENTICATED otherwise); probes, metrics, tokenize and
+    gRPC health stay open; a request with a key is served."""
+    prefill, decode = pd_workers
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, "--api-key", "key-one", "key-two",
+    )  # fmt: skip
+    try:
+        http = Router(proc, Path("unused")).http
+        body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+        bare = urllib.request.Request(f"http://{http}/v1/completions", data=body)  # no Authorization header
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(bare, timeout=10)
+        assert missing.value.code == 401 and missing.value.headers["WWW-Authenticate"] == "Bearer"
+        assert json.loads(missing.value.read())["error"]["type"] == "authentication_error"
+        for key in ("wrong", "key-one-and-more", "key-on"):
+            client = openai.OpenAI(base_url=f"http://{http}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as refused:
+                client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        for key in ("key-one", "key-two"):
+            client = openai.OpenAI(base_url=f"http://{http}/v1", api_key=key, max_retries=0)
+            reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0.0)
+            assert reply.usage is not None and reply.usage.completion_tokens == 3
+            assert [m.id for m in client.models.list()] == [MODEL]
+        for path, body in (
+            ("/health", None),
+            ("/metrics", None),
+            ("/version", None),
+            ("/tokenize", {"prompt": "Hi"}),
+        ):
+            data = json.dumps(body).encode() if body is not None else None
+            with urllib.request.urlopen(
+                urllib.request.Request(f"http://{http}{path}", data=data), timeout=10
+            ) as r:
+                assert r.status == 200, path
+
+        async def generate(metadata: tuple[tuple[str, str], ...]) -> str:
+            params = common_pb2.SamplingParams(max_tokens=3, temperature=0.0)
+            request = router_pb2.GenerateRequest(text="Hi", sampling_params=params, return_text=True)
+            async with grpc.aio.insecure_channel(proc.address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                return "".join([m.text async for m in stub.Generate(request, timeout=30, metadata=metadata)])
+
+        for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", "key-one"),)):
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                asyncio.run(generate(metadata))
+            assert (
+                denied.value.code() == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in denied.value.details()
+            )
+        assert asyncio.run(generate((("authorization", "Bearer key-two"),)))
+
+        async def health() -> int:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            async with grpc.aio.insecure_channel(proc.address) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                )
+                return reply.status
+
+        assert asyncio.run(health()) == 1  # SERVING, without a key
+    finally:
+        assert proc.stop() == 0, proc.log()
