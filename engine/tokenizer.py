@@ -130,23 +130,44 @@ def _compiled_chat_template(template: str) -> Any:
     return env.from_string(template)
 
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the end of the message to continue
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     **template_kwargs: Any,
 ) -> str:
     """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none).
     ``template_kwargs``: more template variables (``tools``, vLLM's ``chat_template_kwargs`` such as
-    Qwen3's ``enable_thinking``)."""
+    Qwen3's ``enable_thinking``). ``continue_final_message`` ends the text with the last message's text,
+    left open for the model to go on with (transformers' rule: the template's text after it is cut)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    final = ""
+    if continue_final_message:  # transformers' rule: mark where the message ends, cut the text there
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str):
+            raise ValueError("continue_final_message needs a last message with text to continue")
+        messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
     template = _compiled_chat_template(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
     extra = getattr(tokenizer, "special_tokens", {}) or {}
-    return template.render(
+    text = template.render(
         **{k: v for k, v in extra.items() if v is not None},
         **template_kwargs,
         messages=messages,
         add_generation_prompt=add_generation_prompt,
     )
+    if not continue_final_message:
+        return text
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise ValueError("continue_final_message: the chat template does not write the last message's text")
+    where = text.rindex(CONTINUE_TAG.strip())
+    if text[where : where + len(CONTINUE_TAG)] == CONTINUE_TAG:  # the template kept the message's spacing
+        return text[:where]
+    return text[:where].rstrip()  # it trimmed the message: so is its end
 
 
 def find_stop(text: str, stops: Sequence[str], checked: int) -> tuple[int, str] | None:

@@ -39,7 +39,11 @@ async def build_choices(
     prompts: list[tuple[list[int], str | list[int]]] = []  # token ids, and the prompt as given
     if parsed.kind == "chat_completions":
         ids = await model.tokenize_chat(
-            parsed.messages, parsed.add_generation_prompt, parsed.add_special_tokens, parsed.template_kwargs
+            parsed.messages,
+            parsed.add_generation_prompt,
+            parsed.add_special_tokens,
+            parsed.template_kwargs,
+            parsed.continue_final_message,
         )
         prompts.append((ids, ""))
     else:

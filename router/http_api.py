@@ -150,6 +150,7 @@ class HttpApi:
                     parsed.add_generation_prompt,
                     parsed.add_special_tokens,
                     parsed.template_kwargs,
+                    parsed.continue_final_message,
                 )
             else:
                 prompt = f.str("prompt")

@@ -46,6 +46,7 @@ class ParsedRequest:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: each choice's text starts with its prompt
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message is left open for the model to go on
     add_special_tokens: bool = True
     sampling: SamplingInput = field(default_factory=SamplingInput)
     # vLLM's prompt_logprobs: the reply shows each prompt token's logprob, rank and this many top
@@ -315,6 +316,13 @@ def parse_chat(
         raise InvalidRequestError("echo is not supported on chat completions", param="echo")
     req.messages = _messages(body.get("messages"))
     req.add_generation_prompt = f.bool("add_generation_prompt", True)
+    req.continue_final_message = f.bool("continue_final_message", False)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt "
+            "to false to continue the last message",
+            param="continue_final_message",
+        )
     # Chat templates carry their own BOS; vLLM adds no special tokens to a rendered chat by default.
     req.add_special_tokens = f.bool("add_special_tokens", False)
     top = f.int("top_logprobs")
@@ -341,7 +349,9 @@ def _tools_and_template(f: JsonFields, req: ParsedRequest, tool_call_parser: str
     if kwargs is not None:
         if not isinstance(kwargs, dict):
             raise f._bad("chat_template_kwargs", "an object")
-        reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
+        reserved = sorted(
+            set(kwargs) & {"messages", "add_generation_prompt", "tools", "continue_final_message"}
+        )
         if reserved:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {reserved} (they have fields of their own)",

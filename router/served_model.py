@@ -140,10 +140,13 @@ class ServedModel:
         add_generation_prompt: bool,
         add_special_tokens: bool,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """``render_chat`` on the loop (the template is compiled once: ~11 us a render, less than the ~0.2 ms
         hop to a thread), then ``tokenize``, which moves only a long text's encode off the loop."""
-        text = self.render_chat(messages, add_generation_prompt, template_kwargs or {})
+        text = self.render_chat(
+            messages, add_generation_prompt, template_kwargs or {}, continue_final_message
+        )
         return await self.tokenize(text, add_special_tokens)
 
     async def _off_loop(self, work: Callable[[], list[int]]) -> list[int]:
@@ -154,14 +157,23 @@ class ServedModel:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The messages through the model's chat template; a template error is the user's (400)."""
         try:
-            return render_chat(self.tokenizer, messages, add_generation_prompt, **(template_kwargs or {}))
+            return render_chat(
+                self.tokenizer,
+                messages,
+                add_generation_prompt,
+                continue_final_message,
+                **(template_kwargs or {}),
+            )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {exc}", param="messages"
             ) from None
+        except ValueError as exc:  # continue_final_message with nothing to continue
+            raise InvalidRequestError(str(exc), param="continue_final_message") from None
 
     def text_stream(
         self,

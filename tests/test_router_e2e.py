@@ -1141,3 +1141,25 @@ def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa:
         assert asyncio.run(health()) == 1  # SERVING, without a key
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_continue_final_message_goes_on_with_the_last_message(router: Router, llm: LLM) -> None:
+    """vLLM's continue_final_message: the prompt ends with the assistant's partial message (no end of turn,
+    no new turn) and the reply continues it, as the offline engine does from that text; /tokenize gives the
+    same ids; with add_generation_prompt left true it is a 400."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,"}]
+    text = render_chat(llm.tokenizer, messages, False, continue_final_message=True)
+    assert text.endswith("One, two,") and text != render_chat(llm.tokenizer, messages, False)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    expected = _offline(llm, ids, 12, temperature=0.0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0.0, extra_body=extra
+    )
+    assert reply.choices[0].message.content == expected.text and reply.usage.prompt_tokens == len(ids)
+    assert _post(router, "/tokenize", {"messages": messages, **extra})["tokens"] == ids
+    with pytest.raises(openai.BadRequestError) as bad:  # add_generation_prompt is true unless set false
+        router.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, extra_body={"continue_final_message": True}
+        )
+    assert bad.value.status_code == 400 and "cannot both be true" in bad.value.message

@@ -122,3 +122,40 @@ def test_render_chat_passes_tools_and_template_kwargs_to_the_template() -> None:
     assert (
         render_chat(tok, messages, tools=tools, enable_thinking=False) == "TOOLS:f;g;user:hi|<think></think>"
     )
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRIMMING = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | trim }}\n\n{% endfor %}"
+
+
+@pytest.mark.parametrize("template", [None, CHATML, TRIMMING], ids=["checkpoint", "chatml", "trimming"])
+def test_continue_final_message_renders_as_transformers_does(tmp_path: Path, template: str | None) -> None:
+    """vLLM's continue_final_message: the text ends with the last message's, open for the model to go on;
+    transformers' apply_chat_template is the reference (templates that keep or trim the message's spacing,
+    the same text earlier in the chat)."""
+    from transformers import AutoTokenizer
+
+    ours = hf_tokenizer(tmp_path)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    if template is not None:
+        ours.chat_template = reference.chat_template = template
+    for last in ("The answer is", "  spaced out  ", "Same"):
+        messages = [
+            {"role": "user", "content": "Same"},
+            {"role": "assistant", "content": last},
+        ]
+        expected = reference.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        )
+        assert render_chat(ours, messages, False, continue_final_message=True) == expected
+        assert expected.rstrip().endswith(last.strip()) and "CONTINUE" not in expected
+    with pytest.raises(ValueError, match="cannot both"):
+        render_chat(ours, messages, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="text to continue"):
+        render_chat(ours, [{"role": "assistant", "content": None}], False, continue_final_message=True)
+    ours.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"  # writes no message's text
+    with pytest.raises(ValueError, match="does not write"):
+        render_chat(ours, messages, False, continue_final_message=True)
