@@ -56,12 +56,15 @@ async def build_choices(
     default = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.kind == "completions" else None
     total = len(prompts) * parsed.n
     choices = []
-    for i, (ids, given) in enumerate(prompts):
+    for i, (whole, given) in enumerate(prompts):
+        ids = model.truncate_prompt(whole, parsed.truncate_prompt_tokens)
         model.check_prompt(ids, param=param)  # before echo decodes token ids: they are in the vocabulary
         echo = ""
-        if parsed.echo:
+        if parsed.echo:  # the prompt as given, or the text of what is left of it
             echo = (
-                given if isinstance(given, str) else model.tokenizer.decode(given, skip_special_tokens=False)
+                given
+                if isinstance(given, str) and len(ids) == len(whole)
+                else model.tokenizer.decode(ids, skip_special_tokens=False)
             )
         max_tokens = model.resolve_max_tokens(parsed.sampling.max_tokens, len(ids), default)
         sampling = model.sampling_params(parsed.sampling, max_tokens)

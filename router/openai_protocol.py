@@ -47,6 +47,9 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text starts with its prompt
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message is left open for the model to go on
+    truncate_prompt_tokens: int | None = (
+        None  # vLLM's: keep only the prompt's last k tokens (-1: all that fit)
+    )
     add_special_tokens: bool = True
     sampling: SamplingInput = field(default_factory=SamplingInput)
     # vLLM's prompt_logprobs: the reply shows each prompt token's logprob, rank and this many top
@@ -231,6 +234,12 @@ def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedReque
     n = f.int("n")
     if n is not None and not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}", param="n")
+    truncate = f.int("truncate_prompt_tokens")
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be at least 1, or -1 (as many as max_model_len allows), got {truncate}",
+            param="truncate_prompt_tokens",
+        )
     return ParsedRequest(
         kind=kind,
         model=f.str("model"),
@@ -241,6 +250,7 @@ def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedReque
         user=f.str("user"),
         request_id=f.str("request_id"),
         cache_salt=f.str("cache_salt") or "",
+        truncate_prompt_tokens=truncate,
     )
 
 

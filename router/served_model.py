@@ -207,6 +207,22 @@ class ServedModel:
                 param=param,
             )
 
+    def truncate_prompt(self, prompt_token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the longest prompt
+        ``max_model_len`` takes, one token short of it); more than the context holds is a 400."""
+        if keep is None:
+            return prompt_token_ids
+        limit = self.max_model_len - 1
+        if keep == -1:
+            keep = limit
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len}): ask "
+                "for a smaller truncation size",
+                param="truncate_prompt_tokens",
+            )
+        return prompt_token_ids[-keep:]
+
     def resolve_max_tokens(
         self, requested: int | None, prompt_len: int, default: int | None, param: str = "max_tokens"
     ) -> int:

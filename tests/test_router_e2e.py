@@ -1163,3 +1163,34 @@ def test_continue_final_message_goes_on_with_the_last_message(router: Router, ll
             model=MODEL, messages=messages, max_tokens=4, extra_body={"continue_final_message": True}
         )
     assert bad.value.status_code == 400 and "cannot both be true" in bad.value.message
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(router: Router, llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (usage, echo and output as
+    the offline engine's from them); -1 keeps as many as the context takes; 0 or more than max_model_len
+    is a 400."""
+    prompt = [(7 * i) % 250 + 3 for i in range(60)]
+    expected = _offline(llm, prompt[-10:], 8, temperature=0.0, ignore_eos=True)
+    extra = {"truncate_prompt_tokens": 10, "ignore_eos": True}
+    reply = router.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0.0, echo=True, extra_body=extra
+    )
+    echoed = llm.tokenizer.decode(prompt[-10:], skip_special_tokens=False)
+    assert reply.choices[0].text == echoed + expected.text and reply.usage.prompt_tokens == 10
+    text = "Tell me everything about disaggregated serving, from the router to the KV transfer."
+    chat = router.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=4, extra_body=extra
+    )
+    assert chat.usage.prompt_tokens == 10
+    limit = router.client.models.list().data[0].model_extra["max_model_len"]
+    long = (prompt * (limit // len(prompt) + 2))[: limit + 40]
+    reply = router.client.completions.create(
+        model=MODEL, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert reply.usage.prompt_tokens == limit - 1
+    for value, message in ((0, "at least 1"), (limit + 1, "greater than max_model_len")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            router.client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": value}
+            )
+        assert bad.value.status_code == 400 and message in bad.value.message
