@@ -60,8 +60,9 @@ class DecodeServicer(WorkerServicerBase):
         prompt: list[int],
         cache_salt: str | None = None,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        started_ns = time.time_ns()
         stream = self.aengine.generate(rid, prompt, params, cache_salt=cache_salt)
-        async for resp in self._stream(rid, stream, first_emitted=False):
+        async for resp in self._stream(rid, stream, first_emitted=False, started_ns=started_ns):
             yield resp
 
     async def _decode_imported(
@@ -69,6 +70,7 @@ class DecodeServicer(WorkerServicerBase):
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
         handle = request.kv_handle
+        started_ns = time.time_ns()
         if not request.HasField("first_token_id"):
             raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT, "a DecodeRequest with a kv_handle needs first_token_id"
@@ -127,7 +129,8 @@ class DecodeServicer(WorkerServicerBase):
                     await asyncio.shield(self.aengine.call(lambda: self.engine.cancel_import(rid)))
         finished = False
         try:
-            async for resp in self._stream(rid, self.aengine.stream_outputs(rid, q), first_emitted=True):
+            outputs = self.aengine.stream_outputs(rid, q)
+            async for resp in self._stream(rid, outputs, first_emitted=True, started_ns=started_ns):
                 finished = resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 yield resp
         finally:
@@ -139,7 +142,10 @@ class DecodeServicer(WorkerServicerBase):
         rid: str,
         outputs: AsyncIterator,
         first_emitted: bool,
+        started_ns: int,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        """The engine's outputs as DecodeResponses; ``started_ns``: when the Decode call came (the start of
+        the request's end-to-end latency here, its KV pull included)."""
         last_ns = 0
         async for out in outputs:
             now = time.time_ns()
@@ -148,9 +154,9 @@ class DecodeServicer(WorkerServicerBase):
             if first_emitted and out.finished and out.num_output_tokens == 1:
                 tokens, logprobs = [], []  # finished on the imported first token: the caller has it already
             if not first_emitted and out.first_token_ns and last_ns == 0:
-                self.metrics.ttft.observe((out.first_token_ns - out.arrival_time_ns) / 1e9)
+                self.metrics.first_token((out.first_token_ns - out.arrival_time_ns) / 1e9)
             elif last_ns and tokens:
-                self.metrics.tpot.observe((now - last_ns) / 1e9 / len(tokens))
+                self.metrics.inter_token((now - last_ns) / 1e9 / len(tokens))
             last_ns = now
             resp = worker_pb2.DecodeResponse(
                 request_id=rid,
@@ -168,7 +174,9 @@ class DecodeServicer(WorkerServicerBase):
                         cached_prompt_tokens=out.num_cached_tokens,
                     )
                 )
-                self.metrics.requests.labels(outcome=out.finish_reason or "finished").inc()
+                self.metrics.finished(
+                    out.finish_reason or "finished", out.finish_reason, (now - started_ns) / 1e9
+                )
             yield resp
 
     async def _ensure_peer(self, handle: common_pb2.KVHandle) -> str:

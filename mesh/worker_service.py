@@ -30,6 +30,7 @@ from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.structured_outputs_proto import structured_outputs_from_proto
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
+from mesh.vllm_metrics import VllmMetrics
 from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # The engine's kinds of forward pass (its stats' ``<kind>_passes`` fields; engine.model_runner.PASS_KINDS).
@@ -84,6 +85,12 @@ class WorkerSettings:
     )
     metrics_port: int = setting(
         0, "Port of the Prometheus /metrics endpoint (0 picks a free one, -1 disables)."
+    )
+    vllm_metrics: bool = setting(
+        True,
+        "Also expose vLLM's metric names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+        "vllm:time_to_first_token_seconds...), labelled model_name, for dashboards, llm-d's inference "
+        "scheduler and autoscalers written for vLLM (docs/api.md, Metrics).",
     )
     worker_id: str | None = setting(None, "Unique worker id (default: role-host-port).")
     redis_url: str | None = setting(
@@ -258,14 +265,25 @@ ENGINE_WATCH_S = 0.5
 # The labels of cache_config_info: the keys of engine.LLMEngine.cache_info (mesh does not import engine; a
 # test checks that they agree).
 CACHE_INFO_LABELS = ("block_size", "cache_dtype", "num_blocks", "kv_scales", "prefix_caching")
+# vLLM's names of the same (vllm:cache_config_info; kv_scales is pdmesh's own: calculate_kv_scales is the
+# nearest vLLM field, and no reader of vLLM's metric looks at it).
+VLLM_CACHE_INFO_LABELS = (
+    "block_size",
+    "cache_dtype",
+    "num_gpu_blocks",
+    "calculate_kv_scales",
+    "enable_prefix_caching",
+)
 
 
 class WorkerMetrics:
     """The metrics both worker roles expose, named ``pdmesh_<role>_<what>_<unit>``."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, model_name: str | None = None) -> None:
         m = ServiceMetrics(role)
         self.registry = m.registry
+        # vLLM's names for the same figures (mesh.vllm_metrics), labelled with the model's name.
+        self.vllm = VllmMetrics(self.registry, model_name, VLLM_CACHE_INFO_LABELS) if model_name else None
         self.requests = m.counter("requests", "total", "Requests by outcome.", ["outcome"])
         self.ttft = m.histogram("time_to_first_token", "seconds", "Time from arrival to first token.")
         self.tpot = m.histogram(
@@ -350,10 +368,21 @@ class WorkerMetrics:
             buckets=(0.0001, 0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0),
         )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
+        vllm = self.vllm
         self._totals = [
             (self.prompt_tokens, "prompt_tokens_total"),
             (self.cached_tokens.labels(tier="gpu"), "cached_prompt_tokens_total"),
             (self.generated_tokens, "generated_tokens_total"),
+            *(
+                [
+                    (vllm.prompt_tokens, "prompt_tokens_total"),
+                    (vllm.prefix_queries, "prompt_tokens_total"),
+                    (vllm.prefix_hits, "cached_prompt_tokens_total"),
+                    (vllm.generation_tokens, "generated_tokens_total"),
+                ]
+                if vllm is not None
+                else []
+            ),
             (self.lookahead_steps, "lookahead_steps"),
             (self.lookahead_drains, "lookahead_drains"),
             (self.lookahead_late_waits, "lookahead_late_waits"),
@@ -362,11 +391,42 @@ class WorkerMetrics:
             (self.group_sync, "group_sync_seconds"),
             *((self.forward_passes.labels(kind=k), f"{k}_passes") for k in FORWARD_PASS_KINDS),
         ]
-        self._last = dict.fromkeys((name for _, name in self._totals), 0)
+        self._last = [0] * len(self._totals)
 
     def set_cache_info(self, info: dict[str, str]) -> None:
         """The engine's KV cache configuration (``LLMEngine.cache_info``), once at start."""
         self.cache_config.labels(**{name: info[name] for name in CACHE_INFO_LABELS}).set(1)
+        if self.vllm is not None:
+            self.vllm.cache_config.labels(
+                **{
+                    vllm: info[ours]
+                    for vllm, ours in zip(VLLM_CACHE_INFO_LABELS, CACHE_INFO_LABELS, strict=True)
+                }
+            ).set(1)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        if self.vllm is not None:
+            self.vllm.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+        if self.vllm is not None:
+            self.vllm.itl.observe(seconds)
+
+    def queued(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+        if self.vllm is not None:
+            self.vllm.queue_time.observe(seconds)
+
+    def finished(self, outcome: str, reason: str | None, e2e_s: float | None) -> None:
+        """A request that ended: ``outcome`` is pdmesh's label, ``reason`` the engine's finish reason (a
+        prefill hand-off is vLLM's "length": a vLLM prefill instance runs max_tokens=1)."""
+        self.requests.labels(outcome=outcome).inc()
+        if self.vllm is not None:
+            self.vllm.finished(reason)
+            if e2e_s is not None:
+                self.vllm.e2e.observe(e2e_s)
 
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
@@ -375,10 +435,13 @@ class WorkerMetrics:
         self.kv_free.set(stats.num_kv_blocks_free)
         self.kv_used.set(stats.num_kv_blocks_total - stats.num_kv_blocks_free)
         self.kv_held.set(stats.num_held)
-        for counter, name in self._totals:
+        if self.vllm is not None:
+            used = stats.num_kv_blocks_total - stats.num_kv_blocks_free
+            self.vllm.update(stats.num_running, stats.num_waiting, used, stats.num_kv_blocks_total)
+        for i, (counter, name) in enumerate(self._totals):
             total = getattr(stats, name)
-            counter.inc(total - self._last[name])
-            self._last[name] = total
+            counter.inc(total - self._last[i])
+            self._last[i] = total
 
 
 class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
@@ -541,7 +604,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
 
     async def fail(self, context: grpc.aio.ServicerContext, span: Any, exc: Exception) -> None:
         """End the RPC with the status the error maps to (raises), counted and recorded on the span."""
-        self.metrics.requests.labels(outcome="error").inc()
+        self.metrics.finished("error", None, None)
         code, message = status_for(exc)
         span.set_attribute("pdmesh.error", message)
         await context.abort(code, message, exc.trailing_metadata if isinstance(exc, StatusError) else ())
@@ -576,7 +639,7 @@ async def serve_worker(
     aengine = make_engine(events)
     engine = aengine.engine
     events.model_fingerprint = engine.model_fingerprint
-    metrics = WorkerMetrics(role)
+    metrics = WorkerMetrics(role, model_name=engine.config.model if settings.vllm_metrics else None)
     metrics.set_cache_info(engine.cache_info())
     aengine.on_step = lambda eng: metrics.update_from(eng.stats())
     from mesh.kv_transfer import create_transfer_agent

@@ -62,8 +62,8 @@ class PrefillServicer(WorkerServicerBase):
             except Exception as exc:  # every failure leaves as a gRPC status
                 await self.fail(context, span, exc)
             _record_phases(out, self.worker_id)
-            self.metrics.ttft.observe((out.first_token_ns - out.arrival_time_ns) / 1e9)
-            self.metrics.queue_time.observe(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
+            self.metrics.first_token((out.first_token_ns - out.arrival_time_ns) / 1e9)
+            self.metrics.queued(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
             resp = worker_pb2.PrefillResponse(
                 request_id=rid,
                 first_token_id=out.new_token_ids[0],
@@ -75,7 +75,7 @@ class PrefillServicer(WorkerServicerBase):
             if out.finish_reason != PREFILL_DONE:
                 # Finished on its first token (EOS, stop, max_tokens=1, abort): nothing to hand over.
                 resp.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)
-                self.metrics.requests.labels(outcome="finished").inc()
+                self.metrics.finished("finished", out.finish_reason, _since(out.arrival_time_ns))
                 return resp
             lease_s = self.settings.kv_lease_s
             # The lease exists before any await: if this call is cancelled now, expiry still frees the blocks.
@@ -94,7 +94,7 @@ class PrefillServicer(WorkerServicerBase):
                     lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
                 )
             )
-            self.metrics.requests.labels(outcome="handed_off").inc()
+            self.metrics.finished("handed_off", "length", _since(out.arrival_time_ns))
             span.set_attribute("pdmesh.kv_blocks", len(blocks))
             return resp
 
@@ -146,3 +146,8 @@ def _record_phases(out, worker_id: str) -> None:
             start_time=out.first_scheduled_ns,
             attributes={"pdmesh.worker_id": worker_id, "pdmesh.cached_tokens": out.num_cached_tokens},
         ).end(end_time=out.first_token_ns or time.time_ns())
+
+
+def _since(arrival_time_ns: int) -> float | None:
+    """Seconds from a request's arrival (wall clock, as the engine stamps it) to now."""
+    return (time.time_ns() - arrival_time_ns) / 1e9 if arrival_time_ns else None

@@ -1194,3 +1194,74 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(router: Router, ll
                 model=MODEL, prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": value}
             )
         assert bad.value.status_code == 400 and message in bad.value.message
+
+
+def _families(svc: ServiceProcess) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as resp:
+        return {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+
+
+def _value(families: dict[str, Any], family: str, sample: str, **labels: str) -> float:
+    return sum(
+        s.value for s in families[family].samples if s.name == sample and labels.items() <= s.labels.items()
+    )
+
+
+def test_workers_expose_vllms_metric_names_beside_their_own(router: Router, pd_workers) -> None:  # noqa: F811
+    """vLLM's names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...) on each worker's /metrics,
+    labelled model_name, each the same figure as its pdmesh twin, so that what reads vLLM reads pdmesh."""
+    for i in range(3):
+        router.client.completions.create(
+            model=MODEL, prompt=f"Count the metrics {i}", max_tokens=6, temperature=0.0
+        )
+    for svc, role in zip(pd_workers, ("prefill", "decode"), strict=True):
+        fam = _families(svc)
+        ours = f"pdmesh_{role}_"
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            (sample,) = fam[name].samples
+            assert sample.labels == {"model_name": MODEL, "engine": "0"}
+        assert _value(fam, "vllm:num_requests_running", "vllm:num_requests_running") == _value(
+            fam, f"{ours}running_requests", f"{ours}running_requests"
+        )
+        used = _value(fam, f"{ours}kv_blocks_used_blocks", f"{ours}kv_blocks_used_blocks")
+        free = _value(fam, f"{ours}kv_blocks_free_blocks", f"{ours}kv_blocks_free_blocks")
+        assert _value(fam, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") == pytest.approx(
+            used / (used + free)
+        )
+        for vllm, twin in (
+            ("prompt_tokens", "prompt_tokens_tokens"),
+            ("generation_tokens", "generation_tokens_tokens"),
+        ):
+            value = _value(fam, f"vllm:{vllm}", f"vllm:{vllm}_total")
+            assert value > 0 and value == _value(fam, f"{ours}{twin}", f"{ours}{twin}_total")
+        hits = _value(fam, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+        assert hits == _value(
+            fam, f"{ours}prompt_tokens_cached_tokens", f"{ours}prompt_tokens_cached_tokens_total"
+        )
+        assert _value(fam, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == _value(
+            fam, "vllm:prompt_tokens", "vllm:prompt_tokens_total"
+        )
+        ttft = _value(fam, "vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count")
+        assert ttft == _value(
+            fam, f"{ours}time_to_first_token_seconds", f"{ours}time_to_first_token_seconds_count"
+        )
+        assert ttft > 0 or role == "decode"  # every prompt went through the prefill worker
+        ended = sum(
+            _value(fam, f"{ours}requests", f"{ours}requests_total", outcome=o)
+            for o in (("handed_off", "finished") if role == "prefill" else ("stop", "length", "abort"))
+        )
+        assert _value(fam, "vllm:request_success", "vllm:request_success_total") == ended > 0
+        assert (
+            _value(fam, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == ended
+        )
+        (info,) = fam["vllm:cache_config_info"].samples
+        assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == str(KV_BLOCKS)
+    decode = _families(pd_workers[1])
+    itl = _value(decode, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count")
+    assert itl > 0 and itl == _value(
+        decode,
+        "pdmesh_decode_time_per_output_token_seconds",
+        "pdmesh_decode_time_per_output_token_seconds_count",
+    )

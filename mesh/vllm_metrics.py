@@ -1,0 +1,77 @@
+"""vLLM-named twins of a worker's metrics, on the same ``/metrics``: what vLLM's Grafana dashboards,
+llm-d's inference scheduler (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) and autoscalers
+keyed on vLLM's names read, so that they read a pdmesh worker as they read a vLLM server.
+
+Each is fed from the same events as its ``pdmesh_<role>_*`` twin (``mesh.worker_service.WorkerMetrics``),
+labelled as vLLM labels them (``model_name``, ``engine``). Only metrics whose meaning is the same are
+twinned; the rest stay pdmesh's own. Nothing here reads the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# vLLM's buckets, so that a dashboard's quantiles mean the same here.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason label values
+
+
+class VllmMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str, cache_labels: Sequence[str]) -> None:
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, names, registry=registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, names, registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=registry).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)  # fmt: skip
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)  # fmt: skip
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             LATENCY_BUCKETS)  # fmt: skip
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=registry)  # fmt: skip
+        self.success = {
+            reason: success.labels(**labels, finished_reason=reason) for reason in FINISHED_REASONS
+        }
+        self.cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  list(cache_labels), registry=registry)  # fmt: skip
+
+    def update(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def finished(self, reason: str | None) -> None:
+        """A request that ended with the engine's finish reason (stop, length, abort; others are not
+        vLLM's successes)."""
+        if reason in self.success:
+            self.success[reason].inc()
