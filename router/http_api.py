@@ -364,6 +364,7 @@ class _Choice:
             sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output, sp.stop_token_ids, sp.ignore_eos
         )
         self.last_token_id: int | None = None  # for the stop reason of a stop token
+        self.num_tokens = 0  # generated so far (continuous_usage_stats)
         self.completion_logprobs = CompletionLogprobs(model.tokenizer)
         self.logprob_parts: list[Any] = []
         self.finish_reason: str | None = None
@@ -431,6 +432,7 @@ class _Writer:
         c = self.choices[index]
         if chunk.token_ids:
             c.last_token_id = chunk.token_ids[-1]
+            c.num_tokens += len(chunk.token_ids)
         delta = c.text.add(chunk.token_ids, stopped=chunk.finish_reason == common_pb2.FINISH_REASON_STOP)
         logprobs: Any = None
         echoed: dict[str, Any] | None = None
@@ -484,7 +486,20 @@ class _Writer:
             if not body.get("content"):
                 body.pop("content", None)
             choice["delta"] = body
-        return [self._envelope([choice], chunk=True)]
+        return [self._chunk(c, choice)]
+
+    def _chunk(self, c: _Choice, choice: dict[str, Any], generated: int | None = None) -> dict[str, Any]:
+        """One choice's stream event; with continuous_usage_stats, that choice's usage so far (vLLM's)."""
+        event = self._envelope([choice], chunk=True)
+        if self.parsed.continuous_usage:
+            prompt = len(c.prompt_token_ids)
+            done = c.num_tokens if generated is None else generated
+            event["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": done,
+                "total_tokens": prompt + done,
+            }
+        return event
 
     def _choice(
         self, c: _Choice, text: str, logprobs: Any, stream: bool, calls: list[dict[str, Any]] | None = None
@@ -518,16 +533,15 @@ class _Writer:
         if self.kind == "completions":
             return []
         return [
-            self._envelope(
-                [
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                chunk=True,
+            self._chunk(
+                self.choices[index],
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+                generated=0,  # the role event comes before any token
             )
             for index in sorted(self.choices)
         ]

@@ -62,6 +62,7 @@ class ParsedRequest:
     include_reasoning: bool = True  # vLLM's: false drops reasoning_content (with a reasoning parser)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries usage so far
     session_id: str | None = None
     user: str | None = None
     request_id: str | None = None
@@ -220,7 +221,7 @@ def _logit_bias(f: JsonFields) -> dict[int, float]:
 def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedRequest:
     _reject_unsupported(f)
     stream = f.bool("stream", False)
-    include_usage = False
+    include_usage = continuous_usage = False
     options = f.body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -230,6 +231,8 @@ def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedReque
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
         include_usage = JsonFields(options).bool("include_usage", False)
+        # vLLM's extra: usage so far in every chunk too (with include_usage, as vLLM asks)
+        continuous_usage = include_usage and JsonFields(options).bool("continuous_usage_stats", False)
     session = f.str("session_id") or headers.get("X-Session-ID") or headers.get("x-session-id")
     n = f.int("n")
     if n is not None and not 1 <= n <= MAX_N:
@@ -246,6 +249,7 @@ def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedReque
         n=n or 1,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         session_id=session or None,
         user=f.str("user"),
         request_id=f.str("request_id"),

@@ -1265,3 +1265,28 @@ def test_workers_expose_vllms_metric_names_beside_their_own(router: Router, pd_w
         "pdmesh_decode_time_per_output_token_seconds",
         "pdmesh_decode_time_per_output_token_seconds_count",
     )
+
+
+def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(router: Router) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every event carries its choice's
+    usage so far, growing with the tokens, ending at the whole request's; without it, only the last one."""
+    messages = [{"role": "user", "content": "Two answers, streamed."}]
+    stream = router.client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, max_tokens=7, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )  # fmt: skip
+    chunks = list(stream)
+    *events, last = chunks
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 14
+    prompt = last.usage.prompt_tokens
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for event in events:
+        assert event.usage is not None and event.usage.prompt_tokens == prompt
+        assert event.usage.total_tokens == prompt + event.usage.completion_tokens
+        counts[event.choices[0].index].append(event.usage.completion_tokens)
+    for seen in counts.values():
+        assert seen[0] == 0 and seen == sorted(seen) and seen[-1] == 7  # the role event, then growing
+    plain = router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, stream=True, stream_options={"include_usage": True}
+    )
+    assert [c.usage is not None for c in plain][-2:] == [False, True]
