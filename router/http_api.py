@@ -365,7 +365,7 @@ class _Choice:
         )
         self.last_token_id: int | None = None  # for the stop reason of a stop token
         self.num_tokens = 0  # generated so far (continuous_usage_stats)
-        self.completion_logprobs = CompletionLogprobs(model.tokenizer)
+        self.completion_logprobs = CompletionLogprobs(model.tokenizer, parsed.tokens_as_ids)
         self.logprob_parts: list[Any] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -451,7 +451,7 @@ class _Writer:
             logprobs = (
                 c.completion_logprobs.part(chunk.logprobs)
                 if self.kind == "completions"
-                else chat_logprobs(self.model.tokenizer, chunk.logprobs)
+                else chat_logprobs(self.model.tokenizer, chunk.logprobs, self.parsed.tokens_as_ids)
             )
             c.logprob_parts.append(logprobs)
         if echoed is not None:  # one event: the echoed prompt's logprobs, then its first token's

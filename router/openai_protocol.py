@@ -47,9 +47,9 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text starts with its prompt
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message is left open for the model to go on
-    truncate_prompt_tokens: int | None = (
-        None  # vLLM's: keep only the prompt's last k tokens (-1: all that fit)
-    )
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as fit)
+    truncate_prompt_tokens: int | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens token_id:<id>
     add_special_tokens: bool = True
     sampling: SamplingInput = field(default_factory=SamplingInput)
     # vLLM's prompt_logprobs: the reply shows each prompt token's logprob, rank and this many top
@@ -255,6 +255,7 @@ def _common(f: JsonFields, kind: str, headers: Mapping[str, str]) -> ParsedReque
         request_id=f.str("request_id"),
         cache_salt=f.str("cache_salt") or "",
         truncate_prompt_tokens=truncate,
+        tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
     )
 
 
@@ -447,19 +448,22 @@ def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
 class CompletionLogprobs:
     """Accumulates the completions-API logprobs object (or the chunk of it for one stream message)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: tokens written token_id:<id>
         self.offset = 0
+
+    def _name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else token_text(self.tokenizer, token_id)
 
     def part(self, entries: Sequence[common_pb2.Logprobs]) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for e in entries:
-            text = token_text(self.tokenizer, e.token_id)
-            tokens.append(text)
+            tokens.append(self._name(e.token_id))
             token_logprobs.append(e.logprob)
-            top.append({token_text(self.tokenizer, t.token_id): t.logprob for t in e.top_logprobs})
-            offsets.append(self.offset)
-            self.offset += len(text)
+            top.append({self._name(t.token_id): t.logprob for t in e.top_logprobs})
+            offsets.append(self.offset)  # into the text, whatever the tokens are called
+            self.offset += len(token_text(self.tokenizer, e.token_id))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -472,14 +476,13 @@ class CompletionLogprobs:
     ) -> dict[str, Any]:
         """The echoed prompt's tokens (``entries``: from the second on): the first has no logprob (null,
         as OpenAI's echo gives it), the others their ``top_n`` best alternatives."""
-        first = token_text(self.tokenizer, prompt_token_ids[0])
         part = {
-            "tokens": [first],
+            "tokens": [self._name(prompt_token_ids[0])],
             "token_logprobs": [None],
             "top_logprobs": [None],
             "text_offset": [self.offset],
         }
-        self.offset += len(first)
+        self.offset += len(token_text(self.tokenizer, prompt_token_ids[0]))
         rest = self.part([_top(e, top_n) for e in entries])
         for key, values in rest.items():
             part[key].extend(values)
@@ -532,24 +535,21 @@ def vllm_prompt_logprobs(
     return out
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[common_pb2.Logprobs]) -> list[dict[str, Any]]:
-    """The chat API's ``logprobs.content`` entries."""
-    out = []
-    for e in entries:
-        text = token_text(tokenizer, e.token_id)
-        out.append(
-            {
-                "token": text,
-                "logprob": e.logprob,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": (t := token_text(tokenizer, a.token_id)),
-                        "logprob": a.logprob,
-                        "bytes": list(t.encode("utf-8")),
-                    }
-                    for a in e.top_logprobs
-                ],
-            }
-        )
-    return out
+def chat_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[common_pb2.Logprobs], as_ids: bool = False
+) -> list[dict[str, Any]]:
+    """The chat API's ``logprobs.content`` entries (``as_ids``: vLLM's return_tokens_as_token_ids, each
+    token named ``token_id:<id>``; its ``bytes`` stay its text's)."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        name = f"token_id:{token_id}" if as_ids else text
+        return {"token": name, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {
+            **entry(e.token_id, e.logprob),
+            "top_logprobs": [entry(a.token_id, a.logprob) for a in e.top_logprobs],
+        }
+        for e in entries
+    ]

@@ -1290,3 +1290,39 @@ def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(router: Router) 
         model=MODEL, messages=messages, max_tokens=3, stream=True, stream_options={"include_usage": True}
     )
     assert [c.usage is not None for c in plain][-2:] == [False, True]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(router: Router, llm: LLM) -> None:
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs (sampled and alternatives, completions
+    and chat) is written token_id:<id>; the logprobs, offsets and text are those of the same request
+    without it."""
+    prompt = "Name tokens by their ids"
+    expected = _offline(llm, prompt, 6, temperature=0.0, logprobs=2)
+    ids = expected.token_ids
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": 2}
+    plain = router.client.completions.create(**args).choices[0]
+    named = router.client.completions.create(**args, extra_body={"return_tokens_as_token_ids": True}).choices[
+        0
+    ]
+    assert named.text == plain.text and named.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    # (the second request finds the prompt cached: its logprobs may differ in the last bits)
+    assert named.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert named.logprobs.text_offset == plain.logprobs.text_offset
+    for top in named.logprobs.top_logprobs:
+        assert len(top) == 2 and all(re.fullmatch(r"token_id:\d+", k) for k in top)
+    for n, p in zip(named.logprobs.top_logprobs, plain.logprobs.top_logprobs, strict=True):
+        assert sorted(n.values()) == pytest.approx(sorted(p.values()), abs=1e-4)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    plain_chat = router.client.chat.completions.create(**chat).choices[0].logprobs.content
+    named_chat = (
+        router.client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": True})
+        .choices[0]
+        .logprobs.content
+    )
+    for p, n in zip(plain_chat, named_chat, strict=True):
+        assert re.fullmatch(r"token_id:\d+", n.token) and n.bytes == p.bytes
+        assert [n.logprob, *(a.logprob for a in n.top_logprobs)] == pytest.approx(
+            [p.logprob, *(a.logprob for a in p.top_logprobs)], abs=1e-4
+        )
+        assert all(re.fullmatch(r"token_id:\d+", a.token) for a in n.top_logprobs)
