@@ -121,6 +121,16 @@ class RouterConfig:
         "otherwise); /health, /metrics, /version, /tokenize, /detokenize and gRPC health stay open. "
         "Several keys: --api-key K1 K2 (PDMESH_API_KEY: K1,K2).",
     )
+    allowed_origins: list[str] = setting(
+        ["*"],
+        "Origins a browser may call the HTTP API from (CORS; vLLM's --allowed-origins): * for any, or "
+        "exact origins (https://app.example.com).",
+    )
+    allowed_methods: list[str] = setting(["*"], "HTTP methods allowed from other origins (CORS).")
+    allowed_headers: list[str] = setting(["*"], "Request headers allowed from other origins (CORS).")
+    allow_credentials: bool = setting(
+        False, "Let browsers send credentials (cookies, Authorization) cross-origin (CORS)."
+    )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:

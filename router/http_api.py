@@ -28,6 +28,7 @@ from mesh.telemetry import metrics_handler
 from protos.pdmesh.v1 import common_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
+from router.cors import CorsPolicy
 from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
@@ -86,17 +87,21 @@ class HttpApi:
         pool: WorkerPool,
         metrics: RouterMetrics,
         api_keys: ApiKeys | None = None,
+        cors: CorsPolicy | None = None,
     ) -> None:
         self.model = model
         self.orchestrator = orchestrator
         self.pool = pool
         self.metrics = metrics
         self.api_keys = api_keys or ApiKeys(())
+        self.cors = cors
         self.created = int(time.time())
 
     def app(self) -> web.Application:
         middlewares = [http_middleware(self.api_keys)] if self.api_keys else []
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+        if self.cors is not None:
+            self.cors.install(app)  # its preflights come before the key check
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)

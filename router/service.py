@@ -24,6 +24,7 @@ from protos.pdmesh.v1 import router_pb2, router_pb2_grpc
 from router.auth import ApiKeys, GrpcApiKeyInterceptor
 from router.chooser import WorkerChooser
 from router.config import RouterConfig
+from router.cors import CorsPolicy
 from router.discovery import RegistryDiscovery
 from router.grpc_api import RouterServicer
 from router.http_api import HttpApi
@@ -146,7 +147,13 @@ class RouterService:
             self.config.port,
             interceptors=[GrpcApiKeyInterceptor(keys)] if keys else None,
         )
-        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics, keys)
+        cors = CorsPolicy(
+            tuple(self.config.allowed_origins),
+            tuple(m.upper() for m in self.config.allowed_methods),
+            tuple(self.config.allowed_headers),
+            self.config.allow_credentials,
+        )
+        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics, keys, cors)
         self._runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)

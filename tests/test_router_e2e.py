@@ -1326,3 +1326,58 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(router: Router, l
             [p.logprob, *(a.logprob for a in p.top_logprobs)], abs=1e-4
         )
         assert all(re.fullmatch(r"token_id:\d+", a.token) for a in n.top_logprobs)
+
+
+def _http(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None, body: Any = None
+) -> tuple[int, Any, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def test_cors_lets_allowed_origins_call_the_api_from_a_browser(router: Router, pd_workers) -> None:  # noqa: F811
+    """CORS as vLLM configures it: by default any origin gets Access-Control-Allow-Origin: *; a router with
+    --allowed-origins answers its origins' preflights (before the API key check, which preflights never
+    pass), names them on replies, streams included, and gives other origins nothing."""
+    status, headers, _ = _http(f"http://{router.http}/v1/models", headers={"Origin": "https://any.example"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    prefill, decode = pd_workers
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, "--api-key", "k", "--allowed-origins", "https://app.example",
+    )  # fmt: skip
+    try:
+        url = f"http://{Router(proc, Path('unused')).http}/v1/chat/completions"
+        asks = {
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        status, headers, _ = _http(url, "OPTIONS", {"Origin": "https://app.example", **asks})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert "POST" in headers["Access-Control-Allow-Methods"] and headers["Vary"] == "Origin"
+        status, headers, _ = _http(url, "OPTIONS", {"Origin": "https://evil.example", **asks})
+        assert status == 400 and "Access-Control-Allow-Origin" not in headers
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "stream": True,
+        }
+        auth = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+        status, headers, events = _http(url, "POST", {"Origin": "https://app.example", **auth}, body)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert headers["Content-Type"].startswith("text/event-stream") and events.endswith(
+            b"data: [DONE]\n\n"
+        )
+        status, headers, _ = _http(url, "POST", {"Origin": "https://evil.example", **auth}, body)
+        assert status == 200 and "Access-Control-Allow-Origin" not in headers  # the browser will refuse it
+        status, headers, _ = _http(url, "POST", {"Origin": "https://app.example"}, body)  # no key
+        assert status == 401 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        assert proc.stop() == 0, proc.log()
