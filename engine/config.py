@@ -31,6 +31,13 @@ class EngineConfig:
         None, "Longest prompt plus output, in tokens; default: the model's own limit."
     )
     max_num_seqs: int = setting(64, "Most requests in one running batch.")
+    scheduling_policy: str = setting(
+        "fcfs",
+        "Which waiting request runs first (vLLM's --scheduling-policy): fcfs (arrival order; a request with "
+        "a priority other than 0 is refused), or priority (lowest priority value first, then arrival; when "
+        "KV blocks run out, the running request with the highest value, latest arrival, is preempted).",
+        choices=("fcfs", "priority"),
+    )
     max_num_batched_tokens: int = setting(
         2048, "Token budget of one engine step (chunked prefill cuts prompts to fit)."
     )

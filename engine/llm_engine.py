@@ -214,7 +214,9 @@ class LLMEngine:
         self.block_pool = BlockPool(
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
         )
-        self.scheduler = Scheduler(self.block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_pool, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv_pool,
@@ -283,6 +285,11 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         params.validate(self.vocab_size)
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {params.priority} needs the priority scheduling policy; this engine schedules "
+                f"{self.config.scheduling_policy} (--scheduling-policy priority)"
+            )
         if params.structured_outputs is not None:  # compiled once: serving code does it off this thread
             self.grammars.compile(params.structured_outputs)
         need = -(-(n + 1) // self.config.block_size)

@@ -36,6 +36,10 @@ class SamplingParams:
     # Hold the output to a JSON schema, regex, choice or grammar (engine/structured_outputs.py); a dict
     # of StructuredOutputs' fields is taken too.
     structured_outputs: StructuredOutputs | None = None
+    # Where the request queues under the priority scheduling policy (vLLM's priority: lower runs first;
+    # EngineConfig.scheduling_policy). Not a sampling setting, but it travels with the request's settings
+    # through the mesh (common.proto's SamplingParams) as they do.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +94,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+            raise InvalidRequestError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:

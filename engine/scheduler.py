@@ -4,6 +4,11 @@ Each step first serves running sequences (one decode token each, or the next chu
 prefill), then admits waiting ones while the token budget, ``max_num_seqs`` and free blocks allow. When
 blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (mostly from the prefix cache) later.
+
+Under the ``priority`` policy (vLLM's) the queue is kept in order of each request's priority (lower
+first), then arrival; imported and preempted requests go first among their priority's; and the running
+request preempted is the one with the highest priority value (the latest arrival among equals), even if it
+was already given tokens this step (they are taken back).
 """
 
 from __future__ import annotations
@@ -24,16 +29,44 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs"
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
         self.pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self._queue(seq, first=False)
+
+    def _queue(self, seq: Sequence, first: bool) -> None:
+        """Into the waiting queue: at its end (``first``: its front), or under the priority policy at the
+        end (front) of the requests of its priority."""
+        if self.policy == "fcfs":
+            if first:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+            return
+        p = seq.params.priority
+        for i, other in enumerate(self.waiting):
+            if other.params.priority > p or (first and other.params.priority == p):
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
+
+    def _victim(self) -> Sequence:
+        """The running request to preempt: the latest admitted (fcfs), or the one with the highest
+        priority value, latest arrival among equals (priority)."""
+        if self.policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=lambda s: (s.params.priority, s.arrival_time_ns))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -57,10 +90,17 @@ class Scheduler:
                 i += 1
                 continue
             while not self.pool.append_slots(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = self._victim()
+                before = self.running.index(victim) < i
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
+                if before:  # passed over already (priority policy): its tokens this step are taken back
+                    i -= 1
+                    if victim in batch.seqs:
+                        k = batch.seqs.index(victim)
+                        budget += batch.num_new_tokens[k]
+                        del batch.seqs[k], batch.num_new_tokens[k]
             else:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
@@ -111,7 +151,7 @@ class Scheduler:
         self.pool.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(seq, first=True)
         self.num_preemptions += 1
         batch.preempted.append(seq)
 
@@ -128,5 +168,5 @@ class Scheduler:
 
     def add_imported(self, seq: Sequence) -> None:
         """Queue a sequence whose blocks already hold its computed tokens (KV imported from a prefill
-        worker); it is admitted ahead of new prompts."""
-        self.waiting.appendleft(seq)
+        worker); it is admitted ahead of new prompts (of its priority, under the priority policy)."""
+        self._queue(seq, first=True)

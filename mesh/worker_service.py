@@ -159,6 +159,8 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
         kw["allowed_token_ids"] = list(p.allowed_token_ids)
     if p.HasField("structured_outputs"):
         kw["structured_outputs"] = structured_outputs_from_proto(p.structured_outputs)
+    if p.priority:
+        kw["priority"] = p.priority
     if "seed" in kw and kw["seed"] >= 2**63:
         kw["seed"] -= 2**64
     return kw

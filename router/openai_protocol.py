@@ -195,6 +195,7 @@ def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
     if f.present("allowed_token_ids"):
         s.allowed_token_ids = f.int_list("allowed_token_ids")
     s.structured_outputs = parse_output_constraint(f.body)
+    s.priority = f.int("priority") or 0
     return s
 
 

@@ -72,6 +72,7 @@ class SamplingInput:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    priority: int = 0  # vLLM's: where the request queues on workers scheduling by priority
 
 
 class ServedModel:
@@ -262,6 +263,7 @@ class ServedModel:
             "skip_special_tokens": s.skip_special_tokens,
             "seed": s.seed,
             "structured_outputs": s.structured_outputs,
+            "priority": s.priority,
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(s, name)
@@ -292,6 +294,7 @@ class ServedModel:
         out.min_tokens = params.min_tokens
         out.allowed_token_ids.extend(params.allowed_token_ids or [])
         out.include_stop_str_in_output = params.include_stop_str_in_output
+        out.priority = params.priority
         if params.logprobs is not None:
             out.logprobs = params.logprobs
         if params.prompt_logprobs is not None:
@@ -338,6 +341,7 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     s.allowed_token_ids = list(p.allowed_token_ids) or None
     s.include_stop_str_in_output = p.include_stop_str_in_output
     s.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+    s.priority = p.priority
     if p.HasField("structured_outputs"):
         try:
             s.structured_outputs = structured_outputs_from_proto(p.structured_outputs)

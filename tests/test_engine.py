@@ -486,3 +486,62 @@ def test_fp8_e5m2_kv_cache_is_its_own_layout() -> None:
     exact = LLM("tiny-dense", kv_cache_memory_gb=0.01).generate([prompt], GREEDY)[0].token_ids
     tokens = e5m2.generate([prompt], GREEDY)[0].token_ids
     assert tokens[0] == exact[0] and tokens != exact
+
+
+def test_priority_policy_runs_lower_values_first_with_the_same_tokens(model, reference) -> None:
+    """vLLM's priority scheduling: one request at a time (max_num_seqs=1), they run by priority value, then
+    arrival; first-come-first-served runs them in arrival order and refuses a priority; tokens never
+    change."""
+    prompts, expected = reference
+    priorities = [3, 0, 2, 0, -1, 5]
+    for policy in ("priority", "fcfs"):
+        llm = LLM(
+            model, num_kv_blocks=512, max_num_seqs=1, scheduling_policy=policy, enable_prefix_caching=False
+        )
+        engine = llm.engine
+        for i, (prompt, priority) in enumerate(zip(prompts, priorities, strict=True)):
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                    priority=priority if policy == "priority" else 0)  # fmt: skip
+            engine.add_request(str(i), prompt, params)
+        outs: dict[str, list[int]] = {}
+        order: list[str] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    order.append(out.request_id)
+        by_priority = [str(i) for i in sorted(range(6), key=lambda i: (priorities[i], i))]
+        assert order == (by_priority if policy == "priority" else [str(i) for i in range(6)])
+        assert [outs[str(i)] for i in range(6)] == expected
+    with pytest.raises(InvalidRequestError, match="priority scheduling policy"):
+        engine.add_request("x", prompts[0], SamplingParams(priority=1))
+
+
+def test_priority_policy_preempts_the_highest_value_and_keeps_tokens(model, reference) -> None:
+    """When KV blocks run out under the priority policy the running request with the highest priority
+    value (latest arrival among equals) is preempted, whatever its place in the batch; the most urgent
+    request is never preempted, and every request's tokens are those it gets alone."""
+    prompts, expected = reference
+    llm = LLM(model, num_kv_blocks=14, block_size=16, max_num_seqs=6, scheduling_policy="priority")
+    engine = llm.engine
+    priorities = [0, 4, 1, 4, 2, 3]
+    for i, (prompt, priority) in enumerate(zip(prompts, priorities, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                          priority=priority))  # fmt: skip
+    sched = engine.scheduler
+    preempted: list[tuple[str, list[int]]] = []  # each victim, and the priorities running when it was chosen
+    choose = sched._victim
+
+    def spy():
+        victim = choose()
+        preempted.append((victim.request_id, [s.params.priority for s in sched.running]))
+        return victim
+
+    sched._victim = spy
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert preempted and all(priorities[int(rid)] == max(running) for rid, running in preempted)
+    assert "0" not in {rid for rid, _ in preempted}
+    assert [outs[str(i)] for i in range(6)] == expected and engine.block_pool.num_free_blocks == 14

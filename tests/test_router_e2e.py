@@ -1381,3 +1381,23 @@ def test_cors_lets_allowed_origins_call_the_api_from_a_browser(router: Router, p
         assert status == 401 and headers["Access-Control-Allow-Origin"] == "https://app.example"
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_priority_reaches_the_workers(router: Router) -> None:
+    """vLLM's priority travels with the request to the workers: these schedule first-come-first-served, so
+    any priority but 0 is refused with their message, a 400; 0 is served."""
+    messages = [{"role": "user", "content": "Urgent?"}]
+    reply = router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"priority": 0}
+    )
+    assert reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as bad:
+        router.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"priority": -3}
+        )
+    assert bad.value.status_code == 400 and "--scheduling-policy priority" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        router.client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": 2**31}
+        )
+    assert "32-bit" in bad.value.message

@@ -23,7 +23,7 @@ from mesh.worker_service import (
     WorkerSettings,
     refusal_of,
 )
-from protos.pdmesh.v1 import worker_pb2, worker_pb2_grpc
+from protos.pdmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.orchestrator import _kv_untouched
 from tests.mesh_fixtures import async_test
 
@@ -171,3 +171,11 @@ def test_cache_config_info_labels_the_engines_kv_cache() -> None:
         labels = {"block_size": "8", "cache_dtype": dtype_name, "num_blocks": "24", "kv_scales": "none",
                   "prefix_caching": "true"}  # fmt: skip
         assert metrics.registry.get_sample_value("pdmesh_prefill_cache_config_info", labels) == 1
+
+
+def test_sampling_kwargs_carry_the_priority() -> None:
+    """common.proto's priority reaches the engine's SamplingParams (0, the default, is left out)."""
+    from mesh.worker_service import sampling_kwargs
+
+    assert sampling_kwargs(common_pb2.SamplingParams(priority=-4))["priority"] == -4
+    assert "priority" not in sampling_kwargs(common_pb2.SamplingParams())
