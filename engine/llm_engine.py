@@ -285,6 +285,12 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         params.validate(self.vocab_size)
+        params.tokenize_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        outside = [t for ids in params.bad_words_token_ids for t in ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"bad_words tokenize to ids {outside[:5]} outside the model's vocabulary"
+            )
         if params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
                 f"priority {params.priority} needs the priority scheduling policy; this engine schedules "
@@ -508,7 +514,7 @@ class LLMEngine:
             return
         histories = (
             [(s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
-            if any(p.has_penalties for p in params)
+            if any(p.has_penalties or p.bad_words_need_history for p in params)
             else None
         )
         token_list, logprobs = self.sampler(logits, params, positions, histories, self.eos_token_ids)

@@ -1,7 +1,8 @@
 """What a request does to its logits before sampling, in vLLM's order and by its rules: allowed tokens,
-logit bias, the minimum length, then penalties.
+bad words, logit bias, the minimum length, then penalties.
 
-``allowed_token_ids`` sets every other token's logit to -inf. ``logit_bias`` adds each listed token's
+``allowed_token_ids`` sets every other token's logit to -inf. ``bad_words`` (their token ids) set to -inf
+the last token of each word whose other tokens end the output so far (a one-token word always). ``logit_bias`` adds each listed token's
 bias to its logit (OpenAI's). ``min_tokens`` sets the logits of the end-of-sequence tokens (unless
 ``ignore_eos``) and of ``stop_token_ids`` to -inf while fewer tokens than that have been generated. Then,
 for each row with a penalty, over the vocabulary: the repetition penalty r divides the positive logits and
@@ -37,6 +38,7 @@ def process_logits(
     if not any(p.processes_logits for p in params):  # one pass over the batch, every step: keep it cheap
         return logits
     logits = apply_allowed_token_ids(logits, params)
+    logits = apply_bad_words(logits, params, histories)
     logits = apply_logit_bias(logits, params)
     logits = apply_min_tokens(logits, params, positions, eos_token_ids)
     return apply_penalties(logits, params, histories)
@@ -58,6 +60,32 @@ def apply_allowed_token_ids(logits: torch.Tensor, params: Sequence[SamplingParam
     restricted[rows] = True
     keep |= ~host_to_device(restricted, logits.device)[:, None]  # unrestricted rows keep every token
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def apply_bad_words(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+) -> torch.Tensor:
+    """``logits`` with -inf on each row's banned tokens (a new tensor), or ``logits`` itself when no row
+    bans one: a bad word's last token where the row's output ends with the word's other tokens (vLLM's
+    rule: the output only, not the prompt)."""
+    entries = []
+    for r, p in enumerate(params):
+        for ids in p.bad_words_token_ids:
+            if len(ids) > 1:
+                if histories is None:
+                    raise ValueError("bad words of several tokens need each row's output token ids")
+                output = histories[r][1]
+                if len(output) < len(ids) - 1 or list(output[len(output) - len(ids) + 1 :]) != ids[:-1]:
+                    continue
+            entries.append((r, ids[-1]))
+    if not entries:
+        return logits
+    index = host_to_device(torch.tensor(entries, dtype=torch.int64), logits.device)
+    out = logits.clone()
+    out.index_put_((index[:, 0], index[:, 1]), out.new_full((), float("-inf")))
+    return out
 
 
 def apply_min_tokens(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.structured_outputs import StructuredOutputs
@@ -40,6 +41,10 @@ class SamplingParams:
     # EngineConfig.scheduling_policy). Not a sampling setting, but it travels with the request's settings
     # through the mesh (common.proto's SamplingParams) as they do.
     priority: int = 0
+    # Words never to complete (vLLM's bad_words): the last token of each word's tokens is banned wherever
+    # the output so far ends with the rest of them. The engine tokenizes them (``tokenize_bad_words``).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set from bad_words by the engine
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +54,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -73,15 +79,40 @@ class SamplingParams:
             or self.min_tokens > 0
             or self.allowed_token_ids is not None
             or bool(self.logit_bias)
+            or bool(self.bad_words_token_ids)
         )
+
+    @property
+    def bad_words_need_history(self) -> bool:
+        """Whether a bad word of several tokens needs the output so far to be checked."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
+
+    def tokenize_bad_words(self, encode: Any) -> None:
+        """``bad_words_token_ids`` from ``bad_words`` by vLLM's rule: each word's tokens with its leading
+        spaces stripped, and with one space before it where that starts it with another token of the same
+        count (a word inside text, for tokenizers that fold the space into the word's first token).
+        ``encode(text)``: token ids without special tokens. Done once; the same params give the same ids."""
+        if self.bad_words_token_ids or not self.bad_words:
+            return
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            bare = encode(word.lstrip())
+            if not bare:
+                raise InvalidRequestError(f"bad_words entry {word!r} has no tokens")
+            out.append(bare)
+            spaced = encode(" " + word.lstrip())
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        self.bad_words_token_ids = out
 
     @property
     def needs_host_step(self) -> bool:
         """Whether a step that samples this request must run synchronously: its logprobs are computed on
-        the host, and its penalties need its whole output so far, which a token still on the device
+        the host, and its penalties (and bad words of several tokens) need its whole output so far, which
+        a token still on the device
         (asynchronous scheduling) would leave short. (A grammar's mask needs every token so far too, but a
         lookahead step samples only after the tokens in flight are read: structured outputs run ahead.)"""
-        return self.logprobs is not None or self.has_penalties
+        return self.logprobs is not None or self.has_penalties or self.bad_words_need_history
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -114,6 +145,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise InvalidRequestError("bad_words must be an array of non-empty strings")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequestError(
                 "allowed_token_ids must not be empty (leave it out to allow every token)"

@@ -161,6 +161,8 @@ def sampling_kwargs(p: common_pb2.SamplingParams) -> dict[str, Any]:
         kw["structured_outputs"] = structured_outputs_from_proto(p.structured_outputs)
     if p.priority:
         kw["priority"] = p.priority
+    if p.bad_words:
+        kw["bad_words"] = list(p.bad_words)
     if "seed" in kw and kw["seed"] >= 2**63:
         kw["seed"] -= 2**64
     return kw

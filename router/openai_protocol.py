@@ -196,6 +196,7 @@ def _sampling(f: JsonFields, logprobs: int | None) -> SamplingInput:
         s.allowed_token_ids = f.int_list("allowed_token_ids")
     s.structured_outputs = parse_output_constraint(f.body)
     s.priority = f.int("priority") or 0
+    s.bad_words = f.str_list("bad_words")
     return s
 
 

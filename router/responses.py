@@ -30,6 +30,7 @@ _SAME_FIELDS = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "ignore_eos", "min_tokens",
     "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "request_id", "cache_salt",
     "session_id", "chat_template_kwargs", "include_reasoning", "structured_outputs", "priority",
+    "bad_words",
 )  # fmt: skip
 # Accepted and only echoed back: they change nothing here (no storage, no service tiers, no truncation).
 _ECHOED = ("metadata", "truncation", "reasoning", "service_tier", "prompt_cache_key", "safety_identifier")

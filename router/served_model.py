@@ -73,6 +73,7 @@ class SamplingInput:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
     priority: int = 0  # vLLM's: where the request queues on workers scheduling by priority
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never to complete
 
 
 class ServedModel:
@@ -264,6 +265,7 @@ class ServedModel:
             "seed": s.seed,
             "structured_outputs": s.structured_outputs,
             "priority": s.priority,
+            "bad_words": list(s.bad_words),
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(s, name)
@@ -295,6 +297,7 @@ class ServedModel:
         out.allowed_token_ids.extend(params.allowed_token_ids or [])
         out.include_stop_str_in_output = params.include_stop_str_in_output
         out.priority = params.priority
+        out.bad_words.extend(params.bad_words)
         if params.logprobs is not None:
             out.logprobs = params.logprobs
         if params.prompt_logprobs is not None:
@@ -342,6 +345,7 @@ def sampling_input_from_proto(p: common_pb2.SamplingParams) -> SamplingInput:
     s.include_stop_str_in_output = p.include_stop_str_in_output
     s.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
     s.priority = p.priority
+    s.bad_words = list(p.bad_words)
     if p.HasField("structured_outputs"):
         try:
             s.structured_outputs = structured_outputs_from_proto(p.structured_outputs)

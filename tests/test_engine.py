@@ -545,3 +545,50 @@ def test_priority_policy_preempts_the_highest_value_and_keeps_tokens(model, refe
     assert preempted and all(priorities[int(rid)] == max(running) for rid, running in preempted)
     assert "0" not in {rid for rid, _ in preempted}
     assert [outs[str(i)] for i in range(6)] == expected and engine.block_pool.num_free_blocks == 14
+
+
+def test_bad_words_are_never_completed() -> None:
+    """vLLM's bad_words: a one-token word is never sampled (as a -100 logit bias gives); a word of several
+    tokens is cut where it would complete: the output is the free one up to there, then avoids its last
+    token, and never holds the word's tokens in a row. The ids follow vLLM's tokenization rule."""
+    llm = LLM("tiny-dense", num_kv_blocks=128)
+    tok = llm.tokenizer
+    prompt = list(range(30, 60))
+    free = llm.generate([prompt], GREEDY)[0]
+    text = tok.decode(free.token_ids)
+    single = next(
+        t for t in free.token_ids[3:] if tok.encode(tok.decode([t]), add_special_tokens=False) == [t]
+    )
+    word = tok.decode([single])
+    banned = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                   bad_words=[word]))[0]  # fmt: skip
+    biased = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                   logit_bias={single: -100.0}))[0]  # fmt: skip
+    assert single not in banned.token_ids and banned.token_ids == biased.token_ids
+    # A word of three tokens from the middle of the free output.
+    start = 10
+    ids = free.token_ids[start : start + 3]
+    phrase = tok.decode(ids)
+    if tok.encode(phrase.lstrip(), add_special_tokens=False) != ids:
+        pytest.skip(
+            "the phrase does not tokenize back to the same ids"
+        )  # not with the byte-level tiny models
+    cut = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                bad_words=[phrase]))[0]  # fmt: skip
+    first = next(i for i in range(len(free.token_ids) - 2) if free.token_ids[i : i + 3] == ids)
+    assert cut.token_ids[: first + 2] == free.token_ids[: first + 2]
+    assert cut.token_ids[first + 2] != ids[2]
+    assert all(cut.token_ids[i : i + 3] != ids for i in range(len(cut.token_ids) - 2)), text
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        llm.generate([prompt], SamplingParams(bad_words=["  "]))
+
+
+def test_bad_words_tokenize_by_vllms_rule() -> None:
+    """Each word bare (leading spaces stripped), and with one space before it only where that gives
+    another first token and as many tokens (a tokenizer that folds the space into the word)."""
+    vocab = {"cat": [5], " cat": [9], "big dog": [1, 2], " big dog": [7, 2], "x y": [3, 4], " x y": [8, 3, 4]}
+    params = SamplingParams(bad_words=["  cat", "big dog", "x y"])
+    params.tokenize_bad_words(vocab.__getitem__)
+    assert params.bad_words_token_ids == [[5], [9], [1, 2], [7, 2], [3, 4]]
+    params.tokenize_bad_words(lambda text: [0])  # done once: the same params keep their ids
+    assert params.bad_words_token_ids[0] == [5]

@@ -1401,3 +1401,24 @@ def test_priority_reaches_the_workers(router: Router) -> None:
             model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": 2**31}
         )
     assert "32-bit" in bad.value.message
+
+
+def test_bad_words_reach_the_workers(router: Router, llm: LLM) -> None:
+    """vLLM's bad_words: the workers ban them as the offline engine does (prefill worker's first token and
+    decode worker's rest alike), streamed and whole; a blank word is a 400."""
+    prompt = "Words to avoid in the mesh"
+    free = _offline(llm, prompt, 16, temperature=0.0, ignore_eos=True)
+    words = [llm.tokenizer.decode(free.token_ids[0:1]), llm.tokenizer.decode(free.token_ids[5:8])]
+    expected = _offline(llm, prompt, 16, temperature=0.0, ignore_eos=True, bad_words=words)
+    assert expected.token_ids != free.token_ids
+    extra = {"bad_words": words, "ignore_eos": True}
+    reply = router.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                                             extra_body=extra)  # fmt: skip
+    assert reply.choices[0].text == expected.text
+    stream = router.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                                              extra_body=extra, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        router.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, extra_body={"bad_words": [" "]}
+        )
