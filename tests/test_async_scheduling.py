@@ -755,3 +755,32 @@ def test_late_point_is_recorded_before_the_last_graph_piece() -> None:
     order.clear()
     _Graph(size=1, pieces=[Piece("a"), Piece("b")]).replay()  # type: ignore[list-item]
     assert order == ["a", "b"]
+
+
+def test_priorities_and_bad_words_run_ahead_as_the_synchronous_engine_runs(model: str) -> None:
+    """The priority policy's queue order and its preemptions, and bad words (one-token words run ahead,
+    words of several tokens need the output and run synchronously): the same outputs either way, still
+    with lookahead steps, and the bans show."""
+    config = dict(model=model, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=64,
+                  scheduling_policy="priority")  # fmt: skip
+    script = random_script(model, 4)
+    rng = random.Random(4)
+    for i, a in enumerate(script):
+        if isinstance(a, (Add, Import)):
+            words = ["e", "a"] if i % 3 else ["e", "th"]
+            a.params = dataclasses.replace(a.params, priority=rng.choice((-1, 0, 0, 3)), bad_words=words)
+    sync = run_script(script, EOS[model], **config)
+    lookahead = run_script(script, EOS[model], async_scheduling=True, **config)
+    assert_same(sync, lookahead)
+    assert lookahead.engine is not None and lookahead.engine.lookahead_steps > 0
+    tokenizer = sync.engine.tokenizer
+    checked = 0
+    for a in script:
+        if isinstance(a, Add):  # (an import's first token is the script's, not sampled here)
+            banned = {
+                tokenizer.encode(w, add_special_tokens=False)[0] for w in a.params.bad_words if len(w) == 1
+            }
+            tokens = [t for o in sync.outputs[a.request_id] for t in o[0]]
+            assert not banned & set(tokens), a.request_id
+            checked += len(tokens)
+    assert checked > 100
