@@ -72,6 +72,13 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         raise InvalidRequestError("'text' must be an object with 'format'", param="text")
     if fmt is not None:
         chat["response_format"] = _response_format(fmt)
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise InvalidRequestError("'include' must be an array of strings", param="include")
+    top = body.get("top_logprobs")
+    if "message.output_text.logprobs" in include or top is not None:  # OpenAI's (and vLLM's) switches
+        chat["logprobs"] = True
+        chat["top_logprobs"] = top or 0
     echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
@@ -84,6 +91,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         "previous_response_id": None,
         "store": False,
         "user": body.get("user"),
+        "top_logprobs": body.get("top_logprobs"),
         **{k: body.get(k) for k in _ECHOED},
     }
     echo["metadata"] = echo["metadata"] or {}
@@ -201,6 +209,11 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     )
 
 
+def _copy(part: dict[str, Any]) -> dict[str, Any]:
+    """A content part as an event shows it then (its lists grow later)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in part.items()}
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -221,6 +234,7 @@ class ResponseStream:
     _sequence: int = 0
     _open: dict[str, Any] | None = None  # the item being written (the last of ``output``)
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # chat tool-call index -> item
+    _logprobs: list[dict[str, Any]] = field(default_factory=list)  # come, not yet given to message text
 
     def response(self) -> dict[str, Any]:
         return {
@@ -248,10 +262,17 @@ class ResponseStream:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            # A chunk's token logprobs go with the message text that follows them (its tokens' text may
+            # come later, held back by the chat stream); those of reasoning or tool-call text are dropped.
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("reasoning_content") or delta.get("tool_calls"):
+                logprobs, self._logprobs = [], []
+            self._logprobs += logprobs
             if delta.get("reasoning_content"):
                 events += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                events += self._text("message", delta["content"])
+                events += self._text("message", delta["content"], self._logprobs)
+                self._logprobs = []
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             if choice.get("finish_reason") == "length":
@@ -285,10 +306,12 @@ class ResponseStream:
         events = self._close()
         self.output.append(item)
         self._open = item
-        shown = {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
+        shown = {**item, "content": [_copy(p) for p in item["content"]]} if "content" in item else dict(item)
         return events + [self._event("response.output_item.added", output_index=self._index(), item=shown)]
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _text(
+        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """Text of a message (output_text) or of a reasoning item (reasoning_text), opening one if the
         item being written is not of that kind."""
         events: list[dict[str, Any]] = []
@@ -300,7 +323,7 @@ class ResponseStream:
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 item["content"].append(part)
                 events.append(self._event("response.content_part.added", item_id=item["id"],
-                                          output_index=self._index(), content_index=0, part=dict(part)))  # fmt: skip
+                                          output_index=self._index(), content_index=0, part=_copy(part)))  # fmt: skip
             else:
                 item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress",
                         "content": [{"type": "reasoning_text", "text": ""}]}  # fmt: skip
@@ -309,7 +332,9 @@ class ResponseStream:
         assert item is not None
         item["content"][0]["text"] += text
         kind_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": list(logprobs or [])} if kind == "message" else {}
+        if kind == "message":
+            item["content"][0]["logprobs"] += extra["logprobs"]
         events.append(self._event(kind_event, item_id=item["id"], output_index=self._index(), content_index=0,
                                   delta=text, **extra))  # fmt: skip
         return events
@@ -341,9 +366,9 @@ class ResponseStream:
         if item["type"] == "message":
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))  # fmt: skip
+                                      content_index=0, text=part["text"], logprobs=part["logprobs"]))  # fmt: skip
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=dict(part)))  # fmt: skip
+                                      content_index=0, part=_copy(part)))  # fmt: skip
         elif item["type"] == "reasoning":
             events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                       content_index=0, text=item["content"][0]["text"]))  # fmt: skip

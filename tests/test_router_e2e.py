@@ -1422,3 +1422,40 @@ def test_bad_words_reach_the_workers(router: Router, llm: LLM) -> None:
         router.client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=2, extra_body={"bad_words": [" "]}
         )
+
+
+def test_responses_api_gives_logprobs_as_chat_does(router: Router) -> None:
+    """include ["message.output_text.logprobs"] with top_logprobs: the output text's logprobs, each token
+    with its alternatives, are the chat request's; streamed, each text delta carries its tokens' and they
+    add up to the whole response's."""
+    messages = [{"role": "user", "content": "Give logprobs."}]
+    chat = router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    expected = [
+        (e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
+        for e in chat.choices[0].logprobs.content
+    ]
+    args = dict(model=MODEL, input="Give logprobs.", max_output_tokens=12, temperature=0.0, top_logprobs=2,
+                include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})  # fmt: skip
+
+    def entries(logprobs: list[Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        return [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in logprobs]
+
+    whole = router.client.responses.create(**args)
+    part = whole.output[0].content[0]
+    assert part.text == chat.choices[0].message.content and whole.top_logprobs == 2
+    got = entries(part.logprobs)
+    assert [t for t, _, _ in got] == [t for t, _, _ in expected]
+    assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in expected], abs=1e-4)
+    assert [len(top) for _, _, top in got] == [2] * len(expected) == [len(top) for _, _, top in expected]
+    streamed, done = [], None
+    for event in router.client.responses.create(**args, stream=True):
+        if event.type == "response.output_text.delta":
+            streamed += entries(event.logprobs)
+        elif event.type == "response.output_text.done":
+            done = entries(event.logprobs)
+    assert [t for t, _, _ in streamed] == [t for t, _, _ in got] == [t for t, _, _ in done]
+    plain = router.client.responses.create(model=MODEL, input="Give logprobs.", max_output_tokens=4)
+    assert plain.output[0].content[0].logprobs == []  # not asked for: none
