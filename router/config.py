@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import check_choices, setting
+from router.chat_template import load_chat_template
 from router.reasoning import REASONING_PARSERS
 from router.scoring import ROUTING_MODES, RoutingWeights
 from router.scoring.weighted_picker import (
@@ -28,6 +29,11 @@ class RouterConfig:
     )
     served_model_name: str | None = setting(
         None, "Name clients use for the model (the `model` field); default: the model's own name."
+    )
+    chat_template: str | None = setting(
+        None,
+        "Chat template to render chat requests with instead of the model's (vLLM's --chat-template): a file "
+        "path, or the Jinja template itself.",
     )
     host: str = setting("127.0.0.1", "Address the gRPC and HTTP servers bind to.")
     port: int = setting(50050, "Port of the public gRPC API (pdmesh.v1.Router); 0 picks a free one.")
@@ -150,6 +156,8 @@ class RouterConfig:
                 f"hotspot_margin_tokens must be >= 0, or -1 (off), got {self.hotspot_margin_tokens}"
             )
         self.routing_weights()  # checks the weights
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)  # a missing file or a syntax error stops the start
         if self.default_max_tokens_cap < 1:
             raise ValueError(f"default_max_tokens_cap must be >= 1, got {self.default_max_tokens_cap}")
 

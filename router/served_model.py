@@ -32,6 +32,7 @@ from engine.structured_outputs import StructuredOutputs
 from engine.tokenizer import Tokenizer, render_chat
 from mesh.structured_outputs_proto import structured_outputs_from_proto, structured_outputs_to_proto
 from protos.pdmesh.v1 import common_pb2
+from router.chat_template import load_chat_template
 from router.errors import InvalidRequestError, ModelNotFoundError
 from router.reasoning import THINK_END, THINK_START
 from router.text_stream import TextStream
@@ -86,8 +87,11 @@ class ServedModel:
         default_max_tokens_cap: int = 4096,
         tool_call_parser: str = "hermes",
         reasoning_parser: str = "none",
+        chat_template: str | None = None,
     ) -> None:
         tokenizer, config, name = load_tokenizer(model)
+        if chat_template is not None:  # vLLM's --chat-template: the model's own is replaced
+            tokenizer.chat_template = load_chat_template(chat_template)
         self.tool_call_parser = tool_call_parser  # router.tool_calls: how "auto" tool calls are read
         self.reasoning_parser = reasoning_parser  # router.reasoning: how chat replies' thinking is read
         # With a reasoning parser, chat constraints start after the thinking: its marker tokens.

@@ -114,6 +114,7 @@ class RouterService:
             config.default_max_tokens_cap,
             config.tool_call_parser,
             config.reasoning_parser,
+            config.chat_template,
         )
         self.orchestrator = Orchestrator(
             self.pool,

@@ -706,3 +706,21 @@ def test_chat_tools_constraints_and_template_kwargs_are_parsed() -> None:
     with pytest.raises(InvalidRequestError, match="not both"):
         parse_chat({"messages": body["messages"],
                     "structured_outputs": {"json_object": True, "whitespace_pattern": "", "disable_any_whitespace": True}})  # fmt: skip
+
+
+def test_chat_template_values_are_files_or_templates(tmp_path) -> None:
+    """vLLM's --chat-template rule: a file is read, text with template marks is the template, a path that
+    names nothing or a template that does not compile stops the router at start (a parser error)."""
+    from router.chat_template import load_chat_template
+    from router.config import RouterConfig
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert load_chat_template(str(path)) == "{{ messages[0].content }}"
+    assert load_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+    for bad, message in (
+        (str(tmp_path / "missing.jinja"), "neither a file"),
+        ("{% if x %}", "does not compile"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(chat_template=bad)

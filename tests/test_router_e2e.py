@@ -1459,3 +1459,29 @@ def test_responses_api_gives_logprobs_as_chat_does(router: Router) -> None:
     assert [t for t, _, _ in streamed] == [t for t, _, _ in got] == [t for t, _, _ in done]
     plain = router.client.responses.create(model=MODEL, input="Give logprobs.", max_output_tokens=4)
     assert plain.output[0].content[0].logprobs == []  # not asked for: none
+
+
+def test_chat_template_flag_replaces_the_models_template(pd_workers, llm: LLM, tmp_path: Path) -> None:  # noqa: F811
+    """--chat-template (a file, as vLLM's): chat requests and /tokenize render with it, and the reply is the
+    offline engine's from that text."""
+    template = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}[ASSISTANT] "
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    prefill, decode = pd_workers
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, "--chat-template", str(path),
+    )  # fmt: skip
+    try:
+        r = Router(proc, Path("unused"))
+        messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello?"}]
+        ids = llm.tokenizer.encode(
+            "[SYSTEM] Be terse.\n[USER] Hello?\n[ASSISTANT] ", add_special_tokens=False
+        )
+        assert _post(r, "/tokenize", {"messages": messages})["tokens"] == ids
+        expected = _offline(llm, ids, 8, temperature=0.0, ignore_eos=True)
+        reply = r.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
+                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        assert reply.choices[0].message.content == expected.text and reply.usage.prompt_tokens == len(ids)
+    finally:
+        assert proc.stop() == 0, proc.log()
