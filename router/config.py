@@ -124,7 +124,8 @@ class RouterConfig:
         [],
         "API keys of the public APIs (vLLM's --api-key): with any set, HTTP requests under /v1 and gRPC "
         "calls of pdmesh.v1.Router must carry 'Authorization: Bearer <key>' (401 / UNAUTHENTICATED "
-        "otherwise); /health, /metrics, /version, /tokenize, /detokenize and gRPC health stay open. "
+        "otherwise; /invocations too); /health, /ping, /metrics, /version, /tokenize, /detokenize and gRPC "
+        "health stay open. "
         "Several keys: --api-key K1 K2 (PDMESH_API_KEY: K1,K2).",
     )
     allowed_origins: list[str] = setting(

@@ -111,6 +111,8 @@ class HttpApi:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/ping", self.ping)
+        app.router.add_post("/invocations", self.invocations)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
         return app
 
@@ -210,7 +212,34 @@ class HttpApi:
             status=503,
         )
 
+    async def ping(self, request: web.Request) -> web.Response:
+        """SageMaker's liveness probe (vLLM serves it too): ``/health``'s answer, GET or POST."""
+        if request.method not in ("GET", "POST"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        return await self.health(request)
+
     # ---- generation ----------------------------------------------------------------------------------
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's ``/invocations`` (vLLM serves it too): the body's shape names the API, ``messages``
+        chat, ``prompt`` completions, ``input`` the Responses API."""
+        try:
+            body = parse_json_body(await request.read())  # aiohttp keeps the body for _generate's read
+        except RouterError as exc:
+            return error_response(exc)
+        for field_name, kind in (
+            ("messages", "chat_completions"),
+            ("prompt", "completions"),
+            ("input", "responses"),
+        ):
+            if field_name in body:
+                return await self._generate(request, kind)
+        return error_response(
+            InvalidRequestError(
+                "/invocations needs 'messages' (a chat completion), 'prompt' (a completion) or 'input' "
+                "(a response)"
+            )
+        )
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
 

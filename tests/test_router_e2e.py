@@ -1106,6 +1106,7 @@ def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa:
             ("/health", None),
             ("/metrics", None),
             ("/version", None),
+            ("/ping", None),
             ("/tokenize", {"prompt": "Hi"}),
         ):
             data = json.dumps(body).encode() if body is not None else None
@@ -1113,6 +1114,12 @@ def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa:
                 urllib.request.Request(f"http://{http}{path}", data=data), timeout=10
             ) as r:
                 assert r.status == 200, path
+        invocation = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}  # the same API as /v1: a key too
+        assert _http(f"http://{http}/invocations", "POST", {}, invocation)[0] == 401
+        assert (
+            _http(f"http://{http}/invocations", "POST", {"Authorization": "Bearer key-one"}, invocation)[0]
+            == 200
+        )
 
         async def generate(metadata: tuple[tuple[str, str], ...]) -> str:
             params = common_pb2.SamplingParams(max_tokens=3, temperature=0.0)
@@ -1485,3 +1492,33 @@ def test_chat_template_flag_replaces_the_models_template(pd_workers, llm: LLM, t
         assert reply.choices[0].message.content == expected.text and reply.usage.prompt_tokens == len(ids)
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_sagemaker_ping_and_invocations(router: Router, llm: LLM) -> None:
+    """/ping answers as /health (GET and POST); /invocations serves the API the body's shape names, with
+    the same replies as the endpoint itself; a body of no known shape is a 400."""
+    for method in ("GET", "POST"):
+        status, _, body = _http(f"http://{router.http}/ping", method, body={} if method == "POST" else None)
+        assert status == 200 and json.loads(body)["status"] == "ok"
+    url = f"http://{router.http}/invocations"
+    completion = {"model": MODEL, "prompt": "Invoke", "max_tokens": 6, "temperature": 0.0}
+    status, _, body = _http(url, "POST", {"Content-Type": "application/json"}, completion)
+    expected = _offline(llm, "Invoke", 6, temperature=0.0)
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == expected.text
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Invoke"}],
+        "max_tokens": 4,
+        "temperature": 0.0,
+    }
+    status, _, body = _http(url, "POST", {"Content-Type": "application/json"}, chat)
+    direct = router.client.chat.completions.create(**chat)
+    assert (
+        status == 200
+        and json.loads(body)["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    )
+    status, _, body = _http(url, "POST", {"Content-Type": "application/json"}, {"model": MODEL, "input": "Invoke",
+                                                                               "max_output_tokens": 3})  # fmt: skip
+    assert status == 200 and json.loads(body)["object"] == "response"
+    status, _, body = _http(url, "POST", {"Content-Type": "application/json"}, {"model": MODEL})
+    assert status == 400 and "'messages'" in json.loads(body)["error"]["message"]
