@@ -27,8 +27,10 @@ class RouterConfig:
         "Model the mesh serves: a built-in model name or a checkpoint directory (the router loads only its "
         "tokenizer and config).",
     )
-    served_model_name: str | None = setting(
-        None, "Name clients use for the model (the `model` field); default: the model's own name."
+    served_model_name: list[str] = setting(
+        [],
+        "Names clients use for the model (the `model` field; vLLM's --served-model-name): each is accepted, "
+        "replies name the one asked for, the first is the default; default: the model's own name.",
     )
     chat_template: str | None = setting(
         None,

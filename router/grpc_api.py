@@ -120,12 +120,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListModels(  # noqa: N802 (generated name)
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
-        info = router_pb2.ModelInfo(
-            id=self.model.name,
-            model_fingerprint=self.pool.model_fingerprint or "",
-            max_model_len=self.model.max_model_len,
-            block_size=self.pool.block_size,
-            num_prefill_workers=len(self.pool.usable(PREFILL)),
-            num_decode_workers=len(self.pool.usable(DECODE)),
-        )
-        return router_pb2.ListModelsResponse(models=[info])
+        infos = [
+            router_pb2.ModelInfo(
+                id=name,
+                model_fingerprint=self.pool.model_fingerprint or "",
+                max_model_len=self.model.max_model_len,
+                block_size=self.pool.block_size,
+                num_prefill_workers=len(self.pool.usable(PREFILL)),
+                num_decode_workers=len(self.pool.usable(DECODE)),
+            )
+            for name in self.model.names
+        ]
+        return router_pb2.ListModelsResponse(models=infos)

@@ -117,9 +117,9 @@ class HttpApi:
         return app
 
     # ---- simple endpoints ----------------------------------------------------------------------------
-    def _card(self) -> dict[str, Any]:
+    def _card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.model.name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "pdmesh",
@@ -129,7 +129,7 @@ class HttpApi:
         }
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card()]})
+        return web.json_response({"object": "list", "data": [self._card(name) for name in self.model.names]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         """OpenAI's model retrieval: the served model's card, or a 404 for another name."""
@@ -137,7 +137,7 @@ class HttpApi:
             self.model.check_model(request.match_info["model"])
         except RouterError as exc:
             return error_response(exc)
-        return web.json_response(self._card())
+        return web.json_response(self._card(request.match_info["model"]))
 
     async def version(self, request: web.Request) -> web.Response:
         """vLLM's ``/version``: this package's version."""
@@ -274,7 +274,7 @@ class HttpApi:
             writer = _Writer(self.model, parsed, request_id, "completions" if kind == "completions" else
                              "chat_completions", choices)  # fmt: skip
             if responses is not None:
-                out = ResponseStream(request_id, self.model.name, responses.echo)
+                out = ResponseStream(request_id, self.model.reply_name(parsed.model), responses.echo)
                 return await self._respond(request, choices, writer, out, outcome)
             if parsed.stream:
                 return await self._stream(request, choices, writer, outcome)
@@ -456,7 +456,7 @@ class _Writer:
             "id": self.request_id,
             "object": self.object_name + (".chunk" if chunk else ""),
             "created": self.created,
-            "model": self.model.name,
+            "model": self.model.reply_name(self.parsed.model),
             "choices": choices,
         }
 

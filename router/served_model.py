@@ -82,7 +82,7 @@ class ServedModel:
         self,
         model: str,
         pool: WorkerPool | None,
-        served_name: str | None = None,
+        served_name: str | Sequence[str] | None = None,
         max_model_len: int | None = None,
         default_max_tokens_cap: int = 4096,
         tool_call_parser: str = "hermes",
@@ -103,7 +103,9 @@ class ServedModel:
             )
         self.tokenizer: Tokenizer = tokenizer
         self.config: ModelConfig = config
-        self.name = served_name or name
+        names = [served_name] if isinstance(served_name, str) else list(served_name or [])
+        self.names = names or [name]  # every name the model answers to (vLLM's --served-model-name)
+        self.name = self.names[0]
         self.pool = pool
         self._max_model_len = max_model_len
         self.default_max_tokens_cap = default_max_tokens_cap
@@ -125,11 +127,16 @@ class ServedModel:
         return announced or self.config.max_position_embeddings
 
     def check_model(self, requested: str | None) -> None:
-        """Empty or absent means this model; any other name is a 404 naming the served one."""
-        if requested and requested != self.name:
+        """Empty or absent means this model; a name it is not served under is a 404 naming those it is."""
+        if requested and requested not in self.names:
+            served = ", ".join(f"`{n}`" for n in self.names)
             raise ModelNotFoundError(
-                f"The model `{requested}` does not exist. This router serves `{self.name}`.", param="model"
+                f"The model `{requested}` does not exist. This router serves {served}.", param="model"
             )
+
+    def reply_name(self, requested: str | None) -> str:
+        """The model a reply names: the one asked for, if the model is served under it (vLLM's rule)."""
+        return requested if requested in self.names else self.name
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -1522,3 +1522,33 @@ def test_sagemaker_ping_and_invocations(router: Router, llm: LLM) -> None:
     assert status == 200 and json.loads(body)["object"] == "response"
     status, _, body = _http(url, "POST", {"Content-Type": "application/json"}, {"model": MODEL})
     assert status == 400 and "'messages'" in json.loads(body)["error"]["message"]
+
+
+def test_a_model_served_under_several_names(pd_workers) -> None:  # noqa: F811
+    """vLLM's --served-model-name with several names: each is accepted and listed, a reply names the one
+    asked for (the first when none is), another name is a 404 naming them all."""
+    prefill, decode = pd_workers
+    proc = ServiceProcess.start(
+        "router", "--model", MODEL, "--http-port", "0", "--prefill-workers", prefill.address,
+        "--decode-workers", decode.address, "--served-model-name", "house-model", "alias",
+    )  # fmt: skip
+    try:
+        client = Router(proc, Path("unused")).client
+        assert [m.id for m in client.models.list()] == ["house-model", "alias"]
+        assert client.models.retrieve("alias").id == "alias"
+        for asked, named in (("alias", "alias"), ("house-model", "house-model")):
+            reply = client.completions.create(model=asked, prompt="Hi", max_tokens=2)
+            assert reply.model == named
+            assert client.responses.create(model=asked, input="Hi", max_output_tokens=2).model == named
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert "`house-model`, `alias`" in missing.value.message
+
+        async def listed() -> list[str]:
+            async with grpc.aio.insecure_channel(proc.address) as channel:
+                reply = await router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest())
+                return [m.id for m in reply.models]
+
+        assert asyncio.run(listed()) == ["house-model", "alias"]
+    finally:
+        assert proc.stop() == 0, proc.log()
