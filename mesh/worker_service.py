@@ -524,6 +524,15 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         self.stop_requested.set()  # the process finishes what it has, deregisters and exits
         return worker_pb2.DrainResponse(num_in_flight=in_flight)
 
+    async def ResetPrefixCache(
+        self,
+        request: worker_pb2.ResetPrefixCacheRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.ResetPrefixCacheResponse:
+        evicted = await self.aengine.call(self.engine.reset_prefix_cache)
+        log.info("prefix cache reset: %d blocks evicted", evicted)
+        return worker_pb2.ResetPrefixCacheResponse(num_evicted_blocks=evicted)
+
     async def StreamKVEvents(
         self,
         request: worker_pb2.KVEventsRequest,

@@ -2,7 +2,7 @@
 ``Authorization: Bearer <key>`` with one of them.
 
 HTTP: every path under ``/v1`` (the OpenAI API) is checked, as vLLM does, and ``/invocations`` (which
-serves the same; vLLM leaves it open); ``/health``, ``/ping``, ``/metrics``, ``/version``, ``/tokenize`` and
+serves the same; vLLM leaves it open) and ``/reset_prefix_cache`` (it changes every worker); ``/health``, ``/ping``, ``/metrics``, ``/version``, ``/tokenize`` and
 ``/detokenize`` stay open for probes and scrapers. A refused request is a
 401 in OpenAI's error shape. gRPC: every method of ``pdmesh.v1.Router`` is checked (``authorization``
 metadata); health checking and reflection stay open. A refused call ends UNAUTHENTICATED.
@@ -51,7 +51,7 @@ def http_middleware(keys: ApiKeys) -> Callable[..., Awaitable[web.StreamResponse
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         path = request.path
-        guarded = path == "/v1" or path.startswith("/v1/") or path == "/invocations"
+        guarded = path == "/v1" or path.startswith("/v1/") or path in ("/invocations", "/reset_prefix_cache")
         if guarded and request.method != "OPTIONS" and not keys.allows(request.headers.get("Authorization")):
             return web.json_response(
                 {

@@ -22,10 +22,11 @@ import time
 import uuid
 from typing import Any
 
+import grpc
 from aiohttp import web
 
 from mesh.telemetry import metrics_handler
-from protos.pdmesh.v1 import common_pb2
+from protos.pdmesh.v1 import common_pb2, worker_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
@@ -113,6 +114,7 @@ class HttpApi:
         app.router.add_get("/health", self.health)
         app.router.add_route("*", "/ping", self.ping)
         app.router.add_post("/invocations", self.invocations)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
         return app
 
@@ -211,6 +213,28 @@ class HttpApi:
             {"status": "unavailable", "detail": self.pool.describe_unusable(DECODE), "workers": workers},
             status=503,
         )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``/reset_prefix_cache``, for the whole mesh: every worker evicts the cached prefix blocks
+        no request holds (benchmarks that must start cold). 200 with each worker's evicted block count when
+        all of them did it; 502 naming those that could not."""
+
+        async def reset(worker: Any) -> tuple[str, int | str]:
+            try:
+                reply = await worker.stub.ResetPrefixCache(
+                    worker_pb2.ResetPrefixCacheRequest(), timeout=self.pool.control_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                return worker.address, f"{exc.code().name}: {exc.details()}"
+            return worker.address, reply.num_evicted_blocks
+
+        results = dict(await asyncio.gather(*(reset(w) for w in self.pool.workers)))
+        failed = {a: r for a, r in results.items() if isinstance(r, str)}
+        evicted = {a: r for a, r in results.items() if not isinstance(r, str)}
+        body: dict[str, Any] = {"evicted_blocks": evicted}
+        if failed:
+            body["errors"] = failed
+        return web.json_response(body, status=502 if failed else 200)
 
     async def ping(self, request: web.Request) -> web.Response:
         """SageMaker's liveness probe (vLLM serves it too): ``/health``'s answer, GET or POST."""

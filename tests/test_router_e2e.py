@@ -1552,3 +1552,18 @@ def test_a_model_served_under_several_names(pd_workers) -> None:  # noqa: F811
         assert asyncio.run(listed()) == ["house-model", "alias"]
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_reset_prefix_cache_empties_every_workers_cache(router: Router) -> None:
+    """POST /reset_prefix_cache (vLLM's, for the mesh): every worker evicts its unheld cached blocks, so the
+    same prompt then finds nothing cached; it was cached before."""
+    prompt = "A prompt long enough to fill a few blocks of KV cache. " * 3
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    router.client.completions.create(**args)
+    again = router.client.completions.create(**args)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    status, _, body = _http(f"http://{router.http}/reset_prefix_cache", "POST")
+    evicted = json.loads(body)["evicted_blocks"]
+    assert status == 200 and len(evicted) == 2 and sum(evicted.values()) >= 2
+    cold = router.client.completions.create(**args)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0

@@ -134,3 +134,13 @@ class KVEventsRequest(_message.Message):
     INCLUDE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     include_snapshot: bool
     def __init__(self, include_snapshot: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_evicted_blocks",)
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_evicted_blocks: int
+    def __init__(self, num_evicted_blocks: _Optional[int] = ...) -> None: ...

@@ -75,6 +75,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdmesh_dot_v1_dot_common__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdmesh.v1.Worker/ResetPrefixCache',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -136,6 +141,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Evict every cached prefix block no request holds (vLLM's reset_prefix_cache: benchmarks that must
+        start cold); each removal is a KV event. Blocks of running requests and held KV stay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +191,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.StreamKVEvents,
                     request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.KVEventsRequest.FromString,
                     response_serializer=protos_dot_pdmesh_dot_v1_dot_common__pb2.KVEventBatch.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +414,33 @@ class Worker:
             '/pdmesh.v1.Worker/StreamKVEvents',
             protos_dot_pdmesh_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
             protos_dot_pdmesh_dot_v1_dot_common__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Worker/ResetPrefixCache',
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
