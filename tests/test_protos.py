@@ -182,6 +182,7 @@ def test_tiers_match_the_mesh_kv_events_tiers() -> None:
                 "GetStats": False,
                 "Drain": False,
                 "StreamKVEvents": True,
+                "ResetPrefixCache": False,
             },
         ),
         (
