@@ -60,7 +60,11 @@ async def build_choices(
         ids = model.truncate_prompt(whole, parsed.truncate_prompt_tokens)
         model.check_prompt(ids, param=param)  # before echo decodes token ids: they are in the vocabulary
         echo = ""
-        if parsed.echo:  # the prompt as given, or the text of what is left of it
+        if parsed.echo and parsed.kind == "chat_completions":  # the last message, when it is the assistant's
+            last = parsed.messages[-1] if parsed.messages else {}
+            if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+                echo = last["content"]
+        elif parsed.echo:  # the prompt as given, or the text of what is left of it
             echo = (
                 given
                 if isinstance(given, str) and len(ids) == len(whole)

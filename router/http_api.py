@@ -496,12 +496,13 @@ class _Writer:
         echoed: dict[str, Any] | None = None
         if not c.started:  # the echo and the prompt's logprobs, when asked for
             c.started = True
-            delta = c.echo + delta
+            if self.kind == "completions":  # (a chat's echo is an event of its own: ``opening``)
+                delta = c.echo + delta
             if self.parsed.prompt_logprobs is not None:
                 c.prompt_logprobs = vllm_prompt_logprobs(
                     self.model.tokenizer, chunk.prompt_logprobs, self.parsed.prompt_logprobs
                 )
-            if self.want_logprobs and self.parsed.echo:
+            if self.want_logprobs and self.parsed.echo and self.kind == "completions":
                 top_n = self.parsed.sampling.logprobs or 0
                 echoed = c.completion_logprobs.prompt_part(c.prompt_token_ids, chunk.prompt_logprobs, top_n)
                 c.logprob_parts.append(echoed)
@@ -587,22 +588,25 @@ class _Writer:
         return choice
 
     def opening(self) -> list[dict[str, Any]]:
-        """Events sent before the first tokens' (chat: the assistant role, for every choice)."""
+        """Events sent before the first tokens' (chat: the assistant role for every choice, then with echo
+        the last message's text, as vLLM streams it)."""
         if self.kind == "completions":
             return []
-        return [
-            self._chunk(
-                self.choices[index],
-                {
+        events = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            opened = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            events.append(self._chunk(c, opened, generated=0))  # the role event comes before any token
+            if c.echo:
+                echoed = {
                     "index": index,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": {"content": c.echo},
                     "logprobs": None,
                     "finish_reason": None,
-                },
-                generated=0,  # the role event comes before any token
-            )
-            for index in sorted(self.choices)
-        ]
+                }
+                events.append(self._chunk(c, echoed, generated=0))
+        return events
 
     def usage(self) -> dict[str, Any] | None:
         """The request's usage: each prompt's tokens once (however many choices it has), every choice's
@@ -633,8 +637,13 @@ class _Writer:
                     logprobs = CompletionLogprobs.merge(c.logprob_parts)
                 else:
                     logprobs = [entry for part in c.logprob_parts for entry in part]
-            text = c.content if c.reasoning is not None else c.echo + c.text.text
+            if self.kind == "completions":
+                text = c.echo + c.text.text
+            else:
+                text = c.content if c.reasoning is not None else c.text.text
             choice = self._choice(c, text, logprobs, stream=False)
+            if self.kind != "completions" and c.echo:  # vLLM's chat echo: the last message, then the reply
+                choice["message"]["content"] = c.echo + (choice["message"]["content"] or "")
             if c.reasoning is not None and self.parsed.include_reasoning:
                 choice["message"]["reasoning_content"] = c.reasoning.reasoning or None
             choices.append(choice)

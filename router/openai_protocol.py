@@ -44,7 +44,7 @@ class ParsedRequest:
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: each a text or token ids
     messages: list[dict[str, Any]] = field(default_factory=list)
     n: int = 1  # choices per prompt
-    echo: bool = False  # completions: each choice's text starts with its prompt
+    echo: bool = False  # completions: each choice's text starts with its prompt; chat: see parse_chat
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message is left open for the model to go on
     # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as fit)
@@ -329,8 +329,8 @@ def parse_chat(
 ) -> ParsedRequest:
     f = JsonFields(body)
     req = _common(f, "chat_completions", headers or {})
-    if f.bool("echo", False):
-        raise InvalidRequestError("echo is not supported on chat completions", param="echo")
+    # vLLM's chat echo: a reply to a last message of the assistant's starts with that message's text.
+    req.echo = f.bool("echo", False)
     req.messages = _messages(body.get("messages"))
     req.add_generation_prompt = f.bool("add_generation_prompt", True)
     req.continue_final_message = f.bool("continue_final_message", False)

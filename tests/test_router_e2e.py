@@ -1567,3 +1567,25 @@ def test_reset_prefix_cache_empties_every_workers_cache(router: Router) -> None:
     assert status == 200 and len(evicted) == 2 and sum(evicted.values()) >= 2
     cold = router.client.completions.create(**args)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_echo_starts_the_reply_with_the_assistants_last_message(router: Router, llm: LLM) -> None:
+    """vLLM's chat echo with continue_final_message: the reply's content is the partial assistant message,
+    then what the model went on with; streamed, the message comes as an event of its own after the role.
+    A last message of another role is not echoed."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True, "ignore_eos": True}
+    text = render_chat(llm.tokenizer, messages, False, continue_final_message=True)
+    expected = _offline(
+        llm, llm.tokenizer.encode(text, add_special_tokens=False), 6, temperature=0.0, ignore_eos=True
+    )
+    reply = router.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.0,
+                                                  extra_body=extra)  # fmt: skip
+    assert reply.choices[0].message.content == "One, two," + expected.text
+    deltas = [c.choices[0].delta for c in router.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0.0, extra_body=extra, stream=True)]  # fmt: skip
+    assert deltas[0].role == "assistant" and deltas[1].content == "One, two,"
+    assert "".join(d.content or "" for d in deltas) == "One, two," + expected.text
+    plain = router.client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=3,
+                                                  extra_body={"echo": True})  # fmt: skip
+    assert not (plain.choices[0].message.content or "").startswith("Count.")
