@@ -140,6 +140,16 @@ class RouterConfig:
     allow_credentials: bool = setting(
         False, "Let browsers send credentials (cookies, Authorization) cross-origin (CORS)."
     )
+    store_responses: bool = setting(
+        True,
+        "Keep finished Responses API responses (unless a request sets store: false) for previous_response_id "
+        "and GET / DELETE /v1/responses/{id}: in Redis with --redis-url (every router sees them), else in "
+        "this process.",
+    )
+    responses_ttl_s: float = setting(86400.0, "How long a stored response is kept, in seconds.")
+    responses_max_stored: int = setting(
+        1000, "Most responses a router without Redis keeps (the oldest go first)."
+    )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
@@ -161,6 +171,8 @@ class RouterConfig:
         self.routing_weights()  # checks the weights
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a missing file or a syntax error stops the start
+        if self.responses_ttl_s <= 0 or self.responses_max_stored < 1:
+            raise ValueError("responses_ttl_s must be positive and responses_max_stored >= 1")
         if self.default_max_tokens_cap < 1:
             raise ValueError(f"default_max_tokens_cap must be >= 1, got {self.default_max_tokens_cap}")
 

@@ -53,6 +53,15 @@ class ModelNotFoundError(RouterError):
     metric_status = "not_found"
 
 
+class NotFoundError(RouterError):
+    """The request names something (a stored response) that is not here."""
+
+    http_status = 404
+    openai_type = "NotFoundError"
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    metric_status = "not_found"
+
+
 class NoWorkerAvailableError(RouterError):
     """No worker of a needed role is reachable, or every one refused the request for lack of room."""
 

@@ -20,17 +20,19 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from mesh.telemetry import metrics_handler
 from protos.pdmesh.v1 import common_pb2, worker_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
-from router.errors import InvalidRequestError, RouterError
+from router.errors import InvalidRequestError, NotFoundError, NoWorkerAvailableError, RouterError
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
     FINISH_REASONS,
@@ -46,6 +48,7 @@ from router.openai_protocol import (
 )
 from router.orchestrator import Chunk, Orchestrator
 from router.reasoning import ReasoningStream
+from router.response_store import ResponseStore, StoredResponse
 from router.responses import ResponseStream, parse_responses
 from router.served_model import ServedModel
 from router.text_stream import token_text
@@ -89,6 +92,7 @@ class HttpApi:
         metrics: RouterMetrics,
         api_keys: ApiKeys | None = None,
         cors: CorsPolicy | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
         self.model = model
         self.orchestrator = orchestrator
@@ -96,6 +100,7 @@ class HttpApi:
         self.metrics = metrics
         self.api_keys = api_keys or ApiKeys(())
         self.cors = cors
+        self.response_store = response_store  # None: responses are not stored (nor continued)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -106,6 +111,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model_card)
         app.router.add_get("/version", self.version)
@@ -283,6 +290,8 @@ class HttpApi:
                 parsed = parse_completion(body, request.headers)
             elif kind == "responses":
                 responses = parse_responses(body)
+                if responses.previous_id is not None:
+                    responses.continue_from(await self._stored(responses.previous_id, "previous_response_id"))
                 parsed = parse_chat(responses.chat_body, request.headers, self.model.tool_call_parser)
             else:
                 parsed = parse_chat(body, request.headers, self.model.tool_call_parser)
@@ -299,7 +308,10 @@ class HttpApi:
                              "chat_completions", choices)  # fmt: skip
             if responses is not None:
                 out = ResponseStream(request_id, self.model.reply_name(parsed.model), responses.echo)
-                return await self._respond(request, choices, writer, out, outcome)
+                if self.response_store is None:
+                    out.echo["store"] = False
+                keep = responses.record if out.echo["store"] else None
+                return await self._respond(request, choices, writer, out, outcome, keep)
             if parsed.stream:
                 return await self._stream(request, choices, writer, outcome)
             return await self._complete(choices, writer)
@@ -320,6 +332,50 @@ class HttpApi:
         finally:
             self.metrics.requests.labels(endpoint=kind, status=outcome["status"]).inc()
 
+    # ---- stored responses ----------------------------------------------------------------------------
+    async def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
+        if self.response_store is None:
+            raise NotFoundError(f"Response with id '{response_id}' not found: this router stores none", param)
+        try:
+            record = await self.response_store.get(response_id)
+        except RedisError as exc:
+            raise NoWorkerAvailableError(f"the response store is unavailable: {exc}") from None
+        if record is None:
+            raise NotFoundError(
+                f"Response with id '{response_id}' not found (never stored, or expired)", param
+            )
+        return record
+
+    async def _keep(self, record: StoredResponse) -> None:
+        """Store a finished response; a store that fails loses only the record (logged and counted)."""
+        assert self.response_store is not None
+        try:
+            await self.response_store.put(record)
+        except RedisError as exc:
+            self.metrics.response_store_errors.inc()
+            log.warning("response %s not stored: %s", record.response["id"], exc)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        """OpenAI's ``responses.retrieve``: a stored Response object."""
+        try:
+            record = await self._stored(request.match_info["response_id"])
+        except RouterError as exc:
+            return error_response(exc)
+        return web.json_response(record.response)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """OpenAI's ``responses.delete``: the record goes (a follow-up can no longer continue it)."""
+        response_id = request.match_info["response_id"]
+        try:
+            await self._stored(response_id)
+            assert self.response_store is not None
+            await self.response_store.delete(response_id)
+        except RedisError as exc:
+            return error_response(NoWorkerAvailableError(f"the response store is unavailable: {exc}"))
+        except RouterError as exc:
+            return error_response(exc)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
     async def _respond(
         self,
         request: web.Request,
@@ -327,9 +383,11 @@ class HttpApi:
         writer: _Writer,
         out: ResponseStream,
         outcome: dict[str, str],
+        keep: Callable[[dict[str, Any]], StoredResponse] | None = None,
     ) -> web.StreamResponse:
         """A Responses API request: its chat events turned into output items (router.responses); streamed
-        as Responses events, or the Response object whole."""
+        as Responses events, or the Response object whole. ``keep``: the record to store once it is done,
+        stored before the client hears it is (a follow-up sent at once finds it)."""
         response: web.StreamResponse | None = None
         events: list[dict[str, Any]] = out.start()
         async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:
@@ -345,6 +403,8 @@ class HttpApi:
                             await response.write(sse(event, event["type"]))
                         events = []
                 events += out.finish(writer.usage())
+                if keep is not None:
+                    await self._keep(keep(out.response()))
             except ConnectionResetError:
                 raise
             except Exception as exc:

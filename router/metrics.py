@@ -95,6 +95,12 @@ class RouterMetrics:
             "total",
             "StreamKVEvents subscriptions that broke or could not start (the router resubscribes).",
         )
+        self.response_store_errors = m.counter(
+            "response_store_errors",
+            "total",
+            "Finished Responses API responses that could not be stored (Redis unreachable): they cannot be "
+            "retrieved or continued.",
+        )
         self.pool_workers = m.gauge(
             "pool",
             "workers",

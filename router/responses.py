@@ -10,9 +10,9 @@ the chat stream's events into the Responses API's output items and streaming eve
 ``response.reasoning_text.delta``, ... ``response.completed``); a whole response is the same machine's
 final state, so streamed and whole responses always agree.
 
-Nothing is stored: ``store`` is answered ``false``, and ``previous_response_id`` / ``conversation`` (which
-need stored responses) and ``background`` are 400s: a client sends the whole conversation as ``input``.
-Nothing here does I/O.
+With ``previous_response_id`` the stored conversation (``router.response_store``: the messages before the
+previous response, then its output) comes before the input (``continue_from``); what a finished response
+leaves to store is ``record``. ``conversation`` objects and ``background`` are 400s. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import InvalidRequestError
+from router.response_store import StoredResponse
 
 # Responses fields that are chat fields of the same name and meaning (the vLLM extras among them too).
 _SAME_FIELDS = (
@@ -34,31 +35,52 @@ _SAME_FIELDS = (
 )  # fmt: skip
 # Accepted and only echoed back: they change nothing here (no storage, no service tiers, no truncation).
 _ECHOED = ("metadata", "truncation", "reasoning", "service_tier", "prompt_cache_key", "safety_identifier")
-_NOT_STORED = "responses are not stored here: send the whole conversation as 'input'"
+_NOT_STORED = "conversation objects are not kept here: use previous_response_id, or send the whole conversation as 'input'"
 
 
 @dataclass
 class ResponsesRequest:
     chat_body: dict[str, Any]  # the same request as a chat completions body
     echo: dict[str, Any]  # the request's fields as a Response object repeats them
+    previous_id: str | None = None  # previous_response_id: the conversation it ended goes first
+    given: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as chat messages
+    system: list[dict[str, Any]] = field(default_factory=list)  # its instructions, as a system message
+    store: bool = True
+    history: list[dict[str, Any]] = field(default_factory=list)  # the stored conversation before ``given``
+
+    def continue_from(self, previous: StoredResponse) -> None:
+        """Put the stored conversation and the previous response's output before this input (the previous
+        instructions are not inherited: OpenAI's rule)."""
+        output = [item for item in previous.response.get("output", []) if item.get("type") != "reasoning"]
+        self.history = previous.messages + (_input_messages(output) if output else [])
+        self.chat_body["messages"] = self.system + self.history + self.given
+
+    def record(self, response: dict[str, Any]) -> StoredResponse:
+        """What storing ``response`` keeps: it, and the conversation it answered (no instructions)."""
+        return StoredResponse(response=response, messages=self.history + self.given)
 
 
 def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
-    """The Responses request as a chat request; 400s name the Responses field."""
-    for name, why in (
-        ("previous_response_id", _NOT_STORED),
-        ("conversation", _NOT_STORED),
-    ):
-        if body.get(name) is not None:
-            raise InvalidRequestError(f"'{name}' is not supported: {why}", param=name)
+    """The Responses request as a chat request; 400s name the Responses field. With
+    ``previous_response_id`` the chat's messages are completed by ``continue_from`` (the stored
+    conversation first)."""
+    if body.get("conversation") is not None:
+        raise InvalidRequestError(f"'conversation' is not supported: {_NOT_STORED}", param="conversation")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise InvalidRequestError("'previous_response_id' must be a string", param="previous_response_id")
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise InvalidRequestError("'store' must be a boolean", param="store")
     if body.get("background"):
         raise InvalidRequestError("background responses are not supported", param="background")
     chat: dict[str, Any] = {k: body[k] for k in _SAME_FIELDS if k in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequestError("'instructions' must be a string", param="instructions")
-    messages = [{"role": "system", "content": instructions}] if instructions else []
-    chat["messages"] = messages + _input_messages(body.get("input"))
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    given = _input_messages(body.get("input"))
+    chat["messages"] = system + given
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     tools = body.get("tools")
@@ -88,15 +110,15 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": tools or [],
         "text": {"format": fmt or {"type": "text"}},
-        "previous_response_id": None,
-        "store": False,
+        "previous_response_id": previous,
+        "store": store,
         "user": body.get("user"),
         "top_logprobs": body.get("top_logprobs"),
         **{k: body.get(k) for k in _ECHOED},
     }
     echo["metadata"] = echo["metadata"] or {}
     echo["truncation"] = echo["truncation"] or "disabled"
-    return ResponsesRequest(chat, echo)
+    return ResponsesRequest(chat, echo, previous, given, system, store)
 
 
 def _input_messages(value: Any) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from router.kv_event_feed import KVEventFeed
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.prefix_index import PrefixIndex
+from router.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
 from router.scored_chooser import ScoredChooser
 from router.served_model import ServedModel
 from router.worker_pool import DECODE, PREFILL, WorkerPool
@@ -154,7 +155,14 @@ class RouterService:
             tuple(self.config.allowed_headers),
             self.config.allow_credentials,
         )
-        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics, keys, cors)
+        store: ResponseStore | None = None
+        if self.config.store_responses:
+            store = (
+                RedisResponseStore(self.redis, self.config.responses_ttl_s)
+                if self.redis is not None
+                else MemoryResponseStore(self.config.responses_max_stored, self.config.responses_ttl_s)
+            )
+        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics, keys, cors, store)
         self._runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)

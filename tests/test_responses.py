@@ -63,7 +63,8 @@ def test_a_request_becomes_the_chat_request_it_means() -> None:
     }
     assert "store" not in chat and "include" not in chat
     assert (
-        req.echo["store"] is False
+        req.echo["store"] is True  # kept for previous_response_id (the router answers false without a store)
+        and req.store
         and req.echo["metadata"] == {"k": "v"}
         and req.echo["max_output_tokens"] == 9
     )
@@ -73,6 +74,8 @@ def test_a_request_becomes_the_chat_request_it_means() -> None:
     ("body", "param"),
     [
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "previous_response_id": 7}, "previous_response_id"),
+        ({"input": "x", "store": "yes"}, "store"),
         ({"input": 5}, "input"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input"),
@@ -139,3 +142,47 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete() -> None:
     whole = out.response()
     assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
     assert whole["output"][0]["status"] == "incomplete" and events[-1]["type"] == "response.incomplete"
+
+
+def test_the_in_process_store_keeps_the_latest_and_forgets_the_expired() -> None:
+    import asyncio
+
+    from router.response_store import MemoryResponseStore, StoredResponse
+
+    async def run() -> None:
+        store = MemoryResponseStore(max_stored=2, ttl_s=60)
+        for i in range(3):
+            await store.put(StoredResponse({"id": f"r{i}"}, [{"role": "user", "content": str(i)}]))
+        assert await store.get("r0") is None  # the oldest went first
+        assert (await store.get("r2")).messages == [{"role": "user", "content": "2"}]
+        assert await store.delete("r1") and not await store.delete("r1") and await store.get("r1") is None
+        brief = MemoryResponseStore(max_stored=2, ttl_s=0.01)
+        await brief.put(StoredResponse({"id": "x"}, []))
+        await asyncio.sleep(0.05)
+        assert await brief.get("x") is None  # expired
+
+    asyncio.run(run())
+
+
+def test_a_continued_request_puts_the_stored_conversation_first() -> None:
+    """previous_response_id: the stored messages, then the previous output (reasoning items dropped,
+    function calls as the assistant's tool calls), then this input; this request's instructions lead, the
+    previous ones are not inherited; what is stored next is the whole conversation without instructions."""
+    from router.response_store import StoredResponse
+
+    previous = StoredResponse(
+        response={"id": "resp_1", "output": [
+            {"type": "reasoning", "id": "rs", "content": [{"type": "reasoning_text", "text": "hm"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        ]},
+        messages=[{"role": "user", "content": "Hello"}],
+    )  # fmt: skip
+    req = parse_responses({"instructions": "Now terse.", "previous_response_id": "resp_1", "input": [
+        {"type": "function_call_output", "call_id": "c1", "output": "42"}]})  # fmt: skip
+    req.continue_from(previous)
+    messages = req.chat_body["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "assistant", "tool"]
+    assert messages[0]["content"] == "Now terse." and messages[3]["tool_calls"][0]["id"] == "c1"
+    stored = req.record({"id": "resp_2"})
+    assert [m["role"] for m in stored.messages] == ["user", "assistant", "assistant", "tool"]

@@ -29,7 +29,7 @@ from mesh.telemetry import read_spans_jsonl
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.text_stream import token_text
 from router.tool_calls import parse_tools
-from tests.mesh_fixtures import ServiceProcess, pd_workers, wait_until, worker_args  # noqa: F401
+from tests.mesh_fixtures import REDIS_URL, ServiceProcess, needs_redis, pd_workers, wait_until, worker_args  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -1055,7 +1055,6 @@ def test_responses_api_tools_and_conversation_items(router: Router, llm: LLM) ->
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -1589,3 +1588,95 @@ def test_chat_echo_starts_the_reply_with_the_assistants_last_message(router: Rou
     plain = router.client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=3,
                                                   extra_body={"echo": True})  # fmt: skip
     assert not (plain.choices[0].message.content or "").startswith("Count.")
+
+
+def test_responses_are_stored_retrieved_continued_and_deleted(router: Router) -> None:
+    """OpenAI's store (on by default): a response can be retrieved, continued with previous_response_id (the
+    stored conversation and the previous output come first, the previous instructions do not: the reply is
+    the chat of that conversation's), streamed or not, and deleted; store false keeps nothing; an unknown
+    id is a 404."""
+    client = router.client
+    greedy = {"temperature": 0.0, "max_output_tokens": 8, "extra_body": {"ignore_eos": True}}
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="My name is Ada.", **greedy)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, **greedy
+    )
+    history = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "What is my name?"}]  # fmt: skip
+    chat = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0.0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
+    events = list(client.responses.create(model=MODEL, input="And again?", previous_response_id=second.id,
+                                          stream=True, **greedy))  # fmt: skip
+    third = events[-1].response
+    assert (
+        events[-1].type == "response.incomplete"
+        and client.responses.retrieve(third.id).output_text == third.output_text
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+        messages=[*history, {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "And again?"}],
+    )  # fmt: skip
+    assert third.output_text == chat.choices[0].message.content
+    status, _, body = _http(f"http://{router.http}/v1/responses/{first.id}", "DELETE")
+    assert status == 200 and json.loads(body) == {"id": first.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id, max_output_tokens=2)
+    assert "not found" in missing.value.message
+    unstored = client.responses.create(model=MODEL, input="Forget me.", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@needs_redis
+def test_responses_stored_in_redis_are_shared_by_every_router(pd_workers) -> None:  # noqa: F811
+    """With --redis-url, a response one router stored is retrieved and continued through another (routers
+    scale out statelessly); the records expire with --responses-ttl-s."""
+    import redis
+
+    url = f"{REDIS_URL}/11"  # a database of this test's own, emptied of its keys at the end
+    prefill, decode = pd_workers
+    routers = [
+        ServiceProcess.start(
+            "router",
+            "--model",
+            MODEL,
+            "--http-port",
+            "0",
+            "--prefill-workers",
+            prefill.address,
+            "--decode-workers",
+            decode.address,
+            "--redis-url",
+            url,
+            "--responses-ttl-s",
+            "30",
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    client = redis.Redis.from_url(url)
+    try:
+        a, b = (Router(p, Path("unused")).client for p in routers)
+        first = a.responses.create(
+            model=MODEL, input="Stored in Redis.", max_output_tokens=4, temperature=0.0
+        )
+        assert b.responses.retrieve(first.id).output_text == first.output_text
+        assert 0 < client.pttl(f"pdmesh:response:{first.id}") <= 30_000
+        follow = b.responses.create(model=MODEL, input="Next.", previous_response_id=first.id, max_output_tokens=4,
+                                    temperature=0.0)  # fmt: skip
+        chat = b.chat.completions.create(model=MODEL, max_tokens=4, temperature=0.0, messages=[
+            {"role": "user", "content": "Stored in Redis."}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Next."}])  # fmt: skip
+        assert follow.output_text == chat.choices[0].message.content
+        assert a.responses.retrieve(follow.id).previous_response_id == first.id
+    finally:
+        for p in routers:
+            assert p.stop() == 0, p.log()
+        for key in client.scan_iter("pdmesh:*"):
+            client.delete(key)
+        client.close()
