@@ -116,6 +116,11 @@ class RouterConfig:
         '("auto" is then a 400).',
         choices=TOOL_CALL_PARSERS,
     )
+    enable_auto_tool_choice: bool = setting(
+        True,
+        'vLLM\'s --enable-auto-tool-choice, for command lines written for vLLM: off, tool_choice "auto" is a 400 '
+        "whatever --tool-call-parser says (on by default here: the parser alone decides).",
+    )
     reasoning_parser: str = setting(
         "none",
         "How chat replies' thinking is split from their content (docs/api.md): qwen3 or deepseek_r1 put "

@@ -113,7 +113,7 @@ class RouterService:
             config.served_model_name,
             config.max_model_len,
             config.default_max_tokens_cap,
-            config.tool_call_parser,
+            config.tool_call_parser if config.enable_auto_tool_choice else "none",
             config.reasoning_parser,
             config.chat_template,
         )

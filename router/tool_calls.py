@@ -113,7 +113,8 @@ def parse_tools(body: dict[str, Any], parser: str) -> ToolRequest | None:
     if choice is None or choice == "auto":
         if parser == "none":
             raise InvalidRequestError(
-                'tool_choice "auto" needs a tool-call parser; this router runs with --tool-call-parser none',
+                'tool_choice "auto" needs a tool-call parser; this router runs with --tool-call-parser none '
+                "(or --no-enable-auto-tool-choice)",
                 param="tool_choice",
             )
         return ToolRequest(tools, schemas, "auto", parallel=parallel, parser=parser)

@@ -722,3 +722,20 @@ def test_chat_template_values_are_files_or_templates(tmp_path) -> None:
     ):
         with pytest.raises(ValueError, match=message):
             RouterConfig(chat_template=bad)
+
+
+def test_no_enable_auto_tool_choice_refuses_auto_as_vllm_does() -> None:
+    """vLLM's --enable-auto-tool-choice, turned off: tool_choice "auto" is a 400 whatever the parser; a
+    named function still works up to the workers."""
+
+    async def run() -> None:
+        async with running_router(enable_auto_tool_choice=False) as svc, aiohttp.ClientSession() as session:
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "max_tokens": 2}
+            status, err = await _post(session, f"http://127.0.0.1:{svc.http_port}/v1/chat/completions", body)
+            assert status == 400 and "--no-enable-auto-tool-choice" in err["error"]["message"]
+            named = {**body, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+            status, _ = await _post(session, f"http://127.0.0.1:{svc.http_port}/v1/chat/completions", named)
+            assert status == 503  # past the checks: no worker answers here
+
+    asyncio.run(run())
