@@ -2,8 +2,8 @@
 bad words, logit bias, the minimum length, then penalties.
 
 ``allowed_token_ids`` sets every other token's logit to -inf. ``bad_words`` (their token ids) set to -inf
-the last token of each word whose other tokens end the output so far (a one-token word always). ``logit_bias`` adds each listed token's
-bias to its logit (OpenAI's). ``min_tokens`` sets the logits of the end-of-sequence tokens (unless
+the last token of each word whose other tokens end the output so far (a one-token word always).
+``logit_bias`` adds each listed token's bias to its logit (OpenAI's). ``min_tokens`` sets the logits of the end-of-sequence tokens (unless
 ``ignore_eos``) and of ``stop_token_ids`` to -inf while fewer tokens than that have been generated. Then,
 for each row with a penalty, over the vocabulary: the repetition penalty r divides the positive logits and
 multiplies the negative ones of every token seen in the prompt or the output so far (transformers'

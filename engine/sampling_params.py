@@ -108,10 +108,10 @@ class SamplingParams:
     @property
     def needs_host_step(self) -> bool:
         """Whether a step that samples this request must run synchronously: its logprobs are computed on
-        the host, and its penalties (and bad words of several tokens) need its whole output so far, which
-        a token still on the device
-        (asynchronous scheduling) would leave short. (A grammar's mask needs every token so far too, but a
-        lookahead step samples only after the tokens in flight are read: structured outputs run ahead.)"""
+        the host, and its penalties (and bad words of several tokens) need its whole output so far, which a
+        token still on the device (asynchronous scheduling) would leave short. (A grammar's mask needs every
+        token so far too, but a lookahead step samples only after the tokens in flight are read: structured
+        outputs run ahead.)"""
         return self.logprobs is not None or self.has_penalties or self.bad_words_need_history
 
     def validate(self, vocab_size: int | None = None) -> None:
