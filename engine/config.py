@@ -118,7 +118,21 @@ class EngineConfig:
         "5-16% shorter). Off: such engines step synchronously.",
     )
 
+    speculative_config: str | None = setting(
+        None,
+        'Speculative decoding (vLLM\'s --speculative-config, JSON): {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts up to K '
+        "tokens a step from the request's own context and keeps those its sampling confirms (the output is "
+        "unchanged; engine/speculative.py). Other methods are refused.",
+    )
+
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            from engine.speculative import parse_speculative_config
+
+            parse_speculative_config(self.speculative_config)  # a bad value stops the start
+            if self.expert_parallel_size > 1:
+                raise ValueError("speculative_config is not served with several expert-parallel ranks")
         if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "What is left", item 3
             self.async_scheduling = self.device == "cuda"
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -32,8 +32,9 @@ from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.speculative import parse_speculative_config, propose
 from engine.structured_outputs import GrammarCompiler, apply_grammar_masks
 from engine.tokenizer import IncrementalDetokenizer, find_stop
 from kernels import get_ops
@@ -96,6 +97,9 @@ class EngineStats:
     decode_graph_passes: int = 0
     prefill_graph_passes: int = 0
     eager_passes: int = 0
+    # Speculative decoding (engine.speculative): draft tokens computed, and those the sampling kept.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -175,6 +179,11 @@ class LLMEngine:
             log.info(
                 "asynchronous scheduling is off with several expert-parallel ranks "
                 "(expert_parallel_async_scheduling keeps it)"
+            )
+            config = dataclasses.replace(config, async_scheduling=False)
+        if config.speculative_config and config.async_scheduling:
+            log.info(
+                "asynchronous scheduling is off with speculative decoding (a draft needs the host's tokens)"
             )
             config = dataclasses.replace(config, async_scheduling=False)
         if config.dtype == "auto":
@@ -262,6 +271,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self.spec = parse_speculative_config(config.speculative_config)
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -489,19 +501,32 @@ class LLMEngine:
         return outputs
 
     def _step_sync(self, outputs: list[RequestOutput]) -> None:
+        drafts = self._propose_drafts() if self.spec is not None else {}
         batch = self.scheduler.schedule()
+        spec = self._settle_drafts(batch, drafts) if drafts else {}
         if not batch.seqs:
             return
         # Grammar masks depend only on tokens the host has: computed while the device runs the forward.
         grammar_masks = self._grammar_masks(batch.seqs) if self._constrained else None
-        sample_seqs, logits, prompt_logprobs = self.runner.execute(batch, bool(self._scoring))
+        sample_seqs, logits, prompt_logprobs, spec_logits = self.runner.execute(
+            batch, bool(self._scoring), {s: len(d) for s, d in spec.items()}
+        )
         for seq, found in prompt_logprobs:
             seq.prompt_logprobs += found
             if not seq.wants_prompt_logprobs:
                 self._scoring.discard(seq.request_id)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq in spec:  # only the last token is known to be the request's: the draft's KV waits
+                n -= len(spec[seq])
+                del seq.output_token_ids[-len(spec[seq]) :]
             seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
+        if spec:
+            self._verify_drafts(spec, spec_logits, outputs)
+            keep = [i for i, s in enumerate(sample_seqs) if s not in spec]
+            if len(keep) < len(sample_seqs):
+                index = torch.tensor(keep, dtype=torch.long, device=logits.device)
+                sample_seqs, logits = [sample_seqs[i] for i in keep], logits.index_select(0, index)
         if not sample_seqs:
             return
         positions = [len(s.output_token_ids) for s in sample_seqs]
@@ -521,6 +546,86 @@ class LLMEngine:
         for seq, tok, lp in zip(sample_seqs, token_list, logprobs, strict=True):
             self._count_prompt(seq)
             self._append_token(seq, tok, lp)
+            outputs.append(self._output(seq))
+
+    # ---- speculative decoding (engine.speculative) -----------------------------------------------
+    def _propose_drafts(self) -> dict[Sequence, list[int]]:
+        """Drafts for the decoding requests that sample plainly (no logprobs, penalties, grammar or KV to
+        hold), appended to their outputs for the scheduler to see (``_settle_drafts`` takes back what it
+        does not schedule). Only as many as the free blocks hold beyond every running request's next token,
+        so a draft never preempts a request nor evicts a cached block."""
+        spec = self.spec
+        assert spec is not None
+        pool, running = self.block_pool, self.scheduler.running
+        room = pool.num_uncached_free_blocks - len(running)
+        drafts: dict[Sequence, list[int]] = {}
+        for seq in running:
+            p = seq.params
+            if seq.num_uncomputed_tokens != 1 or seq.hold_kv or seq.grammar is not None or p.needs_host_step:
+                continue
+            limit = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            draft = propose(seq.all_token_ids, spec, limit)
+            if not draft:
+                continue
+            extra = pool.blocks_needed(seq, seq.num_tokens + len(draft)) - pool.blocks_needed(
+                seq, seq.num_tokens
+            )
+            if extra > room:
+                continue
+            room -= extra
+            seq.output_token_ids += draft
+            drafts[seq] = draft
+        return drafts
+
+    def _settle_drafts(
+        self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]]
+    ) -> dict[Sequence, list[int]]:
+        """The drafts the step computes: a request's whole draft when the scheduler gave it every token of
+        it, the part it gave otherwise; the rest comes off the outputs again (preempted or left out)."""
+        given = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))
+        spec: dict[Sequence, list[int]] = {}
+        for seq, draft in drafts.items():
+            kept = (
+                max(0, min(len(draft), given.get(seq, 0) - 1))
+                if seq in given and seq not in batch.preempted
+                else 0
+            )
+            if kept < len(draft):
+                del seq.output_token_ids[len(seq.output_token_ids) - (len(draft) - kept) :]
+                if seq in given:
+                    i = batch.seqs.index(seq)
+                    batch.num_new_tokens[i] = kept + 1
+            if kept:
+                spec[seq] = draft[:kept]
+        return spec
+
+    def _verify_drafts(
+        self,
+        spec: dict[Sequence, list[int]],
+        spec_logits: dict[Sequence, torch.Tensor],
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Sample every position of each draft as the request samples (its seed and output positions), keep
+        the samples while they equal the draft, then the first that does not (or the one after the draft)."""
+        for seq, draft in spec.items():
+            start = len(seq.output_token_ids)
+            positions = list(range(start, start + len(draft) + 1))
+            rows = spec_logits[seq]
+            tokens = self.sampler.sample(
+                rows, [seq.params] * len(positions), positions, eos_token_ids=self.eos_token_ids
+            ).tolist()
+            self._count_prompt(seq)
+            accepted = 0
+            for j, token in enumerate(tokens):
+                self._append_token(seq, token, None)
+                if seq.is_finished or j == len(draft) or token != draft[j]:
+                    break
+                accepted += 1
+            self.spec_draft_tokens += len(draft)
+            self.spec_accepted_tokens += accepted
+            if not seq.is_finished:  # the KV of the draft tokens kept is the request's now
+                seq.num_computed_tokens += accepted
+                self.block_pool.cache_full_blocks(seq)
             outputs.append(self._output(seq))
 
     def _grammar_masks(self, seqs: list[Sequence]) -> tuple[dict[Sequence, int], torch.Tensor] | None:
@@ -866,6 +971,8 @@ class LLMEngine:
             decode_graph_passes=self.runner.pass_kinds["decode_graph"],
             prefill_graph_passes=self.runner.pass_kinds["prefill_graph"],
             eager_passes=self.runner.pass_kinds["eager"],
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> int:

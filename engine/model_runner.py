@@ -78,6 +78,8 @@ class Executed(NamedTuple):
     sample_seqs: list[Sequence]
     logits: torch.Tensor
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]]
+    # Speculative decoding: each drafting sequence's logits at its last real token and every draft token.
+    spec_logits: dict[Sequence, torch.Tensor] = {}  # noqa: RUF012 (a NamedTuple default, never mutated)
 
 
 @dataclass
@@ -480,7 +482,9 @@ class ModelRunner:
         self.pass_kinds["prefill_graph"] += 1
         return pg.run(input_ids, positions, meta, size)
 
-    def execute(self, batch: ScheduledBatch, prompt_logprobs: bool = False) -> Executed:
+    def execute(
+        self, batch: ScheduledBatch, prompt_logprobs: bool = False, drafts: dict[Sequence, int] | None = None
+    ) -> Executed:
         """Run one step; returns the sequences that sample now, their logits [n, V] (fp32), and, when
         ``prompt_logprobs`` says some request of the batch may want them (the caller knows for free; the
         scan costs 40 us at batch 256), the prompt logprobs this step computed (``PromptLogprobRows``).
@@ -503,10 +507,17 @@ class ModelRunner:
             if prompt_rows
             else []
         )
+        spec_logits: dict[Sequence, torch.Tensor] = {}
+        if drafts:  # a drafting sequence's chunk is its last real token and its draft: logits for each
+            ends = np.cumsum(batch.num_new_tokens)
+            for i, seq in enumerate(batch.seqs):
+                k = drafts.get(seq, 0)
+                if k:
+                    spec_logits[seq] = self.model.compute_logits(hidden[int(ends[i]) - k - 1 : int(ends[i])])
         if not sample_seqs:
             empty = hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-            return Executed([], empty, scored)
-        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored)
+            return Executed([], empty, scored, spec_logits)
+        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored, spec_logits)
 
     def execute_lookahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are still on the device (asynchronous scheduling): token

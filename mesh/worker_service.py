@@ -371,18 +371,28 @@ class WorkerMetrics:
             "Time to have a request's structured-output constraint compiled (microseconds when cached).",
             buckets=(0.0001, 0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0),
         )
+        self.spec_draft_tokens = m.counter(
+            "spec_decode_draft_tokens", "tokens", "Draft tokens computed (speculative decoding)."
+        )
+        self.spec_accepted_tokens = m.counter(
+            "spec_decode_accepted_tokens", "tokens", "Draft tokens the sampling kept (speculative decoding)."
+        )
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         vllm = self.vllm
         self._totals = [
             (self.prompt_tokens, "prompt_tokens_total"),
             (self.cached_tokens.labels(tier="gpu"), "cached_prompt_tokens_total"),
             (self.generated_tokens, "generated_tokens_total"),
+            (self.spec_draft_tokens, "spec_draft_tokens"),
+            (self.spec_accepted_tokens, "spec_accepted_tokens"),
             *(
                 [
                     (vllm.prompt_tokens, "prompt_tokens_total"),
                     (vllm.prefix_queries, "prompt_tokens_total"),
                     (vllm.prefix_hits, "cached_prompt_tokens_total"),
                     (vllm.generation_tokens, "generated_tokens_total"),
+                    (vllm.spec_draft_tokens, "spec_draft_tokens"),
+                    (vllm.spec_accepted_tokens, "spec_accepted_tokens"),
                 ]
                 if vllm is not None
                 else []
