@@ -605,15 +605,21 @@ class LLMEngine:
         spec_logits: dict[Sequence, torch.Tensor],
         outputs: list[RequestOutput],
     ) -> None:
-        """Sample every position of each draft as the request samples (its seed and output positions), keep
-        the samples while they equal the draft, then the first that does not (or the one after the draft)."""
-        for seq, draft in spec.items():
+        """Sample every position of each draft as the request samples (its seed and output positions; one
+        sampler call for all of them), keep the samples while they equal the draft, then the first that
+        does not (or the one after the draft)."""
+        seqs = list(spec)
+        params, positions = [], []
+        for seq in seqs:
             start = len(seq.output_token_ids)
-            positions = list(range(start, start + len(draft) + 1))
-            rows = spec_logits[seq]
-            tokens = self.sampler.sample(
-                rows, [seq.params] * len(positions), positions, eos_token_ids=self.eos_token_ids
-            ).tolist()
+            params += [seq.params] * (len(spec[seq]) + 1)
+            positions += range(start, start + len(spec[seq]) + 1)
+        rows = torch.cat([spec_logits[seq] for seq in seqs]) if len(seqs) > 1 else spec_logits[seqs[0]]
+        sampled = self.sampler.sample(rows, params, positions, eos_token_ids=self.eos_token_ids).tolist()
+        first = 0
+        for seq in seqs:
+            draft = spec[seq]
+            tokens, first = sampled[first : first + len(draft) + 1], first + len(draft) + 1
             self._count_prompt(seq)
             accepted = 0
             for j, token in enumerate(tokens):

@@ -510,10 +510,14 @@ class ModelRunner:
         spec_logits: dict[Sequence, torch.Tensor] = {}
         if drafts:  # a drafting sequence's chunk is its last real token and its draft: logits for each
             ends = np.cumsum(batch.num_new_tokens)
-            for i, seq in enumerate(batch.seqs):
-                k = drafts.get(seq, 0)
-                if k:
-                    spec_logits[seq] = self.model.compute_logits(hidden[int(ends[i]) - k - 1 : int(ends[i])])
+            spans = [(seq, int(ends[i]) - drafts[seq] - 1, int(ends[i])) for i, seq in enumerate(batch.seqs)
+                     if drafts.get(seq, 0)]  # fmt: skip
+            index = torch.from_numpy(np.concatenate([np.arange(a, b) for _, a, b in spans])).to(hidden.device)
+            every = self.model.compute_logits(hidden[index])  # one projection for every draft row
+            first = 0
+            for seq, a, b in spans:
+                spec_logits[seq] = every[first : first + b - a]
+                first += b - a
         if not sample_seqs:
             empty = hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
             return Executed([], empty, scored, spec_logits)
