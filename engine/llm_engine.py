@@ -557,7 +557,9 @@ class LLMEngine:
         spec = self.spec
         assert spec is not None
         pool, running = self.block_pool, self.scheduler.running
-        room = pool.num_uncached_free_blocks - len(running)
+        # What the running requests need this step without drafts (a prompt's chunks, a decode's next
+        # token) stays theirs.
+        room = pool.num_uncached_free_blocks - sum(pool.blocks_needed(s, s.num_tokens + 1) for s in running)
         drafts: dict[Sequence, list[int]] = {}
         for seq in running:
             p = seq.params
