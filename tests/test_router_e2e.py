@@ -997,7 +997,7 @@ def test_responses_api_equals_chat_whole_and_streamed(
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert [item.type for item in whole.output] == ["message"] and whole.output[0].status == "incomplete"
     assert whole.usage.input_tokens == chat.usage.prompt_tokens and whole.usage.output_tokens == 20
-    assert whole.instructions == "Be brief." and whole.max_output_tokens == 20 and whole.store is False
+    assert whole.instructions == "Be brief." and whole.max_output_tokens == 20 and whole.store is True
     types, text, calls, last = _response_events(router.client.responses.create(**args, stream=True))
     assert text == whole.output_text and not calls and types[-1] == "response.incomplete"
     assert last.output[0].content[0].text == whole.output_text and last.usage.output_tokens == 20
