@@ -125,6 +125,16 @@ class HermesBlock:
     def close(self) -> str:
         return self._json.finish() if self._json is not None else ""
 
+    @property
+    def head_failed(self) -> bool:
+        """The block does not begin ``{"name": ..., "arguments": `` (it is read whole, if at all)."""
+        return self._head_failed
+
+    @property
+    def rest(self) -> str | None:
+        """The text after the arguments' value, once it has ended (JSON arguments only)."""
+        return self._json.rest if self._json is not None and self._json.done else None
+
     def whole_call(self) -> tuple[str, str] | None:
         """A block whose call never opened: the call its whole text makes, if any."""
         return hermes_call(self.raw.strip()) if self._head_failed else None

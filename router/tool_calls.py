@@ -229,6 +229,12 @@ class ToolCallStream:
     _calls_reply: bool | None = (
         None  # whole-reply parsers: whether the reply opens as calls (None: not known)
     )
+    # llama3_json's calls read as they stream: where the unread text of the buffer starts, whether a call
+    # has opened (the reply is then calls), and whether reading is over (the objects ended, or did not
+    # begin as calls: such a reply is read whole at its end).
+    _l3_pos: int = -1
+    _l3_streaming: bool = False
+    _l3_done: bool = False
 
     def add(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         choice = self.request.choice
@@ -372,6 +378,9 @@ class ToolCallStream:
                 return "", []  # not known yet
             self._calls_reply = head.startswith(("{" if self.request.parser == "llama3_json" else "[", tag))
         if self._calls_reply:
+            if self.request.parser == "llama3_json":
+                self._llama3_read()
+                return "", self._take_deltas()
             return "", []
         text, self._buffer = self._buffer, ""
         self.content += text
@@ -381,6 +390,10 @@ class ToolCallStream:
         if not self._calls_reply:
             self.content += rest
             return rest, []
+        if self._l3_streaming:  # its calls went out as they came: the last one ends here
+            if self._block is not None:
+                self._close_block(closed=False)
+            return "", self._take_deltas()
         if self.request.parser == "pythonic":
             found = _pythonic_calls(rest)
         else:
@@ -391,6 +404,49 @@ class ToolCallStream:
         for name, arguments in found[: None if self.request.parallel else 1]:
             self.calls.append(_call(len(self.calls), name, arguments))
         return "", list(self.calls)
+
+    def _llama3_read(self) -> None:
+        """Read llama3_json's objects (``{"name": ..., "parameters": {...}}``, separated by ``;``) as they
+        come, each a hermes-like block: a call opens at its name and its arguments stream. The whole reply
+        stays in the buffer: one whose first object is not such a call is read whole at its end (calls,
+        or content), as before; text after the calls of one that is is not read."""
+        text = self._buffer
+        if self._l3_pos < 0:  # after the leading space and Llama's <|python_tag|>
+            lead = len(text) - len(text.lstrip())
+            self._l3_pos = lead + (len(PYTHON_TAG) if text.startswith(PYTHON_TAG, lead) else 0)
+        while not self._l3_done:
+            if self._block is None:
+                i = self._l3_pos
+                while i < len(text) and text[i] in " \t\r\n;":
+                    i += 1
+                self._l3_pos = i
+                if i == len(text):
+                    return
+                if text[i] != "{":
+                    self._l3_done = True
+                    return
+                self._block = HermesBlock()
+            chunk, self._l3_pos = text[self._l3_pos :], len(text)
+            if chunk:
+                self._feed_block(chunk)
+            block = self._block
+            assert isinstance(block, HermesBlock)
+            if block.name is None:
+                if block.head_failed:  # not a call: the first such object makes the reply read whole
+                    self._block, self._l3_done = None, True
+                return
+            self._l3_streaming = True
+            rest = block.rest
+            if rest is None:
+                return  # the arguments go on
+            j = len(rest) - len(rest.lstrip())
+            if j == len(rest):
+                return  # the object's closing brace is still to come
+            self._close_block(closed=True)
+            if rest[j] != "}":
+                self._l3_done = True  # not the object's end: nothing more is read
+                return
+            self._l3_pos = len(text) - (len(rest) - j - 1)  # what followed the object is read again
 
     def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """The text is the named function's arguments: a first delta opens the call, the rest extend it."""

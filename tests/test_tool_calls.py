@@ -181,11 +181,17 @@ def test_llama3_json_replies_that_are_not_calls_are_content() -> None:
     assert stream.add("sunny {really}") == ("sunny {really}", []) and stream.finish() == ("", [])
     for text in (
         '{"city": "no name"}',
-        '{"name": "get_weather", "parameters": {"city": "Os',
+        '{"city": "x"}; {"name": "get_weather", "parameters": {}}',
         "<|python_tag|>nope",
     ):
         content, deltas, calls, _ = _run(auto, text, _random_pieces(text, 1))
         assert content == text and not deltas and not calls
+    # Cut short after its call opened (max_tokens): the call keeps what was written (OpenAI's rule).
+    cut = '{"name": "get_weather", "parameters": {"city": "Os'
+    for content, assembled, calls, _ in (_run(auto, cut), _run(auto, cut, _random_pieces(cut, 1))):
+        assert content == "" and [c["function"] for c in calls] == [
+            {"name": "get_weather", "arguments": '{"city": "Os'}
+        ] == [c["function"] for c in assembled]
 
 
 TYPED = {
@@ -431,3 +437,29 @@ def test_qwen3_coder_string_values_stream_as_they_are_written() -> None:
         content, assembled, calls, _ = _run(auto, cut, _random_pieces(cut, seed))
         assert [c["function"]["arguments"] for c in calls] == ['{"note": null, "city": "Os"}']
         assert assembled[0]["function"]["arguments"] == calls[0]["function"]["arguments"]
+
+
+def test_llama3_json_calls_stream_as_they_are_written() -> None:
+    """llama3_json: each object's call opens at its name and its arguments stream, before the reply ends;
+    a second object follows after its ';'; what follows the calls is not read; the whole reply is the
+    same machine's."""
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "llama3_json")
+    assert auto is not None
+    args = {"city": "Oslo " * 12, "days": 2}
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": '
+        + json.dumps(args)
+        + '}; {"name": "get_time", "parameters": {}} and then'
+    )
+    pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+    per_piece = _deltas_by_piece(auto, pieces)
+    opened = [i for i, d in enumerate(per_piece) if any("id" in x for x in d)]
+    assert len(opened) == 2 and opened[0] < len(pieces) // 3  # the first call opened early
+    assert sum(1 for d in per_piece[: opened[1]] if d) > 10  # its arguments came in many deltas
+    deltas = [d for ds in per_piece for d in ds]
+    whole = _run(auto, text)
+    expected = [("get_weather", json.dumps(args)), ("get_time", "{}")]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in _assembled(deltas)] == expected
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[2]] == expected and whole[
+        0
+    ] == ""
