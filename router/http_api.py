@@ -113,6 +113,7 @@ class HttpApi:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.get_response)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model_card)
         app.router.add_get("/version", self.version)
@@ -362,6 +363,34 @@ class HttpApi:
         except RouterError as exc:
             return error_response(exc)
         return web.json_response(record.response)
+
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """OpenAI's ``responses.input_items.list``: a stored response's input items, newest first unless
+        ``order=asc``, ``limit`` (1-100, default 20) a page, after the item ``after``."""
+        query = request.query
+        try:
+            record = await self._stored(request.match_info["response_id"])
+            order = query.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise InvalidRequestError("order must be asc or desc", param="order")
+            try:
+                limit = int(query.get("limit", "20"))
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= 100:
+                raise InvalidRequestError("limit must be an integer from 1 to 100", param="limit")
+        except RouterError as exc:
+            return error_response(exc)
+        items = record.input_items if order == "asc" else record.input_items[::-1]
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        return web.json_response({
+            "object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+        })  # fmt: skip
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """OpenAI's ``responses.delete``: the record goes (a follow-up can no longer continue it)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -24,6 +24,7 @@ class StoredResponse:
     response: dict[str, Any]  # the Response object
     messages: list[dict[str, Any]]  # the conversation before it, as chat messages (no instructions)
     stored_at: float = 0.0
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as items
 
 
 class ResponseStore(Protocol):

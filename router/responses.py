@@ -47,6 +47,7 @@ class ResponsesRequest:
     system: list[dict[str, Any]] = field(default_factory=list)  # its instructions, as a system message
     store: bool = True
     history: list[dict[str, Any]] = field(default_factory=list)  # the stored conversation before ``given``
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # the input as items, with ids
 
     def continue_from(self, previous: StoredResponse) -> None:
         """Put the stored conversation and the previous response's output before this input (the previous
@@ -57,7 +58,9 @@ class ResponsesRequest:
 
     def record(self, response: dict[str, Any]) -> StoredResponse:
         """What storing ``response`` keeps: it, and the conversation it answered (no instructions)."""
-        return StoredResponse(response=response, messages=self.history + self.given)
+        return StoredResponse(
+            response=response, messages=self.history + self.given, input_items=self.input_items
+        )
 
 
 def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
@@ -118,7 +121,23 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     }
     echo["metadata"] = echo["metadata"] or {}
     echo["truncation"] = echo["truncation"] or "disabled"
-    return ResponsesRequest(chat, echo, previous, given, system, store)
+    items = _input_items(body.get("input"))
+    return ResponsesRequest(chat, echo, previous, given, system, store, input_items=items)
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _input_items(value: Any) -> list[dict[str, Any]]:
+    """``input`` as the input items ``GET /v1/responses/{id}/input_items`` lists: a string is one user
+    message; every item gets an ``id`` if it has none. (Called after ``_input_messages`` checked it.)"""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        items.append({"type": kind, **item, "id": item.get("id") or _id(_ITEM_ID_PREFIX.get(kind, "item"))})
+    return items
 
 
 def _input_messages(value: Any) -> list[dict[str, Any]]:

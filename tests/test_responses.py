@@ -186,3 +186,22 @@ def test_a_continued_request_puts_the_stored_conversation_first() -> None:
     assert messages[0]["content"] == "Now terse." and messages[3]["tool_calls"][0]["id"] == "c1"
     stored = req.record({"id": "resp_2"})
     assert [m["role"] for m in stored.messages] == ["user", "assistant", "assistant", "tool"]
+
+
+def test_input_items_keep_the_input_with_ids() -> None:
+    """What GET /v1/responses/{id}/input_items lists: a string input as one user message, items as given
+    (their ids kept), each given an id where it has none."""
+    assert [(i["type"], i["role"], i["content"]) for i in parse_responses({"input": "hi"}).input_items] == [
+        ("message", "user", [{"type": "input_text", "text": "hi"}])
+    ]
+    items = parse_responses({"input": [
+        {"role": "user", "content": "a", "id": "msg_mine"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "1"},
+    ]}).input_items  # fmt: skip
+    assert (
+        items[0]["id"] == "msg_mine"
+        and items[1]["id"].startswith("fc_")
+        and items[2]["id"].startswith("fco_")
+    )
+    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output"]

@@ -1620,6 +1620,9 @@ def test_responses_are_stored_retrieved_continued_and_deleted(router: Router) ->
         messages=[*history, {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "And again?"}],
     )  # fmt: skip
     assert third.output_text == chat.choices[0].message.content
+    items = client.responses.input_items.list(second.id)  # newest first, as OpenAI lists them
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "What is my name?"
+    assert items.first_id == items.last_id == items.data[0].id and not items.has_more
     status, _, body = _http(f"http://{router.http}/v1/responses/{first.id}", "DELETE")
     assert status == 200 and json.loads(body) == {"id": first.id, "object": "response", "deleted": True}
     with pytest.raises(openai.NotFoundError):
