@@ -154,3 +154,25 @@ def test_a_mesh_whose_workers_draft_answers_as_plain_offline_decoding() -> None:
             assert ours > 0 and float(theirs[1]) == ours
         finally:
             assert router.stop() == 0, router.log()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_budgets_pools_and_drafts_keep_plain_decodings_tokens(seed: int) -> None:
+    """Drafts cut by a small token budget, pools small enough to preempt, 1-5 draft tokens, greedy or
+    seeded: the plain engine's tokens, and every block back."""
+    rng = random.Random(seed)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": rng.randint(1, 5),
+                       "prompt_lookup_max": rng.randint(1, 4), "prompt_lookup_min": 1})  # fmt: skip
+    motif = [rng.randrange(0, 256) for _ in range(rng.randint(3, 10))]
+    prompts = [motif * rng.randint(1, 4) + [rng.randrange(0, 256) for _ in range(rng.randint(1, 20))]
+               for _ in range(rng.randint(2, 6))]  # fmt: skip
+    params = SamplingParams(max_tokens=rng.randint(10, 40), temperature=rng.choice([0.0, 0.8]), seed=seed,
+                            ignore_eos=rng.random() < 0.7)  # fmt: skip
+    config = dict(
+        num_kv_blocks=rng.choice([12, 24]), max_num_batched_tokens=rng.choice([3, 5, 8]), max_num_seqs=8
+    )
+    model = rng.choice(["tiny-dense", "tiny-moe"])
+    expected = [o.token_ids for o in LLM(model, **config).generate(prompts, params)]
+    drafting = LLM(model, speculative_config=spec, **config)
+    assert [o.token_ids for o in drafting.generate(prompts, params)] == expected
+    assert drafting.engine.block_pool.num_free_blocks == config["num_kv_blocks"]
