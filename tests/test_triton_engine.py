@@ -111,3 +111,19 @@ def test_kv_scales_of_more_than_one_value_are_refused(tmp_path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match="per head or channel"):
         LLM(str(path), device="cpu", dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=16)
+
+
+def test_drafted_steps_on_the_triton_backend_give_the_reference_tokens() -> None:
+    """Speculative decoding's steps (a decoding row of its last token and its draft: extend attention over
+    the row's cached context, logits at every row position) on the Triton ops: the reference tokens.
+    Compiled on a GPU, with decode graphs for the steps without drafts."""
+    import json
+
+    spec = json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    )
+    expected = _generate("tiny-dense", "torch")
+    llm = LLM("tiny-dense", device=DEVICE, dtype="float32", kernel_backend="triton", num_kv_blocks=64,
+              max_num_batched_tokens=24, speculative_config=spec)  # fmt: skip
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == expected
+    assert llm.engine.stats().spec_draft_tokens > 0
