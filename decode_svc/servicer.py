@@ -175,7 +175,10 @@ class DecodeServicer(WorkerServicerBase):
                     )
                 )
                 self.metrics.finished(
-                    out.finish_reason or "finished", out.finish_reason, (now - started_ns) / 1e9
+                    out.finish_reason or "finished",
+                    out.finish_reason,
+                    (now - started_ns) / 1e9,
+                    (out.num_prompt_tokens, out.num_output_tokens),
                 )
             yield resp
 

@@ -391,6 +391,7 @@ class WorkerMetrics:
                     (vllm.prefix_queries, "prompt_tokens_total"),
                     (vllm.prefix_hits, "cached_prompt_tokens_total"),
                     (vllm.generation_tokens, "generated_tokens_total"),
+                    (vllm.preemptions, "num_preemptions"),
                     (vllm.spec_draft_tokens, "spec_draft_tokens"),
                     (vllm.spec_accepted_tokens, "spec_accepted_tokens"),
                 ]
@@ -433,14 +434,20 @@ class WorkerMetrics:
         if self.vllm is not None:
             self.vllm.queue_time.observe(seconds)
 
-    def finished(self, outcome: str, reason: str | None, e2e_s: float | None) -> None:
+    def finished(
+        self, outcome: str, reason: str | None, e2e_s: float | None, tokens: tuple[int, int] | None = None
+    ) -> None:
         """A request that ended: ``outcome`` is pdmesh's label, ``reason`` the engine's finish reason (a
-        prefill hand-off is vLLM's "length": a vLLM prefill instance runs max_tokens=1)."""
+        prefill hand-off is vLLM's "length": a vLLM prefill instance runs max_tokens=1), ``tokens`` its
+        prompt and generated token counts."""
         self.requests.labels(outcome=outcome).inc()
         if self.vllm is not None:
             self.vllm.finished(reason)
             if e2e_s is not None:
                 self.vllm.e2e.observe(e2e_s)
+            if tokens is not None:
+                self.vllm.request_prompt_tokens.observe(tokens[0])
+                self.vllm.request_generation_tokens.observe(tokens[1])
 
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""

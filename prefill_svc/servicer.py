@@ -75,7 +75,12 @@ class PrefillServicer(WorkerServicerBase):
             if out.finish_reason != PREFILL_DONE:
                 # Finished on its first token (EOS, stop, max_tokens=1, abort): nothing to hand over.
                 resp.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)
-                self.metrics.finished("finished", out.finish_reason, _since(out.arrival_time_ns))
+                self.metrics.finished(
+                    "finished",
+                    out.finish_reason,
+                    _since(out.arrival_time_ns),
+                    (len(request.prompt_token_ids), out.num_output_tokens),
+                )
                 return resp
             lease_s = self.settings.kv_lease_s
             # The lease exists before any await: if this call is cancelled now, expiry still frees the blocks.
@@ -94,7 +99,9 @@ class PrefillServicer(WorkerServicerBase):
                     lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
                 )
             )
-            self.metrics.finished("handed_off", "length", _since(out.arrival_time_ns))
+            self.metrics.finished(
+                "handed_off", "length", _since(out.arrival_time_ns), (len(request.prompt_token_ids), 1)
+            )
             span.set_attribute("pdmesh.kv_blocks", len(blocks))
             return resp
 

@@ -1262,6 +1262,9 @@ def test_workers_expose_vllms_metric_names_beside_their_own(router: Router, pd_w
         assert (
             _value(fam, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == ended
         )
+        for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+            assert _value(fam, name, f"{name}_count") == ended and _value(fam, name, f"{name}_sum") > 0
+        assert "vllm:num_preemptions" in fam
         (info,) = fam["vllm:cache_config_info"].samples
         assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == str(KV_BLOCKS)
     decode = _families(pd_workers[1])
