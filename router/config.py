@@ -6,6 +6,7 @@ Only settings live here; ``router.__main__`` turns them into a running service.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from mesh.config import check_choices, setting
 from router.chat_template import load_chat_template
@@ -36,6 +37,12 @@ class RouterConfig:
         None,
         "Chat template to render chat requests with instead of the model's (vLLM's --chat-template): a file "
         "path, or the Jinja template itself.",
+    )
+    generation_config: str = setting(
+        "auto",
+        "Default sampling for fields a request leaves out (vLLM's --generation-config): auto takes the "
+        "checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, as "
+        "the model's authors recommend), vllm takes none (OpenAI's defaults), or a directory holding one.",
     )
     host: str = setting("127.0.0.1", "Address the gRPC and HTTP servers bind to.")
     port: int = setting(50050, "Port of the public gRPC API (pdmesh.v1.Router); 0 picks a free one.")
@@ -174,6 +181,11 @@ class RouterConfig:
                 f"hotspot_margin_tokens must be >= 0, or -1 (off), got {self.hotspot_margin_tokens}"
             )
         self.routing_weights()  # checks the weights
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(
+                f"generation_config must be auto, vllm or a directory holding generation_config.json, got "
+                f"{self.generation_config!r}"
+            )
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a missing file or a syntax error stops the start
         if self.responses_ttl_s <= 0 or self.responses_max_stored < 1:

@@ -16,10 +16,12 @@ loop only while the work in it lets go of the GIL: Python code (the chat templat
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -88,8 +90,13 @@ class ServedModel:
         tool_call_parser: str = "hermes",
         reasoning_parser: str = "none",
         chat_template: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
         tokenizer, config, name = load_tokenizer(model)
+        # vLLM's --generation-config: the checkpoint's recommended sampling, for fields a request leaves out.
+        self.default_sampling = generation_defaults(model, generation_config)
+        if self.default_sampling:
+            log.info("default sampling from the model's generation config: %s", self.default_sampling)
         if chat_template is not None:  # vLLM's --chat-template: the model's own is replaced
             tokenizer.chat_template = load_chat_template(chat_template)
         self.tool_call_parser = tool_call_parser  # router.tool_calls: how "auto" tool calls are read
@@ -280,8 +287,12 @@ class ServedModel:
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(s, name)
+            if value is None:
+                value = self.default_sampling.get(name)
             if value is not None:
                 kwargs[name] = value
+        if "repetition_penalty" not in s.penalties and "repetition_penalty" in self.default_sampling:
+            kwargs["repetition_penalty"] = self.default_sampling["repetition_penalty"]
         params = SamplingParams(**kwargs)
         try:
             params.validate(self.vocab_size)
@@ -316,6 +327,31 @@ class ServedModel:
         if params.structured_outputs is not None:
             out.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
         return out
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model: str, source: str) -> dict[str, float]:
+    """vLLM's ``--generation-config``: ``auto`` reads the checkpoint's ``generation_config.json``, ``vllm``
+    (or a model without one) gives none, a directory reads its ``generation_config.json``. Only the
+    sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) are taken, and only where the
+    file turns sampling on (``do_sample`` not false), as transformers would sample."""
+    if source == "vllm":
+        return {}
+    path = (Path(model) if source == "auto" else Path(source)) / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"--generation-config {source!r}: {path} does not exist")
+        return {}
+    cfg = json.loads(path.read_text())
+    if cfg.get("do_sample") is False:
+        return {}
+    return {
+        k: cfg[k]
+        for k in GENERATION_FIELDS
+        if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)
+    }
 
 
 def think_tokens(tokenizer: Tokenizer) -> tuple[int, int] | None:

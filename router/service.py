@@ -116,6 +116,7 @@ class RouterService:
             config.tool_call_parser if config.enable_auto_tool_choice else "none",
             config.reasoning_parser,
             config.chat_template,
+            config.generation_config,
         )
         self.orchestrator = Orchestrator(
             self.pool,

@@ -739,3 +739,42 @@ def test_no_enable_auto_tool_choice_refuses_auto_as_vllm_does() -> None:
             assert status == 503  # past the checks: no worker answers here
 
     asyncio.run(run())
+
+
+def test_the_checkpoints_generation_config_sets_the_default_sampling(tmp_path) -> None:
+    """vLLM's --generation-config auto: the checkpoint's recommended sampling (Qwen3 ships temperature 0.6,
+    top_k 20, top_p 0.95) fills the fields a request leaves out; a request's own values win; vllm, or a
+    file with do_sample false, leaves OpenAI's defaults."""
+    import json as _json
+
+    from router.served_model import SamplingInput
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint("qwen3", tmp_path / "ckpt")
+    recommended = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+        "repetition_penalty": 1.1,
+    }
+    (path / "generation_config.json").write_text(_json.dumps({**recommended, "eos_token_id": 2}))
+    model = ServedModel(str(path), None, max_model_len=64)
+    p = model.sampling_params(SamplingInput(), 8)
+    assert (round(p.temperature, 6), p.top_k, round(p.top_p, 6), round(p.repetition_penalty, 6)) == (
+        0.6,
+        20,
+        0.95,
+        1.1,
+    )
+    own = model.sampling_params(
+        SamplingInput(temperature=0.0, top_k=-1, penalties={"repetition_penalty": 1.0}), 8
+    )
+    assert (own.temperature, own.top_k, own.HasField("repetition_penalty")) == (0.0, 0, False)
+    plain = ServedModel(str(path), None, max_model_len=64, generation_config="vllm").sampling_params(
+        SamplingInput(), 8
+    )
+    assert (plain.temperature, plain.top_k, plain.top_p) == (1.0, 0, 1.0)
+    (path / "generation_config.json").write_text(_json.dumps({**recommended, "do_sample": False}))
+    greedy_file = ServedModel(str(path), None, max_model_len=64).sampling_params(SamplingInput(), 8)
+    assert greedy_file.temperature == 1.0
