@@ -12,6 +12,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.tokenizer import render_chat
 
 
 @dataclass
@@ -105,6 +106,43 @@ class LLM:
             self.engine.step()
             raise
         return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[CompletionOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{role, content}`` messages) or several,
+        rendered with the model's chat template (or ``chat_template``), tokenized without special tokens as
+        the router does, then ``generate``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = self.tokenizer.chat_template
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        try:
+            prompts = [
+                self.tokenizer.encode(
+                    render_chat(
+                        self.tokenizer,
+                        list(conversation),  # type: ignore[arg-type]
+                        add_generation_prompt,
+                        continue_final_message,
+                        **({"tools": tools} if tools else {}),
+                        **(chat_template_kwargs or {}),
+                    ),
+                    add_special_tokens=False,
+                )
+                for conversation in conversations
+            ]
+        finally:
+            self.tokenizer.chat_template = template
+        return self.generate(prompts, sampling_params)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached prefix block no request holds (``LLMEngine.reset_prefix_cache``); returns how

@@ -592,3 +592,26 @@ def test_bad_words_tokenize_by_vllms_rule() -> None:
     assert params.bad_words_token_ids == [[5], [9], [1, 2], [7, 2], [3, 4]]
     params.tokenize_bad_words(lambda text: [0])  # done once: the same params keep their ids
     assert params.bad_words_token_ids[0] == [5]
+
+
+def test_offline_chat_renders_with_the_template_and_generates() -> None:
+    """vLLM's ``LLM.chat``: one conversation or several, rendered as the router renders them (the model's
+    template, or another; continue_final_message), the same tokens as ``generate`` on those ids."""
+    from engine.tokenizer import render_chat
+
+    llm = LLM("tiny-dense", num_kv_blocks=64)
+    tok = llm.tokenizer
+    chat = [{"role": "user", "content": "Hello there"}]
+    ids = tok.encode(render_chat(tok, chat), add_special_tokens=False)
+    expected = llm.generate([ids], GREEDY)[0].token_ids
+    assert llm.chat(chat, GREEDY)[0].token_ids == expected
+    both = llm.chat([chat, [*chat, {"role": "assistant", "content": "Hi"}]], GREEDY, add_generation_prompt=False,
+                    continue_final_message=True)  # fmt: skip
+    partial = [*chat, {"role": "assistant", "content": "Hi"}]
+    ids2 = tok.encode(render_chat(tok, partial, False, continue_final_message=True), add_special_tokens=False)
+    assert both[1].prompt_token_ids == ids2 and len(both) == 2
+    custom = llm.chat(chat, GREEDY, chat_template="{{ messages[0].content }}!")
+    assert custom[0].prompt_token_ids == tok.encode("Hello there!", add_special_tokens=False)
+    assert (
+        tok.chat_template == render_chat.__globals__["PLAIN_CHAT_TEMPLATE"] or tok.chat_template is not None
+    )
