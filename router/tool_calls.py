@@ -241,8 +241,9 @@ class ToolCallStream:
         if choice == "function":
             return self._named(delta)
         self._buffer += delta
-        if choice == "required":
-            return "", []
+        if choice == "required":  # the constrained array's objects, read as llama3_json's are
+            self._objects_read(", \t\r\n", "[")
+            return "", self._take_deltas()
         if self.request.parser in WHOLE_REPLY_PARSERS:
             return self._whole_reply_add()
         out_text = ""
@@ -354,6 +355,10 @@ class ToolCallStream:
         return deltas
 
     def _required(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._l3_streaming:  # its calls went out as they came: the last one ends here
+            if self._block is not None:
+                self._close_block(closed=False)
+            return "", self._take_deltas()
         try:
             items = json.loads(text)
         except ValueError:
@@ -379,7 +384,7 @@ class ToolCallStream:
             self._calls_reply = head.startswith(("{" if self.request.parser == "llama3_json" else "[", tag))
         if self._calls_reply:
             if self.request.parser == "llama3_json":
-                self._llama3_read()
+                self._objects_read(" \t\r\n;", PYTHON_TAG)
                 return "", self._take_deltas()
             return "", []
         text, self._buffer = self._buffer, ""
@@ -405,19 +410,23 @@ class ToolCallStream:
             self.calls.append(_call(len(self.calls), name, arguments))
         return "", list(self.calls)
 
-    def _llama3_read(self) -> None:
-        """Read llama3_json's objects (``{"name": ..., "parameters": {...}}``, separated by ``;``) as they
-        come, each a hermes-like block: a call opens at its name and its arguments stream. The whole reply
-        stays in the buffer: one whose first object is not such a call is read whole at its end (calls,
-        or content), as before; text after the calls of one that is is not read."""
+    def _objects_read(self, separators: str, opener: str) -> None:
+        """Read a reply of call objects (``{"name": ..., "parameters": {...}}``) as they come: llama3_json's
+        (after an optional ``<|python_tag|>``, separated by ``;``) and "required"'s JSON array (after its
+        ``[``, separated by ``,``). Each is a hermes-like block: a call opens at its name and its arguments
+        stream. The whole reply stays in the buffer: one whose first object is not such a call is read
+        whole at its end (calls, or content), as before; what follows the calls of one that is is not
+        read."""
         text = self._buffer
-        if self._l3_pos < 0:  # after the leading space and Llama's <|python_tag|>
+        if self._l3_pos < 0:  # after the leading space and the opener, once there is text to see it
             lead = len(text) - len(text.lstrip())
-            self._l3_pos = lead + (len(PYTHON_TAG) if text.startswith(PYTHON_TAG, lead) else 0)
+            if lead == len(text) or opener.startswith(text[lead:]) and len(text) - lead < len(opener):
+                return
+            self._l3_pos = lead + (len(opener) if text.startswith(opener, lead) else 0)
         while not self._l3_done:
             if self._block is None:
                 i = self._l3_pos
-                while i < len(text) and text[i] in " \t\r\n;":
+                while i < len(text) and text[i] in separators:
                     i += 1
                 self._l3_pos = i
                 if i == len(text):

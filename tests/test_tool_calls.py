@@ -463,3 +463,28 @@ def test_llama3_json_calls_stream_as_they_are_written() -> None:
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[2]] == expected and whole[
         0
     ] == ""
+
+
+def test_required_calls_stream_as_the_constrained_array_is_written() -> None:
+    """tool_choice "required": each object of the array opens its call at its name and streams its
+    arguments; cut short after a call opened, the call keeps what was written."""
+    required = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"}, "none")
+    assert required is not None
+    text = (
+        '[{"name":"get_weather","parameters":{"city":"'
+        + "Lima " * 10
+        + '","days":3}},{"name":"get_time","parameters":{}}]'
+    )
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    per_piece = _deltas_by_piece(required, pieces)
+    opened = [i for i, d in enumerate(per_piece) if any("id" in x for x in d)]
+    assert len(opened) == 2 and opened[0] <= 12 and sum(1 for d in per_piece[: opened[1]] if d) > 8  # at its head
+    expected = [("get_weather", json.dumps({"city": "Lima " * 10, "days": 3})), ("get_time", "{}")]
+    deltas = [d for ds in per_piece for d in ds]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in _assembled(deltas)] == expected
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in _run(required, text)[2]] == expected
+    cut = '[{"name":"get_weather","parameters":{"city":"Li'
+    content, assembled, calls, _ = _run(required, cut, _random_pieces(cut, 2))
+    assert content == "" and [c["function"]["arguments"] for c in calls] == ['{"city": "Li'] == [
+        c["function"]["arguments"] for c in assembled
+    ]
