@@ -229,12 +229,12 @@ class ToolCallStream:
     _calls_reply: bool | None = (
         None  # whole-reply parsers: whether the reply opens as calls (None: not known)
     )
-    # llama3_json's calls read as they stream: where the unread text of the buffer starts, whether a call
+    # llama3_json's and "required"'s call objects read as they stream (_objects_read): where the unread text of the buffer starts, whether a call
     # has opened (the reply is then calls), and whether reading is over (the objects ended, or did not
     # begin as calls: such a reply is read whole at its end).
-    _l3_pos: int = -1
-    _l3_streaming: bool = False
-    _l3_done: bool = False
+    _objects_pos: int = -1
+    _objects_streaming: bool = False
+    _objects_done: bool = False
 
     def add(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         choice = self.request.choice
@@ -355,7 +355,7 @@ class ToolCallStream:
         return deltas
 
     def _required(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if self._l3_streaming:  # its calls went out as they came: the last one ends here
+        if self._objects_streaming:  # its calls went out as they came: the last one ends here
             if self._block is not None:
                 self._close_block(closed=False)
             return "", self._take_deltas()
@@ -395,7 +395,7 @@ class ToolCallStream:
         if not self._calls_reply:
             self.content += rest
             return rest, []
-        if self._l3_streaming:  # its calls went out as they came: the last one ends here
+        if self._objects_streaming:  # its calls went out as they came: the last one ends here
             if self._block is not None:
                 self._close_block(closed=False)
             return "", self._take_deltas()
@@ -418,33 +418,33 @@ class ToolCallStream:
         whole at its end (calls, or content), as before; what follows the calls of one that is is not
         read."""
         text = self._buffer
-        if self._l3_pos < 0:  # after the leading space and the opener, once there is text to see it
+        if self._objects_pos < 0:  # after the leading space and the opener, once there is text to see it
             lead = len(text) - len(text.lstrip())
             if lead == len(text) or opener.startswith(text[lead:]) and len(text) - lead < len(opener):
                 return
-            self._l3_pos = lead + (len(opener) if text.startswith(opener, lead) else 0)
-        while not self._l3_done:
+            self._objects_pos = lead + (len(opener) if text.startswith(opener, lead) else 0)
+        while not self._objects_done:
             if self._block is None:
-                i = self._l3_pos
+                i = self._objects_pos
                 while i < len(text) and text[i] in separators:
                     i += 1
-                self._l3_pos = i
+                self._objects_pos = i
                 if i == len(text):
                     return
                 if text[i] != "{":
-                    self._l3_done = True
+                    self._objects_done = True
                     return
                 self._block = HermesBlock()
-            chunk, self._l3_pos = text[self._l3_pos :], len(text)
+            chunk, self._objects_pos = text[self._objects_pos :], len(text)
             if chunk:
                 self._feed_block(chunk)
             block = self._block
             assert isinstance(block, HermesBlock)
             if block.name is None:
                 if block.head_failed:  # not a call: the first such object makes the reply read whole
-                    self._block, self._l3_done = None, True
+                    self._block, self._objects_done = None, True
                 return
-            self._l3_streaming = True
+            self._objects_streaming = True
             rest = block.rest
             if rest is None:
                 return  # the arguments go on
@@ -453,9 +453,9 @@ class ToolCallStream:
                 return  # the object's closing brace is still to come
             self._close_block(closed=True)
             if rest[j] != "}":
-                self._l3_done = True  # not the object's end: nothing more is read
+                self._objects_done = True  # not the object's end: nothing more is read
                 return
-            self._l3_pos = len(text) - (len(rest) - j - 1)  # what followed the object is read again
+            self._objects_pos = len(text) - (len(rest) - j - 1)  # what followed the object is read again
 
     def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """The text is the named function's arguments: a first delta opens the call, the rest extend it."""
