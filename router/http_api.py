@@ -301,6 +301,12 @@ class HttpApi:
             writer = ReplyWriter(self.model, parsed, request_id, "completions" if kind == "completions" else
                              "chat_completions", choices)  # fmt: skip
             if responses is not None:
+                for name in (
+                    "temperature",
+                    "top_p",
+                ):  # what sampled, the checkpoint's default where not given
+                    if body.get(name) is None and name in self.model.default_sampling:
+                        responses.echo[name] = self.model.default_sampling[name]
                 out = ResponseStream(request_id, self.model.reply_name(parsed.model), responses.echo)
                 if self.response_store is None:
                     out.echo["store"] = False
