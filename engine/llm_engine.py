@@ -563,7 +563,14 @@ class LLMEngine:
         drafts: dict[Sequence, list[int]] = {}
         for seq in running:
             p = seq.params
-            if seq.num_uncomputed_tokens != 1 or seq.hold_kv or seq.grammar is not None or p.needs_host_step:
+            # (a penalty or a bad word of several tokens reads the output before each position: not drafted)
+            if (
+                seq.num_uncomputed_tokens != 1
+                or seq.hold_kv
+                or seq.grammar is not None
+                or p.has_penalties
+                or p.bad_words_need_history
+            ):
                 continue
             limit = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             draft = propose(seq.all_token_ids, spec, limit)
@@ -617,15 +624,20 @@ class LLMEngine:
             params += [seq.params] * (len(spec[seq]) + 1)
             positions += range(start, start + len(spec[seq]) + 1)
         rows = torch.cat([spec_logits[seq] for seq in seqs]) if len(seqs) > 1 else spec_logits[seqs[0]]
-        sampled = self.sampler.sample(rows, params, positions, eos_token_ids=self.eos_token_ids).tolist()
+        if any(p.logprobs is not None for p in params):  # each position's logprobs, as plain decoding's
+            sampled, row_logprobs = self.sampler(rows, params, positions, None, self.eos_token_ids)
+        else:
+            sampled = self.sampler.sample(rows, params, positions, eos_token_ids=self.eos_token_ids).tolist()
+            row_logprobs = [None] * len(sampled)
         first = 0
         for seq in seqs:
             draft = spec[seq]
-            tokens, first = sampled[first : first + len(draft) + 1], first + len(draft) + 1
+            end = first + len(draft) + 1
+            tokens, logprobs, first = sampled[first:end], row_logprobs[first:end], end
             self._count_prompt(seq)
             accepted = 0
-            for j, token in enumerate(tokens):
-                self._append_token(seq, token, None)
+            for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+                self._append_token(seq, token, lp)
                 if seq.is_finished or j == len(draft) or token != draft[j]:
                     break
                 accepted += 1

@@ -8,8 +8,10 @@ token and the draft in one pass and samples every position of it as the request 
 temperature, filters, seed and output position), then keeps the samples up to the first that differs
 from the draft. A draft token is kept only where the sample equals it, so the output is the one decoding
 token by token gives: for greedy and seeded requests the same tokens, for the others the same
-distribution (with a one-token draft, accepting on equality is the optimal rejection rule). Nothing here
-touches the engine.
+distribution (with a one-token draft, accepting on equality is the optimal rejection rule); logprobs are
+each position's, as plain decoding's. Requests with penalties or bad words of several tokens (each
+position would need the output before it) and constrained ones are not drafted. Nothing here touches the
+engine.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def _params() -> list[SamplingParams]:
     return [
         SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
-        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True),  # not drafted
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True),  # logprobs of each position
         SamplingParams(max_tokens=44, temperature=0.0, stop=["e", "Q"], stop_token_ids=[7]),
         # a minimum length and a bias read each drafted position's own output index
         SamplingParams(max_tokens=30, temperature=0.7, seed=3, min_tokens=20, logit_bias={5: 3.0}),
@@ -51,6 +51,9 @@ def test_drafted_requests_give_the_tokens_of_plain_decoding_in_fewer_steps(model
         for e, g in zip(expected, got, strict=True):
             assert (g.token_ids, g.text, g.finish_reason) == (e.token_ids, e.text, e.finish_reason)
             assert [lp.token_id for lp in g.logprobs or []] == [lp.token_id for lp in e.logprobs or []]
+            for a, b in zip(g.logprobs or [], e.logprobs or [], strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
     stats = fast.engine.stats()
     assert stats.spec_accepted_tokens > 20 and stats.spec_draft_tokens > stats.spec_accepted_tokens
     assert fast.engine.runner.forward_passes < plain.engine.runner.forward_passes
