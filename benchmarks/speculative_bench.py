@@ -3,6 +3,7 @@ and without ``--speculative-config``, side by side in one run on one device.
 
     python benchmarks/speculative_bench.py [--model tiny-dense] [--device cpu] [--batches 1,8]
         [--tokens 4] [--max-tokens 128]
+    python benchmarks/speculative_bench.py --shape moe --device cuda --dtype bfloat16 --kernel-backend triton
 
 The prompts repeat themselves (a block of text given twice, as in editing or summarising code, where
 prompt lookup helps) or do not (random tokens: drafts rarely match). Per batch size and prompt kind: the
@@ -65,11 +66,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
+    ap.add_argument(
+        "--shape",
+        choices=("moe", "dense"),
+        help="instead of --model: gpu_bench.py's random-weight Qwen3-30B-A3B or Llama-3.1-8B shape (GPU)",
+    )
+    ap.add_argument("--smoke", action="store_true", help="with --shape: gpu_bench's small smoke shapes (CPU)")
     args = ap.parse_args()
+    load_format = "auto"
+    if args.shape is not None:  # a config.json only, random weights built on the device
+        from benchmarks.gpu_bench import SHAPES, write_config
+
+        args.model, load_format = str(write_config(SHAPES[args.shape][1], smoke=args.smoke)), "dummy"
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.tokens, "prompt_lookup_max": 4,
                        "prompt_lookup_min": 2})  # fmt: skip
     common = dict(device=args.device, dtype=args.dtype, kernel_backend=args.kernel_backend,
-                  num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)  # fmt: skip
+                  num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, load_format=load_format)  # fmt: skip
     plain = LLM(args.model, **common)
     drafting = LLM(args.model, speculative_config=spec, **common)
     vocab = plain.engine.vocab_size
