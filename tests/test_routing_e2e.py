@@ -407,3 +407,39 @@ def test_prefix_routing_and_failover_without_redis() -> None:
         assert wait_until(lambda: settled(spare), timeout=15)
         assert wait_until(lambda: router.metric("pdmesh_router_in_flight_requests") == 0, timeout=10)
         assert router.proc.alive
+
+
+def test_stored_responses_while_redis_is_down(private_redis: PrivateRedis) -> None:
+    """Responses stored in Redis: while it is down a response is still served (its record is lost, logged
+    and counted), continuing a stored one is a 503 that says why, and once Redis is back both work."""
+    import openai
+
+    workers = start_workers(("prefill_svc", ()), ("decode_svc", ()))
+    router = start_router("--redis-url", private_redis.url, "--prefill-workers", workers[0].address,
+                          "--decode-workers", workers[1].address, "--index-timeout-s", "0.2")  # fmt: skip
+    with stopping(router, *workers):
+        client = openai.OpenAI(base_url=f"http://{router.http}/v1", api_key="x", max_retries=0)
+        first = client.responses.create(model=MODEL, input="Remember me.", max_output_tokens=3)
+        assert client.responses.retrieve(first.id).id == first.id
+        private_redis.stop()
+        unstored = client.responses.create(model=MODEL, input="Not kept.", max_output_tokens=3)
+        assert (
+            unstored.status == "incomplete"
+            and router.metric("pdmesh_router_response_store_errors_total") == 1
+        )
+        with pytest.raises(openai.APIStatusError) as down:
+            client.responses.create(
+                model=MODEL, input="Go on.", previous_response_id=first.id, max_output_tokens=3
+            )
+        assert down.value.status_code == 503 and "response store is unavailable" in down.value.message
+        private_redis.start()
+        assert wait_until(
+            lambda: _pings(redis.Redis(port=private_redis.port, socket_connect_timeout=0.2)), timeout=10
+        )
+        with pytest.raises(openai.NotFoundError):  # Redis keeps nothing on disk: the record went with it
+            client.responses.retrieve(first.id)
+        again = client.responses.create(model=MODEL, input="Kept again.", max_output_tokens=3)
+        follow = client.responses.create(
+            model=MODEL, input="And on.", previous_response_id=again.id, max_output_tokens=3
+        )
+        assert follow.previous_response_id == again.id
