@@ -489,3 +489,28 @@ def load_tokenizer(model: str) -> tuple[Tokenizer, ModelConfig, str]:
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
     return tokenizer, cfg, (model if path is None else path.name)
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model: str, source: str) -> dict[str, float]:
+    """vLLM's ``--generation-config``: ``auto`` reads the checkpoint's ``generation_config.json``, ``vllm``
+    (or a model without one) gives none, a directory reads its ``generation_config.json``. Only the
+    sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) are taken, and only where the
+    file turns sampling on (``do_sample`` not false), as transformers would sample."""
+    if source == "vllm":
+        return {}
+    path = (Path(model) if source == "auto" else Path(source)) / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"--generation-config {source!r}: {path} does not exist")
+        return {}
+    cfg = json.loads(path.read_text())
+    if cfg.get("do_sample") is False:
+        return {}
+    return {
+        k: cfg[k]
+        for k in GENERATION_FIELDS
+        if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)
+    }

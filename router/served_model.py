@@ -16,18 +16,16 @@ loop only while the work in it lets go of the GIL: Python code (the chat templat
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jinja2
 
 from engine.errors import InvalidRequestError as EngineInvalidRequest
-from engine.loader import load_tokenizer
+from engine.loader import generation_defaults, load_tokenizer
 from engine.models.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
@@ -327,31 +325,6 @@ class ServedModel:
         if params.structured_outputs is not None:
             out.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
         return out
-
-
-GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(model: str, source: str) -> dict[str, float]:
-    """vLLM's ``--generation-config``: ``auto`` reads the checkpoint's ``generation_config.json``, ``vllm``
-    (or a model without one) gives none, a directory reads its ``generation_config.json``. Only the
-    sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) are taken, and only where the
-    file turns sampling on (``do_sample`` not false), as transformers would sample."""
-    if source == "vllm":
-        return {}
-    path = (Path(model) if source == "auto" else Path(source)) / "generation_config.json"
-    if not path.is_file():
-        if source != "auto":
-            raise ValueError(f"--generation-config {source!r}: {path} does not exist")
-        return {}
-    cfg = json.loads(path.read_text())
-    if cfg.get("do_sample") is False:
-        return {}
-    return {
-        k: cfg[k]
-        for k in GENERATION_FIELDS
-        if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)
-    }
 
 
 def think_tokens(tokenizer: Tokenizer) -> tuple[int, int] | None:
