@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.data_parallel import Lockstep
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.loader import generation_defaults
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
@@ -53,23 +55,35 @@ class LLM:
             return self._lockstep.step()
         return self.engine.step()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the checkpoint's recommended sampling (its generation_config.json, where it samples),
+        else SamplingParams' own defaults; what ``generate`` and ``chat`` use when given none."""
+        return SamplingParams(**generation_defaults(self.engine.config.model, "auto"))
+
     def generate(
         self,
         prompts: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        priority: list[int] | None = None,
     ) -> list[CompletionOutput]:
+        """``priority`` (vLLM's): each prompt's, under the priority scheduling policy."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_prompts)
         )
         if len(params) != len(token_prompts):
             raise ValueError(f"{len(params)} sampling params for {len(token_prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(token_prompts):
+                raise ValueError(f"{len(priority)} priorities for {len(token_prompts)} prompts")
+            params = [dataclasses.replace(p, priority=v) for p, v in zip(params, priority, strict=True)]
         ids = [f"offline-{uuid.uuid4().hex}" for _ in token_prompts]
         added: list[str] = []
         try:

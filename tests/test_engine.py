@@ -614,3 +614,29 @@ def test_offline_chat_renders_with_the_template_and_generates() -> None:
     custom = llm.chat(chat, GREEDY, chat_template="{{ messages[0].content }}!")
     assert custom[0].prompt_token_ids == tok.encode("Hello there!", add_special_tokens=False)
     assert tok.chat_template == before  # the model's own template is back for the next call
+
+
+def test_offline_defaults_come_from_the_checkpoint_and_priorities_from_the_call(tmp_path) -> None:
+    """vLLM's offline API: with no sampling params, the checkpoint's generation_config.json (where it
+    samples) gives them; ``generate(priority=[...])`` sets each prompt's priority (refused by a
+    first-come-first-served engine, the same tokens under the priority policy)."""
+    import json as _json
+
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint("qwen3", tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(
+        _json.dumps({"do_sample": True, "temperature": 0.6, "top_k": 20})
+    )
+    llm = LLM(str(path), num_kv_blocks=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.6, 20, 1.0)
+    assert LLM("tiny-dense", num_kv_blocks=16).get_default_sampling_params() == SamplingParams()
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5]]
+    expected = [o.token_ids for o in LLM("tiny-dense", num_kv_blocks=64).generate(prompts, GREEDY)]
+    ranked = LLM("tiny-dense", num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    assert [o.token_ids for o in ranked.generate(prompts, GREEDY, priority=[2, 0, 1])] == expected
+    with pytest.raises(ValueError, match="3 prompts"):
+        ranked.generate(prompts, GREEDY, priority=[1])
+    with pytest.raises(InvalidRequestError, match="priority scheduling policy"):
+        LLM("tiny-dense", num_kv_blocks=16).generate(prompts, GREEDY, priority=[0, 1, 0])
