@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, tokenize, detokenize,
-health, metrics.
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, the Responses API (and its
+stored responses), models, tokenize, detokenize, health, metrics, and vLLM's and SageMaker's extra
+endpoints (``/version``, ``/reset_prefix_cache``, ``/ping``, ``/invocations``).
 
 Each generation handler parses (``router.openai_protocol``), checks (``router.served_model``), runs the
 request's choices through the orchestrator (``router.choices``) and renders their chunks as one JSON reply
