@@ -778,3 +778,40 @@ def test_the_checkpoints_generation_config_sets_the_default_sampling(tmp_path) -
     (path / "generation_config.json").write_text(_json.dumps({**recommended, "do_sample": False}))
     greedy_file = ServedModel(str(path), None, max_model_len=64).sampling_params(SamplingInput(), 8)
     assert greedy_file.temperature == 1.0
+
+
+def test_cors_with_credentials_names_the_origin() -> None:
+    """--allow-credentials with any origin: browsers refuse '*' with credentials, so the origin itself is
+    named, with Access-Control-Allow-Credentials, on preflights and replies; a method not allowed is a 400."""
+
+    async def run() -> None:
+        async with (
+            running_router(allow_credentials=True, allowed_methods=["GET", "POST"]) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            base = f"http://127.0.0.1:{svc.http_port}"
+            origin = {"Origin": "https://ui.example"}
+            async with session.options(
+                base + "/v1/models", headers={**origin, "Access-Control-Request-Method": "GET"}
+            ) as resp:
+                assert (
+                    resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "https://ui.example"
+                )
+                assert resp.headers["Access-Control-Allow-Credentials"] == "true"
+                assert resp.headers["Access-Control-Allow-Methods"] == "GET, POST"
+            async with session.options(
+                base + "/v1/models", headers={**origin, "Access-Control-Request-Method": "DELETE"}
+            ) as resp:
+                assert resp.status == 400
+            async with session.get(base + "/v1/models", headers=origin) as resp:
+                assert (
+                    resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "https://ui.example"
+                )
+                assert (
+                    resp.headers["Vary"] == "Origin"
+                    and resp.headers["Access-Control-Allow-Credentials"] == "true"
+                )
+            async with session.get(base + "/v1/models") as resp:  # no Origin: not a cross-origin request
+                assert "Access-Control-Allow-Origin" not in resp.headers
+
+    asyncio.run(run())
