@@ -174,6 +174,7 @@ class DecodeServicer(WorkerServicerBase):
                         cached_prompt_tokens=out.num_cached_tokens,
                     )
                 )
+                self.metrics.phases(out, now, prefilled_here=not first_emitted)
                 self.metrics.finished(
                     out.finish_reason or "finished",
                     out.finish_reason,

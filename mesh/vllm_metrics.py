@@ -67,6 +67,12 @@ class VllmMetrics:
                              ITL_BUCKETS)  # fmt: skip
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)  # fmt: skip
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)  # fmt: skip
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)  # fmt: skip
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)  # fmt: skip
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              LATENCY_BUCKETS)  # fmt: skip
         success = Counter("vllm:request_success", "Count of successfully processed requests.",

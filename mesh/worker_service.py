@@ -449,6 +449,18 @@ class WorkerMetrics:
                 self.vllm.request_prompt_tokens.observe(tokens[0])
                 self.vllm.request_generation_tokens.observe(tokens[1])
 
+    def phases(self, out: Any, end_ns: int, prefilled_here: bool) -> None:
+        """vLLM's per-request phase times from an ended request's engine output: prefill (first scheduled
+        to first token, where this worker computed the prompt), decode (first token to ``end_ns``) and
+        inference (first scheduled to ``end_ns``)."""
+        if self.vllm is None or not out.first_scheduled_ns:
+            return
+        if prefilled_here and out.first_token_ns:
+            self.vllm.prefill_time.observe(max(0, out.first_token_ns - out.first_scheduled_ns) / 1e9)
+        if out.first_token_ns and end_ns > out.first_token_ns:
+            self.vllm.decode_time.observe((end_ns - out.first_token_ns) / 1e9)
+        self.vllm.inference_time.observe(max(0, end_ns - out.first_scheduled_ns) / 1e9)
+
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
         self.waiting.set(stats.num_waiting)

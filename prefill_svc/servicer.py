@@ -63,6 +63,7 @@ class PrefillServicer(WorkerServicerBase):
                 await self.fail(context, span, exc)
             _record_phases(out, self.worker_id)
             self.metrics.first_token((out.first_token_ns - out.arrival_time_ns) / 1e9)
+            self.metrics.phases(out, out.first_token_ns, prefilled_here=True)  # a prefill ends at its token
             self.metrics.queued(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
             resp = worker_pb2.PrefillResponse(
                 request_id=rid,

@@ -1264,6 +1264,19 @@ def test_workers_expose_vllms_metric_names_beside_their_own(router: Router, pd_w
         )
         for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
             assert _value(fam, name, f"{name}_count") == ended and _value(fam, name, f"{name}_sum") > 0
+        # The phases: the prefill worker prefills every request it ends; the decode worker decodes those
+        # that go on past their first token (one that ends on it, imported, was never scheduled here).
+        inference = _value(
+            fam, "vllm:request_inference_time_seconds", "vllm:request_inference_time_seconds_count"
+        )
+        if role == "prefill":
+            prefill = _value(
+                fam, "vllm:request_prefill_time_seconds", "vllm:request_prefill_time_seconds_count"
+            )
+            assert prefill == inference == ended
+        else:
+            decode = _value(fam, "vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_count")
+            assert 0 < decode <= ended and 0 < inference <= ended
         assert "vllm:num_preemptions" in fam
         (info,) = fam["vllm:cache_config_info"].samples
         assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == str(KV_BLOCKS)
