@@ -14,6 +14,7 @@ from typing import Any
 import regex
 
 from router.json_stream import CanonicalJson
+from router.text_stream import marker_prefix_length
 
 
 def arguments_text(args: Any) -> str:
@@ -33,6 +34,12 @@ def hermes_call(block: str) -> tuple[str, str] | None:
     return obj["name"], arguments_text(args)
 
 
+def _is_string(kind: Any) -> bool:
+    """A schema type Qwen3-Coder's values keep as text: a string, or no type at all."""
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    return kind is None or bool(kinds & {"string", "str", "text"})
+
+
 def typed_value(text: str, kind: Any) -> Any:
     """A Qwen3-Coder parameter's text as its schema's type says (vLLM's rules): ``null`` is null; strings,
     and parameters the schema does not type, stay text; the rest is parsed (a number; a boolean; JSON, then
@@ -40,9 +47,9 @@ def typed_value(text: str, kind: Any) -> Any:
     value = text.strip()
     if value.lower() == "null":
         return None
-    kinds = set(kind) if isinstance(kind, list) else {kind}
-    if kind is None or kinds & {"string", "str", "text"}:
+    if _is_string(kind):
         return text
+    kinds = set(kind) if isinstance(kind, list) else {kind}
     if kinds & {"integer", "number"}:
         for number in (int, float):
             try:
@@ -80,7 +87,7 @@ class HermesBlock:
     ``whole_call``."""
 
     def __init__(self) -> None:
-        self.raw = ""  # the block's text so far
+        self.raw = ""  # the block's text until its call opens (after that it is not needed, nor kept)
         self.name: str | None = None
         self._head_failed = False
         self._json: CanonicalJson | None = None
@@ -88,8 +95,8 @@ class HermesBlock:
         self._string_read = False
 
     def feed(self, text: str) -> str:
-        self.raw += text
         if self.name is None:
+            self.raw += text
             if self._head_failed:
                 return ""
             head = _HERMES_HEAD.match(self.raw)
@@ -114,7 +121,10 @@ class HermesBlock:
         assert self._string is not None
         if self._string_read:
             return ""
+        opening = not self._string  # the text starts with the string's opening quote
         self._string += text
+        if '"' not in text[opening:]:
+            return ""  # no closing quote came: the string has not ended
         try:
             value, _ = json.JSONDecoder().raw_decode(self._string)
         except ValueError:
@@ -147,16 +157,7 @@ _VALUE_ENDS = ("</parameter>", _PARAMETER_HEAD, "</function>")  # where a value 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of ``text`` could begin one of ``markers``."""
-    return max(
-        (n for marker in markers for n in range(min(len(marker) - 1, len(text)), 0, -1)
-         if text.endswith(marker[:n])),
-        default=0,
-    )  # fmt: skip
-
-
-def _is_string(kind: Any) -> bool:
-    kinds = set(kind) if isinstance(kind, list) else {kind}
-    return kind is None or bool(kinds & {"string", "str", "text"})
+    return max(marker_prefix_length(text, marker) for marker in markers)
 
 
 class Qwen3CoderBlock:
@@ -166,7 +167,7 @@ class Qwen3CoderBlock:
     The canonical form keeps a parameter given twice twice."""
 
     def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
-        self.raw = ""
+        self.raw = ""  # the block's text until its call opens
         self.name: str | None = None
         self._schemas = schemas
         self._types: dict[str, Any] = {}
@@ -175,12 +176,16 @@ class Qwen3CoderBlock:
         self._state = "between"  # "between" parameters, in a parameter's "value", or "end" of the function
         self._count = 0  # parameters so far
         self._kind: Any = None  # the parameter's schema type
-        self._value = ""  # the parameter's text so far
-        self._sent = -1  # characters of the value streamed (after its first newline); -1: not opened
+        # A parameter's value: its text while it is not known to be a streamed string (a typed value, or one
+        # that could still be null); once streaming, only whether a newline is held back (it may be the
+        # value's last, which is not part of it).
+        self._value: list[str] = []
+        self._streaming = False
+        self._held_newline = False
 
     def feed(self, text: str) -> str:
-        self.raw += text
         if self.name is None:
+            self.raw += text
             if self._failed:
                 return ""
             head = _FUNCTION_HEAD.search(self.raw)
@@ -235,46 +240,46 @@ class Qwen3CoderBlock:
                 self._text = text[close + 1 :]
                 spec = self._types.get(name)
                 self._kind = spec.get("type") if isinstance(spec, dict) else None
-                self._value, self._sent, self._state = "", -1, "value"
+                self._value, self._streaming, self._held_newline, self._state = [], False, False, "value"
                 out += (", " if self._count else "") + json.dumps(name, ensure_ascii=False) + ": "
                 self._count += 1
                 continue
             ends = [i for i in (text.find(m) for m in _VALUE_ENDS) if i >= 0]
             if ends:
                 stop = min(ends)
-                self._value += text[:stop]
-                rest = text[stop:]
-                self._text = rest.removeprefix("</parameter>")
+                out += self._take(text[:stop])
+                self._text = text[stop:].removeprefix("</parameter>")
                 out += self._end_value()
                 continue
             held = 0 if end else _held(text, _VALUE_ENDS)
-            self._value += text[: len(text) - held]
             self._text = text[len(text) - held :]
-            return out + self._stream_value()
+            return out + self._take(text[: len(text) - held])
         return out
 
-    def _stream_value(self) -> str:
-        """A string value's text that is settled: not its first or last newline (neither is part of it),
-        and nothing while the value could still be ``null``."""
-        if not _is_string(self._kind) or not self._value:
+    def _take(self, text: str) -> str:
+        """More of the value's text: a string value's part that is settled streams (not its first or last
+        newline, neither part of it; nothing while it could still be ``null``); other values wait whole."""
+        if self._streaming:
+            return self._emit(text)
+        self._value.append(text)
+        if not _is_string(self._kind):
             return ""
-        body = self._value.removeprefix("\n")
-        if self._sent < 0:
-            if "null".startswith(body.strip().lower()):
-                return ""
-            self._sent = 0
-            opened = '"'
-        else:
-            opened = ""
-        ready = len(body) - (1 if body.endswith("\n") else 0)
-        part, self._sent = body[self._sent : ready], max(self._sent, ready)
-        return opened + json.dumps(part, ensure_ascii=False)[1:-1]
+        body = "".join(self._value).removeprefix("\n")
+        if "null".startswith(body.strip().lower()):
+            return ""
+        self._streaming, self._value = True, []
+        return '"' + self._emit(body)
+
+    def _emit(self, text: str) -> str:
+        text = ("\n" if self._held_newline else "") + text
+        self._held_newline = text.endswith("\n")
+        return json.dumps(text.removesuffix("\n") if self._held_newline else text, ensure_ascii=False)[1:-1]
 
     def _end_value(self) -> str:
         self._state = "between"
-        value = self._value.removeprefix("\n").removesuffix("\n")
-        if self._sent >= 0:
-            return json.dumps(value[self._sent :], ensure_ascii=False)[1:-1] + '"'
+        if self._streaming:  # a newline still held back was the value's last
+            return '"'
+        value = "".join(self._value).removeprefix("\n").removesuffix("\n")
         typed = typed_value(value, self._kind)
         try:
             return json.dumps(typed, ensure_ascii=False)

@@ -225,6 +225,7 @@ class ToolCallStream:
     _block_call: dict[str, Any] | None = None  # the call it opened
     _block_dropped: bool = False  # a call after the first with parallel_tool_calls false
     _deltas: dict[int, dict[str, Any]] = field(default_factory=dict)  # call deltas not yet returned
+    _parts: dict[int, list[str]] = field(default_factory=dict)  # open calls' arguments, in pieces
     _seen_call: bool = False  # after the first call, text outside calls is not content (vLLM's rule)
     _calls_reply: bool | None = (
         None  # whole-reply parsers: whether the reply opens as calls (None: not known)
@@ -309,9 +310,9 @@ class ToolCallStream:
             if self.calls and not self.request.parallel:
                 self._block_dropped = True  # parallel_tool_calls false: the first call only
             else:
-                self._open_call(block.name, "")
+                self._block_call = self._open_call(block.name, "")
         if self._block_call is not None:
-            self._extend_call(arguments)
+            self._extend_call(arguments, self._block_call)
 
     def _close_block(self, closed: bool) -> str:
         """The block's end: the rest of its call's arguments; a block that opened no call is a call if its
@@ -322,6 +323,7 @@ class ToolCallStream:
         arguments = block.close()
         if call is not None:
             self._extend_call(arguments, call)
+            self._seal(call)
             return ""
         if dropped:
             return ""
@@ -333,22 +335,27 @@ class ToolCallStream:
         self._open_call(*found)
         return ""
 
-    def _open_call(self, name: str, arguments: str) -> None:
+    def _open_call(self, name: str, arguments: str) -> dict[str, Any]:
         self._seen_call = True
         call = _call(len(self.calls), name, arguments)
         self.calls.append(call)
-        self._block_call = call
         self._deltas[call["index"]] = {**call, "function": dict(call["function"])}  # a copy: the call grows
+        return call
 
-    def _extend_call(self, arguments: str, call: dict[str, Any] | None = None) -> None:
-        call = call if call is not None else self._block_call
-        if not arguments or call is None:
+    def _extend_call(self, arguments: str, call: dict[str, Any]) -> None:
+        """More of ``call``'s arguments: into this add's delta, and into the call's parts (joined when it
+        closes: a long argument grown one piece at a time would be copied whole each time)."""
+        if not arguments:
             return
-        call["function"]["arguments"] += arguments
+        self._parts.setdefault(call["index"], []).append(arguments)
         delta = self._deltas.setdefault(
             call["index"], {"index": call["index"], "function": {"arguments": ""}}
         )
         delta["function"]["arguments"] += arguments
+
+    def _seal(self, call: dict[str, Any]) -> None:
+        """The call's arguments whole, once it closes."""
+        call["function"]["arguments"] += "".join(self._parts.pop(call["index"], ()))
 
     def _take_deltas(self) -> list[dict[str, Any]]:
         deltas, self._deltas = list(self._deltas.values()), {}
@@ -411,12 +418,17 @@ class ToolCallStream:
         return "", list(self.calls)
 
     def _objects_read(self, separators: str, opener: str) -> None:
+        self._objects_scan(separators, opener)
+        if self._objects_streaming and self._objects_pos > 0:  # calls opened: what was read is not needed
+            self._buffer, self._objects_pos = self._buffer[self._objects_pos :], 0
+
+    def _objects_scan(self, separators: str, opener: str) -> None:
         """Read a reply of call objects (``{"name": ..., "parameters": {...}}``) as they come: llama3_json's
         (after an optional ``<|python_tag|>``, separated by ``;``) and "required"'s JSON array (after its
         ``[``, separated by ``,``). Each is a hermes-like block: a call opens at its name and its arguments
-        stream. The whole reply stays in the buffer: one whose first object is not such a call is read
-        whole at its end (calls, or content), as before; what follows the calls of one that is is not
-        read."""
+        stream. The whole reply stays in the buffer until a call opens (``_objects_read`` then drops what
+        was read): one whose first object is not such a call is read whole at its end (calls, or content),
+        as before; what follows the calls of one that is is not read."""
         text = self._buffer
         if self._objects_pos < 0:  # after the leading space and the opener, once there is text to see it
             lead = len(text) - len(text.lstrip())

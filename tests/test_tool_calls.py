@@ -478,7 +478,9 @@ def test_required_calls_stream_as_the_constrained_array_is_written() -> None:
     pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
     per_piece = _deltas_by_piece(required, pieces)
     opened = [i for i, d in enumerate(per_piece) if any("id" in x for x in d)]
-    assert len(opened) == 2 and opened[0] <= 12 and sum(1 for d in per_piece[: opened[1]] if d) > 8  # at its head
+    assert (
+        len(opened) == 2 and opened[0] <= 12 and sum(1 for d in per_piece[: opened[1]] if d) > 8
+    )  # at its head
     expected = [("get_weather", json.dumps({"city": "Lima " * 10, "days": 3})), ("get_time", "{}")]
     deltas = [d for ds in per_piece for d in ds]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in _assembled(deltas)] == expected
@@ -488,3 +490,18 @@ def test_required_calls_stream_as_the_constrained_array_is_written() -> None:
     assert content == "" and [c["function"]["arguments"] for c in calls] == ['{"city": "Li'] == [
         c["function"]["arguments"] for c in assembled
     ]
+
+
+def test_a_call_read_whole_does_not_take_the_next_blocks_arguments() -> None:
+    """A block read whole at its end (its keys in another order) opens a call of its own; the next block,
+    read as it streams, opens another (it once extended the first)."""
+    auto = parse_tools({"tools": [WEATHER, TIME]}, "hermes")
+    assert auto is not None
+    text = (
+        '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    )
+    expected = [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "UTC"}')]
+    for _, assembled, calls, _ in (_run(auto, text), _run(auto, text, _random_pieces(text, 9))):
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in assembled] == expected
