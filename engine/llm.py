@@ -44,6 +44,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), dispatcher=dispatcher)
         self.tokenizer = self.engine.tokenizer
         self._lockstep = Lockstep.for_engine(self.engine)
+        self._generation_defaults = generation_defaults(model, "auto")  # read once
 
     def close(self) -> None:
         """``LLMEngine.close``: the engine's graphs, and its expert-parallel group if it joined one."""
@@ -58,7 +59,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the checkpoint's recommended sampling (its generation_config.json, where it samples),
         else SamplingParams' own defaults; what ``generate`` and ``chat`` use when given none."""
-        return SamplingParams(**generation_defaults(self.engine.config.model, "auto"))
+        return SamplingParams(**self._generation_defaults)
 
     def generate(
         self,
@@ -136,26 +137,21 @@ class LLM:
         rendered with the model's chat template (or ``chat_template``), tokenized without special tokens as
         the router does, then ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = self.tokenizer.chat_template
-        if chat_template is not None:
-            self.tokenizer.chat_template = chat_template
-        try:
-            prompts = [
-                self.tokenizer.encode(
-                    render_chat(
-                        self.tokenizer,
-                        list(conversation),  # type: ignore[arg-type]
-                        add_generation_prompt,
-                        continue_final_message,
-                        **({"tools": tools} if tools else {}),
-                        **(chat_template_kwargs or {}),
-                    ),
-                    add_special_tokens=False,
-                )
-                for conversation in conversations
-            ]
-        finally:
-            self.tokenizer.chat_template = template
+        prompts = [
+            self.tokenizer.encode(
+                render_chat(
+                    self.tokenizer,
+                    list(conversation),  # type: ignore[arg-type]
+                    add_generation_prompt,
+                    continue_final_message,
+                    chat_template,
+                    **({"tools": tools} if tools else {}),
+                    **(chat_template_kwargs or {}),
+                ),
+                add_special_tokens=False,
+            )
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     def reset_prefix_cache(self) -> int:

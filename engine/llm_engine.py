@@ -18,8 +18,10 @@ import dataclasses
 import datetime
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.block_pool import BlockPool
@@ -272,6 +274,7 @@ class LLMEngine:
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.spec = parse_speculative_config(config.speculative_config)
+        self._spec_prompts: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
 
@@ -550,10 +553,11 @@ class LLMEngine:
 
     # ---- speculative decoding (engine.speculative) -----------------------------------------------
     def _propose_drafts(self) -> dict[Sequence, list[int]]:
-        """Drafts for the decoding requests that sample plainly (no logprobs, penalties, grammar or KV to
-        hold), appended to their outputs for the scheduler to see (``_settle_drafts`` takes back what it
-        does not schedule). Only as many as the free blocks hold beyond every running request's next token,
-        so a draft never preempts a request nor evicts a cached block."""
+        """Drafts for the decoding requests whose positions can be sampled from the logits alone (no
+        penalties, bad words of several tokens, grammar, or KV to hold), appended to their outputs for the
+        scheduler to see (``_settle_drafts`` takes back what it does not schedule). Only as many as the free
+        blocks hold beyond what the running requests need without drafts, so a draft never preempts a
+        request nor evicts a cached block."""
         spec = self.spec
         assert spec is not None
         pool, running = self.block_pool, self.scheduler.running
@@ -573,7 +577,14 @@ class LLMEngine:
             ):
                 continue
             limit = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-            draft = propose(seq.all_token_ids, spec, limit)
+            if limit <= 0:
+                continue
+            prompt = self._spec_prompts.get(seq)
+            if prompt is None:  # the prompt as an array once, not its Python list every step
+                prompt = self._spec_prompts[seq] = np.asarray(seq.prompt_token_ids, dtype=np.int64)
+            draft = propose(
+                np.concatenate([prompt, np.asarray(seq.output_token_ids, dtype=np.int64)]), spec, limit
+            )
             if not draft:
                 continue
             extra = pool.blocks_needed(seq, seq.num_tokens + len(draft)) - pool.blocks_needed(
@@ -591,18 +602,14 @@ class LLMEngine:
     ) -> dict[Sequence, list[int]]:
         """The drafts the step computes: a request's whole draft when the scheduler gave it every token of
         it, the part it gave otherwise; the rest comes off the outputs again (preempted or left out)."""
-        given = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))
+        row = {seq: i for i, seq in enumerate(batch.seqs)}  # a preempted request is not in the batch
         spec: dict[Sequence, list[int]] = {}
         for seq, draft in drafts.items():
-            kept = (
-                max(0, min(len(draft), given.get(seq, 0) - 1))
-                if seq in given and seq not in batch.preempted
-                else 0
-            )
+            i = row.get(seq)
+            kept = 0 if i is None else min(len(draft), batch.num_new_tokens[i] - 1)
             if kept < len(draft):
                 del seq.output_token_ids[len(seq.output_token_ids) - (len(draft) - kept) :]
-                if seq in given:
-                    i = batch.seqs.index(seq)
+                if i is not None:
                     batch.num_new_tokens[i] = kept + 1
             if kept:
                 spec[seq] = draft[:kept]

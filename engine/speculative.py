@@ -17,6 +17,7 @@ engine.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +60,7 @@ def parse_speculative_config(text: str | None) -> NgramSpec | None:
     return NgramSpec(k, hi, lo)
 
 
-def propose(tokens: list[int], spec: NgramSpec, limit: int) -> list[int]:
+def propose(tokens: Sequence[int] | np.ndarray, spec: NgramSpec, limit: int) -> list[int]:
     """Up to ``limit`` (at most ``spec.num_tokens``) tokens that followed the latest earlier occurrence of
     the longest suffix of ``tokens`` (``lookup_max`` down to ``lookup_min`` long) found; none if none is."""
     limit = min(limit, spec.num_tokens)

@@ -138,12 +138,14 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    chat_template: str | None = None,
     **template_kwargs: Any,
 ) -> str:
     """Render messages with the tokenizer's chat template (a plain one when the checkpoint has none).
     ``template_kwargs``: more template variables (``tools``, vLLM's ``chat_template_kwargs`` such as
     Qwen3's ``enable_thinking``). ``continue_final_message`` ends the text with the last message's text,
-    left open for the model to go on with (transformers' rule: the template's text after it is cut)."""
+    left open for the model to go on with (transformers' rule: the template's text after it is cut).
+    ``chat_template``: a template to use instead of the tokenizer's."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     final = ""
@@ -152,7 +154,7 @@ def render_chat(
         if not isinstance(final, str):
             raise ValueError("continue_final_message needs a last message with text to continue")
         messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
-    template = _compiled_chat_template(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
+    template = _compiled_chat_template(chat_template or tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
     extra = getattr(tokenizer, "special_tokens", {}) or {}
     text = template.render(
         **{k: v for k, v in extra.items() if v is not None},

@@ -45,7 +45,6 @@ class ResponsesRequest:
     previous_id: str | None = None  # previous_response_id: the conversation it ended goes first
     given: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as chat messages
     system: list[dict[str, Any]] = field(default_factory=list)  # its instructions, as a system message
-    store: bool = True
     history: list[dict[str, Any]] = field(default_factory=list)  # the stored conversation before ``given``
     input_items: list[dict[str, Any]] = field(default_factory=list)  # the input as items, with ids
 
@@ -122,7 +121,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     echo["metadata"] = echo["metadata"] or {}
     echo["truncation"] = echo["truncation"] or "disabled"
     items = _input_items(body.get("input"))
-    return ResponsesRequest(chat, echo, previous, given, system, store, input_items=items)
+    return ResponsesRequest(chat, echo, previous, given, system, input_items=items)
 
 
 _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}

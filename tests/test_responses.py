@@ -64,7 +64,6 @@ def test_a_request_becomes_the_chat_request_it_means() -> None:
     assert "store" not in chat and "include" not in chat
     assert (
         req.echo["store"] is True  # kept for previous_response_id (the router answers false without a store)
-        and req.store
         and req.echo["metadata"] == {"k": "v"}
         and req.echo["max_output_tokens"] == 9
     )

@@ -33,7 +33,9 @@ def _params() -> list[SamplingParams]:
     return [
         SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
-        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True),  # logprobs of each position
+        SamplingParams(
+            max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True
+        ),  # logprobs of each position
         SamplingParams(max_tokens=44, temperature=0.0, stop=["e", "Q"], stop_token_ids=[7]),
         # a minimum length and a bias read each drafted position's own output index
         SamplingParams(max_tokens=30, temperature=0.7, seed=3, min_tokens=20, logit_bias={5: 3.0}),
