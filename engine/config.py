@@ -42,10 +42,24 @@ class EngineConfig:
         2048, "Token budget of one engine step (chunked prefill cuts prompts to fit)."
     )
     num_kv_blocks: int | None = setting(
-        None, "KV pool size in blocks; default: derived from kv_cache_memory_gb."
+        None,
+        "KV pool size in blocks; default: from kv_cache_memory_gb, else gpu_memory_utilization on a GPU, "
+        "else 0.5 GiB of blocks on the CPU.",
     )
-    kv_cache_memory_gb: float = setting(
-        0.5, "Memory for the KV pool when num_kv_blocks is not given, in GiB."
+    kv_cache_memory_gb: float | None = setting(
+        None,
+        "Memory for the KV pool, in GiB (vLLM's --kv-cache-memory-bytes, in GiB), when num_kv_blocks is not "
+        "given; it takes precedence over gpu_memory_utilization. Default: on a GPU sized by "
+        "gpu_memory_utilization, on the CPU 0.5 GiB.",
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "On a GPU, when neither num_kv_blocks nor kv_cache_memory_gb is given: the fraction of the GPU's "
+        "memory this engine may use (vLLM's --gpu-memory-utilization). The weights, the peak of a profiling "
+        "pass at the full step budget (max_num_batched_tokens tokens, max_num_seqs rows sampled) and memory "
+        "outside torch are measured at start-up, and the KV pool takes the rest; CUDA graphs come out of the "
+        "remaining fraction. That fraction must be free at start-up (other processes' memory is not "
+        "counted), so engines sharing a GPU each take their part.",
     )
     enable_prefix_caching: bool = setting(True, "Reuse cached KV blocks of identical prompt prefixes.")
     kernel_backend: str = setting(
@@ -137,6 +151,12 @@ class EngineConfig:
             self.async_scheduling = self.device == "cuda"
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -30,6 +30,14 @@ from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
 from engine.loader import load_model, resolve_dtype
+from engine.memory_profile import (
+    GIB,
+    DeviceMemory,
+    MemoryProfile,
+    check_free,
+    kv_blocks_within,
+    profile_memory,
+)
 from engine.model_runner import ModelRunner
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampler import Sampler
@@ -52,6 +60,7 @@ PREFILL_DONE = "prefill_done"  # finish reason of a hold_kv request whose decode
 # kernels' launch choices (MoE tiles by pairs per expert, routing tiles, the single- and multi-program
 # MoE alignments: 16 tokens take the single program at top-8, 128 and up the multi-program one).
 WARM_UP_TOKENS = (16, 128, 256, 512, 1024)
+CPU_KV_CACHE_GB = 0.5  # the KV pool on the CPU when no size is given
 
 
 @dataclass
@@ -197,6 +206,14 @@ class LLMEngine:
             log.warning("float16 on the CPU is slow; float32 or bfloat16 is recommended")
         self.device = torch.device(config.device)
         self.ops = get_ops(config.kernel_backend)
+        # Sizing the KV pool by gpu_memory_utilization measures the load and a profiling pass against
+        # this reading (engine.memory_profile).
+        by_utilization = (
+            self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None
+        )
+        start_memory = DeviceMemory.read(self.device) if by_utilization else None
+        if start_memory is not None:
+            check_free(start_memory, config.gpu_memory_utilization)
         loaded = load_model(
             config.model,
             config.dtype,
@@ -218,8 +235,17 @@ class LLMEngine:
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.cfg.vocab_size, self.eos_token_ids)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, config.dtype)
         self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
-        num_blocks = config.num_kv_blocks or num_blocks_for(self.layout, config.kv_cache_memory_gb)
+        self.sampler = Sampler(config.seed, config.kernel_backend)
+        self.memory_profile: MemoryProfile | None = None
+        self.graph_memory_bytes: int | None = None  # measured when the pool is sized by utilization
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif start_memory is None:
+            num_blocks = num_blocks_for(self.layout, config.kv_cache_memory_gb or CPU_KV_CACHE_GB)
+        else:
+            num_blocks = self._profile_kv_blocks(start_memory)
         self.kv_pool = allocate_pool(self.layout, num_blocks, self.device)
+        before_graphs = DeviceMemory.read(self.device) if start_memory is not None else None
         self.kv_scaled_layers = _kv_scales_in_use(self.model, self.kv_pool.dtype)
         self.root_hash = root_hash(self.model_fingerprint)
         self.block_pool = BlockPool(
@@ -239,7 +265,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             decode_megakernel=config.decode_megakernel,
         )
-        self.sampler = Sampler(config.seed, config.kernel_backend)
+        if start_memory is not None and before_graphs is not None:
+            self._log_memory(num_blocks, start_memory, before_graphs)
         if self.runner.compiles_kernels:  # compile the prefill and sampling variants now, graphs or not
             cap = min(config.max_num_batched_tokens, self.max_model_len - 1)
             sizes = sorted({min(n, cap) for n in (*WARM_UP_TOKENS, cap)} - {0})
@@ -277,6 +304,42 @@ class LLMEngine:
         self._spec_prompts: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+
+    def _profile_kv_blocks(self, start: DeviceMemory) -> int:
+        """The pool's blocks within ``gpu_memory_utilization`` of the GPU, from a profiling pass."""
+        config = self.config
+        spec = parse_speculative_config(config.speculative_config)
+        rows = config.max_num_seqs * (1 + (spec.num_tokens if spec else 0))
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        self.memory_profile = profile_memory(
+            start, config.gpu_memory_utilization, self.model, self.layout, self.sampler, tokens,
+            min(rows, tokens),
+        )  # fmt: skip
+        return kv_blocks_within(
+            self.memory_profile, self.layout, self.max_model_len, config.gpu_memory_utilization
+        )
+
+    def _log_memory(self, num_blocks: int, start: DeviceMemory, before_graphs: DeviceMemory) -> None:
+        """After the graphs' capture: the profile, what the graphs took, and a warning when the engine's
+        memory has passed its budget (the graphs come out of the fraction left over)."""
+        profile = self.memory_profile
+        assert profile is not None
+        now = DeviceMemory.read(self.device)
+        self.graph_memory_bytes = before_graphs.free - now.free
+        used = start.free - now.free
+        log.info(
+            "KV pool sized by gpu_memory_utilization=%s: %d blocks (%d tokens); %s; CUDA graphs then took "
+            "%.2f GiB; the engine uses %.2f GiB",
+            self.config.gpu_memory_utilization, num_blocks, num_blocks * self.config.block_size,
+            profile.describe(), self.graph_memory_bytes / GIB, used / GIB,
+        )  # fmt: skip
+        if used > profile.budget:
+            log.warning(
+                "the engine uses %.2f GiB, more than gpu_memory_utilization=%s allows (%.2f GiB): CUDA "
+                "graphs took %.2f GiB of the fraction left over",
+                used / GIB, self.config.gpu_memory_utilization, profile.budget / GIB,
+                self.graph_memory_bytes / GIB,
+            )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
     @property

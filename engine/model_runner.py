@@ -348,19 +348,7 @@ class ModelRunner:
         return time.perf_counter() - started
 
     def _scratch_forward(self, n: int) -> torch.Tensor:
-        """A forward pass of ``n`` tokens (ids 0, positions 0..n-1, one sequence) that writes nothing to
-        the KV pool (every slot -1); its attention reads block 0, whatever it holds. Returns the hidden
-        states. The caller restores the expert counters."""
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
-            block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        positions = torch.arange(n, dtype=torch.int64, device=dev)
-        return self.model(ids, positions, self.kv_pool, meta)
+        return scratch_forward(self.model, self.kv_pool, self.block_size, n)
 
     def idle_pass(self, group_pass: GroupPass = EAGER) -> None:
         """A forward pass of padding only, for an expert-parallel rank with nothing to run while the others
@@ -587,6 +575,30 @@ class ModelRunner:
         logits = self.graphs.run(token_ids, positions, slots, seq_lens, self._tables.table, rows, width, size)
         self.late_point = self.graphs.late_point
         return logits
+
+
+def profile_sampling(sampler: Sampler, logits: torch.Tensor) -> None:
+    """Sample every row of ``logits`` through each of the sampler's paths (``_WARM_UP_SAMPLES``, its
+    parameters repeated over the rows): what a step of that many rows can hold while it samples."""
+    rows = logits.shape[0]
+    for params in _WARM_UP_SAMPLES:
+        sampler.sample(logits, [params[i % len(params)] for i in range(rows)], [0] * rows)
+
+
+def scratch_forward(model: DecoderModel, kv_pool: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """A forward pass of ``n`` tokens (ids 0, positions 0..n-1, one sequence) that writes nothing to
+    the KV pool (every slot -1); its attention reads block 0, whatever it holds (a pool of one block
+    does). Returns the hidden states. The caller restores the expert counters."""
+    dev = kv_pool.device
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),  # -1: write nothing
+        block_tables=torch.zeros((1, -(-n // block_size)), dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+    )
+    ids = torch.zeros(n, dtype=torch.int64, device=dev)
+    positions = torch.arange(n, dtype=torch.int64, device=dev)
+    return model(ids, positions, kv_pool, meta)
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:

@@ -63,6 +63,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+CPU_NUM_KV_BLOCKS = 2048  # a CPU worker's pool when none is given
+
+
 def worker_gpus(spec: str | None, env: dict[str, str]) -> list[str]:
     """The GPUs ``pdmesh up`` hands its workers, one each in turn: ``spec`` (comma-separated ids) when
     given, else the ids in ``CUDA_VISIBLE_DEVICES``, else every GPU ``nvidia-smi -L`` lists; none when no
@@ -87,6 +90,7 @@ class Child:
     proc: subprocess.Popen | None = None
     lines: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
+    wave: int = 0  # start-up wave: a worker starts once every worker of the waves before is ready
 
     def start(self, env: dict[str, str], echo: bool) -> None:
         self.proc = subprocess.Popen(
@@ -170,6 +174,8 @@ class Mesh:
         ]
         if a.num_kv_blocks:
             argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
+        elif a.device == "cpu":
+            argv += ["--num-kv-blocks", str(CPU_NUM_KV_BLOCKS)]
         if a.redis_url:
             argv += ["--redis-url", a.redis_url]
         if a.max_model_len:
@@ -204,8 +210,15 @@ class Mesh:
                 if ranks:
                     argv += ["--expert-parallel-size", str(count), "--expert-parallel-rank", str(i),
                              "--distributed-init-method", meet]  # fmt: skip
-                child_env = {"CUDA_VISIBLE_DEVICES": gpus[len(self.children) % len(gpus)]} if gpus else {}
-                self.children.append(Child(f"{role}-{i}", argv, child_env))
+                child_env = {}
+                wave = 0
+                if gpus:
+                    slot = len(self.children)
+                    child_env = {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]}
+                    # Expert-parallel ranks meet as they start, so they start together.
+                    wave = 0 if ranks else slot // len(gpus)
+                    argv += self._memory_share(slot, len(gpus), workers)
+                self.children.append(Child(f"{role}-{i}", argv, child_env, wave=wave))
         router_argv = [
             sys.executable,
             "-m",
@@ -233,15 +246,29 @@ class Mesh:
         router_argv += a.router_arg
         self.router_argv = router_argv
 
+    def _memory_share(self, slot: int, num_gpus: int, workers: int) -> list[str]:
+        """The ``--gpu-memory-utilization`` of the worker in ``slot``: its GPU's fraction over the workers
+        that share the GPU; none where the pool's size is given (here or in --worker-arg)."""
+        a = self.args
+        sizing = ("--num-kv-blocks", "--kv-cache-memory-gb", "--gpu-memory-utilization")
+        if a.num_kv_blocks or any(arg.split("=")[0] in sizing for arg in a.worker_arg):
+            return []
+        sharers = len(range(slot % num_gpus, workers, num_gpus))
+        return ["--gpu-memory-utilization", f"{a.gpu_memory_utilization / sharers:.4f}"]
+
     def start(self, echo: bool = True, timeout: float = 120.0) -> None:
         env = dict(os.environ)
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self.plan(env)
-        for child in self.children:
-            child.start(env, echo)
-        self._wait_ready(self.children, timeout)
+        # Workers sharing a GPU start in waves, each after the one before it is ready: a worker's memory
+        # profile reads the device's free memory, which a neighbour loading meanwhile would disturb.
+        for wave in sorted({child.wave for child in self.children}):
+            starting = [child for child in self.children if child.wave == wave]
+            for child in starting:
+                child.start(env, echo)
+            self._wait_ready(starting, timeout)
         router = Child("router", self.router_argv)
         self.children.append(router)
         router.start(env, echo)
@@ -318,7 +345,18 @@ class LauncherSettings:
         choices=tuple(KV_CACHE_DTYPES),
     )
     block_size: int = setting(16, "Tokens per KV block.")
-    num_kv_blocks: int = setting(2048, "KV pool size per worker, in blocks.")
+    num_kv_blocks: int | None = setting(
+        None,
+        "KV pool size per worker, in blocks; default: 2048 on the CPU, and on GPUs each worker's pool takes "
+        "its share of gpu_memory_utilization.",
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "With device cuda and no num_kv_blocks: the fraction of each GPU its workers may use together, split "
+        "evenly among the workers that share it (each gets --gpu-memory-utilization of its part, and workers "
+        "sharing a GPU start one after another, so that each one's memory profile sees the others' memory "
+        "as taken).",
+    )
     max_model_len: int | None = setting(
         None, "Longest prompt plus output, in tokens; default: the model's own limit."
     )

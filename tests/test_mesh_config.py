@@ -142,6 +142,40 @@ def test_up_gives_each_worker_a_gpu_of_its_own_in_turn() -> None:
     assert worker_gpus(None, {"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
+def test_up_splits_each_gpu_among_its_workers() -> None:
+    """On CUDA without a pool size, each worker gets --gpu-memory-utilization of its GPU's fraction over
+    the workers sharing that GPU, and those sharing one start in waves; a size given here or to the
+    workers is passed on instead; on the CPU each worker gets 2048 blocks."""
+    from mesh.cli import CPU_NUM_KV_BLOCKS, Mesh, parse_args
+
+    def planned(argv: list[str], env: dict[str, str]) -> Mesh:
+        mesh = Mesh(parse_args(["up", "--http-port", "0", *argv])[0])
+        mesh.plan(env)
+        return mesh
+
+    def flag(child: object, name: str) -> str | None:
+        argv = child.argv  # type: ignore[attr-defined]
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    three_on_two = planned(["--device", "cuda", "--num-decode", "2"], {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert [(c.env["CUDA_VISIBLE_DEVICES"], flag(c, "--gpu-memory-utilization"), c.wave)
+            for c in three_on_two.children] == [("0", "0.4500", 0), ("1", "0.9000", 0), ("0", "0.4500", 1)]  # fmt: skip
+    assert all(flag(c, "--num-kv-blocks") is None for c in three_on_two.children)
+    half = planned(["--device", "cuda", "--gpu-memory-utilization", "0.5"], {"CUDA_VISIBLE_DEVICES": "3"})
+    assert [flag(c, "--gpu-memory-utilization") for c in half.children] == ["0.2500", "0.2500"]
+    sized = planned(["--device", "cuda", "--num-kv-blocks", "900"], {"CUDA_VISIBLE_DEVICES": "0"})
+    assert [(flag(c, "--num-kv-blocks"), flag(c, "--gpu-memory-utilization")) for c in sized.children] == [
+        ("900", None), ("900", None),
+    ]  # fmt: skip
+    own = planned(["--device", "cuda", "--worker-arg=--kv-cache-memory-gb=8"], {"CUDA_VISIBLE_DEVICES": "0"})
+    assert all(flag(c, "--gpu-memory-utilization") is None for c in own.children)
+    ranks = planned(["--device", "cuda", "--num-decode", "2", "--decode-expert-parallel"],
+                    {"CUDA_VISIBLE_DEVICES": "0,1"})  # fmt: skip
+    assert [c.wave for c in ranks.children] == [0, 0, 0]  # expert-parallel ranks meet as they start
+    cpu = planned(["--num-decode", "2"], {})
+    assert [flag(c, "--num-kv-blocks") for c in cpu.children] == [str(CPU_NUM_KV_BLOCKS)] * 3
+
+
 @pytest.mark.parametrize(
     "command",
     [["-m", "prefill_svc"], ["-m", "decode_svc"], ["-m", "router"], ["-m", "mesh.cli", "up"]],
