@@ -1,7 +1,8 @@
-"""The ``<tool_call>`` blocks of a chat reply: hermes's JSON (``{"name": ..., "arguments": {...}}``) and
-Qwen3-Coder's XML (``<function=NAME>`` with one ``<parameter=P>value</parameter>`` per argument, typed by the
-function's parameters schema, vLLM's rules). ``router.tool_calls`` finds the blocks in the text; nothing
-here does I/O.
+"""The calls of a chat reply, each read as it streams: the ``<tool_call>`` blocks of hermes's JSON
+(``{"name": ..., "arguments": {...}}``) and of Qwen3-Coder's XML (``<function=NAME>`` with one
+``<parameter=P>value</parameter>`` per argument, typed by the function's parameters schema, vLLM's rules), and
+the calls of a pythonic list (``get_weather(city="Oslo")``). ``router.tool_calls`` finds them in the text;
+nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import ast
 import json
 import re
+import unicodedata
 from typing import Any
 
 import regex
 
-from router.json_stream import CanonicalJson
+from router.json_stream import CanonicalJson, CanonicalPython
 from router.text_stream import marker_prefix_length
 
 
@@ -285,3 +287,90 @@ class Qwen3CoderBlock:
             return json.dumps(typed, ensure_ascii=False)
         except (TypeError, ValueError):  # a Python literal JSON has no form for (a set, bytes)
             return json.dumps(value, ensure_ascii=False)
+
+
+# The head of a pythonic call, up to where it is known to be one: its name and "(", then ")" or a keyword
+# argument whose value begins as a literal (not a positional argument, a variable or **kwargs).
+_PYTHONIC_HEAD = regex.compile(
+    r"""\s*([^\W\d]\w*)\s*\(\s*(?:\)|[^\W\d]\w*\s*=(?!=)\s*"""
+    r"""(?:[rRuU]?["']|[-+]?\s*\.?\d|[\[{(]|(?:True|False|None|true|false|null)(?=[\s,)\]}])))"""
+)
+
+
+class PythonicCall:
+    """One call of a pythonic list, ``name(key=value, ...)``, read as ``HermesBlock`` reads a hermes block:
+    the call opens at its head (``_PYTHONIC_HEAD``) and its arguments stream as a JSON object, each value
+    read by ``CanonicalPython``; ``rest`` is the text after its ``)``. Text that does not go on as a call
+    stops the arguments where they are (``error``)."""
+
+    def __init__(self) -> None:
+        self.raw = ""  # the call's text until it opens
+        self.name: str | None = None
+        self.rest: str | None = None
+        self.error = False
+        self._head_failed = False
+        self._state = "key_or_end"  # or "key" (in its name), "equals", "comma_or_end" (after a value)
+        self._key = ""
+        self._value: CanonicalPython | None = None  # the keyword's value being read
+        self._count = 0  # keyword arguments so far
+
+    @property
+    def head_failed(self) -> bool:
+        return self._head_failed
+
+    def feed(self, text: str) -> str:
+        if self.name is None:
+            self.raw += text
+            if self._head_failed:
+                return ""
+            head = _PYTHONIC_HEAD.match(self.raw)
+            if head is None:
+                self._head_failed = _PYTHONIC_HEAD.fullmatch(self.raw, partial=True) is None
+                return ""
+            self.name = unicodedata.normalize("NFKC", head.group(1))  # as Python reads a name
+            text = self.raw[self.raw.index("(", head.end(1)) + 1 :]
+            return "{" + self._read(text)
+        return self._read(text)
+
+    def close(self) -> str:
+        return self._value.finish() if self._value is not None and not self.error else ""
+
+    def whole_call(self) -> tuple[str, str] | None:
+        return None  # a call that never opened is read with the whole reply
+
+    def _read(self, text: str) -> str:
+        out: list[str] = []
+        i = 0
+        while i < len(text) and self.rest is None and not self.error:
+            if self._value is not None:
+                out.append(self._value.feed(text[i:]))
+                self.error = self._value.error
+                if not self._value.done:
+                    break
+                text, i, self._value, self._state = self._value.rest, 0, None, "comma_or_end"
+                continue
+            ch = text[i]
+            i += 1
+            if self._state == "key":
+                if ("_" + ch).isidentifier():  # the name goes on
+                    self._key += ch
+                    continue
+                self._state = "equals"
+            state = self._state
+            if ch in " \t\r\n\f":
+                continue
+            if state == "equals" and ch == "=":
+                key = json.dumps(unicodedata.normalize("NFKC", self._key), ensure_ascii=False)
+                out.append((", " if self._count else "") + key + ": ")
+                self._count += 1
+                self._value = CanonicalPython()
+            elif state == "key_or_end" and ch.isidentifier():
+                self._key, self._state = ch, "key"
+            elif state == "comma_or_end" and ch == ",":
+                self._state = "key_or_end"  # a trailing comma may follow
+            elif state in ("key_or_end", "comma_or_end") and ch == ")":
+                out.append("}")
+                self.rest = text[i:]
+            else:
+                self.error = True
+        return "".join(out)

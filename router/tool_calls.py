@@ -12,7 +12,8 @@ writes back is turned into ``tool_calls``:
   argument, each value typed by the function's parameters schema (a string stays text; integers, numbers,
   booleans, objects and arrays are parsed). ``pythonic`` (Llama 3.2 and 4, and models tuned to it) takes
   a reply that is a Python list of calls, ``[get_weather(city="Oslo"), get_time()]``, keyword arguments
-  of literal values, as its calls; any other reply is content. ``--tool-call-parser none`` refuses
+  of literal values, as its calls (each streams once its head is read: ``PythonicCall``); any other reply
+  is content. ``--tool-call-parser none`` refuses
   "auto" (400), as vLLM does without ``--enable-auto-tool-choice``.
 - ``"required"``: the output is held (structured outputs) to a JSON array of ``{"name", "parameters"}``
   objects, one of the tools each, with its parameters' schema: vLLM's rule. Each item is a call.
@@ -37,11 +38,13 @@ from typing import Any
 
 from engine.structured_outputs import StructuredOutputs
 from router.errors import InvalidRequestError
+from router.json_stream import JSON_NAMES
 from router.text_stream import marker_prefix_length
-from router.tool_call_blocks import HermesBlock, Qwen3CoderBlock, arguments_text
+from router.tool_call_blocks import HermesBlock, PythonicCall, Qwen3CoderBlock, arguments_text
 
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "pythonic", "none")
-# The parsers that read a reply as a whole: it is calls only (held back until it ends) or content only.
+# The parsers whose reply is calls only or content only: one that opens as calls (a JSON object, a list) is
+# held until its first call opens (its calls then stream) or cannot (it is then read whole at its end).
 WHOLE_REPLY_PARSERS = ("llama3_json", "pythonic")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker before a tool call (a special token: often not in the text)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -165,9 +168,6 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
     return calls or None
 
 
-_JSON_NAMES = {"true": True, "false": False, "null": None}
-
-
 def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
     """The calls of a pythonic reply (``[f(a=1), g()]``), or None if the reply is not only calls."""
     text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
@@ -201,8 +201,8 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
 
 def _literal(node: ast.expr) -> Any:
     """A Python literal, with JSON's true, false and null read as their Python values (models write both)."""
-    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
-        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
     if isinstance(node, ast.List):
         return [_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
@@ -221,18 +221,20 @@ class ToolCallStream:
     content: str = ""  # every content delta so far
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, for a whole reply
     _buffer: str = ""
-    _block: HermesBlock | Qwen3CoderBlock | None = None  # the <tool_call> block being read
+    _block: HermesBlock | Qwen3CoderBlock | PythonicCall | None = None  # the call being read
     _block_call: dict[str, Any] | None = None  # the call it opened
     _block_dropped: bool = False  # a call after the first with parallel_tool_calls false
-    _deltas: dict[int, dict[str, Any]] = field(default_factory=dict)  # call deltas not yet returned
+    _deltas: list[dict[str, Any]] = field(default_factory=list)  # call deltas not yet returned
+    _growing: dict[int, dict[str, Any]] = field(default_factory=dict)  # of those, each call's arguments
     _parts: dict[int, list[str]] = field(default_factory=dict)  # open calls' arguments, in pieces
     _seen_call: bool = False  # after the first call, text outside calls is not content (vLLM's rule)
     _calls_reply: bool | None = (
         None  # whole-reply parsers: whether the reply opens as calls (None: not known)
     )
-    # llama3_json's and "required"'s call objects read as they stream (_objects_read): where the unread text of the buffer starts, whether a call
-    # has opened (the reply is then calls), and whether reading is over (the objects ended, or did not
-    # begin as calls: such a reply is read whole at its end).
+    # llama3_json's and "required"'s call objects, and pythonic's calls, read as they stream (_objects_read):
+    # where the unread text of the buffer starts, whether a call has opened (the reply is then calls), and
+    # whether reading is over (the calls ended, or did not begin as calls: such a reply is read whole at its
+    # end).
     _objects_pos: int = -1
     _objects_streaming: bool = False
     _objects_done: bool = False
@@ -285,6 +287,8 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         rest, self._buffer = self._buffer, ""
         if self.request.choice == "function":
+            if self.calls:
+                self._seal(self.calls[0])
             return "", []
         if self.request.choice == "required":
             return self._required(rest)
@@ -336,10 +340,12 @@ class ToolCallStream:
         return ""
 
     def _open_call(self, name: str, arguments: str) -> dict[str, Any]:
+        """A call opens with a delta of its own: its name, and its arguments ("" for a call whose arguments
+        stream: they follow in deltas of their own, as OpenAI's do)."""
         self._seen_call = True
         call = _call(len(self.calls), name, arguments)
         self.calls.append(call)
-        self._deltas[call["index"]] = {**call, "function": dict(call["function"])}  # a copy: the call grows
+        self._deltas.append({**call, "function": dict(call["function"])})  # a copy: the call grows
         return call
 
     def _extend_call(self, arguments: str, call: dict[str, Any]) -> None:
@@ -348,9 +354,10 @@ class ToolCallStream:
         if not arguments:
             return
         self._parts.setdefault(call["index"], []).append(arguments)
-        delta = self._deltas.setdefault(
-            call["index"], {"index": call["index"], "function": {"arguments": ""}}
-        )
+        delta = self._growing.get(call["index"])
+        if delta is None:
+            delta = self._growing[call["index"]] = {"index": call["index"], "function": {"arguments": ""}}
+            self._deltas.append(delta)
         delta["function"]["arguments"] += arguments
 
     def _seal(self, call: dict[str, Any]) -> None:
@@ -358,7 +365,7 @@ class ToolCallStream:
         call["function"]["arguments"] += "".join(self._parts.pop(call["index"], ()))
 
     def _take_deltas(self) -> list[dict[str, Any]]:
-        deltas, self._deltas = list(self._deltas.values()), {}
+        deltas, self._deltas, self._growing = self._deltas, [], {}
         return deltas
 
     def _required(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -382,7 +389,8 @@ class ToolCallStream:
 
     def _whole_reply_add(self) -> tuple[str, list[dict[str, Any]]]:
         """Content passes through at once unless the reply opens as calls (llama3_json: a JSON object,
-        pythonic: a list); such a reply waits for its end."""
+        pythonic: a list); such a reply is held until its first call opens (its calls then stream) or
+        cannot (it then waits for its end)."""
         if self._calls_reply is None:
             head = self._buffer.lstrip()
             tag = PYTHON_TAG if self.request.parser == "llama3_json" else PYTHON_START
@@ -392,8 +400,9 @@ class ToolCallStream:
         if self._calls_reply:
             if self.request.parser == "llama3_json":
                 self._objects_read(" \t\r\n;", PYTHON_TAG)
-                return "", self._take_deltas()
-            return "", []
+            else:
+                self._objects_read(", \t\r\n", PYTHON_START, pythonic=True)
+            return "", self._take_deltas()
         text, self._buffer = self._buffer, ""
         self.content += text
         return text, []
@@ -417,24 +426,36 @@ class ToolCallStream:
             self.calls.append(_call(len(self.calls), name, arguments))
         return "", list(self.calls)
 
-    def _objects_read(self, separators: str, opener: str) -> None:
-        self._objects_scan(separators, opener)
+    def _objects_read(self, separators: str, opener: str, pythonic: bool = False) -> None:
+        self._objects_scan(separators, opener, pythonic)
         if self._objects_streaming and self._objects_pos > 0:  # calls opened: what was read is not needed
             self._buffer, self._objects_pos = self._buffer[self._objects_pos :], 0
 
-    def _objects_scan(self, separators: str, opener: str) -> None:
+    def _objects_scan(self, separators: str, opener: str, pythonic: bool) -> None:
         """Read a reply of call objects (``{"name": ..., "parameters": {...}}``) as they come: llama3_json's
         (after an optional ``<|python_tag|>``, separated by ``;``) and "required"'s JSON array (after its
         ``[``, separated by ``,``). Each is a hermes-like block: a call opens at its name and its arguments
-        stream. The whole reply stays in the buffer until a call opens (``_objects_read`` then drops what
-        was read): one whose first object is not such a call is read whole at its end (calls, or content),
-        as before; what follows the calls of one that is is not read."""
+        stream. ``pythonic``: the calls of a list (after an optional ``<|python_start|>``, then ``[``), each
+        a ``PythonicCall``. The whole reply stays in the buffer until a call opens (``_objects_read`` then
+        drops what was read): one whose first object is not such a call is read whole at its end (calls, or
+        content), as before; what follows the calls of one that is is not read."""
+        if self._objects_done:
+            return
         text = self._buffer
         if self._objects_pos < 0:  # after the leading space and the opener, once there is text to see it
             lead = len(text) - len(text.lstrip())
             if lead == len(text) or opener.startswith(text[lead:]) and len(text) - lead < len(opener):
                 return
-            self._objects_pos = lead + (len(opener) if text.startswith(opener, lead) else 0)
+            start = lead + (len(opener) if text.startswith(opener, lead) else 0)
+            if pythonic:  # then the list's "["
+                head = text[start:].lstrip()
+                if not head:
+                    return
+                if head[0] != "[":
+                    self._objects_done = True
+                    return
+                start = len(text) - len(head) + 1
+            self._objects_pos = start
         while not self._objects_done:
             if self._block is None:
                 i = self._objects_pos
@@ -443,15 +464,15 @@ class ToolCallStream:
                 self._objects_pos = i
                 if i == len(text):
                     return
-                if text[i] != "{":
+                if not (text[i].isidentifier() if pythonic else text[i] == "{"):
                     self._objects_done = True
                     return
-                self._block = HermesBlock()
+                self._block = PythonicCall() if pythonic else HermesBlock()
             chunk, self._objects_pos = text[self._objects_pos :], len(text)
             if chunk:
                 self._feed_block(chunk)
             block = self._block
-            assert isinstance(block, HermesBlock)
+            assert isinstance(block, HermesBlock | PythonicCall)
             if block.name is None:
                 if block.head_failed:  # not a call: the first such object makes the reply read whole
                     self._block, self._objects_done = None, True
@@ -460,6 +481,10 @@ class ToolCallStream:
             rest = block.rest
             if rest is None:
                 return  # the arguments go on
+            if pythonic:  # the call ended with its ")"
+                self._close_block(closed=True)
+                self._objects_pos = len(text) - len(rest)
+                continue
             j = len(rest) - len(rest.lstrip())
             if j == len(rest):
                 return  # the object's closing brace is still to come
@@ -473,10 +498,10 @@ class ToolCallStream:
         """The text is the named function's arguments: a first delta opens the call, the rest extend it."""
         if not delta:  # nothing yet (a reasoning model may still be thinking): no call opened
             return "", []
+        self._parts.setdefault(0, []).append(delta)  # joined at the end (finish)
         if not self.calls:
             assert self.request.function is not None
-            call = _call(0, self.request.function, delta)
+            call = _call(0, self.request.function, "")
             self.calls.append(call)
-            return "", [{**call, "function": dict(call["function"])}]  # a copy: the whole call grows
-        self.calls[0]["function"]["arguments"] += delta
+            return "", [{**call, "function": {"name": call["function"]["name"], "arguments": delta}}]
         return "", [{"index": 0, "function": {"arguments": delta}}]
