@@ -6,6 +6,15 @@ Public API: ``from engine import LLM, SamplingParams``. The engine must not impo
 from engine.config import EngineConfig
 from engine.llm import LLM, CompletionOutput
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]

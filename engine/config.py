@@ -140,6 +140,21 @@ class EngineConfig:
         "unchanged; engine/speculative.py). Other methods are refused.",
     )
 
+    enable_lora: bool = setting(
+        False,
+        "Serve LoRA adapters (vLLM's --enable-lora): PEFT adapters of the decoder layers' attention and dense "
+        "MLP projections, several in one batch (engine/lora.py); a request names its adapter.",
+    )
+    max_loras: int = setting(1, "With enable_lora: adapters in device slots at once (vLLM's --max-loras).")
+    max_lora_rank: int = setting(
+        16, "With enable_lora: the highest adapter rank served (vLLM's --max-lora-rank)."
+    )
+    lora_modules: list[str] = setting(
+        [],
+        "With enable_lora: adapters to register at start (vLLM's --lora-modules): each name=path to a PEFT "
+        'directory, or JSON {"name": ..., "path": ...}; a request selects one by name (the model field).',
+    )
+
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             from engine.speculative import parse_speculative_config
@@ -157,6 +172,15 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.enable_lora:
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ValueError(
+                    f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}"
+                )
+            if self.expert_parallel_size > 1:
+                raise ValueError("LoRA adapters are not served with several expert-parallel ranks")
+        elif self.lora_modules:
+            raise ValueError("lora_modules needs enable_lora")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

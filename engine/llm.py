@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.data_parallel import Lockstep
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import generation_defaults
+from engine.lora import LoRARequest
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
@@ -67,8 +68,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
-        """``priority`` (vLLM's): each prompt's, under the priority scheduling policy."""
+        """``priority`` (vLLM's): each prompt's, under the priority scheduling policy. ``lora_request``
+        (vLLM's): the LoRA adapter all prompts run with, or one per prompt (None: the base model); an
+        adapter not yet registered under its name is loaded from its path first."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -85,11 +89,17 @@ class LLM:
             if len(priority) != len(token_prompts):
                 raise ValueError(f"{len(priority)} priorities for {len(token_prompts)} prompts")
             params = [dataclasses.replace(p, priority=v) for p, v in zip(params, priority, strict=True)]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(token_prompts)
+        if len(loras) != len(token_prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(token_prompts)} prompts")
+        for lora in {lr for lr in loras if lr is not None}:
+            if lora.lora_name not in self.engine.list_loras():
+                self.engine.add_lora(lora.lora_name, lora.lora_path)
         ids = [f"offline-{uuid.uuid4().hex}" for _ in token_prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, token_prompts, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, token_prompts, params, loras, strict=True):
+                self.engine.add_request(rid, prompt, p, lora_name=lora.lora_name if lora else None)
                 added.append(rid)
             results: dict[str, CompletionOutput] = {}
             tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -132,6 +142,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{role, content}`` messages) or several,
         rendered with the model's chat template (or ``chat_template``), tokenized without special tokens as
@@ -152,7 +163,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached prefix block no request holds (``LLMEngine.reset_prefix_cache``); returns how

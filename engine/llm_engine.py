@@ -30,6 +30,7 @@ from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
 from engine.loader import load_model, resolve_dtype
+from engine.lora import LoRAAdapter, LoRAError, LoRASlots, parse_lora_modules
 from engine.memory_profile import (
     GIB,
     DeviceMemory,
@@ -39,6 +40,7 @@ from engine.memory_profile import (
     profile_memory,
 )
 from engine.model_runner import ModelRunner
+from engine.models.decoder import DecoderModel
 from engine.moe.dispatch import TokenDispatcher
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -228,6 +230,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg
         self.model = loaded.model
+        self.lora = self._serve_loras(config, loaded.model) if config.enable_lora else None
         self.tokenizer = loaded.tokenizer
         # With an engine-wide cache salt the engine is its own cache domain (mesh.block_hash).
         self.model_fingerprint = salted_fingerprint(loaded.fingerprint, config.cache_salt)
@@ -252,8 +255,9 @@ class LLMEngine:
             num_blocks, config.block_size, self.root_hash, config.enable_prefix_caching, event_sink
         )
         self.scheduler = Scheduler(
-            self.block_pool, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
-        )
+            self.block_pool, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
+            self.lora,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
             self.kv_pool,
@@ -305,6 +309,45 @@ class LLMEngine:
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
 
+    def _serve_loras(self, config: EngineConfig, model: DecoderModel) -> LoRASlots:
+        """The adapters' device slots, given to every decoder layer (before any graph is captured), with
+        the adapters of ``lora_modules`` registered."""
+        slots = LoRASlots(
+            model.cfg, config.max_loras, config.max_lora_rank,
+            max(config.max_num_batched_tokens, config.max_num_seqs), model.embed_tokens.dtype, self.device,
+        )  # fmt: skip
+        for layer, layer_lora in zip(model.layers, slots.layers, strict=True):
+            layer.lora = layer_lora
+        model.lora_slots = slots
+        for name, path in parse_lora_modules(config.lora_modules):
+            slots.add(LoRAAdapter.load(name, path, model.cfg, config.max_lora_rank, model.embed_tokens.dtype))
+        log.info(
+            "LoRA: %d slots of rank %d; adapters %s", config.max_loras, config.max_lora_rank,
+            sorted(slots.adapters) or "none yet",
+        )  # fmt: skip
+        return slots
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register the PEFT adapter at ``path`` under ``name`` (vLLM's load_lora_adapter); it takes a
+        device slot when a request first runs with it. Raises ``LoRAError`` for an adapter this engine
+        cannot serve, and when LoRA is not enabled."""
+        if self.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters (enable_lora)")
+        cfg = self.model_config
+        self.lora.add(
+            LoRAAdapter.load(name, path, cfg, self.config.max_lora_rank, self.model.embed_tokens.dtype)
+        )
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter no running request uses (vLLM's unload_lora_adapter)."""
+        if self.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters (enable_lora)")
+        self._drain_inflight()
+        self.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return sorted(self.lora.adapters) if self.lora is not None else []
+
     def _profile_kv_blocks(self, start: DeviceMemory) -> int:
         """The pool's blocks within ``gpu_memory_utilization`` of the GPU, from a profiling pass."""
         config = self.config
@@ -346,9 +389,21 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+    ) -> None:
         if request_id in self._seqs or request_id in self._held or request_id in self._imports:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError(
+                    f"LoRA adapter {lora_name!r} asked for, but this engine serves none (enable_lora)"
+                )
+            self.lora.check(lora_name)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: it must have at least one token")
         n = len(prompt_token_ids)
@@ -389,16 +444,20 @@ class LLMEngine:
         params: SamplingParams,
         hold_kv: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
+        """``lora_name``: the registered LoRA adapter the request runs with (``add_lora``), None for the
+        base model."""
         prompt_token_ids = list(prompt_token_ids)
-        self.validate(request_id, prompt_token_ids, params)
+        self.validate(request_id, prompt_token_ids, params, lora_name)
         seq = Sequence(
             request_id,
             prompt_token_ids,
             params,
             hold_kv=hold_kv,
             arrival_time_ns=time.time_ns(),
-            root_hash=self._salted_root(cache_salt),
+            root_hash=self._salted_root(cache_salt, lora_name),
+            lora_name=lora_name,
         )
         self._start_grammar(seq)
         if seq.grammar is not None:
@@ -410,9 +469,12 @@ class LLMEngine:
             self._scoring.add(request_id)
         self.scheduler.add(seq)
 
-    def _salted_root(self, cache_salt: str | None) -> int | None:
-        """A request's own cache salt isolates its prefix cache entries, within the engine's domain."""
-        return root_hash(self.model_fingerprint, cache_salt) if cache_salt else None
+    def _salted_root(self, cache_salt: str | None, lora_name: str | None = None) -> int | None:
+        """A request's own cache salt, and its LoRA adapter, isolate its prefix cache entries within the
+        engine's domain (None: the engine's root)."""
+        if not cache_salt and not lora_name:
+            return None
+        return root_hash(self.model_fingerprint, cache_salt, lora_name)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. Returns whether it existed."""
@@ -458,11 +520,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
         """Validate and allocate blocks for a prompt whose KV will be pulled in; returns their ids. The
         prompt is not computed here, so neither are its logprobs (the prefill worker's reply has them)."""
         prompt_token_ids = list(prompt_token_ids)
-        self.validate(request_id, prompt_token_ids, params)
+        self.validate(request_id, prompt_token_ids, params, lora_name)
         if params.prompt_logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=None)
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
@@ -487,7 +550,8 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            root_hash=self._salted_root(cache_salt),
+            root_hash=self._salted_root(cache_salt, lora_name),
+            lora_name=lora_name,
         )
         seq.block_table = blocks
         self._start_grammar(seq)
@@ -767,6 +831,8 @@ class LLMEngine:
         no output: not a preempted one); None when any other request waits. Whether their tokens fit the step is
         ``_step_lookahead``'s to check."""
         waiting = list(self.scheduler.waiting)
+        if self.lora is not None and not self.lora.can_admit([s.lora_name for s in waiting]):
+            return None
         if all(
             not s.params.needs_host_step
             and not s.wants_prompt_logprobs

@@ -416,6 +416,7 @@ class ModelRunner:
                     s.prompt_token_ids[a:n_prompt] + s.output_token_ids[max(0, a - n_prompt) : b - n_prompt]
                 )
         seq_index = np.repeat(np.arange(len(seqs)), n_new)
+        self._set_lora_rows(seqs, seq_index)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + starts[seq_index]
         tables = _block_tables(seqs)
         block_of = tables[seq_index, positions // self.block_size].astype(np.int64)
@@ -521,6 +522,7 @@ class ModelRunner:
         n = len(seqs)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         agreed = self._group_pass(n, n)
+        self._set_lora_rows(seqs)
         if agreed.decode is not None:
             return self._replay_decode(seqs, positions, input_ids, agreed.decode)
         tables = _block_tables(seqs)
@@ -538,6 +540,16 @@ class ModelRunner:
         hidden = self._forward(input_ids, host_to_device(torch.from_numpy(positions), dev), meta, agreed)
         return self.model.compute_logits(hidden)
 
+    def _set_lora_rows(self, seqs: list[Sequence], seq_index: np.ndarray | None = None) -> None:
+        """With LoRA adapters: each row's adapter slot for the next pass (row i is sequence
+        ``seq_index[i]``, else sequence i). Rows past them keep stale slots: padding, whose output is
+        dropped, and every row's LoRA reads only its own slot."""
+        slots = self.model.lora_slots
+        if slots is None:
+            return
+        per_seq = np.fromiter((s.lora_slot for s in seqs), dtype=np.int64, count=len(seqs))
+        slots.set_rows(per_seq if seq_index is None else per_seq[seq_index])
+
     def _execute_decode_graph(
         self, seqs: list[Sequence], size: int | None = None, prompt_rows: PromptLogprobRows | None = None
     ) -> Executed:
@@ -545,6 +557,7 @@ class ModelRunner:
         positions = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         token_ids = np.fromiter((s.token_at(s.num_computed_tokens) for s in seqs), dtype=np.int64, count=n)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
+        self._set_lora_rows(seqs)
         logits = self._replay_decode(seqs, positions, token_ids, size)
         # One token a sequence: the batch's token rows are the logits' rows.
         prompt_logprobs = (

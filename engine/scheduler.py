@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.lora import LoRASlots
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -30,14 +31,22 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs"
+        self,
+        block_pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        lora: LoRASlots | None = None,
     ) -> None:
+        """``lora``: the LoRA adapters' slots; a request takes its adapter's when admitted and gives it back
+        when preempted or finished, and one whose adapter finds no slot is passed over until one frees."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
         self.pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.lora = lora
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -108,8 +117,16 @@ class Scheduler:
                 i += 1
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        j = 0  # the first waiting request not passed over (a LoRA adapter with no slot free)
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            if (
+                seq.lora_name is not None
+                and self.lora is not None
+                and not self.lora.can_admit([seq.lora_name])
+            ):
+                j += 1
+                continue
             if seq.block_table:  # imported KV: blocks already hold its computed tokens
                 n = min(seq.num_uncomputed_tokens, budget)
                 if not self.pool.append_slots(seq, seq.num_computed_tokens + n):
@@ -119,7 +136,7 @@ class Scheduler:
                 n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
                 if not self.allocate_prompt(seq, hits, n):
                     break
-            self.admit_next()
+            self.admit(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -139,14 +156,29 @@ class Scheduler:
     def admit_next(self) -> Sequence:
         """Move the first waiting sequence to the running ones, as ``schedule`` admits it (for a caller that
         allocated its slots itself: the engine's lookahead step)."""
-        seq = self.waiting.popleft()
+        return self.admit(self.waiting[0])
+
+    def admit(self, seq: Sequence) -> Sequence:
+        """Move waiting ``seq`` to the running ones; it takes its LoRA adapter's slot."""
+        if seq is self.waiting[0]:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        if seq.lora_name is not None and self.lora is not None:
+            seq.lora_slot = self.lora.acquire(seq.lora_name)
         if not seq.first_scheduled_ns:
             seq.first_scheduled_ns = time.time_ns()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return seq
 
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.lora is not None:
+            self.lora.release(seq.lora_slot)
+        seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self._release_lora(seq)
         self.running.remove(seq)
         self.pool.free(seq)
         seq.num_computed_tokens = 0
@@ -159,6 +191,7 @@ class Scheduler:
         """Take ``seq`` out of the queues; its blocks are freed unless it holds its KV for a transfer."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._release_lora(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -49,6 +49,8 @@ class Sequence:
     first_token_ns: int = 0
     prompt_counted: bool = False  # prompt tokens added to the engine's totals
     grammar: GrammarMatcher | None = None  # with params.structured_outputs: where its output is in it
+    lora_name: str | None = None  # the LoRA adapter it runs with (engine.lora)
+    lora_slot: int = -1  # the adapter's device slot while it runs (-1: none, or not running)
     _emitted: int = 0  # output tokens already reported to the caller
 
     def __post_init__(self) -> None:

@@ -180,6 +180,8 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
         return "float8 weights"
     if getattr(model.dispatcher, "ep_size", 1) != 1:  # kernels/ does not import engine/: duck-typed
         return "several expert-parallel ranks"
+    if getattr(model, "lora_slots", None) is not None:
+        return "LoRA adapters"
     if kv_pool.dtype != torch.bfloat16 or kv_pool.dim() != 6 or kv_pool.stride(-1) != 1:
         return f"a {kv_pool.dtype} KV pool (bf16 only)"
     if model.cos_sin.dtype != torch.float32 or not model.cos_sin.is_contiguous():

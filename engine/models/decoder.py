@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.lora import LayerLoRA, LoRASlots
 from engine.models.model_config import ModelConfig
 from engine.models.rope_cache import cos_sin_cache
 from engine.moe.dispatch import TokenDispatcher
@@ -194,6 +195,8 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, device, fp8)
+        # The served LoRA adapters' slots for this layer (engine.lora), set when the engine serves them.
+        self.lora: LayerLoRA | None = None
 
     def forward(
         self,
@@ -211,9 +214,12 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm (adding the residual) with the QKV projection (and its bias). Returns the
         projection and the residual."""
-        qkv, _, residual = self.ops.add_rms_norm_linear(
-            x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, False
+        lora = self.lora
+        qkv, h, residual = self.ops.add_rms_norm_linear(
+            x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, lora is not None
         )
+        if lora is not None:
+            qkv = qkv + lora.delta("qkv", h)
         if self.self_attn.qkv_bias is not None:
             qkv = qkv + self.self_attn.qkv_bias
         return qkv, residual
@@ -238,16 +244,24 @@ class DecoderLayer(nn.Module):
         """The layer after attention: the output projection, the post-attention norm with the projection
         that reads it (the router, or the dense MLP's gate-up), and the MLP. Returns the layer's output and
         the residual."""
-        o = self.self_attn.output(o)
+        lora = self.lora
+        if lora is None:
+            o = self.self_attn.output(o)
+        else:
+            flat = o.reshape(-1, self.self_attn.q_size)
+            o = self.self_attn.output(flat) + lora.delta("o", flat)
         if isinstance(self.mlp, MoEBlock):
             logits, h, residual = self.ops.add_rms_norm_linear(
                 o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True
             )
             return self.mlp(h, logits), residual
-        gate_up, _, residual = self.ops.add_rms_norm_linear(
-            o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate_up_proj, False
+        gate_up, h, residual = self.ops.add_rms_norm_linear(
+            o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate_up_proj, lora is not None
         )
-        return self.mlp.down(gate_up), residual
+        if lora is None:
+            return self.mlp.down(gate_up), residual
+        act = self.ops.silu_and_mul(gate_up + lora.delta("gate_up", h))
+        return self.ops.linear(act, self.mlp.down_proj) + lora.delta("down", act), residual
 
 
 class DecoderModel(nn.Module):
@@ -289,6 +303,7 @@ class DecoderModel(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
+        self.lora_slots: LoRASlots | None = None  # the served LoRA adapters' slots (engine.lora)
         self.register_buffer(
             "cos_sin",
             cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device),

@@ -1,0 +1,190 @@
+"""LoRA adapters (engine/lora.py) against transformers + PEFT: random-weight adapters written by PEFT
+itself, each request's greedy tokens equal to PEFT's model with that adapter, several adapters and the base
+model in one batch, adapters taking turns in fewer slots than there are adapters, the prefix cache kept
+apart per adapter, and adapters the engine cannot serve refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.lora import LoRAError, parse_lora_modules
+from tests.checkpoints import make_checkpoint
+from tests.kernel_testing import needs_gpu
+
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(base: Path, path: Path, seed: int, rank: int, targets: list[str], **config: object) -> Path:
+    """A PEFT adapter of ``base`` with random A and B (PEFT starts B at zero: an adapter that changes
+    nothing would test nothing)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                  lora_dropout=0.0, **config))  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
+    import transformers
+    from peft import PeftModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                             min_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint("qwen3", root / "base", seed=3)
+    return {
+        "base": base,
+        "all": write_adapter(base, root / "all", seed=1, rank=8, targets=ALL),
+        "attn": write_adapter(base, root / "attn", seed=2, rank=4, targets=ATTENTION, use_rslora=True),
+        "mlp": write_adapter(base, root / "mlp", seed=5, rank=16, targets=["down_proj", "up_proj"]),
+    }
+
+
+def _prompts(n: int, seed: int, lengths: tuple[int, int] = (3, 40)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(*lengths))] for _ in range(n)]
+
+
+def test_each_adapter_matches_peft_in_one_mixed_batch(dense: dict[str, Path]) -> None:
+    names = ["all", "attn", "mlp", None]
+    prompts = _prompts(8, seed=0)
+    chosen = [names[i % len(names)] for i in range(len(prompts))]
+    llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=3,
+              lora_modules=[f"all={dense['all']}", json.dumps({"name": "attn", "path": str(dense["attn"])})])  # fmt: skip
+    requests = [LoRARequest(n, i + 1, str(dense[n])) if n else None for i, n in enumerate(chosen)]
+    got = llm.generate(prompts, GREEDY, lora_request=requests)
+    assert sorted(llm.engine.list_loras()) == ["all", "attn", "mlp"]  # "mlp" loaded from its request
+    for prompt, name, out in zip(prompts, chosen, got, strict=True):
+        assert out.token_ids == peft_greedy(dense["base"], dense[name] if name else None, prompt), name
+    # the adapters change the output (else the comparison above would prove little)
+    base_out = peft_greedy(dense["base"], None, prompts[0])
+    assert got[0].token_ids != base_out
+
+
+def test_adapters_take_turns_in_one_slot_with_preemption(dense: dict[str, Path]) -> None:
+    """Three adapters through one slot, a KV pool small enough to preempt: every request still gets its
+    own adapter's tokens, and no slot or block is leaked."""
+    prompts = _prompts(9, seed=1, lengths=(36, 44))  # 3 blocks each, 4 once decoding: 3 need 12 of 8
+    names = ["all", "attn", "mlp"]
+    chosen = [names[i % 3] for i in range(len(prompts))]
+    llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=32, max_num_seqs=4,
+              enable_lora=True, max_loras=1, enable_prefix_caching=False)  # fmt: skip
+    reqs = [LoRARequest(n, 1, str(dense[n])) for n in chosen]
+    got = llm.generate(prompts, GREEDY, lora_request=reqs)
+    reference = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=3)
+    want = reference.generate(prompts, GREEDY, lora_request=reqs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_pool.num_free_blocks == 8
+    assert all(slot.refs == 0 for slot in engine.lora.slots)
+    assert peft_greedy(dense["base"], dense[chosen[4]], prompts[4]) == got[4].token_ids
+
+
+def test_triton_ops_in_the_interpreter(dense: dict[str, Path]) -> None:
+    prompts = _prompts(3, seed=2)
+    reqs = [LoRARequest("all", 1, str(dense["all"])), None, LoRARequest("attn", 2, str(dense["attn"]))]
+    kw = dict(dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    torch_ops = LLM(str(dense["base"]), **kw).generate(prompts, GREEDY, lora_request=reqs)
+    triton_ops = LLM(str(dense["base"]), kernel_backend="triton", **kw).generate(
+        prompts, GREEDY, lora_request=reqs
+    )
+    assert [o.token_ids for o in triton_ops] == [o.token_ids for o in torch_ops]
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(dense: dict[str, Path]) -> None:
+    llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    prompt = list(range(3, 60))
+    first = llm.generate([prompt], GREEDY, lora_request=LoRARequest("all", 1, str(dense["all"])))[0]
+    same = llm.generate([prompt], GREEDY, lora_request=LoRARequest("all", 1, str(dense["all"])))[0]
+    base = llm.generate([prompt], GREEDY)[0]
+    other = llm.generate([prompt], GREEDY, lora_request=LoRARequest("attn", 2, str(dense["attn"])))[0]
+    assert first.num_cached_tokens == 0 and same.num_cached_tokens > 0  # its own cache, reused
+    assert base.num_cached_tokens == 0 and other.num_cached_tokens == 0  # nobody else's
+    assert same.token_ids == first.token_ids
+    assert base.token_ids == peft_greedy(dense["base"], None, prompt)
+
+
+def test_moe_attention_adapter_matches_peft(tmp_path: Path) -> None:
+    base = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=4)
+    adapter = write_adapter(base, tmp_path / "a", seed=6, rank=8, targets=ATTENTION)
+    prompts = _prompts(2, seed=3)
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True)
+    got = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
+    assert [o.token_ids for o in got] == [peft_greedy(base, adapter, p) for p in prompts]
+    # An adapter of the experts (as PEFT names transformers 5's fused ones) is refused, saying why.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.0.mlp.experts.gate_up_proj.lora_A.weight"] = torch.zeros(8, 64)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="adapts a module this engine cannot"):
+        llm.engine.add_lora("e", str(adapter))
+
+
+def test_bad_adapters_and_requests_are_refused(dense: dict[str, Path], tmp_path: Path) -> None:
+    llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(LoRAError, match="rank 16, more than max_lora_rank 8"):
+        llm.engine.add_lora("mlp", str(dense["mlp"]))
+    with pytest.raises(LoRAError, match="not found"):
+        llm.engine.add_lora("nowhere", str(tmp_path / "missing"))
+    dora = write_adapter(dense["base"], tmp_path / "dora", seed=8, rank=4, targets=ATTENTION, use_dora=True)
+    with pytest.raises(LoRAError, match="use_dora"):
+        llm.engine.add_lora("dora", str(dora))
+    with pytest.raises(InvalidRequestError, match="'nope' is not loaded"):
+        llm.engine.add_request("r1", [5, 6, 7], GREEDY, lora_name="nope")
+    plain = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64)
+    with pytest.raises(InvalidRequestError, match="serves none"):
+        plain.engine.add_request("r2", [5, 6, 7], GREEDY, lora_name="all")
+    llm.engine.add_lora("all", str(dense["all"]))
+    llm.engine.remove_lora("all")
+    assert llm.engine.list_loras() == []
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == [("a", "/x"), ("b", "/y")]
+    with pytest.raises(LoRAError, match="name=path"):
+        parse_lora_modules(["nopath"])
+
+
+@needs_gpu
+def test_gpu_graphs_with_adapters_match_the_eager_reference(dense: dict[str, Path]) -> None:
+    """On a GPU: decode graphs, prefill graphs and asynchronous scheduling with adapters in and out of
+    slots (two slots, three adapters) give the eager torch ops' tokens (float32: identical)."""
+    prompts = _prompts(12, seed=4)
+    names = ["all", None, "attn", "mlp"]
+    reqs = [LoRARequest(n, 1, str(dense[n])) if n else None for n in (names[i % 4] for i in range(12))]
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=2)
+    fast = LLM(str(dense["base"]), kernel_backend="triton", **kw)
+    assert fast.engine.runner.graphs is not None and fast.engine.config.async_scheduling
+    eager = LLM(str(dense["base"]), kernel_backend="torch", cuda_graphs=False, **kw)
+    got = fast.generate(prompts, GREEDY, lora_request=reqs)
+    assert [o.token_ids for o in got] == [
+        o.token_ids for o in eager.generate(prompts, GREEDY, lora_request=reqs)
+    ]
+    assert fast.engine.stats().decode_graph_passes > 0
