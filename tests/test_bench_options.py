@@ -111,3 +111,15 @@ def test_decode_sass_gives_the_float8_values_dot_bf16s_operand_layout() -> None:
             assert rows[f"{pool}, {way}"][1].split("/")[1] == "2", out
     loops = {name: length for name, (length, _) in rows.items()}
     assert min(loops.values()) > 100, loops  # a loop was found, not a stray branch
+
+
+def test_lora_bench_smoke_prints_every_row() -> None:
+    """``benchmarks/lora_bench.py --smoke``: random PEFT-format adapters of the model's shape load, and each
+    batch's row has the engine without LoRA and the three LoRA cases."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lora_bench.py"), "--smoke", "--batches", "1,2",
+         "--max-tokens", "4", "--repeats", "1", "--adapters", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[12] ", line)]
+    assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 8 for r in rows), out
