@@ -330,20 +330,42 @@ class LLMEngine:
     def add_lora(self, name: str, path: str) -> None:
         """Register the PEFT adapter at ``path`` under ``name`` (vLLM's load_lora_adapter); it takes a
         device slot when a request first runs with it. Raises ``LoRAError`` for an adapter this engine
-        cannot serve, and when LoRA is not enabled."""
+        cannot serve, and when LoRA is not enabled. Registering a name again replaces its adapter when no
+        request uses it; the prefix cache is then emptied of what was not in use (its blocks are keyed by
+        the adapter's name, and the old adapter's KV must not serve the new one's requests)."""
         if self.lora is None:
             raise LoRAError("this engine serves no LoRA adapters (enable_lora)")
-        cfg = self.model_config
-        self.lora.add(
-            LoRAAdapter.load(name, path, cfg, self.config.max_lora_rank, self.model.embed_tokens.dtype)
-        )
+        adapter = LoRAAdapter.load(name, path, self.model_config, self.config.max_lora_rank,
+                                   self.model.embed_tokens.dtype)  # fmt: skip
+        replacing = name in self.lora.adapters
+        if replacing:
+            self._check_unused(name)
+        self.lora.add(adapter)
+        if replacing:
+            self.reset_prefix_cache()
 
     def remove_lora(self, name: str) -> None:
-        """Unregister an adapter no running request uses (vLLM's unload_lora_adapter)."""
+        """Unregister an adapter no request uses (vLLM's unload_lora_adapter); empties the prefix cache of
+        unused blocks, as ``add_lora`` does when it replaces one."""
         if self.lora is None:
             raise LoRAError("this engine serves no LoRA adapters (enable_lora)")
         self._drain_inflight()
+        self._check_unused(name)
         self.lora.remove(name)
+        self.reset_prefix_cache()
+
+    def _check_unused(self, name: str) -> None:
+        users = [
+            rid
+            for group in (self._seqs, self._imports)
+            for rid, seq in group.items()
+            if seq.lora_name == name
+        ]
+        if users:
+            raise LoRAError(
+                f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s) ({users[0]}, ...); "
+                "it cannot be replaced or removed now"
+            )
 
     def list_loras(self) -> list[str]:
         return sorted(self.lora.adapters) if self.lora is not None else []

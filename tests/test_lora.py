@@ -188,3 +188,22 @@ def test_gpu_graphs_with_adapters_match_the_eager_reference(dense: dict[str, Pat
         o.token_ids for o in eager.generate(prompts, GREEDY, lora_request=reqs)
     ]
     assert fast.engine.stats().decode_graph_passes > 0
+
+
+def test_an_adapter_in_use_stays_and_a_replaced_one_leaves_no_cache(dense: dict[str, Path]) -> None:
+    llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    engine = llm.engine
+    engine.add_lora("x", str(dense["all"]))
+    engine.add_request("waiting", list(range(3, 40)), GREEDY, lora_name="x")
+    with pytest.raises(LoRAError, match="in use by 1 unfinished"):
+        engine.remove_lora("x")
+    with pytest.raises(LoRAError, match="in use"):
+        engine.add_lora("x", str(dense["attn"]))
+    while engine.has_unfinished():
+        engine.step()
+    prompt = list(range(3, 60))
+    first = llm.generate([prompt], GREEDY, lora_request=LoRARequest("x", 1, str(dense["all"])))[0]
+    engine.add_lora("x", str(dense["attn"]))  # the same name, another adapter
+    again = llm.generate([prompt], GREEDY, lora_request=LoRARequest("x", 1, str(dense["attn"])))[0]
+    assert again.num_cached_tokens == 0  # the old adapter's KV is gone
+    assert again.token_ids == peft_greedy(dense["base"], dense["attn"], prompt) != first.token_ids
