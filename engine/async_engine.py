@@ -107,11 +107,14 @@ class AsyncEngine:
         params: SamplingParams,
         hold_kv: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         q = self.open_stream(request_id)
         try:
             await self.call(
-                lambda: self.engine.add_request(request_id, prompt_token_ids, params, hold_kv, cache_salt)
+                lambda: self.engine.add_request(
+                    request_id, prompt_token_ids, params, hold_kv, cache_salt, lora_name=lora_name
+                )
             )
         except BaseException:
             self.close_stream(request_id)
@@ -121,6 +124,25 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self.engine.abort(request_id))
+
+    # LoRA adapters (vLLM's load_lora_adapter / unload_lora_adapter): registered between steps, so that no
+    # step sees the slots change under it. Loading reads the adapter's files on the engine thread.
+    async def add_lora(self, name: str, path: str) -> None:
+        await self.call(lambda: self.engine.add_lora(name, path))
+
+    async def remove_lora(self, name: str) -> None:
+        await self.call(lambda: self.engine.remove_lora(name))
+
+    async def list_loras(self) -> list[str]:
+        return await self.call(self.engine.list_loras)
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The registered adapters' names and the PEFT directories they were loaded from."""
+        return await self.call(self._lora_paths)
+
+    def _lora_paths(self) -> dict[str, str]:
+        lora = self.engine.lora
+        return {name: str(lora.adapters[name].path) for name in self.engine.list_loras()} if lora else {}
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:

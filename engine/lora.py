@@ -9,13 +9,13 @@ in dense MLP layers, ``gate_proj``, ``up_proj``, ``down_proj``. A projection wit
 Registered adapters are kept in host memory; ``max_loras`` of them at a time sit in device slots. Per
 projection the slots' matrices are stacked: ``A_all`` [S*R, in] and ``B_all`` [out, S*R], R =
 ``max_lora_rank`` (times 3 for the fused QKV, 2 for the fused gate-up), zero where an adapter has less, its
-scale folded into B. A batch's LoRA is then two matmuls over every slot at once, the middle [T, S*R] masked
-to each row's own slot (``slot_ids``, -1 for none):
+scale folded into B. A batch's LoRA is then two matmuls over every slot at once, the middle [T, S, R]
+masked to each row's own slot (``row_slots``: one-hot [T, S], a zero row for none):
 
-    t = x @ A_all.T;  t *= (slot_ids[:, None] == slot_of_column);  y += t @ B_all.T
+    t = x @ A_all.T;  t *= row_slots[:, :, None];  y += t @ B_all.T      (3 kernels a projection)
 
 Shapes are static, so CUDA graphs capture it; the runner writes each pass's rows into the one
-``slot_ids`` buffer before it launches. Rows are independent, so a padding row's stale slot changes
+``row_slots`` buffer before it launches. Rows are independent, so a padding row's stale slot changes
 nothing but its own (dropped) output. Costs a projection ``S*R / in`` more FLOPs and ``S*R*(in+out)`` more
 weight bytes a step (with S*R = 64 and a 4096-wide model, about 1.6% of its FLOPs).
 
@@ -172,11 +172,10 @@ def _module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
 
 @dataclass
 class ProjectionLoRA:
-    """One projection's slots: A_all [S*R*parts, in], B_all [out, S*R*parts], and the slot of each column."""
+    """One projection's slots: A_all [S*R*parts, in] and B_all [out, S*R*parts], slot-major columns."""
 
     a: torch.Tensor
     b: torch.Tensor
-    column_slot: torch.Tensor
     part_rows: tuple[int, ...]  # where each part's output rows start (q, k, v / gate, up), then the end
     rank: int  # R: columns per part per slot
 
@@ -187,20 +186,20 @@ class ProjectionLoRA:
 
 
 class LayerLoRA:
-    """A decoder layer's adapters: ``delta(kind, x)`` is what the batch's adapters add to that projection."""
+    """A decoder layer's adapters: ``apply(kind, x, y)`` is projection output ``y`` with what the batch's
+    adapters add to it."""
 
-    def __init__(self, projections: dict[str, ProjectionLoRA], slot_ids: torch.Tensor) -> None:
+    def __init__(self, projections: dict[str, ProjectionLoRA], row_slots: torch.Tensor) -> None:
         self.projections = projections
-        self.slot_ids = slot_ids
+        self.row_slots = row_slots  # [rows, S]: 1 in the column of each row's slot (LoRASlots.set_rows)
 
-    def delta(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + (x A_all^T masked to each row's slot) B_all^T: three kernels (shrink, mask, expand-add)."""
         p = self.projections[kind]
         t = F.linear(x, p.a)
-        t = t * (self.slot_ids[: x.shape[0], None] == p.column_slot).to(t.dtype)
-        return F.linear(t, p.b)
-
-    def has(self, kind: str) -> bool:
-        return kind in self.projections
+        rows, slots = x.shape[0], self.row_slots.shape[1]
+        t = (t.view(rows, slots, -1) * self.row_slots[:rows, :, None]).view(rows, -1)
+        return torch.addmm(y, t, p.b.t())
 
 
 @dataclass
@@ -223,12 +222,12 @@ class LoRASlots:
     slots: list[_Slot] = field(default_factory=list)
     _lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # slots, least recently used first
     layers: list[LayerLoRA] = field(default_factory=list)
-    slot_ids: torch.Tensor = field(init=False)
+    row_slots: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = [_Slot() for _ in range(self.max_loras)]
         self._lru = OrderedDict((i, None) for i in range(self.max_loras))
-        self.slot_ids = torch.full((self.max_rows,), -1, dtype=torch.int64, device=self.device)
+        self.row_slots = torch.zeros((self.max_rows, self.max_loras), dtype=self.dtype, device=self.device)
         cfg, s, r = self.cfg, self.max_loras, self.max_rank
         for layer in range(cfg.num_layers):
             moe = bool(cfg.moe_layers and cfg.moe_layers[layer])
@@ -245,11 +244,10 @@ class LoRASlots:
                 projections[kind] = ProjectionLoRA(
                     a=torch.zeros((width, in_dim), dtype=self.dtype, device=self.device),
                     b=torch.zeros((bounds[-1], width), dtype=self.dtype, device=self.device),
-                    column_slot=torch.arange(s, device=self.device).repeat_interleave(r * len(modules)),
                     part_rows=tuple(bounds),
                     rank=r,
                 )
-            self.layers.append(LayerLoRA(projections, self.slot_ids))
+            self.layers.append(LayerLoRA(projections, self.row_slots))
 
     # ---- adapters ------------------------------------------------------------------------------------
     def add(self, adapter: LoRAAdapter) -> None:
@@ -347,14 +345,18 @@ class LoRASlots:
         log.info("LoRA adapter %r in slot %d", adapter.name, slot)
 
     def set_rows(self, row_slots: np.ndarray) -> None:
-        """The slot of each row of the next pass (-1: no adapter), from the host."""
+        """The slot of each row of the next pass (-1: no adapter), from the host, as the one-hot rows the
+        projections multiply by."""
         n = row_slots.shape[0]
         if n > self.max_rows:
-            raise ValueError(f"a pass of {n} rows; the LoRA slot buffer holds {self.max_rows}")
-        src = torch.from_numpy(np.ascontiguousarray(row_slots, dtype=np.int64))
+            raise ValueError(f"a pass of {n} rows; the LoRA row buffer holds {self.max_rows}")
+        onehot = torch.zeros((n, self.max_loras), dtype=self.dtype)
+        rows = np.flatnonzero(row_slots >= 0)
+        if len(rows):
+            onehot[torch.from_numpy(rows), torch.from_numpy(row_slots[rows].astype(np.int64))] = 1
         if self.device.type == "cuda":
-            src = src.pin_memory()
-        self.slot_ids[:n].copy_(src, non_blocking=True)
+            onehot = onehot.pin_memory()
+        self.row_slots[:n].copy_(onehot, non_blocking=True)
 
 
 def parse_lora_modules(entries: list[str]) -> list[tuple[str, str]]:

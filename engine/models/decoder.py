@@ -219,7 +219,7 @@ class DecoderLayer(nn.Module):
             x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, lora is not None
         )
         if lora is not None:
-            qkv = qkv + lora.delta("qkv", h)
+            qkv = lora.apply("qkv", h, qkv)
         if self.self_attn.qkv_bias is not None:
             qkv = qkv + self.self_attn.qkv_bias
         return qkv, residual
@@ -249,7 +249,7 @@ class DecoderLayer(nn.Module):
             o = self.self_attn.output(o)
         else:
             flat = o.reshape(-1, self.self_attn.q_size)
-            o = self.self_attn.output(flat) + lora.delta("o", flat)
+            o = lora.apply("o", flat, self.self_attn.output(flat))
         if isinstance(self.mlp, MoEBlock):
             logits, h, residual = self.ops.add_rms_norm_linear(
                 o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True
@@ -260,8 +260,8 @@ class DecoderLayer(nn.Module):
         )
         if lora is None:
             return self.mlp.down(gate_up), residual
-        act = self.ops.silu_and_mul(gate_up + lora.delta("gate_up", h))
-        return self.ops.linear(act, self.mlp.down_proj) + lora.delta("down", act), residual
+        act = self.ops.silu_and_mul(lora.apply("gate_up", h, gate_up))
+        return lora.apply("down", act, self.ops.linear(act, self.mlp.down_proj)), residual
 
 
 class DecoderModel(nn.Module):
