@@ -47,7 +47,9 @@ class DecodeServicer(WorkerServicerBase):
                 if request.HasField("kv_handle"):
                     stream = self._decode_imported(request, params, prompt)
                 else:
-                    stream = self._decode_local(rid, params, prompt, request.cache_salt or None)
+                    stream = self._decode_local(
+                        rid, params, prompt, request.cache_salt or None, request.lora_name or None
+                    )
                 async for resp in stream:
                     yield resp
             except Exception as exc:  # every failure leaves as a gRPC status
@@ -59,9 +61,10 @@ class DecodeServicer(WorkerServicerBase):
         params: SamplingParams,
         prompt: list[int],
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         started_ns = time.time_ns()
-        stream = self.aengine.generate(rid, prompt, params, cache_salt=cache_salt)
+        stream = self.aengine.generate(rid, prompt, params, cache_salt=cache_salt, lora_name=lora_name)
         async for resp in self._stream(rid, stream, first_emitted=False, started_ns=started_ns):
             yield resp
 
@@ -92,8 +95,10 @@ class DecodeServicer(WorkerServicerBase):
             "kv_transfer", attributes={"pdmesh.blocks": n_blocks, "pdmesh.peer": handle.worker_id}
         ):
             peer = await self._ensure_peer(handle)
-            salt = request.cache_salt or None
-            local = await self.aengine.call(lambda: self.engine.reserve_import(rid, prompt, params, salt))
+            salt, lora = request.cache_salt or None, request.lora_name or None
+            local = await self.aengine.call(
+                lambda: self.engine.reserve_import(rid, prompt, params, salt, lora_name=lora)
+            )
             committed = False
             try:
                 started = time.monotonic()

@@ -180,6 +180,16 @@ class Mesh:
             argv += ["--redis-url", a.redis_url]
         if a.max_model_len:
             argv += ["--max-model-len", str(a.max_model_len)]
+        if a.enable_lora:  # every worker the same: prefill and decode must run a request's adapter alike
+            argv += [
+                "--enable-lora",
+                "--max-loras",
+                str(a.max_loras),
+                "--max-lora-rank",
+                str(a.max_lora_rank),
+            ]
+        if a.lora_modules:  # without enable_lora the workers refuse it at start, saying so
+            argv += ["--lora-modules", *a.lora_modules]
         return argv + a.worker_arg
 
     def plan(self, env: dict[str, str]) -> None:
@@ -388,6 +398,17 @@ class LauncherSettings:
         "none",
         "How the router splits chat replies' thinking into reasoning_content.",
         choices=("none", "qwen3", "deepseek_r1"),
+    )
+    enable_lora: bool = setting(
+        False,
+        "Every worker serves LoRA adapters (vLLM's --enable-lora); a request selects one by its model field.",
+    )
+    max_loras: int = setting(1, "With enable_lora: each worker's adapters in device slots at once.")
+    max_lora_rank: int = setting(16, "With enable_lora: the highest adapter rank served.")
+    lora_modules: list[str] = setting(
+        [],
+        "With enable_lora: adapters every worker registers at start (vLLM's --lora-modules): name=path, or "
+        'JSON {"name": ..., "path": ...}.',
     )
 
 

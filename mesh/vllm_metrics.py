@@ -9,6 +9,7 @@ twinned; the rest stay pdmesh's own. Nothing here reads the engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,8 +26,19 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason label values
 
 
+# vLLM's labels of vllm:lora_requests_info, in its order (max_loras, and the adapters of the running and the
+# waiting requests, comma separated); the gauge's value is the time of the last update, as vLLM sets it.
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
+
 class VllmMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, cache_labels: Sequence[str]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        cache_labels: Sequence[str],
+        max_loras: int | None = None,
+    ) -> None:
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
 
@@ -82,11 +94,40 @@ class VllmMetrics:
         }
         self.cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                   list(cache_labels), registry=registry)  # fmt: skip
+        # Only where LoRA is served (max_loras given), as vLLM registers it only with a LoRA config.
+        self.max_lora = str(max_loras) if max_loras is not None else None
+        self.lora_info = (
+            Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                list(LORA_INFO_LABELS),
+                registry=registry,
+            )  # fmt: skip
+            if max_loras is not None
+            else None
+        )
+        self._lora_adapters: tuple[str, str] | None = None
+        self._lora_set_at = 0.0
 
     def update(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def lora_requests(self, running: Sequence[str], waiting: Sequence[str]) -> None:
+        """The adapters of the running and the waiting requests now (each named once, sorted). The series of
+        the current adapters is set to the time (vLLM's ``set_to_current_time``), so a reader takes the
+        newest one; it is set again when the adapters change, else at most once a second."""
+        if self.lora_info is None:
+            return
+        key = (",".join(sorted(set(running))), ",".join(sorted(set(waiting))))
+        now = time.time()
+        if key == self._lora_adapters and now - self._lora_set_at < 1.0:
+            return
+        self._lora_adapters, self._lora_set_at = key, now
+        self.lora_info.labels(
+            running_lora_adapters=key[0], waiting_lora_adapters=key[1], max_lora=self.max_lora
+        ).set(now)
 
     def finished(self, reason: str | None) -> None:
         """A request that ended with the engine's finish reason (stop, length, abort; others are not

@@ -283,11 +283,14 @@ VLLM_CACHE_INFO_LABELS = (
 class WorkerMetrics:
     """The metrics both worker roles expose, named ``pdmesh_<role>_<what>_<unit>``."""
 
-    def __init__(self, role: str, model_name: str | None = None) -> None:
+    def __init__(self, role: str, model_name: str | None = None, max_loras: int | None = None) -> None:
         m = ServiceMetrics(role)
         self.registry = m.registry
-        # vLLM's names for the same figures (mesh.vllm_metrics), labelled with the model's name.
-        self.vllm = VllmMetrics(self.registry, model_name, VLLM_CACHE_INFO_LABELS) if model_name else None
+        # vLLM's names for the same figures (mesh.vllm_metrics), labelled with the model's name;
+        # ``max_loras`` where the worker serves LoRA adapters (vllm:lora_requests_info).
+        self.vllm = (
+            VllmMetrics(self.registry, model_name, VLLM_CACHE_INFO_LABELS, max_loras) if model_name else None
+        )
         self.requests = m.counter("requests", "total", "Requests by outcome.", ["outcome"])
         self.ttft = m.histogram("time_to_first_token", "seconds", "Time from arrival to first token.")
         self.tpot = m.histogram(
@@ -461,6 +464,16 @@ class WorkerMetrics:
             self.vllm.decode_time.observe((end_ns - out.first_token_ns) / 1e9)
         self.vllm.inference_time.observe(max(0, end_ns - out.first_scheduled_ns) / 1e9)
 
+    def lora_requests_from(self, engine: Any) -> None:
+        """vllm:lora_requests_info from the engine's scheduler: the adapters its running and waiting
+        requests run with (called on the engine thread after each step, where LoRA is served)."""
+        if self.vllm is not None and self.vllm.lora_info is not None:
+            scheduler = engine.scheduler
+            self.vllm.lora_requests(
+                [s.lora_name for s in scheduler.running if s.lora_name],
+                [s.lora_name for s in scheduler.waiting if s.lora_name],
+            )
+
     def update_from(self, stats: Any) -> None:
         """Refresh gauges and counters from engine stats (called on the engine thread after each step)."""
         self.waiting.set(stats.num_waiting)
@@ -508,6 +521,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         # Tasks nobody awaits (the role's background work, the health flip on drain): kept referenced
         # until they end, their failures logged, cancelled and awaited by ``close``.
         self.tasks = BackgroundTasks(type(self).__name__)
+        self._lora_lock = asyncio.Lock()  # one adapter change at a time
 
     # ---- shared RPCs ---------------------------------------------------------------------------
     async def Abort(
@@ -524,6 +538,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,
     ) -> common_pb2.WorkerStats:
         s = await self.aengine.call(self.engine.stats)
+        adapters = await self.aengine.lora_adapters() if self.lora_enabled else {}
         return common_pb2.WorkerStats(
             role=self.role,
             worker_id=self.worker_id,
@@ -539,6 +554,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
             draining=self.draining,
             layout_fingerprint=self.engine.layout.fingerprint,
             max_model_len=self.engine.max_model_len,
+            lora_adapters=_adapters_to_proto(adapters),
         )
 
     async def Drain(
@@ -561,6 +577,77 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         evicted = await self.aengine.call(self.engine.reset_prefix_cache)
         log.info("prefix cache reset: %d blocks evicted", evicted)
         return worker_pb2.ResetPrefixCacheResponse(num_evicted_blocks=evicted)
+
+    # ---- LoRA adapters (vLLM's load_lora_adapter / unload_lora_adapter, one worker's part) -------------
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(getattr(self.engine.config, "enable_lora", False))
+
+    async def LoadLoRAAdapter(
+        self,
+        request: worker_pb2.LoadLoRAAdapterRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.LoRAAdaptersResponse:
+        name, path = request.lora_name, request.lora_path
+        async with self._lora_lock:
+            try:
+                self._check_lora_rpc(name)
+                if not path:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "lora_path is required")
+                await self.aengine.add_lora(name, path)
+            except Exception as exc:
+                await self._lora_failed(context, "load", name, exc)
+            log.info("LoRA adapter %r loaded from %s", name, path)
+            return worker_pb2.LoRAAdaptersResponse(
+                lora_adapters=_adapters_to_proto(await self.aengine.lora_adapters())
+            )
+
+    async def UnloadLoRAAdapter(
+        self,
+        request: worker_pb2.UnloadLoRAAdapterRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.LoRAAdaptersResponse:
+        name = request.lora_name
+        async with self._lora_lock:  # no load between the check and the removal
+            try:
+                self._check_lora_rpc(name)
+                served = await self.aengine.list_loras()
+                if name not in served:
+                    raise StatusError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"worker {self.worker_id} serves no LoRA adapter named {name!r} (it serves: "
+                        f"{', '.join(served) or 'none'})",
+                    )
+                await self.aengine.remove_lora(name)
+            except Exception as exc:
+                await self._lora_failed(context, "unload", name, exc)
+            log.info("LoRA adapter %r unloaded", name)
+            return worker_pb2.LoRAAdaptersResponse(
+                lora_adapters=_adapters_to_proto(await self.aengine.lora_adapters())
+            )
+
+    def _check_lora_rpc(self, name: str) -> None:
+        if not self.lora_enabled:
+            raise StatusError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {self.worker_id} serves no LoRA adapters: start it with --enable-lora",
+            )
+        if not name:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "lora_name is required")
+
+    async def _lora_failed(
+        self, context: grpc.aio.ServicerContext, what: str, name: str, exc: Exception
+    ) -> None:
+        """End a LoRA RPC with its status: the engine's LoRAError (a bad adapter, one in use) and
+        InvalidRequestError are INVALID_ARGUMENT, with the engine's message."""
+        if isinstance(exc, StatusError):
+            code, message = exc.code, exc.message
+        elif isinstance(exc, ValueError):  # engine.lora.LoRAError, engine.errors.InvalidRequestError
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        else:
+            code, message = status_for(exc)
+        log.warning("LoRA adapter %r not %sed: %s: %s", name, what, code.name, message)
+        await context.abort(code, message)
 
     async def StreamKVEvents(
         self,
@@ -660,6 +747,10 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         await self.tasks.close()
 
 
+def _adapters_to_proto(adapters: dict[str, str]) -> list[common_pb2.LoRAAdapter]:
+    return [common_pb2.LoRAAdapter(name=name, path=path) for name, path in sorted(adapters.items())]
+
+
 def default_worker_id(role: str, host: str, port: int) -> str:
     return f"{role}-{host}-{port}-{uuid.uuid4().hex[:6]}"
 
@@ -681,9 +772,23 @@ async def serve_worker(
     aengine = make_engine(events)
     engine = aengine.engine
     events.model_fingerprint = engine.model_fingerprint
-    metrics = WorkerMetrics(role, model_name=engine.config.model if settings.vllm_metrics else None)
+    lora = bool(getattr(engine.config, "enable_lora", False))
+    metrics = WorkerMetrics(
+        role,
+        model_name=engine.config.model if settings.vllm_metrics else None,
+        max_loras=engine.config.max_loras if lora else None,
+    )
     metrics.set_cache_info(engine.cache_info())
-    aengine.on_step = lambda eng: metrics.update_from(eng.stats())
+    if lora:
+
+        def on_step(eng: Any) -> None:
+            metrics.update_from(eng.stats())
+            metrics.lora_requests_from(eng)
+
+        aengine.on_step = on_step
+        metrics.lora_requests_from(engine)  # the series is there from the start, with no adapter in use
+    else:
+        aengine.on_step = lambda eng: metrics.update_from(eng.stats())
     from mesh.kv_transfer import create_transfer_agent
 
     agent_name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

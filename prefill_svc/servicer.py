@@ -54,6 +54,7 @@ class PrefillServicer(WorkerServicerBase):
                     params,
                     hold_kv=True,
                     cache_salt=request.cache_salt or None,
+                    lora_name=request.lora_name or None,
                 ):
                     out = item
                     prompt_logprobs = item.prompt_logprobs or prompt_logprobs

@@ -28,12 +28,12 @@ class ChoiceRequest:
 async def build_choices(
     model: ServedModel, parsed: ParsedRequest, request_id: str, headers: Any
 ) -> list[ChoiceRequest]:
-    """Model check, chat rendering, tokenization (off the event loop), length and sampling checks, then
+    """Model check (and the LoRA adapter it selects), chat rendering, tokenization (off the event loop), length and sampling checks, then
     one generation per choice: ``n`` per prompt, choice ``i * n + j`` for sample ``j`` of prompt ``i``
     (as vLLM numbers them). With several choices each runs as a request of its own on the workers, id
     ``{index}_{request_id}``, and a seeded request's sample ``j`` takes seed + j (vLLM's parallel
     sampling rules), so every choice is reproducible and the samples differ."""
-    model.check_model(parsed.model)
+    lora_name = model.check_model(parsed.model) or ""  # the model field may name a LoRA adapter
     carrier = [(k.lower(), v) for k, v in headers.items()]
     trace_context = extract_context(carrier)
     prompts: list[tuple[list[int], str | list[int]]] = []  # token ids, and the prompt as given
@@ -86,6 +86,7 @@ async def build_choices(
                 endpoint=parsed.kind,
                 session_id=parsed.session_id,
                 cache_salt=parsed.cache_salt,
+                lora_name=lora_name,
                 trace_context=trace_context,
             )
             choices.append(ChoiceRequest(index, gen, echo))

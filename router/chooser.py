@@ -32,6 +32,7 @@ class RouteRequest:
     prompt_token_ids: Sequence[int]
     session_id: str | None = None
     cache_salt: str = ""
+    lora_name: str = ""  # its LoRA adapter: the workers root its block hashes there too
     routing: Any = None
 
 

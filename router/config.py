@@ -5,6 +5,7 @@ Only settings live here; ``router.__main__`` turns them into a running service.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from router.scoring.weighted_picker import (
     DEFAULT_PREFIX_WEIGHT,
 )
 from router.tool_calls import TOOL_CALL_PARSERS
+
+# vLLM's switch of its runtime LoRA endpoints, read as vLLM reads it ("1" or "true", any case).
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass
@@ -162,6 +166,12 @@ class RouterConfig:
     responses_max_stored: int = setting(
         1000, "Most responses a router without Redis keeps (the oldest go first)."
     )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and unload a LoRA adapter "
+        "on every worker (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, which is honoured too); off, they are "
+        "404s. The workers need --enable-lora.",
+    )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
@@ -192,6 +202,11 @@ class RouterConfig:
             raise ValueError("responses_ttl_s must be positive and responses_max_stored >= 1")
         if self.default_max_tokens_cap < 1:
             raise ValueError(f"default_max_tokens_cap must be >= 1, got {self.default_max_tokens_cap}")
+
+    def runtime_lora_updating(self) -> bool:
+        """Whether the adapter endpoints are served: the setting, or vLLM's variable set to 1 or true."""
+        vllm = os.environ.get(VLLM_RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+        return self.allow_runtime_lora_updating or vllm
 
     def routing_weights(self) -> RoutingWeights:
         """The scorer weights and hot-spot margin as the pickers take them (-1, no guard, is None there)."""

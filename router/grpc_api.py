@@ -32,7 +32,7 @@ ENDPOINT = "grpc_generate"
 async def build_generation(
     model: ServedModel, request: router_pb2.GenerateRequest, metadata: object
 ) -> Generation:
-    model.check_model(request.model)
+    lora_name = model.check_model(request.model, request.lora_name) or ""
     which = request.WhichOneof("prompt")
     if which == "text":
         ids = await model.tokenize(request.text)
@@ -51,6 +51,7 @@ async def build_generation(
         endpoint=ENDPOINT,
         session_id=request.session_id or None,
         cache_salt=request.cache_salt,
+        lora_name=lora_name,
         trace_context=extract_context(metadata),  # type: ignore[arg-type]
     )
 
@@ -120,15 +121,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListModels(  # noqa: N802 (generated name)
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
-        infos = [
-            router_pb2.ModelInfo(
+        """The base model under each of its names, then each LoRA adapter (parent: the base model), as
+        the HTTP API's /v1/models lists them."""
+
+        def info(name: str, parent: str = "", root: str = "") -> router_pb2.ModelInfo:
+            return router_pb2.ModelInfo(
                 id=name,
                 model_fingerprint=self.pool.model_fingerprint or "",
                 max_model_len=self.model.max_model_len,
                 block_size=self.pool.block_size,
                 num_prefill_workers=len(self.pool.usable(PREFILL)),
                 num_decode_workers=len(self.pool.usable(DECODE)),
+                parent=parent,
+                root=root,
             )
-            for name in self.model.names
-        ]
+
+        infos = [info(name) for name in self.model.names]
+        infos += [info(name, self.model.name, path) for name, path in self.model.lora_adapters().items()]
         return router_pb2.ListModelsResponse(models=infos)

@@ -34,6 +34,7 @@ from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
 from router.errors import InvalidRequestError, NotFoundError, NoWorkerAvailableError, RouterError
+from router.lora_updates import LoRAUpdates
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
     JsonFields,
@@ -87,6 +88,7 @@ class HttpApi:
         api_keys: ApiKeys | None = None,
         cors: CorsPolicy | None = None,
         response_store: ResponseStore | None = None,
+        runtime_lora_updating: bool = False,
     ) -> None:
         self.model = model
         self.orchestrator = orchestrator
@@ -95,6 +97,8 @@ class HttpApi:
         self.api_keys = api_keys or ApiKeys(())
         self.cors = cors
         self.response_store = response_store  # None: responses are not stored (nor continued)
+        self.runtime_lora_updating = runtime_lora_updating  # /v1/load_lora_adapter and unload served
+        self.lora_updates = LoRAUpdates(pool, model.names, pool.control_timeout_s)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -117,31 +121,70 @@ class HttpApi:
         app.router.add_route("*", "/ping", self.ping)
         app.router.add_post("/invocations", self.invocations)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
         return app
 
     # ---- simple endpoints ----------------------------------------------------------------------------
-    def _card(self, name: str) -> dict[str, Any]:
+    def _card(self, name: str, root: str | None = None, parent: str | None = None) -> dict[str, Any]:
         return {
             "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "pdmesh",
-            "root": self.model.name,
-            "parent": None,
+            "root": root or self.model.name,
+            "parent": parent,
             "max_model_len": self.model.max_model_len,
         }
 
+    def _cards(self) -> list[dict[str, Any]]:
+        """The base model under each of its names, then each LoRA adapter the workers serve (vLLM's
+        cards: root its directory, parent the base model)."""
+        cards = [self._card(name) for name in self.model.names]
+        adapters = self.model.lora_adapters()
+        cards += [self._card(name, path, self.model.name) for name, path in adapters.items()]
+        return cards
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card(name) for name in self.model.names]})
+        return web.json_response({"object": "list", "data": self._cards()})
 
     async def model_card(self, request: web.Request) -> web.Response:
-        """OpenAI's model retrieval: the served model's card, or a 404 for another name."""
+        """OpenAI's model retrieval: a served model's or adapter's card, or a 404 for another name."""
+        name = request.match_info["model"]
         try:
-            self.model.check_model(request.match_info["model"])
+            self.model.check_model(name)
         except RouterError as exc:
             return error_response(exc)
-        return web.json_response(self._card(request.match_info["model"]))
+        return web.json_response(next((c for c in self._cards() if c["id"] == name), self._card(name)))
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/load_lora_adapter``: ``{"lora_name", "lora_path"}`` loaded on every worker."""
+        try:
+            f = self._lora_update_fields(await request.read())
+            name = f.str("lora_name") or ""
+            await self.lora_updates.load(name, f.str("lora_path") or "")
+        except RouterError as exc:
+            return error_response(exc)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/unload_lora_adapter``: ``{"lora_name"}`` unloaded from every worker."""
+        try:
+            f = self._lora_update_fields(await request.read())
+            name = f.str("lora_name") or ""
+            await self.lora_updates.unload(name)
+        except RouterError as exc:
+            return error_response(exc)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _lora_update_fields(self, raw: bytes) -> JsonFields:
+        if not self.runtime_lora_updating:
+            raise NotFoundError(
+                "Loading and unloading LoRA adapters at run time is off: start the router with "
+                "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)"
+            )
+        return JsonFields(parse_json_body(raw))
 
     async def version(self, request: web.Request) -> web.Response:
         """vLLM's ``/version``: this package's version."""

@@ -99,6 +99,7 @@ class Generation:
     endpoint: str  # for metrics and spans: "completions", "chat_completions", "grpc_generate"
     session_id: str | None = None
     cache_salt: str = ""
+    lora_name: str = ""  # the LoRA adapter it runs with (the model field named it); empty: the base model
     trace_context: otel_context.Context | None = None  # the caller's, when it sent one
 
 
@@ -179,7 +180,7 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         rr: RouteRequest | None = None
         try:
-            rr = RouteRequest(g.request_id, g.prompt_token_ids, g.session_id, g.cache_salt)
+            rr = RouteRequest(g.request_id, g.prompt_token_ids, g.session_id, g.cache_salt, g.lora_name)
             prefill_worker, decode_worker = await self._route(rr, ctx)
             first: worker_pb2.PrefillResponse | None = None
             if prefill_worker is not None:
@@ -235,12 +236,12 @@ class Orchestrator:
         """The prefill worker (None when the decode worker prefills locally) and the decode worker."""
         with self.tracer.start_as_current_span("route", context=ctx) as span:
             started = time.perf_counter()
-            decode_candidates = self.pool.candidates(DECODE)
+            decode_candidates = self.pool.candidates(DECODE, lora_name=rr.lora_name)
             if not decode_candidates:
                 raise NoWorkerAvailableError(self.pool.describe_unusable(DECODE))
             decode = await self.chooser.choose(DECODE, rr, decode_candidates)
             self.metrics.decisions.labels(role=DECODE, reason=decode.reason).inc()
-            prefill_candidates = self.pool.candidates(PREFILL)
+            prefill_candidates = self.pool.candidates(PREFILL, lora_name=rr.lora_name)
             local = await self.chooser.local_prefill(rr, prefill_candidates, decode.worker)
             self.metrics.decisions.labels(role="pd", reason=local.reason).inc()
             prefill: WorkerEndpoint | None = None
@@ -271,6 +272,7 @@ class Orchestrator:
             prompt_token_ids=g.prompt_token_ids,
             sampling_params=g.sampling_params,
             cache_salt=g.cache_salt,
+            lora_name=g.lora_name,
         )
         current: WorkerEndpoint | None = worker
         while current is not None:
@@ -325,6 +327,7 @@ class Orchestrator:
             prompt_token_ids=g.prompt_token_ids,
             sampling_params=g.sampling_params,
             cache_salt=g.cache_salt,
+            lora_name=g.lora_name,
         )
         if first is not None:
             request.kv_handle.CopyFrom(first.kv_handle)
@@ -337,7 +340,7 @@ class Orchestrator:
         replay_first: int | None = None
         tried: list[WorkerEndpoint] = []
         failures: list[str] = []
-        candidates = self.pool.candidates(DECODE)
+        candidates = self.pool.candidates(DECODE, lora_name=g.lora_name)
         if not candidates:
             raise self._release_and(
                 st, g.request_id, NoWorkerAvailableError(self.pool.describe_unusable(DECODE))
@@ -470,7 +473,7 @@ class Orchestrator:
 
     # ---- helpers -------------------------------------------------------------------------------------
     async def _next(self, role: str, rr: RouteRequest, tried: list[WorkerEndpoint]) -> WorkerEndpoint | None:
-        candidates = self.pool.candidates(role, exclude=tried)
+        candidates = self.pool.candidates(role, exclude=tried, lora_name=rr.lora_name)
         if not candidates:
             return None
         choice = await self.chooser.choose(role, rr, candidates)

@@ -87,6 +87,7 @@ class ReplyWriter:
         self.want_logprobs = parsed.sampling.logprobs is not None
         self.n = parsed.n
         self.choices = {r.index: ChoiceReply(model, parsed, r) for r in requests}
+        self.model_name = model.reply_name(parsed.model)  # named once: adapters may come and go meanwhile
 
     @property
     def object_name(self) -> str:
@@ -97,7 +98,7 @@ class ReplyWriter:
             "id": self.request_id,
             "object": self.object_name + (".chunk" if chunk else ""),
             "created": self.created,
-            "model": self.model.reply_name(self.parsed.model),
+            "model": self.model_name,
             "choices": choices,
         }
 

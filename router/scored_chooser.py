@@ -2,9 +2,9 @@
 
 ``prefix`` (the default), per request:
 
-1. hash the prompt's full blocks once (``mesh.block_hash``, rooted at the mesh's model fingerprint and
-   the request's cache salt: the chain the workers' prefix caches use, so a salted request finds only
-   what was cached under the same salt);
+1. hash the prompt's full blocks once (``mesh.block_hash``, rooted at the mesh's model fingerprint, the
+   request's cache salt and its LoRA adapter: the chain the workers' prefix caches use, so a salted
+   request finds only what was cached under the same salt, and an adapter's only its own blocks);
 2. one KV index lookup (``router.prefix_index``), lengthened by the chains this router sent to a worker
    in the last seconds that the worker's events have not announced yet (``router.recent_routes``); when
    the index is unreachable the request is routed by load alone (no cached prefix anywhere) and
@@ -159,9 +159,8 @@ class ScoredChooser:
         hashes: list[int] = []
         matches = None
         if self.routing == PREFIX and fingerprint:
-            hashes = block_hashes(
-                request.prompt_token_ids, block_size, root_hash(fingerprint, request.cache_salt or None)
-            )
+            root = root_hash(fingerprint, request.cache_salt or None, request.lora_name or None)
+            hashes = block_hashes(request.prompt_token_ids, block_size, root)
             assert self.index is not None
             matches = await self.index.lookup(fingerprint, hashes)
             if matches is None:

@@ -131,17 +131,48 @@ class ServedModel:
         announced = self.pool.max_model_len() if self.pool is not None else None
         return announced or self.config.max_position_embeddings
 
-    def check_model(self, requested: str | None) -> None:
-        """Empty or absent means this model; a name it is not served under is a 404 naming those it is."""
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the workers serve (name -> PEFT directory), as they last said."""
+        return self.pool.lora_adapters() if self.pool is not None else {}
+
+    def check_model(self, requested: str | None, lora_name: str = "") -> str | None:
+        """The LoRA adapter a request runs with (None: the base model). ``requested`` (the ``model``
+        field) selects, as in vLLM: empty, absent or a name the base model is served under is the base
+        model, a LoRA adapter's name is that adapter, anything else a 404 naming what is served.
+        ``lora_name`` (gRPC's ``GenerateRequest.lora_name``) names an adapter beside a base ``model``."""
+        if not lora_name and (not requested or requested in self.names):
+            return None  # the common case: no adapter list to gather
+        adapters = self.lora_adapters()
+        adapter: str | None = None
         if requested and requested not in self.names:
-            served = ", ".join(f"`{n}`" for n in self.names)
-            raise ModelNotFoundError(
-                f"The model `{requested}` does not exist. This router serves {served}.", param="model"
-            )
+            if requested not in adapters:
+                served = ", ".join(f"`{n}`" for n in self.names)
+                if adapters:
+                    served += " and the LoRA adapters " + ", ".join(f"`{n}`" for n in adapters)
+                raise ModelNotFoundError(
+                    f"The model `{requested}` does not exist. This router serves {served}.", param="model"
+                )
+            adapter = requested
+        if lora_name:
+            if adapter is not None and adapter != lora_name:
+                raise InvalidRequestError(
+                    f"model names the LoRA adapter `{adapter}` and lora_name `{lora_name}`: name one",
+                    param="lora_name",
+                )
+            if lora_name not in adapters:
+                known = ", ".join(f"`{n}`" for n in adapters) or "none"
+                raise ModelNotFoundError(
+                    f"The LoRA adapter `{lora_name}` does not exist (served: {known}).", param="lora_name"
+                )
+            adapter = lora_name
+        return adapter
 
     def reply_name(self, requested: str | None) -> str:
-        """The model a reply names: the one asked for, if the model is served under it (vLLM's rule)."""
-        return requested if requested in self.names else self.name
+        """The model a reply names: the one asked for, if the model or one of its LoRA adapters is served
+        under it (vLLM's rule)."""
+        if requested and (requested in self.names or requested in self.lora_adapters()):
+            return requested
+        return self.name
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -163,7 +163,10 @@ class RouterService:
                 if self.redis is not None
                 else MemoryResponseStore(self.config.responses_max_stored, self.config.responses_ttl_s)
             )
-        api = HttpApi(self.model, self.orchestrator, self.pool, self.metrics, keys, cors, store)
+        api = HttpApi(
+            self.model, self.orchestrator, self.pool, self.metrics, keys, cors, store,
+            runtime_lora_updating=self.config.runtime_lora_updating(),
+        )  # fmt: skip
         self._runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)

@@ -21,7 +21,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -69,6 +69,11 @@ class WorkerEndpoint:
     in_flight: int = 0  # worker calls of this router on it now (Prefill, Decode)
     in_flight_tokens: int = 0  # prompt tokens of those calls
     in_flight_tokens_at_poll: int = 0  # in_flight_tokens when the last stats arrived
+    # The LoRA adapters it serves (name -> PEFT directory): from its stats, and from the replies of the
+    # adapter loads and unloads this router sent it. ``lora_version`` counts those changes, so that a poll
+    # that began before one does not put the older list back.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_version: int = 0
 
     @property
     def name(self) -> str:
@@ -84,6 +89,14 @@ class WorkerEndpoint:
     @property
     def usable(self) -> bool:
         return self.health is not Health.DOWN and not self.draining and not self.excluded_reason
+
+    def set_lora_adapters(self, adapters: Sequence[common_pb2.LoRAAdapter]) -> None:
+        """What a LoadLoRAAdapter or UnloadLoRAAdapter reply says the worker serves now."""
+        self.lora_adapters = {a.name: a.path for a in adapters}
+        self.lora_version += 1
+
+    def serves_lora(self, name: str) -> bool:
+        return name in self.lora_adapters
 
     def begin_call(self, tokens: int) -> None:
         self.in_flight += 1
@@ -182,6 +195,7 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
     async def _poll(self, w: WorkerEndpoint) -> None:
+        lora_version = w.lora_version
         try:
             stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=self.control_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -189,10 +203,14 @@ class WorkerPool:
             return
         except grpc.aio.UsageError:  # removed from the pool meanwhile: its channel is closed
             return
-        self._accept_stats(w, stats)
+        self._accept_stats(w, stats, lora_current=w.lora_version == lora_version)
 
-    def _accept_stats(self, w: WorkerEndpoint, stats: common_pb2.WorkerStats) -> None:
+    def _accept_stats(
+        self, w: WorkerEndpoint, stats: common_pb2.WorkerStats, lora_current: bool = True
+    ) -> None:
         w.stats = stats
+        if lora_current:  # else a load or unload answered while this poll was under way: its list is newer
+            w.lora_adapters = {a.name: a.path for a in stats.lora_adapters}
         w.in_flight_tokens_at_poll = w.in_flight_tokens
         reason = ""
         if stats.block_size and stats.block_size != self.block_size:
@@ -227,18 +245,35 @@ class WorkerPool:
         """Workers of ``role`` that answered their last poll (or were not polled yet), minus ``exclude``."""
         return [w for w in self.by_role(role) if w.usable and w not in exclude]
 
-    def candidates(self, role: str, exclude: Sequence[WorkerEndpoint] = ()) -> list[WorkerEndpoint]:
+    def candidates(
+        self, role: str, exclude: Sequence[WorkerEndpoint] = (), lora_name: str = ""
+    ) -> list[WorkerEndpoint]:
         """Workers of ``role`` to try: the usable ones; when there are none, the ones that were down (a
         down worker fails a call within milliseconds, and it may be back before the next poll sees it).
-        Draining workers and workers of another model or block size are never candidates."""
-        usable = self.usable(role, exclude)
-        if usable:
-            return usable
-        return [
-            w
-            for w in self.by_role(role)
-            if w.health is Health.DOWN and not w.excluded_reason and not w.draining and w not in exclude
-        ]
+        Draining workers and workers of another model or block size are never candidates. With a LoRA
+        adapter, those that serve it (or have not said yet); when none does, all of them: a worker refuses
+        what it cannot serve with a message that says so."""
+        found = self.usable(role, exclude)
+        if not found:
+            found = [
+                w
+                for w in self.by_role(role)
+                if w.health is Health.DOWN and not w.excluded_reason and not w.draining and w not in exclude
+            ]
+        if lora_name:
+            serving = [w for w in found if w.stats is None or w.serves_lora(lora_name)]
+            return serving or found
+        return found
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the mesh serves (name -> PEFT directory): those any worker of the mesh's
+        model announces, by name."""
+        adapters: dict[str, str] = {}
+        for w in self.workers:
+            if not w.excluded_reason:
+                for name, path in w.lora_adapters.items():
+                    adapters.setdefault(name, path)
+        return dict(sorted(adapters.items()))
 
     def describe_unusable(self, role: str) -> str:
         """Why no worker of ``role`` can take a request (for the 503 message)."""

@@ -140,6 +140,18 @@ def test_up_gives_each_worker_a_gpu_of_its_own_in_turn() -> None:
         c.argv[c.argv.index("--kv-cache-dtype") + 1] for c in fp8.children if "--kv-cache-dtype" in c.argv
     ] == ["fp8"] * 3
     assert worker_gpus(None, {"CUDA_VISIBLE_DEVICES": ""}) == []
+    # LoRA settings go to every worker alike (a request's adapter runs on its prefill and decode worker).
+    lora = planned(
+        ["--enable-lora", "--max-loras", "3", "--lora-modules", "a=/x", "b=/y", "--num-decode", "2"], {}
+    )
+    workers = [c.argv for c in lora.children]
+    assert len(workers) == 3 and all(
+        argv[argv.index("--enable-lora") :][:5]
+        == ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
+        and argv[argv.index("--lora-modules") :][:3] == ["--lora-modules", "a=/x", "b=/y"]
+        for argv in workers
+    )
+    assert all("--enable-lora" not in c.argv for c in fp8.children)
 
 
 def test_up_splits_each_gpu_among_its_workers() -> None:

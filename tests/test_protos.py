@@ -105,8 +105,11 @@ def test_prefill_to_decode_handoff_round_trip() -> None:
         prompt_token_ids=range(40),
         kv_handle=back.kv_handle,
         first_token_id=back.first_token_id,
+        cache_salt="s",
+        lora_name="sql",  # the adapter the prefill ran with, as the cache salt: the router sends both
     )
     back_decode = worker_pb2.DecodeRequest.FromString(decode.SerializeToString())
+    assert (back_decode.cache_salt, back_decode.lora_name) == ("s", "sql")
     # Token id 0 is a real token: presence, not truthiness, says the prefill happened elsewhere.
     assert back_decode.HasField("first_token_id") and back_decode.first_token_id == 0
     assert back_decode.HasField("kv_handle") and list(back_decode.kv_handle.block_ids) == [7, 8, 9]
@@ -183,6 +186,8 @@ def test_tiers_match_the_mesh_kv_events_tiers() -> None:
                 "Drain": False,
                 "StreamKVEvents": True,
                 "ResetPrefixCache": False,
+                "LoadLoRAAdapter": False,
+                "UnloadLoRAAdapter": False,
             },
         ),
         (

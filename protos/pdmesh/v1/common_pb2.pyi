@@ -254,7 +254,7 @@ class TransferMetadata(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pool_base_address: _Optional[int] = ..., device: _Optional[str] = ..., mem_type: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "worker_id", "model_fingerprint", "block_size", "num_kv_blocks_total", "num_kv_blocks_free", "num_running", "num_waiting", "running_tokens", "queued_tokens", "kv_usage", "draining", "layout_fingerprint", "max_model_len")
+    __slots__ = ("role", "worker_id", "model_fingerprint", "block_size", "num_kv_blocks_total", "num_kv_blocks_free", "num_running", "num_waiting", "running_tokens", "queued_tokens", "kv_usage", "draining", "layout_fingerprint", "max_model_len", "lora_adapters")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class WorkerStats(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     worker_id: str
     model_fingerprint: str
@@ -283,4 +284,13 @@ class WorkerStats(_message.Message):
     draining: bool
     layout_fingerprint: str
     max_model_len: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., running_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., running_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...

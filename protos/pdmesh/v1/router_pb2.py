@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as protos_dot_pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdmesh/v1/router.proto\x12\tpdmesh.v1\x1a\x1dprotos/pdmesh/v1/common.proto\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x13\n\x0breturn_text\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x08logprobs\x18\x04 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12,\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\"\x13\n\x11ListModelsRequest\"\x96\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x05 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x06 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ModelInfo2\x9a\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.pdmesh.v1.ListModelsRequest\x1a\x1d.pdmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdmesh/v1/router.proto\x12\tpdmesh.v1\x1a\x1dprotos/pdmesh/v1/common.proto\"\xfc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x13\n\x0breturn_text\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x11\n\tlora_name\x18\t \x01(\tB\x08\n\x06prompt\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x08logprobs\x18\x04 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12,\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\"\x13\n\x11ListModelsRequest\"\xb4\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x05 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x06 \x01(\r\x12\x0e\n\x06parent\x18\x07 \x01(\t\x12\x0c\n\x04root\x18\x08 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ModelInfo2\x9a\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.pdmesh.v1.ListModelsRequest\x1a\x1d.pdmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdmesh.v1.router_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=76
-  _globals['_GENERATEREQUEST']._serialized_end=309
-  _globals['_GENERATERESPONSE']._serialized_start=312
-  _globals['_GENERATERESPONSE']._serialized_end=596
-  _globals['_LISTMODELSREQUEST']._serialized_start=598
-  _globals['_LISTMODELSREQUEST']._serialized_end=617
-  _globals['_MODELINFO']._serialized_start=620
-  _globals['_MODELINFO']._serialized_end=770
-  _globals['_LISTMODELSRESPONSE']._serialized_start=772
-  _globals['_LISTMODELSRESPONSE']._serialized_end=830
-  _globals['_ROUTER']._serialized_start=833
-  _globals['_ROUTER']._serialized_end=987
+  _globals['_GENERATEREQUEST']._serialized_end=328
+  _globals['_GENERATERESPONSE']._serialized_start=331
+  _globals['_GENERATERESPONSE']._serialized_end=615
+  _globals['_LISTMODELSREQUEST']._serialized_start=617
+  _globals['_LISTMODELSREQUEST']._serialized_end=636
+  _globals['_MODELINFO']._serialized_start=639
+  _globals['_MODELINFO']._serialized_end=819
+  _globals['_LISTMODELSRESPONSE']._serialized_start=821
+  _globals['_LISTMODELSRESPONSE']._serialized_end=879
+  _globals['_ROUTER']._serialized_start=882
+  _globals['_ROUTER']._serialized_end=1036
 # @@protoc_insertion_point(module_scope)

@@ -25,43 +25,49 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as protos_dot_pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x1dprotos/pdmesh/v1/common.proto\"\x86\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\x91\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x31\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.Logprobs\x12&\n\tkv_handle\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12,\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\"\xab\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12&\n\tkv_handle\x18\x05 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x31\n\x14\x66irst_token_logprobs\x18\x07 \x01(\x0b\x32\x13.pdmesh.v1.Logprobs\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\rB\x11\n\x0f_first_token_id\"\xf8\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12%\n\x08logprobs\x18\x03 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12,\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"?\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x18\n\x10num_blocks_freed\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1c\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"&\n\rDrainResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\r\"+\n\x0fKVEventsRequest\x12\x18\n\x10include_snapshot\x18\x01 \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"6\n\x18ResetPrefixCacheResponse\x12\x1a\n\x12num_evicted_blocks\x18\x01 \x01(\r*Q\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x14\n\x10REFUSAL_DRAINING\x10\x01\x12\x17\n\x13REFUSAL_ENGINE_DOWN\x10\x02\x32\x86\x05\n\x06Worker\x12@\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse\x12?\n\x06\x44\x65\x63ode\x12\x18.pdmesh.v1.DecodeRequest\x1a\x19.pdmesh.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x18.pdmesh.v1.AbortResponse\x12V\n\x13GetTransferMetadata\x12\".pdmesh.v1.TransferMetadataRequest\x1a\x1b.pdmesh.v1.TransferMetadata\x12\x46\n\tReleaseKV\x12\x1b.pdmesh.v1.ReleaseKVRequest\x1a\x1c.pdmesh.v1.ReleaseKVResponse\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStats\x12:\n\x05\x44rain\x12\x17.pdmesh.v1.DrainRequest\x1a\x18.pdmesh.v1.DrainResponse\x12G\n\x0eStreamKVEvents\x12\x1a.pdmesh.v1.KVEventsRequest\x1a\x17.pdmesh.v1.KVEventBatch0\x01\x12[\n\x10ResetPrefixCache\x12\".pdmesh.v1.ResetPrefixCacheRequest\x1a#.pdmesh.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x1dprotos/pdmesh/v1/common.proto\"\x99\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\"\x91\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x31\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.Logprobs\x12&\n\tkv_handle\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12,\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\"\xbe\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12&\n\tkv_handle\x18\x05 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x31\n\x14\x66irst_token_logprobs\x18\x07 \x01(\x0b\x32\x13.pdmesh.v1.Logprobs\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x11\n\tlora_name\x18\t \x01(\tB\x11\n\x0f_first_token_id\"\xf8\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12%\n\x08logprobs\x18\x03 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12,\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x13.pdmesh.v1.Logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"?\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x18\n\x10num_blocks_freed\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1c\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"&\n\rDrainResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\r\"+\n\x0fKVEventsRequest\x12\x18\n\x10include_snapshot\x18\x01 \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"6\n\x18ResetPrefixCacheResponse\x12\x1a\n\x12num_evicted_blocks\x18\x01 \x01(\r\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"E\n\x14LoRAAdaptersResponse\x12-\n\rlora_adapters\x18\x01 \x03(\x0b\x32\x16.pdmesh.v1.LoRAAdapter*Q\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x14\n\x10REFUSAL_DRAINING\x10\x01\x12\x17\n\x13REFUSAL_ENGINE_DOWN\x10\x02\x32\xb8\x06\n\x06Worker\x12@\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse\x12?\n\x06\x44\x65\x63ode\x12\x18.pdmesh.v1.DecodeRequest\x1a\x19.pdmesh.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x18.pdmesh.v1.AbortResponse\x12V\n\x13GetTransferMetadata\x12\".pdmesh.v1.TransferMetadataRequest\x1a\x1b.pdmesh.v1.TransferMetadata\x12\x46\n\tReleaseKV\x12\x1b.pdmesh.v1.ReleaseKVRequest\x1a\x1c.pdmesh.v1.ReleaseKVResponse\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStats\x12:\n\x05\x44rain\x12\x17.pdmesh.v1.DrainRequest\x1a\x18.pdmesh.v1.DrainResponse\x12G\n\x0eStreamKVEvents\x12\x1a.pdmesh.v1.KVEventsRequest\x1a\x17.pdmesh.v1.KVEventBatch0\x01\x12[\n\x10ResetPrefixCache\x12\".pdmesh.v1.ResetPrefixCacheRequest\x1a#.pdmesh.v1.ResetPrefixCacheResponse\x12U\n\x0fLoadLoRAAdapter\x12!.pdmesh.v1.LoadLoRAAdapterRequest\x1a\x1f.pdmesh.v1.LoRAAdaptersResponse\x12Y\n\x11UnloadLoRAAdapter\x12#.pdmesh.v1.UnloadLoRAAdapterRequest\x1a\x1f.pdmesh.v1.LoRAAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdmesh.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REFUSAL']._serialized_start=1448
-  _globals['_REFUSAL']._serialized_end=1529
+  _globals['_REFUSAL']._serialized_start=1668
+  _globals['_REFUSAL']._serialized_end=1749
   _globals['_PREFILLREQUEST']._serialized_start=76
-  _globals['_PREFILLREQUEST']._serialized_end=210
-  _globals['_PREFILLRESPONSE']._serialized_start=213
-  _globals['_PREFILLRESPONSE']._serialized_end=486
-  _globals['_DECODEREQUEST']._serialized_start=489
-  _globals['_DECODEREQUEST']._serialized_end=788
-  _globals['_DECODERESPONSE']._serialized_start=791
-  _globals['_DECODERESPONSE']._serialized_end=1039
-  _globals['_ABORTREQUEST']._serialized_start=1041
-  _globals['_ABORTREQUEST']._serialized_end=1075
-  _globals['_ABORTRESPONSE']._serialized_start=1077
-  _globals['_ABORTRESPONSE']._serialized_end=1107
-  _globals['_RELEASEKVREQUEST']._serialized_start=1109
-  _globals['_RELEASEKVREQUEST']._serialized_end=1167
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1169
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1232
-  _globals['_STATSREQUEST']._serialized_start=1234
-  _globals['_STATSREQUEST']._serialized_end=1248
-  _globals['_DRAINREQUEST']._serialized_start=1250
-  _globals['_DRAINREQUEST']._serialized_end=1278
-  _globals['_DRAINRESPONSE']._serialized_start=1280
-  _globals['_DRAINRESPONSE']._serialized_end=1318
-  _globals['_KVEVENTSREQUEST']._serialized_start=1320
-  _globals['_KVEVENTSREQUEST']._serialized_end=1363
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1365
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1390
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1392
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1446
-  _globals['_WORKER']._serialized_start=1532
-  _globals['_WORKER']._serialized_end=2178
+  _globals['_PREFILLREQUEST']._serialized_end=229
+  _globals['_PREFILLRESPONSE']._serialized_start=232
+  _globals['_PREFILLRESPONSE']._serialized_end=505
+  _globals['_DECODEREQUEST']._serialized_start=508
+  _globals['_DECODEREQUEST']._serialized_end=826
+  _globals['_DECODERESPONSE']._serialized_start=829
+  _globals['_DECODERESPONSE']._serialized_end=1077
+  _globals['_ABORTREQUEST']._serialized_start=1079
+  _globals['_ABORTREQUEST']._serialized_end=1113
+  _globals['_ABORTRESPONSE']._serialized_start=1115
+  _globals['_ABORTRESPONSE']._serialized_end=1145
+  _globals['_RELEASEKVREQUEST']._serialized_start=1147
+  _globals['_RELEASEKVREQUEST']._serialized_end=1205
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1207
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1270
+  _globals['_STATSREQUEST']._serialized_start=1272
+  _globals['_STATSREQUEST']._serialized_end=1286
+  _globals['_DRAINREQUEST']._serialized_start=1288
+  _globals['_DRAINREQUEST']._serialized_end=1316
+  _globals['_DRAINRESPONSE']._serialized_start=1318
+  _globals['_DRAINRESPONSE']._serialized_end=1356
+  _globals['_KVEVENTSREQUEST']._serialized_start=1358
+  _globals['_KVEVENTSREQUEST']._serialized_end=1401
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1403
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1428
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1430
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1484
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1486
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1548
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1550
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1595
+  _globals['_LORAADAPTERSRESPONSE']._serialized_start=1597
+  _globals['_LORAADAPTERSRESPONSE']._serialized_end=1666
+  _globals['_WORKER']._serialized_start=1752
+  _globals['_WORKER']._serialized_end=2576
 # @@protoc_insertion_point(module_scope)

@@ -80,6 +80,16 @@ class WorkerStub:
                 request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdmesh.v1.Worker/LoadLoRAAdapter',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdmesh.v1.Worker/UnloadLoRAAdapter',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -149,6 +159,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Register a PEFT LoRA adapter under a name (vLLM's load_lora_adapter); a name already served is
+        replaced when no running request uses it. INVALID_ARGUMENT: an adapter this worker cannot serve (the
+        message says why); FAILED_PRECONDITION: the worker runs without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unregister an adapter no running request uses (vLLM's unload_lora_adapter). NOT_FOUND: no adapter of
+        that name; INVALID_ARGUMENT: it is in use; FAILED_PRECONDITION: the worker runs without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +223,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +478,60 @@ class Worker:
             '/pdmesh.v1.Worker/ResetPrefixCache',
             protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
             protos_dot_pdmesh_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Worker/LoadLoRAAdapter',
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Worker/UnloadLoRAAdapter',
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
