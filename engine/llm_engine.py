@@ -1124,6 +1124,10 @@ class LLMEngine:
             "num_blocks": str(self.kv_pool.shape[0]),
             "kv_scales": "checkpoint" if self.kv_scaled_layers else "none",
             "prefix_caching": "true" if self.config.enable_prefix_caching else "false",
+            # The fraction the pool was sized by; empty where a size was given or off a GPU.
+            "gpu_memory_utilization": (
+                str(self.config.gpu_memory_utilization) if self.memory_profile is not None else ""
+            ),
         }
 
     def stats(self) -> EngineStats:

@@ -268,7 +268,9 @@ ENGINE_WATCH_S = 0.5
 
 # The labels of cache_config_info: the keys of engine.LLMEngine.cache_info (mesh does not import engine; a
 # test checks that they agree).
-CACHE_INFO_LABELS = ("block_size", "cache_dtype", "num_blocks", "kv_scales", "prefix_caching")
+CACHE_INFO_LABELS = (
+    "block_size", "cache_dtype", "num_blocks", "kv_scales", "prefix_caching", "gpu_memory_utilization",
+)  # fmt: skip
 # vLLM's names of the same (vllm:cache_config_info; kv_scales is pdmesh's own: calculate_kv_scales is the
 # nearest vLLM field, and no reader of vLLM's metric looks at it).
 VLLM_CACHE_INFO_LABELS = (
@@ -277,6 +279,7 @@ VLLM_CACHE_INFO_LABELS = (
     "num_gpu_blocks",
     "calculate_kv_scales",
     "enable_prefix_caching",
+    "gpu_memory_utilization",
 )
 
 

@@ -22,6 +22,7 @@ def test_pool_size_settings_on_the_cpu() -> None:
     block = default.layout.block_nbytes
     assert default.block_pool.num_blocks == (GIB // 2) // block  # 0.5 GiB on the CPU
     assert default.memory_profile is None  # no profile off a GPU
+    assert default.cache_info()["gpu_memory_utilization"] == ""
     sized = LLM("tiny-dense", kv_cache_memory_gb=0.01).engine
     assert sized.block_pool.num_blocks == int(0.01 * GIB) // block
     both = LLM("tiny-dense", kv_cache_memory_gb=0.01, num_kv_blocks=40).engine
@@ -99,6 +100,7 @@ def test_engine_keeps_to_its_fraction(model: str) -> None:
     profile = engine.memory_profile
     assert profile is not None and engine.graph_memory_bytes is not None
     assert profile.budget == int(utilization * profile.total)
+    assert engine.cache_info()["gpu_memory_utilization"] == str(utilization)
     assert profile.weights > 0 and profile.activation_peak > 0
     pool_bytes = engine.kv_pool.numel() * engine.kv_pool.element_size()
     assert pool_bytes == engine.block_pool.num_blocks * engine.layout.block_nbytes

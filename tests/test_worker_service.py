@@ -169,7 +169,7 @@ def test_cache_config_info_labels_the_engines_kv_cache() -> None:
         metrics = WorkerMetrics("prefill")
         metrics.set_cache_info(info)
         labels = {"block_size": "8", "cache_dtype": dtype_name, "num_blocks": "24", "kv_scales": "none",
-                  "prefix_caching": "true"}  # fmt: skip
+                  "prefix_caching": "true", "gpu_memory_utilization": ""}  # fmt: skip
         assert metrics.registry.get_sample_value("pdmesh_prefill_cache_config_info", labels) == 1
 
 
