@@ -315,6 +315,7 @@ class LLMEngine:
         slots = LoRASlots(
             model.cfg, config.max_loras, config.max_lora_rank,
             max(config.max_num_batched_tokens, config.max_num_seqs), model.embed_tokens.dtype, self.device,
+            self.ops,
         )  # fmt: skip
         for layer, layer_lora in zip(model.layers, slots.layers, strict=True):
             layer.lora = layer_lora

@@ -12,10 +12,12 @@ projection the slots' matrices are stacked: ``A_all`` [S*R, in] and ``B_all`` [o
 scale folded into B. A batch's LoRA is then two matmuls over every slot at once, the middle [T, S, R]
 masked to each row's own slot (``row_slots``: one-hot [T, S], a zero row for none):
 
-    t = x @ A_all.T;  t *= row_slots[:, :, None];  y += t @ B_all.T      (3 kernels a projection)
+    t = x @ A_all.T;  t *= row_slots[:, :, None];  y += t @ B_all.T
 
 Shapes are static, so CUDA graphs capture it; the runner writes each pass's rows into the one
-``row_slots`` buffer before it launches. Rows are independent, so a padding row's stale slot changes
+``row_slots`` buffer before it launches. The op table's ``lora_apply`` computes it: three kernels in the
+PyTorch reference (kernels/lora.py), two on the Triton backend for decode-sized passes (a split-K shrink, and
+the expand with the mask and the add folded in: kernels/triton_lora.py). Rows are independent, so a padding row's stale slot changes
 nothing but its own (dropped) output. Costs a projection ``S*R / in`` more FLOPs and ``S*R*(in+out)`` more
 weight bytes a step (with S*R = 64 and a 4096-wide model, about 1.6% of its FLOPs).
 
@@ -39,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.errors import InvalidRequestError
 from engine.models.model_config import ModelConfig
+from kernels import Ops
 
 log = logging.getLogger(__name__)
 
@@ -187,19 +189,16 @@ class ProjectionLoRA:
 
 class LayerLoRA:
     """A decoder layer's adapters: ``apply(kind, x, y)`` is projection output ``y`` with what the batch's
-    adapters add to it."""
+    adapters add to it (the op table's ``lora_apply``: kernels/lora.py, kernels/triton_lora.py)."""
 
-    def __init__(self, projections: dict[str, ProjectionLoRA], row_slots: torch.Tensor) -> None:
+    def __init__(self, projections: dict[str, ProjectionLoRA], row_slots: torch.Tensor, ops: Ops) -> None:
         self.projections = projections
         self.row_slots = row_slots  # [rows, S]: 1 in the column of each row's slot (LoRASlots.set_rows)
+        self.ops = ops
 
     def apply(self, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + (x A_all^T masked to each row's slot) B_all^T: three kernels (shrink, mask, expand-add)."""
         p = self.projections[kind]
-        t = F.linear(x, p.a)
-        rows, slots = x.shape[0], self.row_slots.shape[1]
-        t = (t.view(rows, slots, -1) * self.row_slots[:rows, :, None]).view(rows, -1)
-        return torch.addmm(y, t, p.b.t())
+        return self.ops.lora_apply(x, p.a, p.b, self.row_slots, y)
 
 
 @dataclass
@@ -218,6 +217,7 @@ class LoRASlots:
     max_rows: int
     dtype: torch.dtype
     device: torch.device
+    ops: Ops
     adapters: dict[str, LoRAAdapter] = field(default_factory=dict)
     slots: list[_Slot] = field(default_factory=list)
     _lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # slots, least recently used first
@@ -247,7 +247,7 @@ class LoRASlots:
                     part_rows=tuple(bounds),
                     rank=r,
                 )
-            self.layers.append(LayerLoRA(projections, self.row_slots))
+            self.layers.append(LayerLoRA(projections, self.row_slots, self.ops))
 
     # ---- adapters ------------------------------------------------------------------------------------
     def add(self, adapter: LoRAAdapter) -> None:

@@ -9,6 +9,7 @@ from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
+from kernels.lora import lora_apply_torch
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -37,6 +38,7 @@ class Ops:
     gumbel_sample: (
         Callable  # the sampling race, with top-k, top-p and min-p (engine/sampler.py picks the rows)
     )
+    lora_apply: Callable  # a projection's output plus the LoRA of each row's adapter slot (engine/lora.py)
 
 
 TORCH_OPS = Ops(
@@ -54,6 +56,7 @@ TORCH_OPS = Ops(
     linear=linear_torch,
     add_rms_norm_linear=add_rms_norm_linear_torch,
     gumbel_sample=gumbel_sample_torch,
+    lora_apply=lora_apply_torch,
 )
 
 

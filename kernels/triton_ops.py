@@ -10,6 +10,7 @@ from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
+from kernels.triton_lora import lora_apply_triton
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
@@ -32,4 +33,5 @@ TRITON_OPS = Ops(
     linear=linear_triton,
     add_rms_norm_linear=add_rms_norm_linear_triton,
     gumbel_sample=gumbel_sample_triton,
+    lora_apply=lora_apply_triton,
 )
