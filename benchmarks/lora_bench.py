@@ -16,6 +16,7 @@ not fit an H200 together).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.lora import _module_shape  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
+from kernels.lora import lora_apply_torch  # noqa: E402
 
 
 def write_random_adapter(cfg: ModelConfig, path: Path, rank: int, seed: int) -> Path:
@@ -57,6 +59,20 @@ def write_random_adapter(cfg: ModelConfig, path: Path, rank: int, seed: int) -> 
     (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": modules,
                                                           "peft_type": "LORA"}))  # fmt: skip
     return path
+
+
+def use_reference_lora(llm: LLM) -> None:
+    """Give the engine's LoRA layers the PyTorch reference op (kernels/lora.py: three kernels a projection)
+    and capture its graphs again with it."""
+    engine = llm.engine
+    for layer in engine.lora.layers:
+        layer.ops = dataclasses.replace(layer.ops, lora_apply=lora_apply_torch)
+    runner = engine.runner
+    runner.release_graphs()
+    runner.enable_cuda_graphs(engine.config.max_num_seqs, engine.max_model_len)
+    runner.enable_prefill_graphs(
+        min(engine.config.prefill_graph_tokens, engine.config.max_num_batched_tokens)
+    )
 
 
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: list, repeats: int) -> float:
@@ -109,13 +125,17 @@ def main() -> None:
         spread = timed(
             lora, prompts[b], params, [adapters[i % len(adapters)] for i in range(b)], args.repeats
         )
-        rows.append((b, base[b], no_adapter, one, spread))
+        rows.append([b, base[b], no_adapter, one, spread])
+    if common["kernel_backend"] == "triton":  # the same engine with the reference's three-kernel LoRA
+        use_reference_lora(lora)
+        for row in rows:
+            b = row[0]
+            row.append(timed(lora, prompts[b], params, [adapters[0]] * b, args.repeats))
     device = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"{SHAPES[args.shape][0]}{' (smoke)' if args.smoke else ''} on {device}, rank {args.rank}, "
           f"{args.adapters} slots, {args.max_tokens} new tokens, decode tok/s (ratio to no LoRA)")  # fmt: skip
-    print(
-        f"{'batch':>5} {'no LoRA':>10} {'LoRA on, base':>18} {'one adapter':>18} {f'{args.adapters} adapters':>18}"
-    )
+    print(f"{'batch':>5} {'no LoRA':>10} {'LoRA on, base':>18} {'one adapter':>18} {f'{args.adapters} adapters':>18}"
+          f"{'  one, reference op' if len(rows[0]) > 5 else ''}")  # fmt: skip
     for b, plain_rate, *rates in rows:
         cells = " ".join(f"{r:>10.1f} ({r / plain_rate:.2f})" for r in rates)
         print(f"{b:>5} {plain_rate:>10.1f} {cells}")
