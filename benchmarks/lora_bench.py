@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.lora import _module_shape  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
-from kernels.lora import lora_apply_torch  # noqa: E402
 
 
 def write_random_adapter(cfg: ModelConfig, path: Path, rank: int, seed: int) -> Path:
@@ -61,12 +60,14 @@ def write_random_adapter(cfg: ModelConfig, path: Path, rank: int, seed: int) -> 
     return path
 
 
-def use_reference_lora(llm: LLM) -> None:
-    """Give the engine's LoRA layers the PyTorch reference op (kernels/lora.py: three kernels a projection)
-    and capture its graphs again with it."""
+def use_two_kernel_lora(llm: LLM) -> None:
+    """Give the engine's LoRA layers kernels/triton_lora.py's op (two kernels a projection, not yet the
+    Triton backend's choice) and capture its graphs again with it."""
+    from kernels.triton_lora import lora_apply_triton
+
     engine = llm.engine
     for layer in engine.lora.layers:
-        layer.ops = dataclasses.replace(layer.ops, lora_apply=lora_apply_torch)
+        layer.ops = dataclasses.replace(layer.ops, lora_apply=lora_apply_triton)
     runner = engine.runner
     runner.release_graphs()
     runner.enable_cuda_graphs(engine.config.max_num_seqs, engine.max_model_len)
@@ -126,8 +127,8 @@ def main() -> None:
             lora, prompts[b], params, [adapters[i % len(adapters)] for i in range(b)], args.repeats
         )
         rows.append([b, base[b], no_adapter, one, spread])
-    if common["kernel_backend"] == "triton":  # the same engine with the reference's three-kernel LoRA
-        use_reference_lora(lora)
+    if common["kernel_backend"] == "triton":  # the same engine with the two-kernel Triton LoRA op
+        use_two_kernel_lora(lora)
         for row in rows:
             b = row[0]
             row.append(timed(lora, prompts[b], params, [adapters[0]] * b, args.repeats))
@@ -135,7 +136,7 @@ def main() -> None:
     print(f"{SHAPES[args.shape][0]}{' (smoke)' if args.smoke else ''} on {device}, rank {args.rank}, "
           f"{args.adapters} slots, {args.max_tokens} new tokens, decode tok/s (ratio to no LoRA)")  # fmt: skip
     print(f"{'batch':>5} {'no LoRA':>10} {'LoRA on, base':>18} {'one adapter':>18} {f'{args.adapters} adapters':>18}"
-          f"{'  one, reference op' if len(rows[0]) > 5 else ''}")  # fmt: skip
+          f"{'  one, two-kernel op' if len(rows[0]) > 5 else ''}")  # fmt: skip
     for b, plain_rate, *rates in rows:
         cells = " ".join(f"{r:>10.1f} ({r / plain_rate:.2f})" for r in rates)
         print(f"{b:>5} {plain_rate:>10.1f} {cells}")

@@ -15,9 +15,9 @@ masked to each row's own slot (``row_slots``: one-hot [T, S], a zero row for non
     t = x @ A_all.T;  t *= row_slots[:, :, None];  y += t @ B_all.T
 
 Shapes are static, so CUDA graphs capture it; the runner writes each pass's rows into the one
-``row_slots`` buffer before it launches. The op table's ``lora_apply`` computes it: three kernels in the
-PyTorch reference (kernels/lora.py), two on the Triton backend for decode-sized passes (a split-K shrink, and
-the expand with the mask and the add folded in: kernels/triton_lora.py). Rows are independent, so a padding row's stale slot changes
+``row_slots`` buffer before it launches. The op table's ``lora_apply`` computes it: three kernels, the
+PyTorch reference (kernels/lora.py), on both backends for now; kernels/triton_lora.py's two (a split-K
+shrink, then the expand with the mask and the add folded in) await their first GPU measurement. Rows are independent, so a padding row's stale slot changes
 nothing but its own (dropped) output. Costs a projection ``S*R / in`` more FLOPs and ``S*R*(in+out)`` more
 weight bytes a step (with S*R = 64 and a 4096-wide model, about 1.6% of its FLOPs).
 
