@@ -187,16 +187,29 @@ class ProjectionLoRA:
         return slice(start, start + self.rank)
 
 
+@dataclass
+class PassRows:
+    """What the runner said of the next pass's rows: whether any runs with an adapter."""
+
+    any_adapter: bool = True  # until a pass is described, assume so (profiling counts LoRA's memory)
+
+
 class LayerLoRA:
     """A decoder layer's adapters: ``apply(kind, x, y)`` is projection output ``y`` with what the batch's
-    adapters add to it (the op table's ``lora_apply``: kernels/lora.py, kernels/triton_lora.py)."""
+    adapters add to it (the op table's ``lora_apply``: kernels/lora.py, kernels/triton_lora.py). An eager
+    pass in which no row has an adapter skips it; a pass being captured as a CUDA graph never does (the
+    graph is replayed for batches with adapters too)."""
 
-    def __init__(self, projections: dict[str, ProjectionLoRA], row_slots: torch.Tensor, ops: Ops) -> None:
+    def __init__(self, projections: dict[str, ProjectionLoRA], row_slots: torch.Tensor, ops: Ops,
+                 rows: PassRows) -> None:  # fmt: skip
         self.projections = projections
         self.row_slots = row_slots  # [rows, S]: 1 in the column of each row's slot (LoRASlots.set_rows)
         self.ops = ops
+        self.rows = rows
 
     def apply(self, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.rows.any_adapter and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return y
         p = self.projections[kind]
         return self.ops.lora_apply(x, p.a, p.b, self.row_slots, y)
 
@@ -223,6 +236,7 @@ class LoRASlots:
     _lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # slots, least recently used first
     layers: list[LayerLoRA] = field(default_factory=list)
     row_slots: torch.Tensor = field(init=False)
+    rows: PassRows = field(default_factory=PassRows)
 
     def __post_init__(self) -> None:
         self.slots = [_Slot() for _ in range(self.max_loras)]
@@ -247,7 +261,7 @@ class LoRASlots:
                     part_rows=tuple(bounds),
                     rank=r,
                 )
-            self.layers.append(LayerLoRA(projections, self.row_slots, self.ops))
+            self.layers.append(LayerLoRA(projections, self.row_slots, self.ops, self.rows))
 
     # ---- adapters ------------------------------------------------------------------------------------
     def add(self, adapter: LoRAAdapter) -> None:
@@ -352,6 +366,7 @@ class LoRASlots:
             raise ValueError(f"a pass of {n} rows; the LoRA row buffer holds {self.max_rows}")
         onehot = torch.zeros((n, self.max_loras), dtype=self.dtype)
         rows = np.flatnonzero(row_slots >= 0)
+        self.rows.any_adapter = bool(len(rows))
         if len(rows):
             onehot[torch.from_numpy(rows), torch.from_numpy(row_slots[rows].astype(np.int64))] = 1
         if self.device.type == "cuda":

@@ -213,3 +213,25 @@ def test_an_adapter_in_use_stays_and_a_replaced_one_leaves_no_cache(dense: dict[
     again = llm.generate([prompt], GREEDY, lora_request=LoRARequest("x", 1, str(dense["attn"])))[0]
     assert again.num_cached_tokens == 0  # the old adapter's KV is gone
     assert again.token_ids == peft_greedy(dense["base"], dense["attn"], prompt) != first.token_ids
+
+
+def test_eager_passes_without_adapters_skip_lora(
+    dense: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With LoRA on, an eager pass in which no row has an adapter runs no LoRA op (its tokens are the plain
+    engine's); one with an adapter row runs it for every projection of every layer."""
+    llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True)
+    calls = []
+    for layer in llm.engine.lora.layers:
+        op = layer.ops.lora_apply
+        layer.ops = dataclasses.replace(layer.ops, lora_apply=lambda *a, op=op: calls.append(1) or op(*a))
+    prompts = _prompts(3, seed=9)
+    base = llm.generate(prompts, GREEDY)
+    assert not calls
+    plain = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)
+    assert [o.token_ids for o in base] == [o.token_ids for o in plain]
+    llm.generate(
+        prompts[:1], SamplingParams(max_tokens=1), lora_request=LoRARequest("all", 1, str(dense["all"]))
+    )
+    layers = llm.engine.model_config.num_layers
+    assert len(calls) == 4 * layers  # one pass (the prompt), every projection of every layer
