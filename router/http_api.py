@@ -8,7 +8,8 @@ or as server-sent events. A
 streaming reply starts only once the first token is there, so errors found before it (bad request, no
 worker) still get a proper status code and the OpenAI error shape; errors after it become one SSE error
 event, then the stream closes. A client that disconnects cancels the handler (``handler_cancellation``),
-which cancels the request on the workers.
+which cancels the request on the workers; a background response (``router.background_responses``) runs
+in a task of its own, which the handler only listens to.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from redis.exceptions import RedisError
 from mesh.telemetry import metrics_handler
 from protos.pdmesh.v1 import worker_pb2
 from router.auth import ApiKeys, http_middleware
+from router.background_responses import BackgroundResponses, BackgroundRun
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
 from router.errors import InvalidRequestError, NotFoundError, NoWorkerAvailableError, RouterError
@@ -97,6 +99,9 @@ class HttpApi:
         self.api_keys = api_keys or ApiKeys(())
         self.cors = cors
         self.response_store = response_store  # None: responses are not stored (nor continued)
+        self.background = (  # "background": true responses, run on after their POST answered
+            BackgroundResponses(response_store, orchestrator, metrics) if response_store is not None else None
+        )
         self.runtime_lora_updating = runtime_lora_updating  # /v1/load_lora_adapter and unload served
         self.lora_updates = LoRAUpdates(pool, model.names, pool.control_timeout_s)
         self.created = int(time.time())
@@ -112,6 +117,7 @@ class HttpApi:
         app.router.add_get("/v1/responses/{response_id}", self.get_response)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model_card)
         app.router.add_get("/version", self.version)
@@ -124,7 +130,12 @@ class HttpApi:
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
+        app.on_shutdown.append(self._close_background)  # the runner's cleanup: before handlers are awaited
         return app
+
+    async def _close_background(self, app: web.Application) -> None:
+        if self.background is not None:
+            await self.background.close()
 
     # ---- simple endpoints ----------------------------------------------------------------------------
     def _card(self, name: str, root: str | None = None, parent: str | None = None) -> dict[str, Any]:
@@ -355,6 +366,16 @@ class HttpApi:
                 if self.response_store is None:
                     out.echo["store"] = False
                 keep = responses.record if out.echo["store"] else None
+                if responses.background:
+                    if self.background is None:
+                        raise InvalidRequestError(
+                            "background responses need the response store, which this router runs "
+                            "without (--no-store-responses)",
+                            param="background",
+                        )
+                    out.status = "queued"
+                    run = BackgroundRun(out, responses.record, choices, writer)
+                    return await self._respond_in_background(request, run)
                 return await self._respond(request, choices, writer, out, outcome, keep)
             if parsed.stream:
                 return await self._stream(request, choices, writer, outcome)
@@ -434,6 +455,42 @@ class HttpApi:
             "object": "list", "data": page, "has_more": len(items) > limit,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
         })  # fmt: skip
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """OpenAI's ``responses.cancel``: a background response that is queued or in progress stops
+        (router.background_responses)."""
+        try:
+            record = await self._stored(request.match_info["response_id"])
+            assert self.background is not None  # a router without a store has no records
+            response = await self.background.cancel(record)
+        except RedisError as exc:
+            return error_response(NoWorkerAvailableError(f"the response store is unavailable: {exc}"))
+        except RouterError as exc:
+            return error_response(exc)
+        return web.json_response(response)
+
+    async def _respond_in_background(self, request: web.Request, run: BackgroundRun) -> web.StreamResponse:
+        """A background response: its queued record stored and its run started; the queued Response
+        object at once, or (``stream``) the run's events as they come, for as long as the client listens."""
+        assert self.background is not None
+        if run.writer.parsed.stream:
+            run.listener = asyncio.Queue()
+        try:
+            # Shielded: a client gone while its record is written still gets the run it was stored for.
+            queued = await asyncio.shield(self.background.start(run))
+        except RedisError as exc:
+            raise NoWorkerAvailableError(f"the response store is unavailable: {exc}") from None
+        if run.listener is None:
+            return web.json_response(queued)
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        try:
+            await response.prepare(request)
+            while (event := await run.listener.get()) is not None:
+                await response.write(sse(event, event["type"]))
+        finally:
+            run.listener = None  # a client gone: the run goes on without it
+        await response.write_eof()
+        return response
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """OpenAI's ``responses.delete``: the record goes (a follow-up can no longer continue it)."""

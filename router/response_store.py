@@ -6,6 +6,11 @@ messages (without the request's instructions, which a follow-up does not inherit
 ``--redis-url`` records live in Redis (``<prefix>:response:<id>``, JSON, expiring after
 ``--responses-ttl-s``), so any router of the mesh continues any response; without, in this process, the
 most recent ``--responses-max-stored`` of them. Redis errors are the caller's to turn into statuses.
+
+A background response's record changes while it runs (queued, in_progress, then completed, failed or
+cancelled); ``replace_active`` writes such a change only while the stored record is still queued or in
+progress, atomically (a Redis transaction on the key), so the owner's completion and a cancellation from
+any router cannot overwrite one another.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+ACTIVE = ("queued", "in_progress")  # a background response's statuses before it ends
 
 
 @dataclass
@@ -31,6 +39,11 @@ class ResponseStore(Protocol):
     async def put(self, record: StoredResponse) -> None: ...
     async def get(self, response_id: str) -> StoredResponse | None: ...
     async def delete(self, response_id: str) -> bool: ...
+    async def replace_active(self, record: StoredResponse) -> bool: ...
+
+
+def _active(record: StoredResponse | None) -> bool:
+    return record is not None and record.response.get("status") in ACTIVE
 
 
 class MemoryResponseStore:
@@ -57,6 +70,14 @@ class MemoryResponseStore:
     async def delete(self, response_id: str) -> bool:
         return self._records.pop(response_id, None) is not None
 
+    async def replace_active(self, record: StoredResponse) -> bool:
+        """Store ``record`` if the one stored under its id is queued or in progress; False if it is gone or
+        has ended (no await in between: atomic on the event loop)."""
+        if not _active(await self.get(record.response["id"])):
+            return False
+        await self.put(record)
+        return True
+
 
 class RedisResponseStore:
     """Records in Redis, one JSON value a response, expiring after ``ttl_s``: shared by every router."""
@@ -79,3 +100,22 @@ class RedisResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return bool(await self.client.delete(self.key(response_id)))
+
+    async def replace_active(self, record: StoredResponse) -> bool:
+        """Store ``record`` if the one stored under its id is queued or in progress; False if it is gone or
+        has ended. WATCH / MULTI: a write by another router in between retries the check."""
+        key = self.key(record.response["id"])
+        async with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if not _active(StoredResponse(**json.loads(raw)) if raw is not None else None):
+                        return False
+                    record.stored_at = time.time()
+                    pipe.multi()
+                    pipe.set(key, json.dumps(asdict(record)), px=self.ttl_ms)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue

@@ -12,7 +12,8 @@ final state, so streamed and whole responses always agree.
 
 With ``previous_response_id`` the stored conversation (``router.response_store``: the messages before the
 previous response, then its output) comes before the input (``continue_from``); what a finished response
-leaves to store is ``record``. ``conversation`` objects and ``background`` are 400s. Nothing here does I/O.
+leaves to store is ``record``. ``conversation`` objects are 400s. A ``background`` request (it must be
+stored) is run by ``router.background_responses``; here it is only parsed. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class ResponsesRequest:
     system: list[dict[str, Any]] = field(default_factory=list)  # its instructions, as a system message
     history: list[dict[str, Any]] = field(default_factory=list)  # the stored conversation before ``given``
     input_items: list[dict[str, Any]] = field(default_factory=list)  # the input as items, with ids
+    background: bool = False  # run on in the router, the client polls (router.background_responses)
 
     def continue_from(self, previous: StoredResponse) -> None:
         """Put the stored conversation and the previous response's output before this input (the previous
@@ -74,8 +76,13 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise InvalidRequestError("'store' must be a boolean", param="store")
-    if body.get("background"):
-        raise InvalidRequestError("background responses are not supported", param="background")
+    background = body.get("background", False)
+    if background is None:
+        background = False
+    if not isinstance(background, bool):
+        raise InvalidRequestError("'background' must be a boolean", param="background")
+    if background and not store:  # its result is only ever read from the store (OpenAI's and vLLM's rule)
+        raise InvalidRequestError("background can only be used when 'store' is true", param="background")
     chat: dict[str, Any] = {k: body[k] for k in _SAME_FIELDS if k in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -114,6 +121,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         "text": {"format": fmt or {"type": "text"}},
         "previous_response_id": previous,
         "store": store,
+        "background": background,
         "user": body.get("user"),
         "top_logprobs": body.get("top_logprobs"),
         **{k: body.get(k) for k in _ECHOED},
@@ -121,7 +129,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     echo["metadata"] = echo["metadata"] or {}
     echo["truncation"] = echo["truncation"] or "disabled"
     items = _input_items(body.get("input"))
-    return ResponsesRequest(chat, echo, previous, given, system, input_items=items)
+    return ResponsesRequest(chat, echo, previous, given, system, input_items=items, background=background)
 
 
 _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -271,6 +279,7 @@ class ResponseStream:
     status: str = "in_progress"
     incomplete_details: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None  # a failed response's {"code", "message"}
     _sequence: int = 0
     _open: dict[str, Any] | None = None  # the item being written (the last of ``output``)
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # chat tool-call index -> item
@@ -282,7 +291,7 @@ class ResponseStream:
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
-            "error": None,
+            "error": self.error,
             "incomplete_details": self.incomplete_details,
             "model": self.model,
             "output": self.output,
@@ -291,11 +300,11 @@ class ResponseStream:
         }
 
     def start(self) -> list[dict[str, Any]]:
-        snapshot = {**self.response(), "output": []}
-        return [
-            self._event("response.created", response=snapshot),
-            self._event("response.in_progress", response=snapshot),
-        ]
+        """``response.created`` (with the status so far: ``queued`` for a background response) and
+        ``response.in_progress``."""
+        created = self._event("response.created", response={**self.response(), "output": []})
+        self.status = "in_progress"
+        return [created, self._event("response.in_progress", response={**self.response(), "output": []})]
 
     def add(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """One chat.completion.chunk event (its one choice's delta and finish reason)."""
@@ -333,6 +342,13 @@ class ResponseStream:
             }
         self.status = "incomplete" if self.incomplete_details else "completed"
         return events + [self._event(f"response.{self.status}", response=self.response())]
+
+    def fail(self, code: str, message: str) -> list[dict[str, Any]]:
+        """The response failed after it began (a background response: its record keeps the error):
+        ``response.failed``."""
+        self.status = "failed"
+        self.error = {"code": code, "message": message}
+        return [self._event("response.failed", response=self.response())]
 
     # ---- items ---------------------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:

@@ -75,6 +75,8 @@ def test_a_request_becomes_the_chat_request_it_means() -> None:
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "previous_response_id": 7}, "previous_response_id"),
         ({"input": "x", "store": "yes"}, "store"),
+        ({"input": "x", "background": True, "store": False}, "background"),
+        ({"input": "x", "background": "yes"}, "background"),
         ({"input": 5}, "input"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input"),
@@ -204,3 +206,35 @@ def test_input_items_keep_the_input_with_ids() -> None:
         and items[2]["id"].startswith("fco_")
     )
     assert [i["type"] for i in items] == ["message", "function_call", "function_call_output"]
+
+
+def test_a_background_request_is_echoed_and_its_stream_starts_queued() -> None:
+    req = parse_responses({"input": "x", "background": True})
+    assert req.background and req.echo["background"] is True and req.echo["store"] is True
+    assert parse_responses({"input": "x"}).echo["background"] is False
+    out = ResponseStream("resp_3", "m", req.echo, status="queued")
+    created, in_progress = out.start()
+    assert created["response"]["status"] == "queued" and in_progress["response"]["status"] == "in_progress"
+    (failed,) = out.fail("server_error", "boom")
+    assert failed["type"] == "response.failed" and out.response()["status"] == "failed"
+    assert out.response()["error"] == {"code": "server_error", "message": "boom"}
+
+
+def test_replace_active_writes_only_while_queued_or_in_progress() -> None:
+    """What keeps a background response's cancellation and completion from overwriting one another."""
+    import asyncio
+
+    from router.response_store import MemoryResponseStore, StoredResponse
+
+    async def run() -> None:
+        store = MemoryResponseStore(max_stored=4, ttl_s=60)
+        assert not await store.replace_active(
+            StoredResponse({"id": "r", "status": "in_progress"}, [])
+        )  # none
+        await store.put(StoredResponse({"id": "r", "status": "queued"}, []))
+        assert await store.replace_active(StoredResponse({"id": "r", "status": "in_progress"}, []))
+        assert await store.replace_active(StoredResponse({"id": "r", "status": "cancelled"}, []))
+        assert not await store.replace_active(StoredResponse({"id": "r", "status": "completed"}, []))
+        assert (await store.get("r")).response["status"] == "cancelled"
+
+    asyncio.run(run())

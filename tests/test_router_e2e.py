@@ -1055,7 +1055,7 @@ def test_responses_api_tools_and_conversation_items(router: Router, llm: LLM) ->
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "background": True, "store": False}, "background"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": []}, "input"),
