@@ -10,6 +10,12 @@ writes and the owner's completion wins over a later cancellation. The owning rou
 there, which closes the chat stream and so aborts the request on the workers, as a client disconnect
 does. A streaming client (``"stream": true``) only listens: it may go away and the run goes on.
 
+The owner also appends each event to the record's event log (``router.response_store``) while the record
+is active, so a client that lost its stream picks it up through any router (``events``: OpenAI's
+``GET /v1/responses/{id}?stream=true&starting_after=N``): the logged events, then the live ones, until
+the final event (``response.completed``, ``.incomplete``, ``.failed``) or, for a run cancelled or
+deleted (no final event), until its record has ended and the log stays quiet for one ``poll_s``.
+
 This module owns the runs' lifetime (``BackgroundTasks``: kept referenced, cancelled and awaited on
 ``close``, when a run's record becomes failed); it does not parse requests or write HTTP.
 """
@@ -20,7 +26,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +38,13 @@ from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.reply_writer import ReplyWriter
-from router.response_store import ACTIVE, ResponseStore, StoredResponse
+from router.response_store import ACTIVE, LoggedEvent, ResponseStore, StoredResponse
 from router.responses import ResponseStream
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a running response's owner reads its record (a cancellation from elsewhere)
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
 @dataclass
@@ -111,6 +118,49 @@ class BackgroundResponses:
             await cancel_until_done(run.task)  # the chat stream closed: Abort sent to the workers
         return cancelled.response
 
+    def events(self, record: StoredResponse, starting_after: str | None) -> AsyncIterator[LoggedEvent]:
+        """OpenAI's ``responses.retrieve`` with ``stream``: the response's events after sequence number
+        ``starting_after`` (all without), then the live ones until the run ends. A response not run in
+        the background, or a ``starting_after`` that is not an integer, is a 400 (raised here, before
+        anything is streamed); the iterator raises RedisError when the store fails."""
+        response = record.response
+        if not response.get("background"):
+            raise InvalidRequestError(
+                f"Cannot stream response '{response['id']}': only responses created with background true "
+                "can be streamed again",
+                param="stream",
+            )
+        after = -1
+        if starting_after is not None:
+            try:
+                after = int(starting_after)
+            except ValueError:
+                after = -2
+            if after < -1:
+                raise InvalidRequestError(
+                    f"starting_after must be a sequence number (an integer >= 0), got '{starting_after}'",
+                    param="starting_after",
+                )
+        return self._follow(response["id"], after)
+
+    async def _follow(self, response_id: str, after: int) -> AsyncIterator[LoggedEvent]:
+        ended = False  # the record was seen ended (or gone) with nothing more logged
+        while True:
+            events = await self.store.read_events(response_id, after, self.poll_s)
+            for event in events:
+                yield event
+                after = event.sequence
+            if events and events[-1].type in FINAL_EVENTS:
+                return
+            if events:
+                ended = False
+                continue
+            if ended:
+                return  # cancelled or deleted: it has no final event
+            record = await self.store.get(response_id)
+            # Ended: the owner logs the final events just after its last write, so read once more.
+            ended = record is None or record.response.get("status") not in ACTIVE
+
     async def close(self) -> None:
         """Cancel every run and await it (the router is stopping): their records become failed."""
         await self._tasks.close()
@@ -127,23 +177,25 @@ class BackgroundResponses:
                 events = run.out.fail("server_error", "the router stopped before the response finished")
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._save(run)
-                self._publish(run, events)
+                self._listen(run, events)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._log(run, events)
             raise
         finally:
             watcher.cancel()
             self._runs.pop(run.response_id, None)
-            self._publish(run, None)
+            self._listen(run, None)
 
     async def _generate(self, run: BackgroundRun) -> None:
         out, writer = run.out, run.writer
-        self._publish(run, out.start())  # now in_progress
+        await self._publish(run, out.start())  # now in_progress
         if not await self._save(run):
             return
         try:
             async with contextlib.aclosing(merged_chunks(self.orchestrator, run.choices)) as chunks:
                 async for index, chunk in chunks:
                     for event in writer.add(index, chunk):
-                        self._publish(run, out.add(event))
+                        await self._publish(run, out.add(event))
             events = out.finish(writer.usage())
         except RouterError as exc:
             log.warning("background response %s failed: %s", run.response_id, exc.message)
@@ -152,7 +204,7 @@ class BackgroundResponses:
             log.exception("background response %s failed", run.response_id)
             events = out.fail("server_error", f"internal error: {type(exc).__name__}")
         await self._save(run)  # stored before a streaming client hears it ended
-        self._publish(run, events)
+        await self._publish(run, events)
 
     async def _save(self, run: BackgroundRun) -> bool:
         """Write the run's state if its record is still active; False (and the run marked cancelled) when
@@ -186,8 +238,22 @@ class BackgroundResponses:
     def _snapshot(run: BackgroundRun) -> dict[str, Any]:
         return copy.deepcopy(run.out.response())  # the stream goes on changing its items
 
+    async def _publish(self, run: BackgroundRun, events: list[dict[str, Any]]) -> None:
+        await self._log(run, events)
+        self._listen(run, events)
+
+    async def _log(self, run: BackgroundRun, events: list[dict[str, Any]]) -> None:
+        """``events`` to the run's log, unless it was cancelled (its log just stops). A store that fails
+        loses only these events from the log (logged and counted)."""
+        if events and not run.cancelled:
+            try:
+                await self.store.append_events(run.response_id, events)
+            except RedisError as exc:
+                self.metrics.response_store_errors.inc()
+                log.warning("background response %s: events not logged: %s", run.response_id, exc)
+
     @staticmethod
-    def _publish(run: BackgroundRun, events: list[dict[str, Any]] | None) -> None:
+    def _listen(run: BackgroundRun, events: list[dict[str, Any]] | None) -> None:
         if run.listener is None:
             return
         if events is None:

@@ -420,10 +420,24 @@ class HttpApi:
             self.metrics.response_store_errors.inc()
             log.warning("response %s not stored: %s", record.response["id"], exc)
 
-    async def get_response(self, request: web.Request) -> web.Response:
-        """OpenAI's ``responses.retrieve``: a stored Response object."""
+    async def get_response(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's ``responses.retrieve``: a stored Response object; with ``stream=true`` a background
+        response's events, again (router.background_responses)."""
         try:
             record = await self._stored(request.match_info["response_id"])
+            if request.query.get("stream", "").lower() == "true":
+                assert self.background is not None  # a router without a store has no records
+                events = self.background.events(record, request.query.get("starting_after"))
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
+                try:
+                    async for event in events:
+                        await response.write(f"event: {event.type}\ndata: {event.data}\n\n".encode())
+                except RedisError as exc:  # the client sees its stream end early: it can resume
+                    self.metrics.response_store_errors.inc()
+                    log.warning("response %s: events not read: %s", record.response["id"], exc)
+                await response.write_eof()
+                return response
         except RouterError as exc:
             return error_response(exc)
         return web.json_response(record.response)

@@ -11,10 +11,19 @@ A background response's record changes while it runs (queued, in_progress, then 
 cancelled); ``replace_active`` writes such a change only while the stored record is still queued or in
 progress, atomically (a Redis transaction on the key), so the owner's completion and a cancellation from
 any router cannot overwrite one another.
+
+A background response also has an event log: its Responses streaming events in ``sequence_number``
+order, appended by the router that runs it, which ``GET /v1/responses/{id}?stream=true`` replays and
+follows. It lives as long as its record and goes with it (delete, eviction, expiry): in Redis a stream
+``<prefix>:response-events:<id>`` (entry id ``0-<sequence_number + 1>``, same TTL, appended only while
+the record exists, read with blocking ``XREAD``); in this process a list and an ``asyncio.Event`` that
+wakes its readers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections import OrderedDict
@@ -35,11 +44,33 @@ class StoredResponse:
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as items
 
 
+@dataclass
+class LoggedEvent:
+    sequence: int  # its sequence_number
+    type: str
+    data: str  # the event, JSON
+
+
+def _logged(events: list[dict[str, Any]]) -> list[LoggedEvent]:
+    return [
+        LoggedEvent(event["sequence_number"], event["type"], json.dumps(event, separators=(",", ":")))
+        for event in events
+    ]
+
+
 class ResponseStore(Protocol):
     async def put(self, record: StoredResponse) -> None: ...
     async def get(self, response_id: str) -> StoredResponse | None: ...
     async def delete(self, response_id: str) -> bool: ...
     async def replace_active(self, record: StoredResponse) -> bool: ...
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None: ...
+    async def read_events(self, response_id: str, after: int, block_s: float) -> list[LoggedEvent]: ...
+
+
+@dataclass
+class _EventLog:
+    events: list[LoggedEvent] = field(default_factory=list)  # events[i].sequence == i
+    grew: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on each append
 
 
 def _active(record: StoredResponse | None) -> bool:
@@ -53,22 +84,45 @@ class MemoryResponseStore:
         self.max_stored = max_stored
         self.ttl_s = ttl_s
         self._records: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._logs: dict[str, _EventLog] = {}  # only of records held in _records
 
     async def put(self, record: StoredResponse) -> None:
         record.stored_at = time.monotonic()
         self._records[record.response["id"]] = record
         self._records.move_to_end(record.response["id"])
         while len(self._records) > self.max_stored:
-            self._records.popitem(last=False)
+            evicted, _ = self._records.popitem(last=False)
+            self._logs.pop(evicted, None)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         record = self._records.get(response_id)
-        if record is None or time.monotonic() - record.stored_at > self.ttl_s:
+        if record is not None and time.monotonic() - record.stored_at > self.ttl_s:
+            await self.delete(response_id)  # expired: its log goes with it
             return None
         return record
 
     async def delete(self, response_id: str) -> bool:
+        self._logs.pop(response_id, None)
         return self._records.pop(response_id, None) is not None
+
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        """Append to the record's log; nothing when the record is gone."""
+        if await self.get(response_id) is None:
+            return
+        log = self._logs.setdefault(response_id, _EventLog())
+        log.events += _logged(events)
+        log.grew.set()
+        log.grew = asyncio.Event()
+
+    async def read_events(self, response_id: str, after: int, block_s: float) -> list[LoggedEvent]:
+        """The logged events after sequence number ``after``; when none, waits up to ``block_s`` for some."""
+        if await self.get(response_id) is None:
+            return []
+        log = self._logs.setdefault(response_id, _EventLog())
+        if len(log.events) <= after + 1 and block_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(log.grew.wait(), block_s)
+        return log.events[after + 1 :]
 
     async def replace_active(self, record: StoredResponse) -> bool:
         """Store ``record`` if the one stored under its id is queued or in progress; False if it is gone or
@@ -90,6 +144,9 @@ class RedisResponseStore:
     def key(self, response_id: str) -> str:
         return f"{self.prefix}:response:{response_id}"
 
+    def events_key(self, response_id: str) -> str:
+        return f"{self.prefix}:response-events:{response_id}"
+
     async def put(self, record: StoredResponse) -> None:
         record.stored_at = time.time()
         await self.client.set(self.key(record.response["id"]), json.dumps(asdict(record)), px=self.ttl_ms)
@@ -99,7 +156,26 @@ class RedisResponseStore:
         return StoredResponse(**json.loads(raw)) if raw is not None else None
 
     async def delete(self, response_id: str) -> bool:
-        return bool(await self.client.delete(self.key(response_id)))
+        return bool(await self.client.delete(self.key(response_id), self.events_key(response_id)))
+
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        """XADD each event (entry id ``0-<sequence_number + 1>``) and renew the log's TTL, in one script
+        that does nothing when the record is gone (a log is never left without its record)."""
+        args: list[Any] = [self.ttl_ms]
+        for event in _logged(events):
+            args += [f"0-{event.sequence + 1}", event.type, event.data]
+        await self.client.eval(_APPEND_EVENTS, 2, self.key(response_id), self.events_key(response_id), *args)
+
+    async def read_events(self, response_id: str, after: int, block_s: float) -> list[LoggedEvent]:
+        """The logged events after sequence number ``after``; when none, waits up to ``block_s`` for some
+        (a blocking XREAD: keep ``block_s`` under the client's socket timeout)."""
+        block = int(block_s * 1000) or None  # BLOCK 0 would wait forever
+        reply = await self.client.xread({self.events_key(response_id): f"0-{after + 1}"}, block=block)
+        entries = reply[0][1] if reply else []
+        return [
+            LoggedEvent(int(entry_id.split(b"-")[1]) - 1, fields[b"type"].decode(), fields[b"data"].decode())
+            for entry_id, fields in entries
+        ]
 
     async def replace_active(self, record: StoredResponse) -> bool:
         """Store ``record`` if the one stored under its id is queued or in progress; False if it is gone or
@@ -119,3 +195,13 @@ class RedisResponseStore:
                     return True
                 except WatchError:
                     continue
+
+
+_APPEND_EVENTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 2, #ARGV, 3 do
+  redis.call('XADD', KEYS[2], ARGV[i], 'type', ARGV[i + 1], 'data', ARGV[i + 2])
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 1
+"""

@@ -70,6 +70,40 @@ def _post(proc: ServiceProcess, path: str, body: dict[str, Any] | None = None) -
         return err.code, json.loads(err.read())
 
 
+def _get(proc: ServiceProcess, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://{_http_address(proc)}{path}", timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _replay(proc: ServiceProcess, response_id: str, starting_after: int | None = None,
+            stop_after: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """``GET /v1/responses/{id}?stream=true``: its events (each event's name checked against its type), all
+    of them or the first ``stop_after`` (the connection then dropped, as a client that lost it)."""
+    query = "" if starting_after is None else f"&starting_after={starting_after}"
+    url = f"http://{_http_address(proc)}/v1/responses/{response_id}?stream=true{query}"
+    events: list[dict[str, Any]] = []
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        name = None
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                assert events[-1]["type"] == name
+                if stop_after is not None and len(events) == stop_after:
+                    break
+    return events
+
+
+def _text(events: list[Any]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
 def _stats(pd_workers: Any) -> list[Any]:  # noqa: F811
     async def run() -> list[Any]:
         out = []
@@ -130,6 +164,8 @@ def test_cancel_in_flight_stops_it_on_the_workers(router: ServiceProcess, pd_wor
     assert client.responses.cancel(queued.id).status == "cancelled"  # idempotent
     time.sleep(1.0)  # the run is over: nothing writes the record again
     assert client.responses.retrieve(queued.id).status == "cancelled"
+    replayed = _replay(router, queued.id)  # ends, without a final event
+    assert replayed[0]["type"] == "response.created" and replayed[-1]["type"] == "response.output_text.delta"
 
 
 def test_what_cannot_be_cancelled_or_run_in_the_background(router: ServiceProcess) -> None:
@@ -175,6 +211,113 @@ def test_a_streamed_background_response_outlives_its_client(router: ServiceProce
     )
     assert client.responses.retrieve(whole[-1].response.id).status == "incomplete"
     assert wait_until(lambda: _all_free(pd_workers), timeout=15)
+
+
+def test_a_background_response_streams_again_from_any_point(router: ServiceProcess) -> None:
+    """GET ?stream=true of a finished background response: at once, the events of the same greedy request
+    streamed in the foreground (types, text, sequence numbers 0..n-1); starting_after=k: those after k."""
+    client = _client(router)
+    args = {"model": MODEL, "input": "Tell a story.", "max_output_tokens": 24, "temperature": 0.0,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    foreground = list(client.responses.create(stream=True, **args))
+    done = _finished(client, client.responses.create(background=True, **args).id)
+    start = time.monotonic()
+    whole = _replay(router, done.id)
+    assert time.monotonic() - start < 1.0  # a finished response's log is read whole, not followed
+    assert [e["type"] for e in whole] == [e.type for e in foreground]
+    assert (
+        [e["sequence_number"] for e in whole]
+        == list(range(len(whole)))
+        == [e.sequence_number for e in foreground]
+    )
+    assert (
+        _text(whole)
+        == done.output_text
+        == "".join(e.delta for e in foreground if e.type == "response.output_text.delta")
+    )
+    assert (
+        whole[0]["response"]["status"] == "queued"
+        and whole[-1]["response"]["output"][0]["content"][0]["text"] == done.output_text
+    )
+    for k in (0, 5, len(whole) - 2):
+        assert _replay(router, done.id, starting_after=k) == whole[k + 1 :]
+
+
+def test_a_client_that_lost_its_stream_resumes_it(router: ServiceProcess) -> None:
+    """While the run goes on: a stream read in part and dropped, then resumed after its last sequence
+    number, follows the live events to the end; together they are the whole response."""
+    client = _client(router)
+    args = {"model": MODEL, "input": "Tell a long story.", "max_output_tokens": 400, "temperature": 0.0,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    queued = client.responses.create(background=True, **args)
+    first = _replay(router, queued.id, stop_after=6)
+    assert client.responses.retrieve(queued.id).status == "in_progress"
+    rest = _replay(router, queued.id, starting_after=first[-1]["sequence_number"])
+    events = first + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete"
+    done = client.responses.retrieve(queued.id)
+    assert (
+        done.status == "incomplete" and _text(events) == done.output_text and done.usage.output_tokens == 400
+    )
+
+
+def test_what_cannot_be_streamed_again(router: ServiceProcess) -> None:
+    """stream=true of a foreground response: 400; of an unknown one: 404; a bad starting_after: 400; a
+    deleted response's events are gone with it (404)."""
+    client = _client(router)
+    foreground = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    status, body = _get(router, f"/v1/responses/{foreground.id}?stream=true")
+    assert status == 400 and "background" in body["error"]["message"]
+    status, body = _get(router, f"/v1/responses/{foreground.id}?stream=false")
+    assert status == 200 and body["id"] == foreground.id
+    status, body = _get(router, "/v1/responses/resp_unknown?stream=true")
+    assert status == 404 and "not found" in body["error"]["message"]
+    done = _finished(client, client.responses.create(model=MODEL, input="x", background=True, **SHORT).id)
+    status, body = _get(router, f"/v1/responses/{done.id}?stream=true&starting_after=abc")
+    assert status == 400 and body["error"]["param"] == "starting_after"
+    assert _replay(router, done.id)[-1]["type"] == "response.incomplete"
+    client.responses.delete(done.id)
+    assert _get(router, f"/v1/responses/{done.id}?stream=true")[0] == 404
+
+
+@needs_redis
+def test_any_router_streams_a_background_response_another_runs(pd_workers: Any) -> None:  # noqa: F811
+    """With --redis-url: router B streams (from the start, live) a run router A owns; the log is a Redis
+    stream with the record's TTL, deleted with the record."""
+    import redis
+
+    url = f"{REDIS_URL}/12"
+    routers = [_start_router(pd_workers, "--redis-url", url) for _ in range(2)]
+    keys = redis.Redis.from_url(url)
+    try:
+        a, b = (_client(p) for p in routers)
+        args = {"model": MODEL, "input": "Tell a long story.", "max_output_tokens": 300, "temperature": 0.0,
+                "extra_body": {"ignore_eos": True}}  # fmt: skip
+        queued = a.responses.create(background=True, **args)
+        assert b.responses.retrieve(queued.id).status in ("queued", "in_progress")  # followed live
+        events = _replay(routers[1], queued.id)
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.incomplete"
+        done = b.responses.retrieve(queued.id)
+        assert _text(events) == done.output_text and done.usage.output_tokens == 300
+        log_key = f"pdmesh:response-events:{queued.id}"
+        assert (
+            keys.xlen(log_key) == len(events)
+            and 0 < keys.pttl(log_key) <= keys.pttl(f"pdmesh:response:{queued.id}") + 1000
+        )
+        assert _replay(routers[0], queued.id, starting_after=len(events) - 3) == events[-2:]
+        b.responses.delete(queued.id)
+        assert (
+            not keys.exists(log_key) and _get(routers[0], f"/v1/responses/{queued.id}?stream=true")[0] == 404
+        )
+    finally:
+        for p in routers:
+            if p.alive:
+                assert p.stop() == 0, p.log()
+        for key in keys.scan_iter("pdmesh:*"):
+            keys.delete(key)
+        keys.close()
 
 
 @needs_redis
