@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, the Responses API (and its
-stored responses), models, tokenize, detokenize, health, metrics, and vLLM's and SageMaker's extra
-endpoints (``/version``, ``/reset_prefix_cache``, ``/ping``, ``/invocations``).
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, the Responses API (its run and
+stored responses in ``router.responses_http``; every route is added here), models, tokenize, detokenize,
+health, metrics, and vLLM's and SageMaker's extra endpoints (``/version``, ``/reset_prefix_cache``,
+``/ping``, ``/invocations``).
 
 Each generation handler parses (``router.openai_protocol``), checks (``router.served_model``), runs the
 request's choices through the orchestrator (``router.choices``) and renders their chunks as one JSON reply
@@ -9,7 +10,7 @@ streaming reply starts only once the first token is there, so errors found befor
 worker) still get a proper status code and the OpenAI error shape; errors after it become one SSE error
 event, then the stream closes. A client that disconnects cancels the handler (``handler_cancellation``),
 which cancels the request on the workers; a background response (``router.background_responses``) runs
-in a task of its own, which the handler only listens to.
+in a task of its own, which the handler (``router.responses_http``) only listens to.
 """
 
 from __future__ import annotations
@@ -18,24 +19,21 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from mesh.telemetry import metrics_handler
 from protos.pdmesh.v1 import worker_pb2
 from router.auth import ApiKeys, http_middleware
-from router.background_responses import BackgroundResponses, BackgroundRun
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
-from router.errors import InvalidRequestError, NotFoundError, NoWorkerAvailableError, RouterError
+from router.errors import InvalidRequestError, NotFoundError, RouterError
+from router.http_replies import SSE_HEADERS, error_response, failed_mid_stream, sse
 from router.lora_updates import LoRAUpdates
 from router.metrics import RouterMetrics
 from router.openai_protocol import (
@@ -46,8 +44,8 @@ from router.openai_protocol import (
 )
 from router.orchestrator import Orchestrator
 from router.reply_writer import ReplyWriter
-from router.response_store import ResponseStore, StoredResponse
-from router.responses import ResponseStream, parse_responses
+from router.response_store import ResponseStore
+from router.responses_http import ResponsesHttp
 from router.served_model import ServedModel
 from router.text_stream import token_text
 from router.worker_pool import DECODE, WorkerPool
@@ -55,29 +53,6 @@ from router.worker_pool import DECODE, WorkerPool
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-
-
-def error_response(exc: RouterError) -> web.Response:
-    return web.json_response(exc.to_openai(), status=exc.http_status)
-
-
-def sse(data: Any, event: str | None = None) -> bytes:
-    """One server-sent event; the Responses API names each (``event: response.output_text.delta``)."""
-    head = f"event: {event}\n".encode() if event else b""
-    return head + b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _failed_mid_stream(exc: Exception, request_id: str, outcome: dict[str, str]) -> RouterError:
-    """The error a stream that already began ends with (logged, and counted in ``outcome``)."""
-    if isinstance(exc, RouterError):
-        log.warning("request %s failed mid-stream: %s", request_id, exc.message)
-        error = exc
-    else:
-        log.exception("request %s failed mid-stream", request_id)
-        error = RouterError(f"internal error: {type(exc).__name__}")
-    outcome["status"] = error.metric_status
-    return error
 
 
 class HttpApi:
@@ -98,10 +73,7 @@ class HttpApi:
         self.metrics = metrics
         self.api_keys = api_keys or ApiKeys(())
         self.cors = cors
-        self.response_store = response_store  # None: responses are not stored (nor continued)
-        self.background = (  # "background": true responses, run on after their POST answered
-            BackgroundResponses(response_store, orchestrator, metrics) if response_store is not None else None
-        )
+        self.responses_http = ResponsesHttp(model, orchestrator, metrics, response_store)
         self.runtime_lora_updating = runtime_lora_updating  # /v1/load_lora_adapter and unload served
         self.lora_updates = LoRAUpdates(pool, model.names, pool.control_timeout_s)
         self.created = int(time.time())
@@ -114,10 +86,11 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
-        app.router.add_get("/v1/responses/{response_id}", self.get_response)
-        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
-        app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
-        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
+        stored = self.responses_http  # stored responses (router.responses_http)
+        app.router.add_get("/v1/responses/{response_id}", stored.get_response)
+        app.router.add_delete("/v1/responses/{response_id}", stored.delete_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", stored.response_input_items)
+        app.router.add_post("/v1/responses/{response_id}/cancel", stored.cancel_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model_card)
         app.router.add_get("/version", self.version)
@@ -130,12 +103,8 @@ class HttpApi:
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
-        app.on_shutdown.append(self._close_background)  # the runner's cleanup: before handlers are awaited
+        app.on_shutdown.append(self.responses_http.close)  # the runner's cleanup: before handlers are awaited
         return app
-
-    async def _close_background(self, app: web.Application) -> None:
-        if self.background is not None:
-            await self.background.close()
 
     # ---- simple endpoints ----------------------------------------------------------------------------
     def _card(self, name: str, root: str | None = None, parent: str | None = None) -> dict[str, Any]:
@@ -338,9 +307,7 @@ class HttpApi:
             if kind == "completions":
                 parsed = parse_completion(body, request.headers)
             elif kind == "responses":
-                responses = parse_responses(body)
-                if responses.previous_id is not None:
-                    responses.continue_from(await self._stored(responses.previous_id, "previous_response_id"))
+                responses = await self.responses_http.parse(body)
                 parsed = parse_chat(responses.chat_body, request.headers, self.model.tool_call_parser)
             else:
                 parsed = parse_chat(body, request.headers, self.model.tool_call_parser)
@@ -356,27 +323,7 @@ class HttpApi:
             writer = ReplyWriter(self.model, parsed, request_id, "completions" if kind == "completions" else
                              "chat_completions", choices)  # fmt: skip
             if responses is not None:
-                for name in (
-                    "temperature",
-                    "top_p",
-                ):  # what sampled, the checkpoint's default where not given
-                    if body.get(name) is None and name in self.model.default_sampling:
-                        responses.echo[name] = self.model.default_sampling[name]
-                out = ResponseStream(request_id, self.model.reply_name(parsed.model), responses.echo)
-                if self.response_store is None:
-                    out.echo["store"] = False
-                keep = responses.record if out.echo["store"] else None
-                if responses.background:
-                    if self.background is None:
-                        raise InvalidRequestError(
-                            "background responses need the response store, which this router runs "
-                            "without (--no-store-responses)",
-                            param="background",
-                        )
-                    out.status = "queued"
-                    run = BackgroundRun(out, responses.record, choices, writer)
-                    return await self._respond_in_background(request, run)
-                return await self._respond(request, choices, writer, out, outcome, keep)
+                return await self.responses_http.respond(request, body, responses, choices, writer, outcome)
             if parsed.stream:
                 return await self._stream(request, choices, writer, outcome)
             return await self._complete(choices, writer)
@@ -396,179 +343,6 @@ class HttpApi:
             return error_response(RouterError(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             self.metrics.requests.labels(endpoint=kind, status=outcome["status"]).inc()
-
-    # ---- stored responses ----------------------------------------------------------------------------
-    async def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
-        if self.response_store is None:
-            raise NotFoundError(f"Response with id '{response_id}' not found: this router stores none", param)
-        try:
-            record = await self.response_store.get(response_id)
-        except RedisError as exc:
-            raise NoWorkerAvailableError(f"the response store is unavailable: {exc}") from None
-        if record is None:
-            raise NotFoundError(
-                f"Response with id '{response_id}' not found (never stored, or expired)", param
-            )
-        return record
-
-    async def _keep(self, record: StoredResponse) -> None:
-        """Store a finished response; a store that fails loses only the record (logged and counted)."""
-        assert self.response_store is not None
-        try:
-            await self.response_store.put(record)
-        except RedisError as exc:
-            self.metrics.response_store_errors.inc()
-            log.warning("response %s not stored: %s", record.response["id"], exc)
-
-    async def get_response(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's ``responses.retrieve``: a stored Response object; with ``stream=true`` a background
-        response's events, again (router.background_responses)."""
-        try:
-            record = await self._stored(request.match_info["response_id"])
-            if request.query.get("stream", "").lower() == "true":
-                assert self.background is not None  # a router without a store has no records
-                events = self.background.events(record, request.query.get("starting_after"))
-                response = web.StreamResponse(headers=SSE_HEADERS)
-                await response.prepare(request)
-                try:
-                    async for event in events:
-                        await response.write(f"event: {event.type}\ndata: {event.data}\n\n".encode())
-                except RedisError as exc:  # the client sees its stream end early: it can resume
-                    self.metrics.response_store_errors.inc()
-                    log.warning("response %s: events not read: %s", record.response["id"], exc)
-                await response.write_eof()
-                return response
-        except RouterError as exc:
-            return error_response(exc)
-        return web.json_response(record.response)
-
-    async def response_input_items(self, request: web.Request) -> web.Response:
-        """OpenAI's ``responses.input_items.list``: a stored response's input items, newest first unless
-        ``order=asc``, ``limit`` (1-100, default 20) a page, after the item ``after``."""
-        query = request.query
-        try:
-            record = await self._stored(request.match_info["response_id"])
-            order = query.get("order", "desc")
-            if order not in ("asc", "desc"):
-                raise InvalidRequestError("order must be asc or desc", param="order")
-            try:
-                limit = int(query.get("limit", "20"))
-            except ValueError:
-                limit = 0
-            if not 1 <= limit <= 100:
-                raise InvalidRequestError("limit must be an integer from 1 to 100", param="limit")
-        except RouterError as exc:
-            return error_response(exc)
-        items = record.input_items if order == "asc" else record.input_items[::-1]
-        after = query.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1 :] if after in ids else []
-        page = items[:limit]
-        return web.json_response({
-            "object": "list", "data": page, "has_more": len(items) > limit,
-            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
-        })  # fmt: skip
-
-    async def cancel_response(self, request: web.Request) -> web.Response:
-        """OpenAI's ``responses.cancel``: a background response that is queued or in progress stops
-        (router.background_responses)."""
-        try:
-            record = await self._stored(request.match_info["response_id"])
-            assert self.background is not None  # a router without a store has no records
-            response = await self.background.cancel(record)
-        except RedisError as exc:
-            return error_response(NoWorkerAvailableError(f"the response store is unavailable: {exc}"))
-        except RouterError as exc:
-            return error_response(exc)
-        return web.json_response(response)
-
-    async def _respond_in_background(self, request: web.Request, run: BackgroundRun) -> web.StreamResponse:
-        """A background response: its queued record stored and its run started; the queued Response
-        object at once, or (``stream``) the run's events as they come, for as long as the client listens."""
-        assert self.background is not None
-        if run.writer.parsed.stream:
-            run.listener = asyncio.Queue()
-        try:
-            # Shielded: a client gone while its record is written still gets the run it was stored for.
-            queued = await asyncio.shield(self.background.start(run))
-        except RedisError as exc:
-            raise NoWorkerAvailableError(f"the response store is unavailable: {exc}") from None
-        if run.listener is None:
-            return web.json_response(queued)
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        try:
-            await response.prepare(request)
-            while (event := await run.listener.get()) is not None:
-                await response.write(sse(event, event["type"]))
-        finally:
-            run.listener = None  # a client gone: the run goes on without it
-        await response.write_eof()
-        return response
-
-    async def delete_response(self, request: web.Request) -> web.Response:
-        """OpenAI's ``responses.delete``: the record goes (a follow-up can no longer continue it)."""
-        response_id = request.match_info["response_id"]
-        try:
-            await self._stored(response_id)
-            assert self.response_store is not None
-            await self.response_store.delete(response_id)
-        except RedisError as exc:
-            return error_response(NoWorkerAvailableError(f"the response store is unavailable: {exc}"))
-        except RouterError as exc:
-            return error_response(exc)
-        return web.json_response({"id": response_id, "object": "response", "deleted": True})
-
-    async def _respond(
-        self,
-        request: web.Request,
-        choices: list[ChoiceRequest],
-        writer: ReplyWriter,
-        out: ResponseStream,
-        outcome: dict[str, str],
-        keep: Callable[[dict[str, Any]], StoredResponse] | None = None,
-    ) -> web.StreamResponse:
-        """A Responses API request: its chat events turned into output items (router.responses); streamed
-        as Responses events, or the Response object whole. ``keep``: the record to store once it is done,
-        stored before the client hears it is (a follow-up sent at once finds it)."""
-        response: web.StreamResponse | None = None
-        events: list[dict[str, Any]] = out.start()
-        async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:
-            try:
-                async for index, chunk in chunks:
-                    for event in writer.add(index, chunk):
-                        events += out.add(event)
-                    if writer.parsed.stream:
-                        if response is None:
-                            response = web.StreamResponse(headers=SSE_HEADERS)
-                            await response.prepare(request)
-                        for event in events:
-                            await response.write(sse(event, event["type"]))
-                        events = []
-                events += out.finish(writer.usage())
-                if keep is not None:
-                    await self._keep(keep(out.response()))
-            except ConnectionResetError:
-                raise
-            except Exception as exc:
-                if response is None:
-                    raise  # nothing streamed yet: _generate answers with a status code
-                error = _failed_mid_stream(exc, writer.request_id, outcome)
-                event = {
-                    "type": "error",
-                    "code": error.openai_type,
-                    "message": error.message,
-                    "param": error.param,
-                }
-                await response.write(sse(event, "error"))
-                await response.write_eof()
-                return response
-        if response is None:
-            return web.json_response(out.response())
-        for event in events:
-            await response.write(sse(event, event["type"]))
-        await response.write_eof()
-        return response
 
     async def _complete(self, choices: list[ChoiceRequest], writer: ReplyWriter) -> web.Response:
         async with contextlib.aclosing(merged_chunks(self.orchestrator, choices)) as chunks:
@@ -599,7 +373,7 @@ class HttpApi:
             except Exception as exc:
                 if response is None:
                     raise  # nothing streamed yet: _generate answers with a status code
-                error = _failed_mid_stream(exc, writer.request_id, outcome)
+                error = failed_mid_stream(exc, writer.request_id, outcome)
                 await response.write(sse(error.to_openai()))
                 await response.write_eof()
                 return response
