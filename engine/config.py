@@ -71,7 +71,11 @@ class EngineConfig:
         choices=("auto", "dummy"),
     )
     seed: int = setting(0, "Seed for dummy weights and for unseeded sampling.")
-    cuda_graphs: bool = setting(True, "Capture decode steps as CUDA graphs on GPUs.")
+    cuda_graphs: bool = setting(
+        True,
+        "Capture decode steps as CUDA graphs on GPUs (off: --no-cuda-graphs, or vLLM's --enforce-eager).",
+        negated_by="enforce_eager",
+    )
     prefill_graph_tokens: int = setting(
         2048,
         "With cuda_graphs: the largest step, in tokens, that runs as piecewise CUDA graphs (prefill and "

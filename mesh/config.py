@@ -20,9 +20,19 @@ T = TypeVar("T")
 ENV_PREFIX = "PDMESH_"
 
 
-def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, cli: bool = True) -> Any:
-    """A config field with its help text; ``cli=False`` keeps it out of flags and env (Python only)."""
-    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "cli": cli}
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: Iterable[Any] | None = None,
+    cli: bool = True,
+    negated_by: str | None = None,
+) -> Any:
+    """A config field with its help text; ``cli=False`` keeps it out of flags and env (Python only);
+    ``negated_by`` (a bool setting): another flag that sets it false, as vLLM spells it (``enforce_eager``
+    for ``--no-cuda-graphs``)."""
+    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "cli": cli,
+            "negated_by": negated_by}  # fmt: skip
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -118,6 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None 
             kwargs["choices"] = f.metadata["choices"]
         if base is bool:
             group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+            if f.metadata.get("negated_by"):
+                group.add_argument(
+                    flag_name(f.metadata["negated_by"]), dest=f.name, action="store_false",
+                    default=argparse.SUPPRESS, help=f"the same as --no-{flag_name(f.name)[2:]} (vLLM's spelling)",
+                )  # fmt: skip
         elif _is_list(tp):
             item = _list_item(tp)
             group.add_argument(

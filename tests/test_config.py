@@ -26,6 +26,14 @@ def test_flags_env_and_defaults_resolve_in_order() -> None:
     assert again == cfg
 
 
+def test_vllms_enforce_eager_turns_cuda_graphs_off() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    assert from_sources(EngineConfig, parser.parse_args(["--enforce-eager"]), env={}).cuda_graphs is False
+    assert from_sources(EngineConfig, parser.parse_args([]), env={}).cuda_graphs is True
+    assert from_sources(EngineConfig, parser.parse_args(["--cuda-graphs"]), env={}).cuda_graphs is True
+
+
 def test_bad_values_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="PDMESH_MAX_NUM_SEQS"):
         from_sources(EngineConfig, None, env={"PDMESH_MAX_NUM_SEQS": "lots"})
