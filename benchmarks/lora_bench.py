@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
-from engine.lora import _module_shape  # noqa: E402
+from engine.lora import module_shape  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def write_random_adapter(cfg: ModelConfig, path: Path, rank: int, seed: int) -> 
             [] if moe else ["gate_proj", "up_proj", "down_proj"]
         )
         for module in modules:
-            in_dim, out_dim = _module_shape(cfg, module)
+            in_dim, out_dim = module_shape(cfg, module)
             group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{group}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) / in_dim**0.5

@@ -30,7 +30,7 @@ from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
 from engine.loader import load_model, resolve_dtype
-from engine.lora import LoRAAdapter, LoRAError, LoRASlots, parse_lora_modules
+from engine.lora import LoRAError, LoRASlots, parse_lora_modules
 from engine.memory_profile import (
     GIB,
     DeviceMemory,
@@ -321,7 +321,7 @@ class LLMEngine:
             layer.lora = layer_lora
         model.lora_slots = slots
         for name, path in parse_lora_modules(config.lora_modules):
-            slots.add(LoRAAdapter.load(name, path, model.cfg, config.max_lora_rank, model.embed_tokens.dtype))
+            slots.add(slots.load(name, path))
         log.info(
             "LoRA: %d slots of rank %d; adapters %s", config.max_loras, config.max_lora_rank,
             sorted(slots.adapters) or "none yet",
@@ -336,8 +336,7 @@ class LLMEngine:
         the adapter's name, and the old adapter's KV must not serve the new one's requests)."""
         if self.lora is None:
             raise LoRAError("this engine serves no LoRA adapters (enable_lora)")
-        adapter = LoRAAdapter.load(name, path, self.model_config, self.config.max_lora_rank,
-                                   self.model.embed_tokens.dtype)  # fmt: skip
+        adapter = self.lora.load(name, path)
         replacing = name in self.lora.adapters
         if replacing:
             self._check_unused(name)

@@ -135,7 +135,7 @@ class LoRAAdapter:
                         f"LoRA adapter {name!r}: layer {layer} is a mixture-of-experts layer; its experts "
                         "take no adapter here (attention projections only)"
                     )
-                in_dim, out_dim = _module_shape(cfg, module)
+                in_dim, out_dim = module_shape(cfg, module)
                 if a.shape != (rank, in_dim) or b.shape != (out_dim, rank):
                     raise LoRAError(
                         f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
@@ -162,7 +162,7 @@ def _read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
     raise LoRAError(f"LoRA adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {path}")
 
 
-def _module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
+def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) of a checkpoint module."""
     q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
     return {
@@ -249,7 +249,7 @@ class LoRASlots:
             for kind, modules in PARTS.items():
                 if moe and kind in ("gate_up", "down"):
                     continue
-                shapes = [_module_shape(cfg, m) for m in modules]
+                shapes = [module_shape(cfg, m) for m in modules]
                 in_dim = shapes[0][0]
                 bounds = [0]
                 for _, out_dim in shapes:
@@ -264,6 +264,17 @@ class LoRASlots:
             self.layers.append(LayerLoRA(projections, self.row_slots, self.ops, self.rows))
 
     # ---- adapters ------------------------------------------------------------------------------------
+    def load(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read the PEFT adapter at ``path`` for this model (``LoRAAdapter.load``), in pinned host memory on
+        a GPU, so that a slot's fill is an asynchronous copy and does not wait for the step in flight."""
+        adapter = LoRAAdapter.load(name, path, self.cfg, self.max_rank, self.dtype)
+        if self.device.type == "cuda":
+            adapter.weights = {
+                layer: {m: (a.pin_memory(), b.pin_memory()) for m, (a, b) in modules.items()}
+                for layer, modules in adapter.weights.items()
+            }
+        return adapter
+
     def add(self, adapter: LoRAAdapter) -> None:
         """Register (or replace, when no running request uses it) an adapter under its name."""
         slot = self._slot_of(adapter.name)
