@@ -56,7 +56,10 @@ _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight
 
 
 class LoRAError(ValueError):
-    """An adapter that cannot be served (bad directory, shapes, rank, or modules this engine cannot adapt)."""
+    """An adapter that cannot be served (bad directory, shapes, rank, or modules this engine cannot adapt),
+    or one in use that cannot be replaced or removed (INVALID_ARGUMENT, as the engine's typed errors say)."""
+
+    status = "INVALID_ARGUMENT"
 
 
 @dataclass(frozen=True)

@@ -468,13 +468,13 @@ class WorkerMetrics:
         self.vllm.inference_time.observe(max(0, end_ns - out.first_scheduled_ns) / 1e9)
 
     def lora_requests_from(self, engine: Any) -> None:
-        """vllm:lora_requests_info from the engine's scheduler: the adapters its running and waiting
-        requests run with (called on the engine thread after each step, where LoRA is served)."""
+        """vllm:lora_requests_info: the adapters running requests hold slots of (the engine's few LoRA
+        slots, not its running requests, are read) and those of waiting requests (called on the engine
+        thread after each step, where LoRA is served)."""
         if self.vllm is not None and self.vllm.lora_info is not None:
-            scheduler = engine.scheduler
             self.vllm.lora_requests(
-                [s.lora_name for s in scheduler.running if s.lora_name],
-                [s.lora_name for s in scheduler.waiting if s.lora_name],
+                [slot.name for slot in engine.lora.slots if slot.refs and slot.name],
+                [s.lora_name for s in engine.scheduler.waiting if s.lora_name],
             )
 
     def update_from(self, stats: Any) -> None:
@@ -641,14 +641,9 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     async def _lora_failed(
         self, context: grpc.aio.ServicerContext, what: str, name: str, exc: Exception
     ) -> None:
-        """End a LoRA RPC with its status: the engine's LoRAError (a bad adapter, one in use) and
-        InvalidRequestError are INVALID_ARGUMENT, with the engine's message."""
-        if isinstance(exc, StatusError):
-            code, message = exc.code, exc.message
-        elif isinstance(exc, ValueError):  # engine.lora.LoRAError, engine.errors.InvalidRequestError
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        else:
-            code, message = status_for(exc)
+        """End a LoRA RPC with its status (``status_for``: the engine's LoRAError and InvalidRequestError
+        name INVALID_ARGUMENT), with the engine's message."""
+        code, message = status_for(exc)
         log.warning("LoRA adapter %r not %sed: %s: %s", name, what, code.name, message)
         await context.abort(code, message)
 

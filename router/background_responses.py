@@ -78,9 +78,6 @@ class BackgroundResponses:
         self._tasks = BackgroundTasks("background responses")
         self._runs: dict[str, BackgroundRun] = {}  # those this router runs, by response id
 
-    def __len__(self) -> int:
-        return len(self._runs)
-
     async def start(self, run: BackgroundRun) -> dict[str, Any]:
         """Store ``run``'s queued record and start it; the queued Response object. A store that fails
         raises (RedisError): nothing was started."""
@@ -203,8 +200,9 @@ class BackgroundResponses:
         except Exception as exc:
             log.exception("background response %s failed", run.response_id)
             events = out.fail("server_error", f"internal error: {type(exc).__name__}")
-        await self._save(run)  # stored before a streaming client hears it ended
-        await self._publish(run, events)
+        # Stored before a streaming client hears it ended; a run cancelled meanwhile tells it nothing more.
+        if await self._save(run):
+            await self._publish(run, events)
 
     async def _save(self, run: BackgroundRun) -> bool:
         """Write the run's state if its record is still active; False (and the run marked cancelled) when

@@ -120,8 +120,9 @@ class MemoryResponseStore:
             return []
         log = self._logs.setdefault(response_id, _EventLog())
         if len(log.events) <= after + 1 and block_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(log.grew.wait(), block_s)
+            with contextlib.suppress(TimeoutError):  # not wait_for: it can swallow a cancellation (3.11)
+                async with asyncio.timeout(block_s):
+                    await log.grew.wait()
         return log.events[after + 1 :]
 
     async def replace_active(self, record: StoredResponse) -> bool:

@@ -78,7 +78,7 @@ class ResponsesHttp:
         ):  # what sampled, the checkpoint's default where not given
             if body.get(name) is None and name in self.model.default_sampling:
                 responses.echo[name] = self.model.default_sampling[name]
-        out = ResponseStream(writer.request_id, self.model.reply_name(writer.parsed.model), responses.echo)
+        out = ResponseStream(writer.request_id, writer.model_name, responses.echo)
         if self.response_store is None:
             out.echo["store"] = False
         keep = responses.record if out.echo["store"] else None
