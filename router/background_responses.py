@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,9 @@ from router.responses import ResponseStream
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a running response's owner reads its record (a cancellation from elsewhere)
+# How often a run's new events go to its log at most (one store write each, a Redis round trip, rather than
+# one a token); its first and last events go at once.
+LOG_EVERY_S = 0.1
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
@@ -56,6 +60,9 @@ class BackgroundRun:
     # A streaming client's events (None: the run ended); the client may leave (listener set to None).
     listener: asyncio.Queue[dict[str, Any] | None] | None = None
     cancelled: bool = False  # its record was cancelled or deleted: it ends without another write
+    # Events not yet in its log, and when the log was last written (``BackgroundResponses._log``).
+    unlogged: list[dict[str, Any]] = field(default_factory=list)
+    logged_at: float = 0.0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -170,13 +177,16 @@ class BackgroundResponses:
         try:
             await self._generate(run)
         except asyncio.CancelledError:
-            if not run.cancelled:  # the router is stopping: the record says so, not in_progress forever
+            if run.cancelled:  # what it had produced stays in its log (a cancelled record keeps its log)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._flush(run)
+            else:  # the router is stopping: the record says so, not in_progress forever
                 events = run.out.fail("server_error", "the router stopped before the response finished")
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._save(run)
                 self._listen(run, events)
                 with contextlib.suppress(asyncio.CancelledError):
-                    await self._log(run, events)
+                    await self._log(run, events, flush=True)
             raise
         finally:
             watcher.cancel()
@@ -185,7 +195,7 @@ class BackgroundResponses:
 
     async def _generate(self, run: BackgroundRun) -> None:
         out, writer = run.out, run.writer
-        await self._publish(run, out.start())  # now in_progress
+        await self._publish(run, out.start(), flush=True)  # now in_progress
         if not await self._save(run):
             return
         try:
@@ -202,7 +212,7 @@ class BackgroundResponses:
             events = out.fail("server_error", f"internal error: {type(exc).__name__}")
         # Stored before a streaming client hears it ended; a run cancelled meanwhile tells it nothing more.
         if await self._save(run):
-            await self._publish(run, events)
+            await self._publish(run, events, flush=True)
 
     async def _save(self, run: BackgroundRun) -> bool:
         """Write the run's state if its record is still active; False (and the run marked cancelled) when
@@ -236,14 +246,25 @@ class BackgroundResponses:
     def _snapshot(run: BackgroundRun) -> dict[str, Any]:
         return copy.deepcopy(run.out.response())  # the stream goes on changing its items
 
-    async def _publish(self, run: BackgroundRun, events: list[dict[str, Any]]) -> None:
-        await self._log(run, events)
+    async def _publish(self, run: BackgroundRun, events: list[dict[str, Any]], flush: bool = False) -> None:
+        await self._log(run, events, flush)
         self._listen(run, events)
 
-    async def _log(self, run: BackgroundRun, events: list[dict[str, Any]]) -> None:
-        """``events`` to the run's log, unless it was cancelled (its log just stops). A store that fails
-        loses only these events from the log (logged and counted)."""
-        if events and not run.cancelled:
+    async def _log(self, run: BackgroundRun, events: list[dict[str, Any]], flush: bool) -> None:
+        """``events`` to the run's log, unless it was cancelled (its log stops where ``_flush`` left it):
+        gathered, and written together once ``LOG_EVERY_S`` has passed since the last write, or at once
+        with ``flush``."""
+        if run.cancelled:
+            return
+        run.unlogged += events
+        if flush or time.monotonic() - run.logged_at >= LOG_EVERY_S:
+            await self._flush(run)
+
+    async def _flush(self, run: BackgroundRun) -> None:
+        """The run's gathered events to its log (the store writes nothing once the record is gone). A store
+        that fails loses only these events from the log (logged and counted)."""
+        events, run.unlogged, run.logged_at = run.unlogged, [], time.monotonic()
+        if events:
             try:
                 await self.store.append_events(run.response_id, events)
             except RedisError as exc:
