@@ -189,7 +189,9 @@ def test_a_streamed_background_response_outlives_its_client(router: ServiceProce
     """background + stream: the events come as in the foreground (created says queued); a client that
     leaves after a few does not stop the run: its record completes with the foreground's output."""
     client = _client(router)
-    args = {"model": MODEL, "input": "Tell a story.", "max_output_tokens": 64, "temperature": 0.0,
+    # Long enough that the run is still going well after its client left (so a run that the client's
+    # leaving stopped could not pass for one that finished first).
+    args = {"model": MODEL, "input": "Tell a story.", "max_output_tokens": 400, "temperature": 0.0,
             "extra_body": {"ignore_eos": True}}  # fmt: skip
     stream = client.responses.create(background=True, stream=True, **args)
     events = []
@@ -200,10 +202,12 @@ def test_a_streamed_background_response_outlives_its_client(router: ServiceProce
     stream.close()
     assert events[0].type == "response.created" and events[0].response.status == "queued"
     assert events[1].type == "response.in_progress"
+    time.sleep(0.3)  # the router has seen the client go
+    assert client.responses.retrieve(events[0].response.id).status == "in_progress"
     done = _finished(client, events[0].response.id)
     foreground = client.responses.create(**args)
     assert done.status == "incomplete" and done.output_text == foreground.output_text
-    assert done.usage.output_tokens == 64
+    assert done.usage.output_tokens == 400
     # A client that stays hears the whole of it, the record stored before the last event.
     whole = list(client.responses.create(background=True, stream=True, **args))
     assert (
