@@ -136,6 +136,19 @@ class EngineConfig:
         "5-16% shorter). Off: such engines step synchronously.",
     )
 
+    enable_eplb: bool = setting(
+        False,
+        "Expert-parallel load balancing (vLLM's --enable-eplb): a MoE engine counts tokens per physical expert "
+        "and takes new expert placements (from the EPLB controller, eplb_svc) at run time, moving expert "
+        "weights in place between steps; the output does not change (replicas are copies).",
+    )
+    num_redundant_experts: int = setting(
+        0,
+        "With enable_eplb: physical expert slots beyond the model's experts in each MoE layer (vLLM's "
+        "num_redundant_experts), for replicas of hot experts; experts plus these must divide over "
+        "expert_parallel_size.",
+    )
+
     speculative_config: str | None = setting(
         None,
         'Speculative decoding (vLLM\'s --speculative-config, JSON): {"method": "ngram", '
@@ -185,6 +198,10 @@ class EngineConfig:
                 raise ValueError("LoRA adapters are not served with several expert-parallel ranks")
         elif self.lora_modules:
             raise ValueError("lora_modules needs enable_lora")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

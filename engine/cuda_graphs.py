@@ -42,6 +42,7 @@ import torch
 
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
+from engine.moe.layer import MoEBlock
 from kernels.decode_megakernel import DecodeMegakernel
 
 log = logging.getLogger(__name__)
@@ -91,20 +92,44 @@ def expert_counts_restored(model: DecoderModel) -> Iterator[None]:
             count.copy_(before)
 
 
+class PaddingCounts:
+    """What one padding row adds to each MoE block's expert counters, kept per logical expert: all padding
+    rows route to the same logical experts, but with replicas the row picks the replica, so a padded
+    replay's correction (``physical``, subtracted ``pad_rows`` times) takes each expert's share from its
+    first replica, exact per logical expert (``engine.moe.rebalance.even_out_replicas`` evens the replicas
+    out where one went below zero). ``refresh`` re-derives it after a new placement."""
+
+    def __init__(self, blocks: list[MoEBlock], logical: list[torch.Tensor]) -> None:
+        self.blocks = blocks
+        self.logical = logical
+        self.physical: list[torch.Tensor] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.physical = []
+        for blk, per_row in zip(self.blocks, self.logical, strict=True):
+            phys = torch.zeros_like(blk.expert_counts)
+            phys.index_copy_(0, blk.placement.logical_to_physical[:, 0], per_row)
+            self.physical.append(phys)
+
+
 def padding_counts(
-    counts: list[torch.Tensor], replay_padding: Callable[[], None], rows: int, what: str
-) -> list[torch.Tensor] | None:
-    """What one padding row adds to each MoE block's expert counters (``counts``), measured by
-    ``replay_padding``, a replay of a graph of ``rows`` rows that are all padding (its callers restore the
-    counters afterwards). None without MoE blocks, or, with a warning naming ``what``, when the padding
-    rows did not route alike (which should not happen): that graph's counts then stay uncorrected."""
-    if not counts:
+    blocks: list[MoEBlock], replay_padding: Callable[[], None], rows: int, what: str
+) -> PaddingCounts | None:
+    """What one padding row adds to the MoE blocks' expert counters, measured by ``replay_padding``, a
+    replay of a graph of ``rows`` rows that are all padding (its callers restore the counters afterwards).
+    None without MoE blocks, or, with a warning naming ``what``, when the padding rows did not route to the
+    same logical experts (which should not happen): that graph's counts then stay uncorrected."""
+    if not blocks:
         return None
-    before = [c.clone() for c in counts]
+    before = [blk.expert_counts.clone() for blk in blocks]
     replay_padding()
-    deltas = [c - b for c, b in zip(counts, before, strict=True)]
+    deltas = []
+    for blk, b in zip(blocks, before, strict=True):
+        logical = torch.zeros(blk.num_logical, dtype=torch.int64, device=b.device)
+        deltas.append(logical.scatter_add_(0, blk.placement.physical_to_logical, blk.expert_counts - b))
     if all(bool((d % rows == 0).all()) for d in deltas):
-        return [d // rows for d in deltas]
+        return PaddingCounts(blocks, [d // rows for d in deltas])
     log.warning(
         "padding rows of the %s route differently; MoE expert counts of its padded steps include padding "
         "tokens",
@@ -180,7 +205,7 @@ class _Graph:
     pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     runs: list[Callable[[], None]] = field(default_factory=list)  # keeps the pieces' shared state alive
     # Per MoE block, the expert counts one padding row adds (None: no MoE, or not measurable).
-    pad_counts: list[torch.Tensor] | None = None
+    pad_counts: PaddingCounts | None = None
 
     def replay(self, late_point: torch.cuda.Event | None = None) -> None:
         """Launch the pieces in order; ``late_point`` is recorded after the second-to-last one (with a
@@ -232,7 +257,8 @@ class DecodeGraphs:
         self.late_point = torch.cuda.Event()
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self._counts = [blk.expert_counts for blk in model.moe_blocks()]
+        self._blocks = model.moe_blocks()
+        self._counts = [blk.expert_counts for blk in self._blocks]
         self.graphs: dict[int, _Graph] = {}
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
         self.capture_seconds = 0.0
@@ -303,7 +329,7 @@ class DecodeGraphs:
         with capturing(), expert_counts_restored(self.model):
             self._capture_size(1, torch.cuda.graph_pool_handle())
             g = self.graphs[1]
-            g.pad_counts = padding_counts(self._counts, g.replay, 1, "batch-1 decode graph")
+            g.pad_counts = padding_counts(self._blocks, g.replay, 1, "batch-1 decode graph")
         torch.cuda.synchronize()
 
     def _pieces(self, size: int) -> list[Callable[[], None]]:
@@ -324,7 +350,13 @@ class DecodeGraphs:
     def _measure_padding_counts(self) -> None:
         """Replay each graph with padding rows only; what one row adds is the padding correction."""
         for size, g in self.graphs.items():
-            g.pad_counts = padding_counts(self._counts, g.replay, size, f"batch-{size} decode graph")
+            g.pad_counts = padding_counts(self._blocks, g.replay, size, f"batch-{size} decode graph")
+
+    def placement_changed(self) -> None:
+        """The MoE blocks run a new expert placement: re-derive the padding corrections."""
+        for g in self.graphs.values():
+            if g.pad_counts is not None:
+                g.pad_counts.refresh()
 
     def release(self) -> None:
         """Free every captured graph now (not when the last reference goes): a graph that captured NCCL
@@ -410,5 +442,5 @@ class DecodeGraphs:
         g = self.graphs[size]
         g.replay(self.late_point)
         if size > n and g.pad_counts is not None:
-            torch._foreach_add_(self._counts, g.pad_counts, alpha=-(size - n))
+            torch._foreach_add_(self._counts, g.pad_counts.physical, alpha=-(size - n))
         self.replays[size] += 1

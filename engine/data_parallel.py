@@ -6,7 +6,7 @@ rank, so every rank must run each forward pass, also a rank with nothing to do o
 nothing this step: it runs an idle pass instead (padding that writes no KV and counts for no expert), as
 SGLang's data-parallel attention ranks run an idle batch.
 
-``Lockstep.step`` is one step of the group, with one host exchange (a max all-reduce of four numbers
+``Lockstep.step`` is one step of the group, with one host exchange (a max all-reduce of six numbers
 over a gloo group): each rank votes for the pass it would run and gives its token count, says whether it
 has unfinished requests, and whether it goes on (``stopping``). A rank
 whose engine schedules a batch votes from inside its step, just before the forward pass
@@ -24,6 +24,12 @@ rank that schedules nothing (no requests, or none admitted) votes for no pass. T
   every rank replays with its own step (a decode batch too) and the rest padding; and when no bucket
   holds them (or there are no such graphs), an eager pass on every rank. This is the padding SGLang's and
   vLLM's data-parallel attention do for their graphs.
+
+A new expert placement (``LLMEngine.set_expert_placement``, from the EPLB controller) is staged on each
+rank as it arrives; the exchange also carries the newest and the oldest placement version the ranks have
+staged (or run), and once they are equal and newer than the one running, every rank moves its experts at
+the start of its next step (``engine.moe.rebalance``: point-to-point messages over the expert group), so
+all ranks switch between the same two passes.
 
 ``LLM`` and ``AsyncEngine`` (so the workers) take this path for an engine with several ranks.
 
@@ -75,6 +81,9 @@ class Lockstep:
         self._stopping = False
         self.passed = False  # whether the group ran a forward pass in the last step
         self.stopped = False  # set in the step in which every rank asked to stop (the same on every rank)
+        # An expert placement every rank has staged (agreed in a step's exchange), applied by every rank at
+        # the start of the next step: (version, physical -> logical).
+        self._placement: tuple[int, list[list[int]]] | None = None
         graphs = engine.runner.graphs
         self._eager = (graphs.max_batch if graphs is not None else 0) + 1  # the vote for an eager pass
         engine.runner.group_batch = self._agree
@@ -92,6 +101,10 @@ class Lockstep:
         it ran no forward pass while another rank runs one. Returns its outputs, or None (having run
         nothing) when no rank of the group has unfinished requests. ``stopping``: this rank would stop;
         ``stopped`` turns true in the step in which every rank says so."""
+        if self._placement is not None:  # every rank agreed on it in the last step's exchange
+            version, placement = self._placement
+            self._placement = None
+            self.engine.apply_expert_placement(version, placement)
         self._stopping = stopping
         self.passed = True
         mine = self.engine.has_unfinished()
@@ -154,10 +167,14 @@ class Lockstep:
         largest graph batch: that decode batch, ``_eager``: any other pass), the most tokens any rank's
         pass has, and whether any rank has unfinished requests. Sets ``stopped`` when no rank goes on."""
         started = time.perf_counter()
-        flags = [want, tokens, int(has_work), int(not self._stopping)]
+        staged = self.engine.staged_placement
+        ready = staged[0] if staged is not None else self.engine.placement_version
+        flags = [want, tokens, int(has_work), int(not self._stopping), ready, -ready]
         t = torch.tensor(flags, dtype=torch.int64, device=self.flags_device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.flags_group)
-        largest, most, anyone, going_on = (int(v) for v in t.tolist())
+        largest, most, anyone, going_on, newest, oldest = (int(v) for v in t.tolist())
         self.engine.runner.group_sync_seconds += time.perf_counter() - started
         self.stopped = not going_on
+        if staged is not None and newest == -oldest == staged[0]:
+            self._placement = staged
         return largest, most, bool(anyone)

@@ -42,6 +42,7 @@ from engine.memory_profile import (
 from engine.model_runner import ModelRunner
 from engine.models.decoder import DecoderModel
 from engine.moe.dispatch import TokenDispatcher
+from engine.moe.rebalance import even_out_replicas, move_experts
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -52,6 +53,7 @@ from engine.tokenizer import IncrementalDetokenizer, find_stop
 from kernels import get_ops
 from kernels.kv_cache import FP8_KV_DTYPES
 from mesh.block_hash import root_hash, salted_fingerprint
+from mesh.expert_placement import MoELayout, PlacementError, check_placement
 from mesh.kv_events import KVEventSink
 from mesh.kv_layout import KVLayout
 
@@ -226,7 +228,13 @@ class LLMEngine:
             seed=config.seed,
             dispatcher=dispatcher,
             quantization=config.quantization,
+            num_redundant_experts=config.num_redundant_experts,
         )
+        if config.enable_eplb and not loaded.cfg.is_moe:
+            raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
+        self.placement_version = 0  # the expert placement the MoE layers run (0: the initial one)
+        # With several ranks, a newer placement waiting for every rank (version, physical -> logical).
+        self.staged_placement: tuple[int, list[list[int]]] | None = None
         self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg
         self.model = loaded.model
@@ -1167,11 +1175,57 @@ class LLMEngine:
         return evicted
 
     def take_expert_counts(self) -> torch.Tensor | None:
-        """Tokens per physical expert per MoE layer since the last call, [moe_layers, physical], or None."""
+        """Tokens per physical expert per MoE layer since the last call (or the last placement change),
+        [moe_layers, physical] int64 on the host, or None without MoE layers."""
         blocks = self.model.moe_blocks()
         if not blocks:
             return None
-        return torch.stack([b.take_counts() for b in blocks]).cpu()
+        counts = torch.stack([b.take_counts() for b in blocks]).cpu()
+        return even_out_replicas(counts, [b.placement.host for b in blocks])
+
+    def moe_layout(self) -> MoELayout | None:
+        """The MoE layers' expert layout (what a placement must fit), or None for a dense model."""
+        blocks = self.model.moe_blocks()
+        if not blocks:
+            return None
+        d = blocks[0].dispatcher
+        return MoELayout(len(blocks), blocks[0].num_logical, blocks[0].num_physical, d.ep_size, d.ep_rank)
+
+    def expert_placement(self) -> list[list[int]] | None:
+        """The placement the MoE layers run (physical -> logical per MoE layer), or None for a dense model."""
+        blocks = self.model.moe_blocks()
+        return [list(b.placement.host) for b in blocks] if blocks else None
+
+    def set_expert_placement(self, version: int, physical_to_logical: list[list[int]]) -> None:
+        """Run placement ``version`` (the EPLB controller's; newer than the one running, else ignored). With
+        one rank it is applied now: expert weights move in place, the routing tables are rewritten, the
+        counters restart and the graphs' padding corrections follow. With several ranks it is staged: the
+        group applies it together at the start of a later step, once every rank has staged it
+        (``engine.data_parallel.Lockstep``). Raises ``PlacementError`` for a placement that does not fit."""
+        layout = self.moe_layout()
+        if layout is None:
+            raise PlacementError("the model has no MoE layers")
+        check_placement(physical_to_logical, layout.num_layers, layout.num_logical, layout.num_physical)
+        staged = self.staged_placement
+        if version <= self.placement_version or (staged is not None and version <= staged[0]):
+            return
+        if layout.num_ranks > 1:
+            self.staged_placement = (version, [list(row) for row in physical_to_logical])
+            return
+        self.apply_expert_placement(version, physical_to_logical)
+
+    def apply_expert_placement(self, version: int, physical_to_logical: list[list[int]]) -> int:
+        """Move the experts to ``physical_to_logical`` now (collective with several ranks: every rank calls it
+        with the same placement in the same step). Returns how many local expert slots were rewritten."""
+        moved = 0
+        for block, row in zip(self.model.moe_blocks(), physical_to_logical, strict=True):
+            moved += move_experts(block, row)
+        self.runner.placement_changed()
+        self.placement_version = version
+        if self.staged_placement is not None and self.staged_placement[0] <= version:
+            self.staged_placement = None
+        log.info("expert placement %d applied: %d expert slots rewritten on this rank", version, moved)
+        return moved
 
 
 def _kv_scales_in_use(model: torch.nn.Module, pool_dtype: torch.dtype) -> int:

@@ -36,6 +36,7 @@ from engine.tiny_models import TINY_MODELS, tiny_model_config
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kernels import Ops
 from kernels.fp8_weight import Fp8Layout, Fp8Weight
+from mesh.expert_placement import initial_placement
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +133,19 @@ def load_model(
     dispatcher: TokenDispatcher | None = None,
     physical_to_logical: list[list[int]] | None = None,
     quantization: str = "auto",
+    num_redundant_experts: int = 0,
 ) -> LoadedModel:
     """``max_positions``: the longest sequence the RoPE cache covers (None: the checkpoint's
     ``max_position_embeddings``); ``quantization``: the engine setting (float8 weights kept, made or
-    widened)."""
+    widened); ``num_redundant_experts``: physical expert slots beyond the model's experts in each MoE layer,
+    placed as ``mesh.expert_placement.initial_placement`` (unless ``physical_to_logical`` is given)."""
     cfg, path = resolve_model_config(model)
+    if num_redundant_experts and physical_to_logical is None:
+        if not cfg.is_moe:
+            raise ValueError(f"{model} has no MoE layers: num_redundant_experts does not apply")
+        physical_to_logical = initial_placement(
+            cfg.num_layers, cfg.num_experts, cfg.num_experts + num_redundant_experts
+        )
     max_positions = max_positions or cfg.max_position_embeddings
     torch_dtype = DTYPES[dtype]
     fp8 = fp8_layout(cfg, path, quantization, load_format)

@@ -35,7 +35,13 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from engine.cuda_graphs import CAPTURE_ERROR_MODE, capturing, expert_counts_restored, padding_counts
+from engine.cuda_graphs import (
+    CAPTURE_ERROR_MODE,
+    PaddingCounts,
+    capturing,
+    expert_counts_restored,
+    padding_counts,
+)
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
 
@@ -79,7 +85,7 @@ class PrefillGraphs:
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
         self._runs: dict[int, list[Callable[[], None]]] = {}
-        self._pad_counts: dict[int, list[torch.Tensor] | None] = {}
+        self._pad_counts: dict[int, PaddingCounts | None] = {}
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # device memory the capture reserved (the graphs' pool), measured after it
@@ -195,11 +201,17 @@ class PrefillGraphs:
         """The dispatcher's ``uniform_batches`` for these graphs' passes (their capture)."""
         return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.live)
 
-    def _measure_padding_counts(self, size: int) -> list[torch.Tensor] | None:
+    def placement_changed(self) -> None:
+        """The MoE blocks run a new expert placement: re-derive the padding corrections."""
+        for pad in self._pad_counts.values():
+            if pad is not None:
+                pad.refresh()
+
+    def _measure_padding_counts(self, size: int) -> PaddingCounts | None:
         """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
         self.live.zero_()
         return padding_counts(
-            self._counts,
+            self.model.moe_blocks(),
             lambda: self._forward(size, 0, None, replay=True),
             size,
             f"{size}-token prefill graph",
@@ -233,7 +245,7 @@ class PrefillGraphs:
         self._forward(size, n, meta, replay=True)
         pad = self._pad_counts.get(size)
         if size > n and pad is not None:
-            torch._foreach_add_(self._counts, pad, alpha=-(size - n))
+            torch._foreach_add_(self._counts, pad.physical, alpha=-(size - n))
         self.replays[size] += 1
 
     def stage(

@@ -17,20 +17,42 @@ from kernels.fp8_weight import Fp8Layout, linear_weight
 
 class ExpertPlacement:
     """Physical-to-logical map of one layer and the logical-to-physical replica table derived from it
-    (the routing op picks replica ``token % replica_counts[expert]`` of each chosen expert)."""
+    (the routing op picks replica ``token % replica_counts[expert]`` of each chosen expert).
+
+    The replica table is as wide as any placement of these sizes can need (``num_physical - num_logical
+    + 1``, -1 past an expert's replicas), and ``update`` rewrites every table in place, so a new placement
+    (the EPLB controller's) leaves captured CUDA graphs valid: they read the same tensors."""
 
     def __init__(self, physical_to_logical: list[int], num_logical: int, device: torch.device) -> None:
-        self.physical_to_logical = torch.tensor(physical_to_logical, dtype=torch.int64, device=device)
-        replicas: list[list[int]] = [[] for _ in range(num_logical)]
+        self.num_logical = num_logical
+        num_physical = len(physical_to_logical)
+        width = max(num_physical - num_logical + 1, 1)
+        kw = {"dtype": torch.int64, "device": device}
+        self.physical_to_logical = torch.empty(num_physical, **kw)
+        self.logical_to_physical = torch.empty(num_logical, width, **kw)
+        self.replica_counts = torch.empty(num_logical, **kw)
+        self.host: list[int] = []  # physical_to_logical on the host, so readers need no device sync
+        self.update(physical_to_logical)
+
+    def update(self, physical_to_logical: list[int]) -> None:
+        """Take ``physical_to_logical`` (same number of physical experts), writing the tables in place."""
+        if len(physical_to_logical) != self.physical_to_logical.shape[0]:
+            raise ValueError(
+                f"a placement of {len(physical_to_logical)} physical experts for a layer of "
+                f"{self.physical_to_logical.shape[0]}"
+            )
+        replicas: list[list[int]] = [[] for _ in range(self.num_logical)]
         for phys, logical in enumerate(physical_to_logical):
             replicas[logical].append(phys)
         if any(not r for r in replicas):
             missing = [i for i, r in enumerate(replicas) if not r]
             raise ValueError(f"placement leaves logical experts {missing} without a physical replica")
-        max_rep = max(len(r) for r in replicas)
-        table = [r + [-1] * (max_rep - len(r)) for r in replicas]
-        self.logical_to_physical = torch.tensor(table, dtype=torch.int64, device=device)
-        self.replica_counts = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
+        width = self.logical_to_physical.shape[1]
+        table = [r + [-1] * (width - len(r)) for r in replicas]
+        self.physical_to_logical.copy_(torch.tensor(physical_to_logical, dtype=torch.int64))
+        self.logical_to_physical.copy_(torch.tensor(table, dtype=torch.int64))
+        self.replica_counts.copy_(torch.tensor([len(r) for r in replicas], dtype=torch.int64))
+        self.host = list(physical_to_logical)
 
 
 class MoEBlock(nn.Module):

@@ -1,0 +1,144 @@
+"""Applying a new expert placement to a MoE block: its expert weights moved in place, its tables rewritten.
+
+Every rank of the expert-parallel group computes the same plan from the old and the new placement (both
+global): each of this rank's physical slots whose logical expert changes takes it from a slot of its own
+that held that expert, else from the first slot of the old placement that held it, on the rank that owns
+that slot, by point-to-point messages over the dispatcher's group (one batch a layer, raw bytes, so float8
+weights and their scales travel as they are). Slots whose expert stays are not touched (the controller
+keeps an expert in its old slot on a rank where it stays). Weights are written in place and the routing
+tables through ``ExpertPlacement.update``, so captured CUDA graphs stay valid. vLLM rearranges expert
+weights the same way (``rearrange_expert_weights_inplace``).
+
+Collective with several ranks: every rank calls ``move_experts`` for the same layers in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.moe.layer import MoEBlock
+from kernels.fp8_weight import Fp8Weight
+
+
+@dataclass
+class MovePlan:
+    """One rank's share of a layer's move. Local slot indexes throughout."""
+
+    # dst slot -> local slot that held the expert before (copied from a snapshot)
+    local: dict[int, int] = field(default_factory=dict)
+    # (peer rank, logical expert) received, in the order both sides post them; dst slots each fills
+    recv: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # (peer rank, local slot) sent, in the order both sides post them
+    send: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.local or self.recv or self.send)
+
+
+def plan_moves(old: list[int], new: list[int], num_ranks: int, rank: int) -> MovePlan:
+    """This rank's part of moving one layer from placement ``old`` to ``new`` (physical -> logical, global).
+    Every rank derives its sends from the others' receives with the same rule, so the messages match."""
+    per = len(old) // num_ranks
+    first_holder: dict[int, int] = {}
+    for slot, logical in enumerate(old):
+        first_holder.setdefault(logical, slot)
+    plan = MovePlan()
+    for r in range(num_ranks):
+        lo = r * per
+        held = {}
+        for j in range(per):
+            held.setdefault(old[lo + j], j)
+        wanted: dict[int, list[int]] = {}
+        for j in range(per):
+            logical = new[lo + j]
+            if logical == old[lo + j]:
+                continue
+            if logical in held:
+                if r == rank:
+                    plan.local[j] = held[logical]
+                continue
+            wanted.setdefault(logical, []).append(j)
+        for logical in sorted(wanted):
+            src_slot = first_holder[logical]
+            src_rank = src_slot // per
+            if r == rank:
+                plan.recv.append((src_rank, logical, wanted[logical]))
+            elif src_rank == rank:
+                plan.send.append((r, src_slot - rank * per))
+    return plan
+
+
+def expert_tensors(block: MoEBlock) -> list[torch.Tensor]:
+    """The block's per-expert tensors, local slot first: expert weights, or a float8 weight's values and
+    scales."""
+    out = []
+    for w in (block.w13, block.w2):
+        if isinstance(w, Fp8Weight):
+            out += [w.weight.data, w.weight_scale.data]
+        else:
+            out.append(w.data)
+    return out
+
+
+def move_experts(block: MoEBlock, new: list[int]) -> int:
+    """Move ``block``'s experts to placement ``new`` (its layer's physical -> logical) and take it as the
+    block's placement. Returns how many local slots were rewritten. Collective over the block's
+    dispatcher's group."""
+    dispatcher = block.dispatcher
+    ranks, rank = dispatcher.ep_size, dispatcher.ep_rank
+    plan = plan_moves(block.placement.host, new, ranks, rank)
+    tensors = expert_tensors(block)
+    received: list[list[torch.Tensor]] = []
+    if plan.send or plan.recv:
+        import torch.distributed as dist
+
+        ops = []
+        for peer, src in plan.send:
+            for t in tensors:
+                ops.append(dist.P2POp(dist.isend, _bytes(t[src].contiguous()), peer, dispatcher.group))
+        for peer, _logical, _dst in plan.recv:
+            bufs = [torch.empty_like(t[0]) for t in tensors]
+            received.append(bufs)
+            ops += [dist.P2POp(dist.irecv, _bytes(b), peer, dispatcher.group) for b in bufs]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    # Local copies read the old slots: snapshot them before anything is written.
+    snapshot = {src: [t[src].clone() for t in tensors] for src in set(plan.local.values())}
+    for dst, src in plan.local.items():
+        for t, value in zip(tensors, snapshot[src], strict=True):
+            t[dst].copy_(value)
+    for (_peer, _logical, dsts), bufs in zip(plan.recv, received, strict=True):
+        for dst in dsts:
+            for t, value in zip(tensors, bufs, strict=True):
+                t[dst].copy_(value)
+    block.placement.update(new)
+    block.expert_counts.zero_()
+    return len(plan.local) + sum(len(d) for _p, _l, d in plan.recv)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as bytes (gloo and NCCL move any dtype so, float8 included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def even_out_replicas(counts: torch.Tensor, placements: list[list[int]]) -> torch.Tensor:
+    """Counters [layers, physical] as reported: a padded graph replay's correction takes each padding row's
+    share from an expert's first replica (engine.cuda_graphs.padding_counts), which is exact per logical
+    expert but can leave a replica below zero; in a layer where one is, each logical expert's total is
+    spread evenly over its replicas (the routing spreads tokens so)."""
+    if not bool((counts < 0).any()):
+        return counts
+    out = counts.clone()
+    for layer in torch.nonzero((counts < 0).any(dim=1)).flatten().tolist():
+        replicas: dict[int, list[int]] = {}
+        for slot, logical in enumerate(placements[layer]):
+            replicas.setdefault(logical, []).append(slot)
+        for slots in replicas.values():
+            total = int(counts[layer, slots].sum())
+            share, extra = divmod(max(total, 0), len(slots))
+            for i, slot in enumerate(slots):
+                out[layer, slot] = share + (1 if i < extra else 0)
+    return out
