@@ -123,3 +123,20 @@ def test_lora_bench_smoke_prints_every_row() -> None:
     ).stdout  # fmt: skip
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+[12] ", line)]
     assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 8 for r in rows), out
+
+
+def test_eplb_bench_smoke_moves_every_share_of_slots() -> None:
+    """``benchmarks/eplb_bench.py --smoke``: the engines with and without redundant slots decode, and each
+    share's placements rewrite slots, more for a larger share (2 MoE layers of 12 slots: at most 2, 6 and
+    12 a layer; replicas of one expert trading places change nothing)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "eplb_bench.py"), "--smoke", "--redundant", "4",
+         "--batches", "1,2", "--max-tokens", "4", "--repeats", "1", "--shares", "0.1,0.5,1.0"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    decode = [line.split() for line in out.splitlines() if re.match(r"\s+[12] ", line)]
+    assert [r[0] for r in decode] == ["1", "2"] and all(len(r) == 6 for r in decode), out
+    moves = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\.\d\d ", line)]
+    assert [m[0] for m in moves] == ["0.10", "0.50", "1.00"], out
+    slots = [int(m[1]) for m in moves]
+    assert 0 < slots[0] <= 4 and slots[0] < slots[1] <= 12 and slots[1] < slots[2] <= 24, out
