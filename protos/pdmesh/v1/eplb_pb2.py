@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/pdmesh/v1/eplb.proto\x12\tpdmesh.v1\"\xbc\x01\n\x10\x45xpertLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x65p_rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x1c\n\x14num_physical_experts\x18\x06 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\x04\x12\x19\n\x11placement_version\x18\x08 \x01(\x04\"*\n\rExpertLoadAck\x12\x19\n\x11placement_version\x18\x01 \x01(\x04\"[\n\x10PlacementRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x1a\n\rafter_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_after_version\"\xa3\x01\n\tPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x1c\n\x14num_physical_experts\x18\x03 \x01(\r\x12\x1b\n\x13num_logical_experts\x18\x04 \x01(\r\x12\x1b\n\x13physical_to_logical\x18\x05 \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t2\xdb\x01\n\x04\x45PLB\x12I\n\x10ReportExpertLoad\x12\x1b.pdmesh.v1.ExpertLoadReport\x1a\x18.pdmesh.v1.ExpertLoadAck\x12\x41\n\x0cGetPlacement\x12\x1b.pdmesh.v1.PlacementRequest\x1a\x14.pdmesh.v1.Placement\x12\x45\n\x0eWatchPlacement\x12\x1b.pdmesh.v1.PlacementRequest\x1a\x14.pdmesh.v1.Placement0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/pdmesh/v1/eplb.proto\x12\tpdmesh.v1\"\x97\x02\n\x10\x45xpertLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x65p_rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x1c\n\x14num_physical_experts\x18\x06 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\x04\x12\x19\n\x11placement_version\x18\x08 \x01(\x04\x12\x1b\n\x13num_logical_experts\x18\t \x01(\r\x12\x11\n\tnum_ranks\x18\n \x01(\r\x12\x0c\n\x04pool\x18\x0b \x01(\t\x12\x1b\n\x13physical_to_logical\x18\x0c \x03(\x05\"<\n\rExpertLoadAck\x12\x19\n\x11placement_version\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\"\xcb\x01\n\x10PlacementRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x1a\n\rafter_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x1c\n\x14num_physical_experts\x18\x04 \x01(\r\x12\x1b\n\x13num_logical_experts\x18\x05 \x01(\r\x12\x11\n\tnum_ranks\x18\x06 \x01(\r\x12\x0c\n\x04pool\x18\x07 \x01(\tB\x10\n\x0e_after_version\"\xfd\x01\n\tPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x1c\n\x14num_physical_experts\x18\x03 \x01(\r\x12\x1b\n\x13num_logical_experts\x18\x04 \x01(\r\x12\x1b\n\x13physical_to_logical\x18\x05 \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x11\n\tnum_ranks\x18\x07 \x01(\r\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x1b\n\x13\x62\x61lancedness_before\x18\t \x01(\x02\x12\x1a\n\x12\x62\x61lancedness_after\x18\n \x01(\x02\x32\xdb\x01\n\x04\x45PLB\x12I\n\x10ReportExpertLoad\x12\x1b.pdmesh.v1.ExpertLoadReport\x1a\x18.pdmesh.v1.ExpertLoadAck\x12\x41\n\x0cGetPlacement\x12\x1b.pdmesh.v1.PlacementRequest\x1a\x14.pdmesh.v1.Placement\x12\x45\n\x0eWatchPlacement\x12\x1b.pdmesh.v1.PlacementRequest\x1a\x14.pdmesh.v1.Placement0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdmesh.v1.eplb_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXPERTLOADREPORT']._serialized_start=43
-  _globals['_EXPERTLOADREPORT']._serialized_end=231
-  _globals['_EXPERTLOADACK']._serialized_start=233
-  _globals['_EXPERTLOADACK']._serialized_end=275
-  _globals['_PLACEMENTREQUEST']._serialized_start=277
-  _globals['_PLACEMENTREQUEST']._serialized_end=368
-  _globals['_PLACEMENT']._serialized_start=371
-  _globals['_PLACEMENT']._serialized_end=534
-  _globals['_EPLB']._serialized_start=537
-  _globals['_EPLB']._serialized_end=756
+  _globals['_EXPERTLOADREPORT']._serialized_end=322
+  _globals['_EXPERTLOADACK']._serialized_start=324
+  _globals['_EXPERTLOADACK']._serialized_end=384
+  _globals['_PLACEMENTREQUEST']._serialized_start=387
+  _globals['_PLACEMENTREQUEST']._serialized_end=590
+  _globals['_PLACEMENT']._serialized_start=593
+  _globals['_PLACEMENT']._serialized_end=846
+  _globals['_EPLB']._serialized_start=849
+  _globals['_EPLB']._serialized_end=1068
 # @@protoc_insertion_point(module_scope)

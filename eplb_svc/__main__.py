@@ -1,0 +1,67 @@
+"""``python -m eplb_svc``: run the EPLB controller until SIGINT/SIGTERM (flags: ``--help``; each has a
+``PDMESH_*`` twin). Prints ``pdmesh eplb ready: grpc=HOST:PORT metrics=HOST:PORT`` once it serves."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from eplb_svc.config import EPLBSettings
+from eplb_svc.service import EPLBService
+from mesh.config import add_arguments, from_sources
+from mesh.grpc_server import format_address
+
+log = logging.getLogger("eplb_svc")
+
+
+def parse_settings(argv: list[str] | None = None) -> EPLBSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m eplb_svc",
+        description="pdmesh EPLB controller: aggregates MoE workers' expert load and publishes balanced "
+        "expert placements (pdmesh.v1.EPLB).",
+    )
+    add_arguments(parser, EPLBSettings, "eplb")
+    args = parser.parse_args(argv)
+    try:
+        return from_sources(EPLBSettings, args)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+async def serve(settings: EPLBSettings) -> None:
+    service = EPLBService(settings)
+    await service.start()
+    print(
+        f"pdmesh eplb ready: grpc={service.address} "
+        f"metrics={format_address(settings.host, service.metrics_port)} id={service.controller_id}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("eplb controller stopping")
+        await service.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s eplb %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(settings))
+    except OSError as exc:
+        log.error("%s", exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
