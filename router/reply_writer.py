@@ -55,7 +55,11 @@ class ChoiceReply:
         self.content = ""  # with a reasoning parser: the content part of the text
         # Chat with tools: the content read as content and tool calls (router.tool_calls).
         tools = parsed.tools
-        self.tools = ToolCallStream(tools) if tools is not None and tools.parses_output else None
+        self.tools = (
+            ToolCallStream(tools, whole=not parsed.stream)
+            if tools is not None and tools.parses_output
+            else None
+        )
 
     def stop_reason_now(self) -> str | int | None:
         if self.finish_reason != "stop":

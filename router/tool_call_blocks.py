@@ -96,6 +96,11 @@ class HermesBlock:
         self._string: str | None = None  # arguments given as a JSON string: its text until it ends
         self._string_read = False
 
+    @property
+    def error(self) -> bool:
+        """The arguments stopped being JSON (their call cannot be whole any more)."""
+        return self._json is not None and self._json.error
+
     def feed(self, text: str) -> str:
         if self.name is None:
             self.raw += text

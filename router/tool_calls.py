@@ -218,6 +218,10 @@ class ToolCallStream:
     delta and the tool-call deltas it settles; ``finish`` settles the rest."""
 
     request: ToolRequest
+    # A whole (not streamed) reply: llama3_json's and pythonic's calls are checked against the whole text at
+    # its end, so a reply whose call turns out broken after it opened is content, not a cut call (streamed,
+    # what went out cannot be taken back); one cut short inside its last call keeps the calls as written.
+    whole: bool = False
     content: str = ""  # every content delta so far
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, for a whole reply
     _buffer: str = ""
@@ -238,12 +242,15 @@ class ToolCallStream:
     _objects_pos: int = -1
     _objects_streaming: bool = False
     _objects_done: bool = False
+    _whole_text: str = ""  # with ``whole``: every delta
 
     def add(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         choice = self.request.choice
         if choice == "function":
             return self._named(delta)
         self._buffer += delta
+        if self.whole:
+            self._whole_text += delta
         if choice == "required":  # the constrained array's objects, read as llama3_json's are
             self._objects_read(", \t\r\n", "[")
             return "", self._take_deltas()
@@ -411,6 +418,12 @@ class ToolCallStream:
         if not self._calls_reply:
             self.content += rest
             return rest, []
+        cut = self._block is not None and not self._block.error
+        if self._objects_streaming and self.whole and not cut:
+            # Nothing went out yet: unless the reply was cut inside its last call, it is what the whole
+            # text is, calls or content.
+            self.calls, self._deltas, self._growing, self._parts = [], [], {}, {}
+            self._block, self._objects_streaming, rest = None, False, self._whole_text
         if self._objects_streaming:  # its calls went out as they came: the last one ends here
             if self._block is not None:
                 self._close_block(closed=False)

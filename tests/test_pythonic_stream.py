@@ -40,9 +40,10 @@ def _reply(rng: random.Random) -> str:
     return rng.choice(["", " ", "\n"]) + text + rng.choice(["", "\n"])
 
 
-def _fed(request: ToolRequest, pieces: list[str]) -> tuple[str, list[dict], list[dict]]:
-    """Content and tool-call deltas of a reply fed in ``pieces``, and its whole calls."""
-    stream = ToolCallStream(request)
+def _fed(request: ToolRequest, pieces: list[str], whole: bool = False) -> tuple[str, list[dict], list[dict]]:
+    """Content and tool-call deltas of a reply fed in ``pieces``, and its whole calls. ``whole``: as for a
+    reply that is not streamed."""
+    stream = ToolCallStream(request, whole=whole)
     content, deltas = "", []
     for piece in pieces:
         c, d = stream.add(piece)
@@ -178,6 +179,27 @@ def test_once_a_call_opened_the_reply_is_calls() -> None:
                 content == ""
                 and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
             )
+
+
+def test_a_whole_reply_whose_call_breaks_after_it_opened_is_content() -> None:
+    """Not streamed, nothing went out yet: the reply is read whole at its end, as calls when it is only
+    calls, else as content (streamed, the calls that opened stay: the test above)."""
+    for text in ("[f(a=1, b=here, c=2), g()]", "[get_time()] and then some text", "[f(a=1)] [g(b=2)]"):
+        for pieces in ([text], list(text)):
+            content, _, calls = _fed(_auto(), pieces, whole=True)  # a whole reply reads no deltas
+            assert (content, calls) == (text, []), text
+    cut = "[get_weather(city='Oslo'), get_time(zone='Europe/Os"  # cut short inside its last call
+    content, _, calls = _fed(_auto(), [cut], whole=True)
+    assert content == "" and [c["function"]["arguments"] for c in calls] == [
+        '{"city": "Oslo"}',
+        '{"zone": "Europe/Os',
+    ]
+    text = "[get_weather(city='Oslo'), get_time()]"
+    for pieces in ([text], list(text)):
+        content, _, calls = _fed(_auto(), pieces, whole=True)
+        streamed = _fed(_auto(), [text])[2]
+        assert content == "" and [c["function"] for c in calls] == [c["function"] for c in streamed]
+        assert [c["function"]["arguments"] for c in calls] == ['{"city": "Oslo"}', "{}"]
 
 
 def test_one_call_only_without_parallel_tool_calls() -> None:

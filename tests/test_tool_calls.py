@@ -510,3 +510,20 @@ def test_a_call_read_whole_does_not_take_the_next_blocks_arguments() -> None:
     for _, assembled, calls, _ in (_run(auto, text), _run(auto, text, _random_pieces(text, 9))):
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in assembled] == expected
+
+
+def test_a_whole_llama3_json_reply_whose_call_breaks_is_content() -> None:
+    """Not streamed, a reply whose call opened and then broke (a value that is not JSON) is content, as the
+    whole-reply parse reads it; streamed, the call that opened stays."""
+    auto = parse_tools({"tools": [WEATHER]}, "llama3_json")
+    assert auto is not None
+    broken = '{"name": "get_weather", "parameters": {"city": Oslo}}'
+    whole = ToolCallStream(auto, whole=True)
+    whole.add(broken)
+    assert whole.finish() == (broken, []) and whole.content == broken and whole.calls == []
+    content, _, calls, _ = _run(auto, broken)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    good = ToolCallStream(auto, whole=True)
+    good.add(LLAMA)
+    good.finish()
+    assert _names_and_args(good.calls) == [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]
