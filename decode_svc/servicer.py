@@ -64,7 +64,8 @@ class DecodeServicer(WorkerServicerBase):
         lora_name: str | None = None,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         started_ns = time.time_ns()
-        stream = self.aengine.generate(rid, prompt, params, cache_salt=cache_salt, lora_name=lora_name)
+        # With a KV offload store, the prompt's prefix blocks it holds are loaded first.
+        stream = self.generate(rid, prompt, params, cache_salt=cache_salt, lora_name=lora_name)
         async for resp in self._stream(rid, stream, first_emitted=False, started_ns=started_ns):
             yield resp
 

@@ -108,14 +108,21 @@ class AsyncEngine:
         hold_kv: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        before_add: Callable[[], Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """``before_add`` runs on the engine thread in the same call, right before the request is added
+        (blocks loaded from the KV offload store enter the prefix cache there, so the request finds them)."""
         q = self.open_stream(request_id)
-        try:
-            await self.call(
-                lambda: self.engine.add_request(
-                    request_id, prompt_token_ids, params, hold_kv, cache_salt, lora_name=lora_name
-                )
+
+        def add() -> None:
+            if before_add is not None:
+                before_add()
+            self.engine.add_request(
+                request_id, prompt_token_ids, params, hold_kv, cache_salt, lora_name=lora_name
             )
+
+        try:
+            await self.call(add)
         except BaseException:
             self.close_stream(request_id)
             raise

@@ -218,6 +218,37 @@ class BlockPool:
         if stored:
             self._pending_events.append(BlocksStored(tuple(stored), Tier.GPU, parent))
 
+    def cache_loaded_blocks(self, blocks: list[int], hashes: list[int], parent: int | None) -> int:
+        """Register blocks whose KV was loaded from elsewhere (the KV offload store) as holding the chain
+        ``hashes`` (after ``parent``), then drop the caller's reference: they stay cached, evictable, most
+        recently used. A hash cached meanwhile keeps its block; the loaded copy is freed. Returns how many
+        blocks were newly cached."""
+        stored: list[int] = []
+        new = 0
+        for i, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
+            if self.enable_prefix_caching and h not in self.hash_to_block and self.block_hash[block] is None:
+                self.block_hash[block] = h
+                self.hash_to_block[h] = block
+                if not stored:
+                    parent = hashes[i - 1] if i > 0 else parent
+                stored.append(h)
+                new += 1
+            elif stored:  # a gap: the chain's stored event ends here, the next starts after it
+                self._pending_events.append(BlocksStored(tuple(stored), Tier.GPU, parent))
+                stored = []
+        if stored:
+            self._pending_events.append(BlocksStored(tuple(stored), Tier.GPU, parent))
+        self.free_blocks(blocks)
+        return new
+
+    def ref_cached(self, h: int) -> int | None:
+        """Take a reference on the block caching hash ``h`` (None when it is not cached): it is not
+        evicted or reused until ``free_blocks`` drops the reference."""
+        block = self.hash_to_block.get(h)
+        if block is not None:
+            self._ref(block)
+        return block
+
     def reset_prefix_cache(self) -> int:
         """Evict every cached block no sequence holds (each a ``BlocksRemoved`` event); blocks in use stay
         cached. Returns how many were evicted."""

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
+from engine.kv_offload import KVOffload
 from engine.loader import load_model, resolve_dtype
 from engine.lora import LoRAError, LoRASlots, parse_lora_modules
 from engine.memory_profile import (
@@ -179,6 +180,10 @@ def _join_expert_parallel_group(config: EngineConfig) -> tuple[TokenDispatcher, 
 
 
 class LLMEngine:
+    # Offloading to, and loading from, the KV offload store (``engine.kv_offload``); a worker that uses a
+    # store sets it. None: finished requests' blocks just stay in the prefix cache.
+    kv_offload: KVOffload | None = None
+
     def __init__(
         self,
         config: EngineConfig,
@@ -540,6 +545,8 @@ class LLMEngine:
         if seq is None:
             return False
         self.block_pool.free(seq)
+        if self.kv_offload is not None:
+            self.kv_offload.collect(seq)
         self.block_pool.flush_events()
         return True
 
@@ -559,21 +566,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=None)
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
-        # With a step in flight, blocks that are free now and hold no cached content are taken without
-        # reading that step: what it finishes frees more blocks but cannot take these, and taking them
-        # evicts nothing, so outputs and KV events stay the synchronous engine's (only block ids differ,
-        # which nothing observes). Where an eviction would be needed, the step is read first, as the
-        # synchronous engine would have: which block is evicted depends on the requests it finishes.
-        if n_blocks > self.block_pool.num_uncached_free_blocks:
-            self._drain_inflight()
-        # Either way, wait for the device where a request that finished on content during a lookahead
-        # step freed blocks while that step's kernels may still write its last KV slot: the KV transfer
-        # into these blocks is not ordered after them.
-        if self._freed_while_running is not None:  # also when no step is in flight any more
-            self._freed_while_running.synchronize()
-            self._freed_while_running = None
-        blocks = self.block_pool.allocate_blocks(n_blocks)
-        self.block_pool.flush_events()
+        blocks = self.take_transfer_blocks(n_blocks)
         if blocks is None:
             raise CapacityError(f"no room for {n_blocks} KV blocks ({self.block_pool.num_free_blocks} free)")
         seq = Sequence(
@@ -587,6 +580,36 @@ class LLMEngine:
         self._start_grammar(seq)
         self._imports[request_id] = seq
         return blocks
+
+    def take_transfer_blocks(self, n_blocks: int) -> list[int] | None:
+        """``n_blocks`` fresh blocks, one reference each, for KV a transfer will write (a KV import, a load
+        from the KV offload store); None when they do not fit."""
+        # With a step in flight, blocks that are free now and hold no cached content are taken without
+        # reading that step: what it finishes frees more blocks but cannot take these, and taking them
+        # evicts nothing, so outputs and KV events stay the synchronous engine's (only block ids differ,
+        # which nothing observes). Where an eviction would be needed, the step is read first, as the
+        # synchronous engine would have: which block is evicted depends on the requests it finishes.
+        if n_blocks > self.block_pool.num_uncached_free_blocks:
+            self._drain_inflight()
+        self.wait_freed_kv_writes()
+        blocks = self.block_pool.allocate_blocks(n_blocks)
+        self.block_pool.flush_events()
+        return blocks
+
+    def wait_freed_kv_writes(self) -> None:
+        """Wait for the device where a request that finished on content during a lookahead step freed
+        blocks while that step's kernels may still write its last KV slot: a KV transfer into (or out of)
+        those blocks is not ordered after them."""
+        if self._freed_while_running is not None:  # also when no step is in flight any more
+            self._freed_while_running.synchronize()
+            self._freed_while_running = None
+
+    def enable_kv_offload(self, max_held_blocks: int) -> KVOffload:
+        """Offer finished requests' blocks to a KV offload store and accept blocks loaded from it
+        (``engine.kv_offload``); returns the engine's ``KVOffload``."""
+        if self.kv_offload is None:
+            self.kv_offload = KVOffload(self, max_held_blocks)
+        return self.kv_offload
 
     def _start_grammar(self, seq: Sequence) -> None:
         if seq.params.structured_outputs is not None:
@@ -1065,6 +1088,8 @@ class LLMEngine:
         self._constrained.discard(seq.request_id)
         if seq.hold_kv and seq.finish_reason is not None:
             self._held[seq.request_id] = seq
+        elif self.kv_offload is not None:
+            self.kv_offload.collect(seq)
         self._detok.pop(seq.request_id, None)
 
     def _output(

@@ -48,7 +48,7 @@ class PrefillServicer(WorkerServicerBase):
                 params = await self.sampling_params(request.sampling_params)
                 out = None
                 prompt_logprobs = None  # on the output with the first token
-                async for item in self.aengine.generate(
+                async for item in self.generate(  # loads what the KV offload store holds first
                     rid,
                     list(request.prompt_token_ids),
                     params,
@@ -107,6 +107,9 @@ class PrefillServicer(WorkerServicerBase):
             span.set_attribute("pdmesh.kv_blocks", len(blocks))
             return resp
 
+    def transfer_progress(self) -> None:
+        pass  # the lease keeper polls (fast while the KV offload store reads): the notifications are its own
+
     async def ReleaseKV(
         self,
         request: worker_pb2.ReleaseKVRequest,
@@ -140,7 +143,8 @@ class PrefillServicer(WorkerServicerBase):
                 raise
             except Exception:
                 log.exception("lease keeper iteration failed")
-            await asyncio.sleep(0.002 if self.leases else 0.02)
+            busy = self.leases or (self.kv_offload is not None and self.kv_offload.num_puts_in_flight)
+            await asyncio.sleep(0.002 if busy else 0.02)
 
 
 def _record_phases(out, worker_id: str) -> None:

@@ -54,7 +54,7 @@ from mesh.background import BackgroundTasks, cancel_until_done
 from mesh.registry import Registry, WorkerInfo
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
-from router.worker_pool import DECODE, PREFILL, Health, WorkerPool
+from router.worker_pool import DECODE, KVSTORE, PREFILL, Health, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,11 @@ class RegistryDiscovery:
         """Bring the pool in line with the registry's list."""
         fingerprint = self._model(workers)
         present: set[str] = set()
+        self.pool.kvstore_ids = frozenset(
+            info.worker_id
+            for info in workers
+            if info.role == KVSTORE and info.model_fingerprint == fingerprint and not info.draining
+        )
         for info in workers:
             if info.model_fingerprint != fingerprint or info.role not in (PREFILL, DECODE):
                 continue

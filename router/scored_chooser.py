@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mesh.block_hash import block_hashes, root_hash
+from mesh.kv_index import PrefixMatch
 from mesh.registry import WorkerInfo
 from router.chooser import DISAGGREGATED, Choice, LocalPrefillDecision, RouteRequest
 from router.metrics import RouterMetrics
@@ -158,6 +159,7 @@ class ScoredChooser:
         block_size = self.pool.block_size
         hashes: list[int] = []
         matches = None
+        offload = None
         if self.routing == PREFIX and fingerprint:
             root = root_hash(fingerprint, request.cache_salt or None, request.lora_name or None)
             hashes = block_hashes(request.prompt_token_ids, block_size, root)
@@ -166,6 +168,8 @@ class ScoredChooser:
             if matches is None:
                 self.metrics.index_unavailable.inc()
             else:
+                matches = dict(matches)
+                offload = _best([matches.pop(i) for i in self.pool.kvstore_ids if i in matches])
                 matches = merge(matches, self.recent.lookup(hashes))
         memo = _Memo(
             RoutingRequest(
@@ -175,6 +179,7 @@ class ScoredChooser:
                 model_fingerprint=fingerprint,
                 session_id=request.session_id,
                 prefix_matches=matches or {},
+                offload_match=offload,
             )
         )
         request.routing = memo
@@ -221,3 +226,8 @@ class ScoredChooser:
             num_kv_blocks_free=s.num_kv_blocks_free,
             num_kv_blocks_total=s.num_kv_blocks_total,
         )
+
+
+def _best(matches: list[PrefixMatch]) -> PrefixMatch | None:
+    """The longest of the KV offload stores' prefixes (None: no store holds block 0)."""
+    return max(matches, key=lambda m: m.blocks, default=None)

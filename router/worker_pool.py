@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 PREFILL = "prefill"
 DECODE = "decode"
+KVSTORE = "kvstore"  # a KV offload store's registry role: never a routing target
 
 # gRPC's default reconnect backoff grows to 120 s: a worker restarted after a failure would be refused
 # for up to two minutes. Workers are on the local network; retry connecting often.
@@ -109,6 +110,10 @@ class WorkerEndpoint:
 
 class WorkerPool:
     """The prefill and decode workers: those named on the command line, and those discovery adds."""
+
+    # Worker ids of the KV offload stores registered for the model (discovery sets them): their KV index
+    # entries are every worker's to load, not a routing target.
+    kvstore_ids: frozenset[str] = frozenset()
 
     def __init__(
         self,

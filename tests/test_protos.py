@@ -193,7 +193,14 @@ def test_tiers_match_the_mesh_kv_events_tiers() -> None:
         (
             kvstore_pb2,
             "KVStore",
-            {"Put": False, "Lookup": False, "Fetch": False, "GetTransferMetadata": False, "GetStats": False},
+            {
+                "Put": False,
+                "Lookup": False,
+                "Fetch": False,
+                "GetTransferMetadata": False,
+                "GetStats": False,
+                "Release": False,
+            },
         ),
         (eplb_pb2, "EPLB", {"ReportExpertLoad": False, "GetPlacement": False, "WatchPlacement": True}),
     ],

@@ -3,7 +3,8 @@
     score(w) = sum over tiers t of tier_weight[t] * blocks of w's cached prefix in tier t / prompt blocks
 
 ``prompt blocks`` counts the prompt's full blocks (the ones that are hashed); a prompt with none scores 0
-everywhere. Default tier weights: gpu 1.0, cpu 0.8, disk 0.25 (a cpu block costs a host-to-device copy, a
+everywhere. Blocks a KV offload store holds beyond a worker's own prefix count for it in the store's tiers
+(``RoutingRequest.match_of``). Default tier weights: gpu 1.0, cpu 0.8, disk 0.25 (a cpu block costs a host-to-device copy, a
 disk block a read as well). Reading the KV index is the router's job; this scorer only reads
 ``request.prefix_matches``.
 """
@@ -28,7 +29,7 @@ class PrefixScorer:
         total = request.num_blocks
         out: dict[str, float] = {}
         for c in candidates:
-            match = request.prefix_matches.get(c.worker_id)
+            match = request.match_of(c.worker_id)
             if total == 0 or match is None:
                 out[c.worker_id] = 0.0
                 continue

@@ -20,7 +20,9 @@ class RoutingRequest:
     """One request as routing sees it.
 
     ``block_hashes`` are the prompt's full blocks (``mesh.block_hash``); ``prefix_matches`` is the KV
-    index's answer for them: worker id -> longest cached prefix, by tier.
+    index's answer for them: worker id -> longest cached prefix, by tier. ``offload_match`` is the longest
+    prefix a KV offload store holds (``kvstore_svc``): any worker can load it, so ``match_of`` credits it to
+    every worker beyond the worker's own prefix, in the store's tiers.
     """
 
     prompt_len_tokens: int
@@ -29,6 +31,7 @@ class RoutingRequest:
     model_fingerprint: str
     session_id: str | None = None
     prefix_matches: Mapping[str, PrefixMatch] = field(default_factory=dict)
+    offload_match: PrefixMatch | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -41,8 +44,26 @@ class RoutingRequest:
         return len(self.block_hashes)
 
     def cached_blocks(self, worker_id: str) -> int:
-        match = self.prefix_matches.get(worker_id)
+        match = self.match_of(worker_id)
         return match.blocks if match is not None else 0
+
+    def match_of(self, worker_id: str) -> PrefixMatch | None:
+        """The worker's cached prefix; where a KV offload store holds a longer one, the blocks beyond the
+        worker's own count too, split over the store's tiers in its proportions."""
+        own = self.prefix_matches.get(worker_id)
+        store = self.offload_match
+        if store is None or store.blocks <= (own.blocks if own is not None else 0):
+            return own
+        have = own.blocks if own is not None else 0
+        extra = store.blocks - have
+        tiers = dict(own.blocks_by_tier) if own is not None else {}
+        left = extra
+        for tier, n in sorted(store.blocks_by_tier.items(), key=lambda kv: -kv[1]):
+            share = min(left, -(-extra * n // store.blocks))
+            if share:
+                tiers[tier] = tiers.get(tier, 0) + share
+                left -= share
+        return PrefixMatch(store.blocks, tiers)
 
 
 @dataclass(frozen=True)

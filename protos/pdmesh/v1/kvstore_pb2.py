@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as protos_dot_pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdmesh/v1/kvstore.proto\x12\tpdmesh.v1\x1a\x1dprotos/pdmesh/v1/common.proto\"\x8c\x01\n\nPutRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12#\n\x06source\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVHandleB\x0e\n\x0c_parent_hash\"*\n\x0bPutResponse\x12\x1b\n\x13stored_block_hashes\x18\x01 \x03(\x04\"@\n\rLookupRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"K\n\x0eLookupResponse\x12\x19\n\x11num_prefix_blocks\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.pdmesh.v1.Tier\"\x8d\x01\n\x0c\x46\x65tchRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x1c\n\x14requester_agent_name\x18\x03 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"R\n\rFetchResponse\x12\x19\n\x11num_prefix_blocks\x18\x01 \x01(\r\x12&\n\tkv_handle\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\"\x15\n\x13KVStoreStatsRequest\"d\n\x10KVStoreTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\x12\x18\n\x10num_blocks_total\x18\x02 \x01(\x04\x12\x17\n\x0fnum_blocks_used\x18\x03 \x01(\x04\"\xab\x01\n\x0cKVStoreStats\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12*\n\x05tiers\x18\x03 \x03(\x0b\x32\x1b.pdmesh.v1.KVStoreTierStats\x12\x13\n\x0bnum_lookups\x18\x04 \x01(\x04\x12\x16\n\x0enum_blocks_hit\x18\x05 \x01(\x04\x12\x1c\n\x14num_blocks_requested\x18\x06 \x01(\x04\x32\xd7\x02\n\x07KVStore\x12\x34\n\x03Put\x12\x15.pdmesh.v1.PutRequest\x1a\x16.pdmesh.v1.PutResponse\x12=\n\x06Lookup\x12\x18.pdmesh.v1.LookupRequest\x1a\x19.pdmesh.v1.LookupResponse\x12:\n\x05\x46\x65tch\x12\x17.pdmesh.v1.FetchRequest\x1a\x18.pdmesh.v1.FetchResponse\x12V\n\x13GetTransferMetadata\x12\".pdmesh.v1.TransferMetadataRequest\x1a\x1b.pdmesh.v1.TransferMetadata\x12\x43\n\x08GetStats\x12\x1e.pdmesh.v1.KVStoreStatsRequest\x1a\x17.pdmesh.v1.KVStoreStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdmesh/v1/kvstore.proto\x12\tpdmesh.v1\x1a\x1dprotos/pdmesh/v1/common.proto\"\x8c\x01\n\nPutRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12#\n\x06source\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVHandleB\x0e\n\x0c_parent_hash\"C\n\x0bPutResponse\x12\x1b\n\x13stored_block_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fnum_blocks_read\x18\x02 \x01(\r\"@\n\rLookupRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"K\n\x0eLookupResponse\x12\x19\n\x11num_prefix_blocks\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.pdmesh.v1.Tier\"\x8d\x01\n\x0c\x46\x65tchRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x1c\n\x14requester_agent_name\x18\x03 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"R\n\rFetchResponse\x12\x19\n\x11num_prefix_blocks\x18\x01 \x01(\r\x12&\n\tkv_handle\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"@\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x1b\n\x13num_blocks_unpinned\x18\x02 \x01(\r\"\x15\n\x13KVStoreStatsRequest\"d\n\x10KVStoreTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.pdmesh.v1.Tier\x12\x18\n\x10num_blocks_total\x18\x02 \x01(\x04\x12\x17\n\x0fnum_blocks_used\x18\x03 \x01(\x04\"\xa7\x03\n\x0cKVStoreStats\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12*\n\x05tiers\x18\x03 \x03(\x0b\x32\x1b.pdmesh.v1.KVStoreTierStats\x12\x13\n\x0bnum_lookups\x18\x04 \x01(\x04\x12\x16\n\x0enum_blocks_hit\x18\x05 \x01(\x04\x12\x1c\n\x14num_blocks_requested\x18\x06 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08num_puts\x18\t \x01(\x04\x12\x16\n\x0enum_blocks_put\x18\n \x01(\x04\x12\x1b\n\x13num_blocks_declined\x18\x0b \x01(\x04\x12\x1a\n\x12num_blocks_demoted\x18\x0c \x01(\x04\x12\x1a\n\x12num_blocks_dropped\x18\r \x01(\x04\x12\x1b\n\x13num_blocks_promoted\x18\x0e \x01(\x04\x12\x12\n\nnum_leases\x18\x0f \x01(\r\x12\x13\n\x0bnum_fetches\x18\x10 \x01(\x04\x32\x99\x03\n\x07KVStore\x12\x34\n\x03Put\x12\x15.pdmesh.v1.PutRequest\x1a\x16.pdmesh.v1.PutResponse\x12=\n\x06Lookup\x12\x18.pdmesh.v1.LookupRequest\x1a\x19.pdmesh.v1.LookupResponse\x12:\n\x05\x46\x65tch\x12\x17.pdmesh.v1.FetchRequest\x1a\x18.pdmesh.v1.FetchResponse\x12V\n\x13GetTransferMetadata\x12\".pdmesh.v1.TransferMetadataRequest\x1a\x1b.pdmesh.v1.TransferMetadata\x12\x43\n\x08GetStats\x12\x1e.pdmesh.v1.KVStoreStatsRequest\x1a\x17.pdmesh.v1.KVStoreStats\x12@\n\x07Release\x12\x19.pdmesh.v1.ReleaseRequest\x1a\x1a.pdmesh.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREQUEST']._serialized_start=77
   _globals['_PUTREQUEST']._serialized_end=217
   _globals['_PUTRESPONSE']._serialized_start=219
-  _globals['_PUTRESPONSE']._serialized_end=261
-  _globals['_LOOKUPREQUEST']._serialized_start=263
-  _globals['_LOOKUPREQUEST']._serialized_end=327
-  _globals['_LOOKUPRESPONSE']._serialized_start=329
-  _globals['_LOOKUPRESPONSE']._serialized_end=404
-  _globals['_FETCHREQUEST']._serialized_start=407
-  _globals['_FETCHREQUEST']._serialized_end=548
-  _globals['_FETCHRESPONSE']._serialized_start=550
-  _globals['_FETCHRESPONSE']._serialized_end=632
-  _globals['_KVSTORESTATSREQUEST']._serialized_start=634
-  _globals['_KVSTORESTATSREQUEST']._serialized_end=655
-  _globals['_KVSTORETIERSTATS']._serialized_start=657
-  _globals['_KVSTORETIERSTATS']._serialized_end=757
-  _globals['_KVSTORESTATS']._serialized_start=760
-  _globals['_KVSTORESTATS']._serialized_end=931
-  _globals['_KVSTORE']._serialized_start=934
-  _globals['_KVSTORE']._serialized_end=1277
+  _globals['_PUTRESPONSE']._serialized_end=286
+  _globals['_LOOKUPREQUEST']._serialized_start=288
+  _globals['_LOOKUPREQUEST']._serialized_end=352
+  _globals['_LOOKUPRESPONSE']._serialized_start=354
+  _globals['_LOOKUPRESPONSE']._serialized_end=429
+  _globals['_FETCHREQUEST']._serialized_start=432
+  _globals['_FETCHREQUEST']._serialized_end=573
+  _globals['_FETCHRESPONSE']._serialized_start=575
+  _globals['_FETCHRESPONSE']._serialized_end=657
+  _globals['_RELEASEREQUEST']._serialized_start=659
+  _globals['_RELEASEREQUEST']._serialized_end=693
+  _globals['_RELEASERESPONSE']._serialized_start=695
+  _globals['_RELEASERESPONSE']._serialized_end=759
+  _globals['_KVSTORESTATSREQUEST']._serialized_start=761
+  _globals['_KVSTORESTATSREQUEST']._serialized_end=782
+  _globals['_KVSTORETIERSTATS']._serialized_start=784
+  _globals['_KVSTORETIERSTATS']._serialized_end=884
+  _globals['_KVSTORESTATS']._serialized_start=887
+  _globals['_KVSTORESTATS']._serialized_end=1310
+  _globals['_KVSTORE']._serialized_start=1313
+  _globals['_KVSTORE']._serialized_end=1722
 # @@protoc_insertion_point(module_scope)

@@ -20,10 +20,12 @@ class PutRequest(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., source: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored_block_hashes",)
+    __slots__ = ("stored_block_hashes", "num_blocks_read")
     STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
     stored_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stored_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_blocks_read: int
+    def __init__(self, stored_block_hashes: _Optional[_Iterable[int]] = ..., num_blocks_read: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("model_fingerprint", "block_hashes")
@@ -63,6 +65,20 @@ class FetchResponse(_message.Message):
     kv_handle: _common_pb2.KVHandle
     def __init__(self, num_prefix_blocks: _Optional[int] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released", "num_blocks_unpinned")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    num_blocks_unpinned: int
+    def __init__(self, released: _Optional[bool] = ..., num_blocks_unpinned: _Optional[int] = ...) -> None: ...
+
 class KVStoreStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -78,17 +94,37 @@ class KVStoreTierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("store_id", "block_size", "tiers", "num_lookups", "num_blocks_hit", "num_blocks_requested")
+    __slots__ = ("store_id", "block_size", "tiers", "num_lookups", "num_blocks_hit", "num_blocks_requested", "model_fingerprint", "layout_fingerprint", "num_puts", "num_blocks_put", "num_blocks_declined", "num_blocks_demoted", "num_blocks_dropped", "num_blocks_promoted", "num_leases", "num_fetches")
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_HIT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_PUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FETCHES_FIELD_NUMBER: _ClassVar[int]
     store_id: str
     block_size: int
     tiers: _containers.RepeatedCompositeFieldContainer[KVStoreTierStats]
     num_lookups: int
     num_blocks_hit: int
     num_blocks_requested: int
-    def __init__(self, store_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[KVStoreTierStats, _Mapping]]] = ..., num_lookups: _Optional[int] = ..., num_blocks_hit: _Optional[int] = ..., num_blocks_requested: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    layout_fingerprint: str
+    num_puts: int
+    num_blocks_put: int
+    num_blocks_declined: int
+    num_blocks_demoted: int
+    num_blocks_dropped: int
+    num_blocks_promoted: int
+    num_leases: int
+    num_fetches: int
+    def __init__(self, store_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[KVStoreTierStats, _Mapping]]] = ..., num_lookups: _Optional[int] = ..., num_blocks_hit: _Optional[int] = ..., num_blocks_requested: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_puts: _Optional[int] = ..., num_blocks_put: _Optional[int] = ..., num_blocks_declined: _Optional[int] = ..., num_blocks_demoted: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ..., num_blocks_promoted: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_fetches: _Optional[int] = ...) -> None: ...

@@ -60,6 +60,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.KVStoreStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.KVStoreStats.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/pdmesh.v1.KVStore/Release',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -100,6 +105,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """The reader has the fetched blocks (or will not read them): unpin them now, besides the NIXL
+        notification naming the lease. Releasing an unknown or ended lease is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.KVStoreStatsRequest.FromString,
                     response_serializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.KVStoreStats.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.ReleaseRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class KVStore:
             '/pdmesh.v1.KVStore/GetStats',
             protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.KVStoreStatsRequest.SerializeToString,
             protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.KVStoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.KVStore/Release',
+            protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_kvstore__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

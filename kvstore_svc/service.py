@@ -1,0 +1,198 @@
+"""The KV offload store process: layout from the model's config, the block pool and its NIXL agent, the gRPC
+server, /metrics, and, with a Redis URL, its registration (role ``kvstore``) and KV events in the index.
+
+``python -m kvstore_svc`` runs ``main``; ``serve`` runs until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+
+from redis.exceptions import RedisError
+
+from engine.kv_offload import layout_for_model
+from kvstore_svc.block_store import BlockStore
+from kvstore_svc.config import KVStoreSettings
+from kvstore_svc.servicer import KVStoreMetrics, KVStoreServicer
+from mesh.block_hash import salted_fingerprint
+from mesh.grpc_server import format_address, set_serving, start_server
+from mesh.kv_events import AllBlocksCleared, KVEvent, Tier
+from mesh.kv_transfer import create_transfer_agent
+from mesh.telemetry import start_metrics_server
+from protos.pdmesh.v1 import kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class IndexWriter:
+    """The store's KV events into the Redis KV index, in order, one writer (as a worker's registration does);
+    after a failed write it starts over from a snapshot of what the store holds."""
+
+    def __init__(self, redis_url: str, model_fingerprint: str, store_id: str, store: BlockStore) -> None:
+        from mesh.kv_index import RedisKVIndex
+
+        self.index = RedisKVIndex(redis_url, model_fingerprint)
+        self.store_id = store_id
+        self.store = store
+        self._queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    def publish(self, events: list[KVEvent]) -> None:
+        self._queue.put_nowait(list(events))
+
+    def start(self) -> None:
+        self._queue.put_nowait([AllBlocksCleared(Tier.CPU), AllBlocksCleared(Tier.DISK)])
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.store_id}")
+
+    async def _run(self) -> None:
+        resync = False
+        while True:
+            events = await self._queue.get()
+            while not self._queue.empty():
+                events = events + self._queue.get_nowait()
+            if resync:
+                events = self.store.snapshot_events()
+            try:
+                await self.index.apply(self.store_id, events)
+                resync = False
+            except (RedisError, OSError) as exc:
+                if not resync:
+                    log.warning("KV index write failed (%s); will resync from a snapshot", exc)
+                resync = True
+                await asyncio.sleep(0.5)
+                self._queue.put_nowait([])
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(RedisError, OSError):
+            await self.index.remove_worker(self.store_id)
+        with contextlib.suppress(RedisError, OSError):
+            await self.index.aclose()
+
+
+def _sizes(settings: KVStoreSettings, block_nbytes: int) -> tuple[int, int]:
+    host = settings.host_blocks or max(1, int(settings.host_memory_gb * (1 << 30)) // block_nbytes)
+    disk = 0
+    if settings.disk_path:
+        disk = (
+            settings.disk_blocks
+            if settings.disk_blocks is not None
+            else int(settings.disk_gb * (1 << 30)) // block_nbytes
+        )
+    return host, disk
+
+
+async def serve(settings: KVStoreSettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s kvstore %(levelname)s %(name)s: %(message)s"
+    )
+    layout = layout_for_model(
+        settings.model,
+        settings.dtype,
+        settings.kv_cache_dtype,
+        settings.block_size,
+        settings.quantization,
+        settings.load_format,
+    )
+    model_fingerprint = salted_fingerprint(layout.model_fingerprint, settings.cache_salt)
+    host_blocks, disk_blocks = _sizes(settings, layout.block_nbytes)
+    store = BlockStore(layout, host_blocks, settings.disk_path, disk_blocks)
+    extra = (
+        {"progress_thread": False, "xfer_mode": settings.kv_xfer_mode}
+        if settings.kv_transfer == "nixl"
+        else {}
+    )
+    agent_name = f"kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    transfer = create_transfer_agent(settings.kv_transfer, agent_name, store.pool, layout, **extra)
+    metrics = KVStoreMetrics()
+    servicer = KVStoreServicer(
+        store,
+        transfer,
+        "pending",
+        "",
+        model_fingerprint,
+        settings.lease_s,
+        settings.transfer_timeout_s,
+        metrics,
+    )
+    server, port = await start_server(
+        [(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer)],
+        ["pdmesh.v1.KVStore"],
+        host=settings.host,
+        port=settings.port,
+    )
+    host = settings.advertise_host or settings.host
+    servicer.store_id = settings.store_id or f"kvstore-{host}-{port}-{uuid.uuid4().hex[:6]}"
+    servicer.address = format_address(host, port)
+    metrics_port = -1
+    if settings.metrics_port >= 0:
+        metrics_port = await start_metrics_server(metrics.registry, settings.host, settings.metrics_port)
+    writer: IndexWriter | None = None
+    heartbeater = None
+    if settings.redis_url:
+        from mesh.registry import Heartbeater, RedisRegistry, WorkerInfo
+
+        writer = IndexWriter(settings.redis_url, model_fingerprint, servicer.store_id, store)
+        store.publish = writer.publish
+        writer.start()
+        info = WorkerInfo(
+            worker_id=servicer.store_id,
+            role="kvstore",
+            address=servicer.address,
+            model_fingerprint=model_fingerprint,
+            block_size=layout.block_size,
+            num_kv_blocks=host_blocks + disk_blocks,
+            metrics_address=f"{host}:{metrics_port}" if metrics_port > 0 else None,
+            extra={
+                "layout_fingerprint": layout.fingerprint,
+                "host_blocks": host_blocks,
+                "disk_blocks": disk_blocks,
+            },
+        )
+        heartbeater = Heartbeater(RedisRegistry(settings.redis_url), info, ttl_s=settings.registry_ttl_s)
+        await heartbeater.start()
+    servicer.tasks.spawn(servicer.background(), "kvstore-lease-keeper")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        f"pdmesh kvstore ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
+        f"store_id={servicer.store_id} model={model_fingerprint} host_blocks={host_blocks} disk_blocks={disk_blocks}",
+        flush=True,
+    )
+    await stop.wait()
+    log.info("stopping")
+    await set_serving(server, False)
+    if heartbeater is not None:
+        with contextlib.suppress(RedisError, OSError):
+            await heartbeater.stop(deregister=True)
+    if writer is not None:
+        await writer.stop()
+    await servicer.tasks.close()
+    await server.stop(grace=2.0)
+    transfer.close()
+    store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import sys
+
+    from mesh.config import add_arguments, from_sources
+
+    parser = argparse.ArgumentParser(prog="python -m kvstore_svc", description="pdmesh KV offload store.")
+    add_arguments(parser, KVStoreSettings, "kvstore")
+    settings = from_sources(KVStoreSettings, parser.parse_args(argv))
+    try:
+        asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        sys.exit(130)
