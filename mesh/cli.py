@@ -144,6 +144,8 @@ class Mesh:
         self.grpc_port = args.port or free_port(self.host)
         self.http_port = args.http_port or free_port(self.host)
         self.router_argv: list[str] = []
+        self.eplb_addr = ""
+        self.kvstore_addr = ""
 
     def _worker_argv(self, module: str, port: int) -> list[str]:
         a = self.args
@@ -229,6 +231,10 @@ class Mesh:
                     wave = 0 if ranks else slot // len(gpus)
                     argv += self._memory_share(slot, len(gpus), workers)
                 self.children.append(Child(f"{role}-{i}", argv, child_env, wave=wave))
+        if a.eplb:
+            self._plan_eplb()
+        if a.kvstore:
+            self._plan_kvstore()
         router_argv = [
             sys.executable,
             "-m",
@@ -255,6 +261,41 @@ class Mesh:
             router_argv += ["--redis-url", a.redis_url]
         router_argv += a.router_arg
         self.router_argv = router_argv
+
+    def _plan_eplb(self) -> None:
+        """The EPLB controller, and the workers pointed at it (they retry until it is up, so it starts with
+        the first wave)."""
+        a = self.args
+        port = free_port(self.host)
+        self.eplb_addr = f"{self.host}:{port}"
+        eplb_flags = ["--enable-eplb", "--num-redundant-experts", str(a.num_redundant_experts),
+                      "--eplb-address", self.eplb_addr]  # fmt: skip
+        for child in self.children:  # after "python -m <module>", before the --worker-arg flags (they win)
+            child.argv[3:3] = eplb_flags
+        argv = [sys.executable, "-m", SERVICES["eplb"], "--host", self.host, "--port", str(port),
+                "--metrics-port", "0"]  # fmt: skip
+        if a.redis_url:
+            argv += ["--redis-url", a.redis_url]
+        self.children.append(Child("eplb", argv + a.eplb_arg))
+
+    def _plan_kvstore(self) -> None:
+        """The KV offload store, with the workers' model and KV settings, and the workers pointed at it (a
+        store not up yet is only skipped by a worker, so it starts with the first wave)."""
+        a = self.args
+        port = free_port(self.host)
+        self.kvstore_addr = f"{self.host}:{port}"
+        for child in self.children:  # after "python -m <module>", before the --worker-arg flags (they win)
+            if child.name.startswith(("prefill", "decode")):
+                child.argv[3:3] = ["--kvstore-address", self.kvstore_addr]
+        argv = [sys.executable, "-m", SERVICES["kvstore"], "--host", self.host, "--port", str(port),
+                "--metrics-port", "0", "--model", a.model, "--dtype", a.dtype, "--quantization", a.quantization,
+                "--kv-cache-dtype", a.kv_cache_dtype, "--block-size", str(a.block_size),
+                "--host-memory-gb", str(a.kvstore_memory_gb), "--kv-transfer", a.kv_transfer]  # fmt: skip
+        if a.kvstore_disk_path:
+            argv += ["--disk-path", a.kvstore_disk_path, "--disk-gb", str(a.kvstore_disk_gb)]
+        if a.redis_url:
+            argv += ["--redis-url", a.redis_url]
+        self.children.append(Child("kvstore", argv + a.kvstore_arg))
 
     def _memory_share(self, slot: int, num_gpus: int, workers: int) -> list[str]:
         """The ``--gpu-memory-utilization`` of the worker in ``slot``: its GPU's fraction over the workers
@@ -318,6 +359,10 @@ class Mesh:
         ]
         lines += [f"  prefill       {addr}" for addr in self.prefill_addrs]
         lines += [f"  decode        {addr}" for addr in self.decode_addrs]
+        if self.eplb_addr:
+            lines.append(f"  eplb          {self.eplb_addr}   (pdmesh.v1.EPLB)")
+        if self.kvstore_addr:
+            lines.append(f"  kvstore       {self.kvstore_addr}   (pdmesh.v1.KVStore)")
         return "\n".join(lines)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -410,6 +455,29 @@ class LauncherSettings:
         "With enable_lora: adapters every worker registers at start (vLLM's --lora-modules): name=path, or "
         'JSON {"name": ..., "path": ...}.',
     )
+    eplb: bool = setting(
+        False,
+        "Also start an EPLB controller (python -m eplb_svc) and run every worker with --enable-eplb, reporting "
+        "expert load to it and taking its placements (a MoE model only; docs/eplb.md). Its own flags: "
+        "--eplb-arg.",
+    )
+    num_redundant_experts: int = setting(
+        0,
+        "With eplb: redundant physical expert slots per MoE layer on every worker, for replicas of hot "
+        "experts (vLLM's --num-redundant-experts); experts plus these must divide over the expert-parallel "
+        "ranks.",
+    )
+    kvstore: bool = setting(
+        False,
+        "Also start a KV offload store (python -m kvstore_svc) with the workers' model and KV settings, and "
+        "point every worker at it: finished requests' KV blocks are kept there and loaded back by any worker "
+        "(docs/kv_offload.md). Its own flags: --kvstore-arg.",
+    )
+    kvstore_memory_gb: float = setting(1.0, "With kvstore: the store's host-memory tier, in GiB.")
+    kvstore_disk_path: str | None = setting(
+        None, "With kvstore: the file of the store's disk tier (none: host memory only)."
+    )
+    kvstore_disk_gb: float = setting(4.0, "With kvstore and kvstore_disk_path: the disk tier's size, in GiB.")
 
 
 def _add_mesh_args(p: argparse.ArgumentParser) -> None:
@@ -418,6 +486,10 @@ def _add_mesh_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p, LauncherSettings, "what to launch")
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag passed to the router")
+    p.add_argument("--eplb-arg", action="append", default=[], help="extra flag passed to the EPLB controller")
+    p.add_argument(
+        "--kvstore-arg", action="append", default=[], help="extra flag passed to the KV offload store"
+    )
     p.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
 
 

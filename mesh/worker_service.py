@@ -25,6 +25,7 @@ import grpc
 from engine.sampling_params import SamplingParams
 from mesh.background import BackgroundTasks
 from mesh.config import check_choices, setting
+from mesh.eplb_client import start_eplb_client
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
@@ -113,8 +114,48 @@ class WorkerSettings:
         60.0, "How long a prefill worker holds KV blocks for a decode worker to pull."
     )
     kv_transfer_timeout_s: float = setting(30.0, "Longest a decode worker waits for one KV pull.")
+    kvstore_address: str | None = setting(
+        None,
+        "host:port of the KV offload store (python -m kvstore_svc): finished requests' KV blocks are offered "
+        "to it, and prompts load the prefix blocks it holds instead of computing them (docs/kv_offload.md); "
+        "default: the store registered in --redis-url's registry, if any.",
+    )
+    kvstore_min_blocks: int = setting(
+        2,
+        "Load from the KV offload store only when it holds at least this many more prefix blocks than the "
+        "local prefix cache.",
+    )
+    kvstore_timeout_s: float = setting(
+        1.0,
+        "Deadline of each Lookup, Fetch and handshake call to the KV offload store; a slower store is "
+        "skipped and the prompt computed.",
+    )
+    kvstore_retry_s: float = setting(
+        5.0, "After a failed call to the KV offload store, how long the worker leaves it alone."
+    )
+    kvstore_max_puts: int = setting(2, "Most offers (Put calls) to the KV offload store in flight at once.")
+    kvstore_max_queued: int = setting(
+        64,
+        "Most offers waiting for a Put slot; finished requests' blocks beyond are not offloaded (counted).",
+    )
+    kvstore_max_held_blocks: int | None = setting(
+        None, "Most KV blocks held for the store to read at once (default: a quarter of the pool)."
+    )
     drain_timeout_s: float = setting(
         300.0, "On drain (SIGTERM or Drain RPC), longest wait for in-flight requests."
+    )
+    eplb_address: str | None = setting(
+        None,
+        "host:port of the EPLB controller (python -m eplb_svc) a MoE worker with --enable-eplb reports expert "
+        "load to and takes placements from; default: the one registered in --redis-url's registry.",
+    )
+    eplb_report_interval_s: float = setting(
+        5.0, "With --enable-eplb: how often the worker sends its expert load to the EPLB controller."
+    )
+    eplb_pool: str | None = setting(
+        None,
+        "With --enable-eplb: the placement group's pool (workers of one pool, model and expert layout share "
+        "a placement); default: the role, so prefill and decode fleets balance separately.",
     )
     otlp_endpoint: str | None = setting(None, "OTLP/gRPC endpoint for traces (off when unset).")
     trace_file: str | None = setting(
@@ -498,6 +539,8 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     GetTransferMetadata. Subclasses add Prefill or Decode."""
 
     role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
+    # The worker's use of the KV offload store (mesh.kv_offload_client.KVOffloadClient), when it has one.
+    kv_offload: Any = None
 
     def __init__(
         self,
@@ -689,6 +732,19 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
             self.metrics.structured_requests.labels(kind=spec.kind).inc()
         return params
 
+    def transfer_progress(self) -> None:
+        """Drive the transfer agent while a peer READs this worker's pool (the KV offload store reading offered
+        blocks): NIXL without a progress thread completes such a READ only as often as its target polls. The
+        decode role expects no notifications; the prefill role's lease keeper polls them itself."""
+        self.transfer.get_notifications()
+
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """``AsyncEngine.generate``; with a KV offload store, the prompt's prefix blocks the store holds are
+        loaded first (``mesh.kv_offload_client``)."""
+        if self.kv_offload is not None:
+            return self.kv_offload.generate(*args, **kwargs)
+        return self.aengine.generate(*args, **kwargs)
+
     # ---- drain and admission -------------------------------------------------------------------
     def check_admission(self) -> None:
         if self.draining:
@@ -818,6 +874,13 @@ async def serve_worker(
     if settings.metrics_port >= 0:
         metrics_port = await start_metrics_server(metrics.registry, settings.host, settings.metrics_port)
     aengine.start()
+    if settings.kvstore_address or settings.redis_url:
+        from mesh.kv_offload_client import KVOffloadClient
+
+        servicer.kv_offload = KVOffloadClient(
+            aengine, transfer, settings, metrics.registry, role, progress=servicer.transfer_progress
+        )
+        await servicer.kv_offload.start(servicer.tasks, worker_id, servicer.address)
     registration = await _register(role, servicer, settings, metrics_port)
     stop = servicer.stop_requested
     loop = asyncio.get_running_loop()
@@ -825,6 +888,11 @@ async def serve_worker(
         loop.add_signal_handler(sig, stop.set)
     servicer.tasks.spawn(servicer.background(), f"{role}-background")
     servicer.tasks.spawn(_watch_engine(aengine, server, registration, stop), f"{role}-engine-watch")
+    eplb = await start_eplb_client(
+        aengine, servicer.tasks.spawn, ServiceMetrics(role, metrics.registry), role=role, worker_id=worker_id,
+        address=settings.eplb_address, redis_url=settings.redis_url, pool=settings.eplb_pool,
+        report_interval_s=settings.eplb_report_interval_s,
+    )  # fmt: skip
     if ready_line:
         print(
             f"pdmesh {role} ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
@@ -840,6 +908,10 @@ async def serve_worker(
     if registration is not None:
         await registration.stop()
     await servicer.close()
+    if servicer.kv_offload is not None:
+        await servicer.kv_offload.close()
+    if eplb is not None:
+        await eplb.close()
     await server.stop(grace=2.0)
     # Expert-parallel ranks stop together: the others may still be draining (for up to their drain timeout).
     aengine.stop(timeout=settings.drain_timeout_s + 10.0)
