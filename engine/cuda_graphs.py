@@ -92,6 +92,21 @@ def expert_counts_restored(model: DecoderModel) -> Iterator[None]:
             count.copy_(before)
 
 
+@contextmanager
+def counting_live_rows(model: DecoderModel, live: torch.Tensor) -> Iterator[None]:
+    """While graphs are captured: the MoE blocks' routing counts only the rows ``live`` marks (nonzero: a
+    decode graph's ``seq_lens``, a prefill graph's live rows), so a replay's padding rows count for no
+    expert, whatever replicas they route to. The graphs keep reading ``live``; eager passes count every row."""
+    blocks = model.moe_blocks()
+    for blk in blocks:
+        blk.count_live = live
+    try:
+        yield
+    finally:
+        for blk in blocks:
+            blk.count_live = None
+
+
 class PaddingCounts:
     """What one padding row adds to each MoE block's expert counters, kept per logical expert: all padding
     rows route to the same logical experts, but with replicas the row picks the replica, so a padded
@@ -283,7 +298,8 @@ class DecodeGraphs:
         # padding rows (seq_len 0) route to no expert: the pack before the exchange marks their pairs
         # absent, reading the static seq_lens, so it costs no launch.
         uniform = (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.seq_lens)
-        with capturing(), expert_counts_restored(self.model), uniform:
+        live = counting_live_rows(self.model, self.seq_lens)
+        with capturing(), expert_counts_restored(self.model), uniform, live:
             for size in reversed(self.sizes):
                 self._capture_size(size, pool)
             self._measure_padding_counts()
@@ -326,7 +342,7 @@ class DecodeGraphs:
         self._stage_padding(0, 1)
         self._dev64.copy_(self._host64)
         self._dev32[:1].copy_(self._host32[:1])
-        with capturing(), expert_counts_restored(self.model):
+        with capturing(), expert_counts_restored(self.model), counting_live_rows(self.model, self.seq_lens):
             self._capture_size(1, torch.cuda.graph_pool_handle())
             g = self.graphs[1]
             g.pad_counts = padding_counts(self._blocks, g.replay, 1, "batch-1 decode graph")

@@ -39,6 +39,7 @@ from engine.cuda_graphs import (
     CAPTURE_ERROR_MODE,
     PaddingCounts,
     capturing,
+    counting_live_rows,
     expert_counts_restored,
     padding_counts,
 )
@@ -158,7 +159,8 @@ class PrefillGraphs:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        with capturing(), expert_counts_restored(self.model), self.uniform_batches():
+        live = counting_live_rows(self.model, self.live)
+        with capturing(), expert_counts_restored(self.model), self.uniform_batches(), live:
             for size in reversed(self.sizes):
                 self._runs[size] = self._pieces(size)
                 meta = AttentionMetadata(

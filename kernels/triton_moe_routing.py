@@ -44,6 +44,7 @@ def _moe_route_kernel(
     l2p_ptr,
     replica_counts_ptr,
     counts_ptr,
+    live_ptr,
     num_tokens,
     num_experts,
     stride_lt,
@@ -57,6 +58,7 @@ def _moe_route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -122,7 +124,10 @@ def _moe_route_kernel(
     physical = top_phys.to(tl.int64)
     tl.store(ids_ptr + out_offs, physical, mask=pair_mask)
     ones = tl.full([BLOCK_T, BLOCK_K], 1, dtype=counts_ptr.dtype.element_ty)
-    tl.atomic_add(counts_ptr + physical * stride_counts, ones, mask=pair_mask, sem="relaxed")
+    count_mask = pair_mask
+    if HAS_LIVE:  # a graph's padding rows are not live: their pairs count for no expert
+        count_mask = count_mask & (tl.load(live_ptr + tokens, mask=token_mask, other=0) != 0)[:, None]
+    tl.atomic_add(counts_ptr + physical * stride_counts, ones, mask=count_mask, sem="relaxed")
 
 
 def _needs_64_bit_keys(dtype: torch.dtype, block_e: int) -> bool:
@@ -140,9 +145,11 @@ def moe_route_triton(
     replica_counts: torch.Tensor,
     expert_counts: torch.Tensor,
     out_dtype: torch.dtype,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] (any float dtype, any strides); logical_to_physical: [E, R] int64 (-1 past an
-    expert's replicas); replica_counts: [E] int64; expert_counts: [P] int64, += 1 per pair, in place.
+    expert's replicas); replica_counts: [E] int64; expert_counts: [P] int64, += 1 per pair, in place;
+    live: None or [>= T] contiguous, nonzero where a row's pairs count (bool, or sequence lengths).
 
     Returns (weights [T, k] in ``out_dtype``, physical ids [T, k] int64), the k in descending weight.
     """
@@ -161,10 +168,11 @@ def moe_route_triton(
     num_warps = max(1, min(4, block_t * block_e // 256))
     _moe_route_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits, weights, ids, logical_to_physical, replica_counts, expert_counts,
-        num_tokens, num_experts,
+        live if live is not None else expert_counts, num_tokens, num_experts,
         router_logits.stride(0), router_logits.stride(1),
         logical_to_physical.stride(0), logical_to_physical.stride(1), expert_counts.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, KEY64=_needs_64_bit_keys(router_logits.dtype, block_e),
+        HAS_LIVE=live is not None,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         **pdl_kwargs(router_logits.device), num_warps=num_warps,
     )  # fmt: skip

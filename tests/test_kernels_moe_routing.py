@@ -152,6 +152,29 @@ def test_moe_route_counters_accumulate_across_calls() -> None:
     assert torch.equal(counts, ref_counts)
 
 
+@pytest.mark.parametrize("live_dtype", [torch.bool, torch.int32])
+def test_moe_route_counts_only_live_rows(live_dtype: torch.dtype) -> None:
+    """With ``live`` (a graph's live rows, or its sequence lengths: 0 on padding rows, and longer than the
+    pass), only live rows' pairs count; the routing itself is the same."""
+    torch.manual_seed(106)
+    placement = Placement(EIGHT_ON_ELEVEN, 8)
+    tables = (placement.logical_to_physical, placement.replica_counts)
+    tokens = 23
+    live = torch.zeros(32, dtype=live_dtype, device=DEVICE)
+    live[torch.tensor([0, 3, 4, 10, 22])] = 7 if live_dtype == torch.int32 else True
+    live[25] = 1  # past the pass's rows: not read
+    logits = distinct_logits(tokens, 8, torch.bfloat16)
+    zero = torch.zeros(placement.num_physical, dtype=torch.int64, device=DEVICE)
+    counts, ref_counts, all_counts = zero.clone(), zero.clone(), zero.clone()
+    w, ids = moe_route_triton(logits, 2, True, *tables, counts, torch.bfloat16, live)
+    ref_w, ref_ids = moe_route_torch(logits, 2, True, *tables, ref_counts, torch.bfloat16, live)
+    all_w, all_ids = moe_route_torch(logits, 2, True, *tables, all_counts, torch.bfloat16)
+    assert torch.equal(ids, ref_ids) and torch.equal(ref_ids, all_ids) and torch.equal(ref_w, all_w)
+    assert torch.equal(counts, ref_counts) and int(counts.sum()) == 5 * 2
+    expected = torch.bincount(ids[live[:tokens] != 0].reshape(-1), minlength=placement.num_physical)
+    assert torch.equal(counts, expected) and int(all_counts.sum()) == tokens * 2
+
+
 def test_moe_route_out_dtype_differs_from_logits() -> None:
     """fp32 router logits (a float32 gate), bf16 activations: the weights come out in bf16."""
     torch.manual_seed(104)

@@ -90,6 +90,9 @@ class MoEBlock(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         )
+        # Set while a CUDA graph is captured (``engine.cuda_graphs.counting_live_rows``): which of the
+        # graph's rows are live (nonzero), so its padding rows count for no expert. None: every row counts.
+        self.count_live: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """The block on normalised hidden states x [T, H]; ``router_logits`` (x @ gate.T) where the caller
@@ -105,6 +108,7 @@ class MoEBlock(nn.Module):
             p.replica_counts,
             self.expert_counts,
             x.dtype,
+            self.count_live,
         )
         return self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
 
