@@ -226,3 +226,21 @@ def test_gpu_graphs_run_a_new_placement_and_count_only_real_tokens() -> None:
         assert torch.equal(logical_load(counts, placement, 8), want_load)
     assert sum(engine.runner.graphs.replays.values()) > 0
     llm.close()
+
+
+def test_float8_experts_move_with_their_scales() -> None:
+    """With float8 expert weights (``quantization="fp8"``) a placement moves values and scales as bytes."""
+    base = LLM("tiny-moe", num_kv_blocks=32, quantization="fp8")
+    want = [o.token_ids for o in base.generate(PROMPTS, PARAMS)]
+    w13 = [(b.w13.weight.clone(), b.w13.weight_scale.clone()) for b in base.engine.model.moe_blocks()]
+    base.close()
+    llm = LLM("tiny-moe", num_kv_blocks=32, quantization="fp8", enable_eplb=True, num_redundant_experts=4)
+    layers = llm.engine.moe_layout().num_layers
+    placement = scrambled(layers, 8, 12, seed=3)
+    llm.engine.set_expert_placement(1, placement)
+    for layer, ((values, scales), block) in enumerate(zip(w13, llm.engine.model.moe_blocks(), strict=True)):
+        row = placement[layer]
+        assert torch.equal(block.w13.weight.view(torch.uint8), values[row].view(torch.uint8))
+        assert torch.equal(block.w13.weight_scale, scales[row])
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
+    llm.close()
