@@ -61,8 +61,8 @@ def write_random_adapter(cfg: ModelConfig, path: Path, rank: int, seed: int) -> 
 
 
 def use_two_kernel_lora(llm: LLM) -> None:
-    """Give the engine's LoRA layers kernels/triton_lora.py's op (two kernels a projection, not yet the
-    Triton backend's choice) and capture its graphs again with it."""
+    """Give the engine's LoRA layers kernels/triton_lora.py's two kernels at every batch size (the Triton
+    backend takes them up to 16 rows) and capture its graphs again with them."""
     from kernels.triton_lora import lora_apply_triton
 
     engine = llm.engine

@@ -5,12 +5,12 @@ Imported lazily by ``kernels.ops.get_ops("triton")`` so that the CPU path never 
 
 from __future__ import annotations
 
-from kernels.lora import lora_apply_torch
 from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
+from kernels.triton_lora import lora_apply_small
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
@@ -33,8 +33,6 @@ TRITON_OPS = Ops(
     linear=linear_triton,
     add_rms_norm_linear=add_rms_norm_linear_triton,
     gumbel_sample=gumbel_sample_triton,
-    # The reference's cuBLAS GEMMs, measured on an H100 (performance.md). kernels/triton_lora.py's
-    # two-kernel version is tested (interpreter) but not yet compiled or timed on a GPU; lora_bench.py
-    # compares the two in one run, and it takes this place once it is measured faster.
-    lora_apply=lora_apply_torch,
+    # Two kernels up to 16 rows, the reference's cuBLAS GEMMs beyond (measured on an H100: performance.md).
+    lora_apply=lora_apply_small,
 )

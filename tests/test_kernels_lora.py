@@ -54,6 +54,22 @@ def test_lora_apply_matches_the_reference(
     assert torch.equal(got[plain], y[plain])
 
 
+def test_the_triton_backend_takes_the_kernels_up_to_16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lora_apply_small`` (the Triton table's op): the two kernels up to ``FASTER_UP_TO`` rows, where an
+    H100 ran them faster, the reference beyond."""
+    from kernels.triton_ops import TRITON_OPS
+
+    assert TRITON_OPS.lora_apply is triton_lora.lora_apply_small
+    calls = []
+    kernel = triton_lora.lora_apply_triton
+    monkeypatch.setattr(triton_lora, "lora_apply_triton", lambda *a: calls.append(1) or kernel(*a))
+    for rows in (1, triton_lora.FASTER_UP_TO, triton_lora.FASTER_UP_TO + 1):
+        x, a, b, onehot, y, _ = _case(rows, 40, 24, 2, 8, torch.float32, seed=rows)
+        got = triton_lora.lora_apply_small(x, a, b, onehot, y.clone())
+        assert_close(got, lora_apply_torch(x, a, b, onehot, y.clone()), torch.float32, f"{rows} rows")
+    assert len(calls) == 2
+
+
 def test_large_passes_and_odd_layouts_take_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     launched = []
     shrink = triton_lora._lora_shrink_kernel
