@@ -21,61 +21,12 @@ from kvstore_svc.config import KVStoreSettings
 from kvstore_svc.servicer import KVStoreMetrics, KVStoreServicer
 from mesh.block_hash import salted_fingerprint
 from mesh.grpc_server import format_address, set_serving, start_server
-from mesh.kv_events import AllBlocksCleared, KVEvent, Tier
+from mesh.kv_events import AllBlocksCleared, Tier
 from mesh.kv_transfer import create_transfer_agent
 from mesh.telemetry import start_metrics_server
 from protos.pdmesh.v1 import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-class IndexWriter:
-    """The store's KV events into the Redis KV index, in order, one writer (as a worker's registration does);
-    after a failed write it starts over from a snapshot of what the store holds."""
-
-    def __init__(self, redis_url: str, model_fingerprint: str, store_id: str, store: BlockStore) -> None:
-        from mesh.kv_index import RedisKVIndex
-
-        self.index = RedisKVIndex(redis_url, model_fingerprint)
-        self.store_id = store_id
-        self.store = store
-        self._queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-
-    def publish(self, events: list[KVEvent]) -> None:
-        self._queue.put_nowait(list(events))
-
-    def start(self) -> None:
-        self._queue.put_nowait([AllBlocksCleared(Tier.CPU), AllBlocksCleared(Tier.DISK)])
-        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.store_id}")
-
-    async def _run(self) -> None:
-        resync = False
-        while True:
-            events = await self._queue.get()
-            while not self._queue.empty():
-                events = events + self._queue.get_nowait()
-            if resync:
-                events = self.store.snapshot_events()
-            try:
-                await self.index.apply(self.store_id, events)
-                resync = False
-            except (RedisError, OSError) as exc:
-                if not resync:
-                    log.warning("KV index write failed (%s); will resync from a snapshot", exc)
-                resync = True
-                await asyncio.sleep(0.5)
-                self._queue.put_nowait([])
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        with contextlib.suppress(RedisError, OSError):
-            await self.index.remove_worker(self.store_id)
-        with contextlib.suppress(RedisError, OSError):
-            await self.index.aclose()
 
 
 def _sizes(settings: KVStoreSettings, block_nbytes: int) -> tuple[int, int]:
@@ -135,14 +86,18 @@ async def serve(settings: KVStoreSettings) -> None:
     metrics_port = -1
     if settings.metrics_port >= 0:
         metrics_port = await start_metrics_server(metrics.registry, settings.host, settings.metrics_port)
-    writer: IndexWriter | None = None
+    writer = None
     heartbeater = None
     if settings.redis_url:
+        from mesh.kv_index import RedisKVIndex
+        from mesh.kv_index_writer import KVIndexWriter
         from mesh.registry import Heartbeater, RedisRegistry, WorkerInfo
 
-        writer = IndexWriter(settings.redis_url, model_fingerprint, servicer.store_id, store)
-        store.publish = writer.publish
-        writer.start()
+        index = RedisKVIndex(settings.redis_url, model_fingerprint)
+        writer = KVIndexWriter(index, servicer.store_id, store.snapshot_events)
+        store.publish = writer.put
+        # Whatever an earlier process of this store id left in the index is stale.
+        writer.start([AllBlocksCleared(Tier.CPU), AllBlocksCleared(Tier.DISK)])
         info = WorkerInfo(
             worker_id=servicer.store_id,
             role="kvstore",
@@ -157,7 +112,12 @@ async def serve(settings: KVStoreSettings) -> None:
                 "disk_blocks": disk_blocks,
             },
         )
-        heartbeater = Heartbeater(RedisRegistry(settings.redis_url), info, ttl_s=settings.registry_ttl_s)
+        # Registered again after a lapse (a Redis restart, a partition): the routers may have swept the
+        # store's entries as a dead worker's, so its whole content is written again.
+        heartbeater = Heartbeater(
+            RedisRegistry(settings.redis_url), info, ttl_s=settings.registry_ttl_s,
+            on_reregistered=lambda: writer.put(store.snapshot_events()),
+        )  # fmt: skip
         await heartbeater.start()
     servicer.tasks.spawn(servicer.background(), "kvstore-lease-keeper")
     stop = asyncio.Event()
@@ -177,6 +137,10 @@ async def serve(settings: KVStoreSettings) -> None:
             await heartbeater.stop(deregister=True)
     if writer is not None:
         await writer.stop()
+        with contextlib.suppress(RedisError, OSError):
+            await writer.index.remove_worker(servicer.store_id)
+        with contextlib.suppress(RedisError, OSError):
+            await writer.index.aclose()
     await servicer.tasks.close()
     await server.stop(grace=2.0)
     transfer.close()

@@ -18,8 +18,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from mesh.kv_events import AllBlocksCleared, KVEvent, Tier
+from mesh.kv_events import AllBlocksCleared, Tier
 from mesh.kv_index import RedisKVIndex
+from mesh.kv_index_writer import KVIndexWriter
 from mesh.registry import Heartbeater, RedisRegistry, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,14 @@ class WorkerRegistration:
             self.registry, self.info, ttl_s=settings.registry_ttl_s, on_reregistered=self._resync
         )
         self.events = servicer.events
-        self._queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
-        self._writer: asyncio.Task | None = None
-        self._loop = asyncio.get_running_loop()
         self.worker_id = servicer.worker_id
+        self.writer = KVIndexWriter(self.index, self.worker_id, self.events.snapshot)
+        self._loop = asyncio.get_running_loop()
 
     async def start(self) -> None:
         # Whatever an earlier process of this worker id left in the index is stale.
-        self._queue.put_nowait([AllBlocksCleared(Tier.GPU)])
-        self.events.forward = lambda events: self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
-        self._writer = asyncio.create_task(self._write_events(), name=f"kv-events-{self.worker_id}")
+        self.writer.start([AllBlocksCleared(Tier.GPU)])
+        self.events.forward = lambda events: self._loop.call_soon_threadsafe(self.writer.put, events)
         await self.heartbeater.start()
         log.info("registered %s as %s at %s", self.worker_id, self.info.role, self.info.address)
 
@@ -62,7 +61,7 @@ class WorkerRegistration:
         """Write the whole cache again: while this worker was unregistered (a Redis restart, a partition)
         the routers' sweeps may have removed its entries as a dead worker's (``router.discovery``)."""
         log.info("%s registered again: writing a snapshot of its cache to the KV index", self.worker_id)
-        self._queue.put_nowait(self.events.snapshot())
+        self.writer.put(self.events.snapshot())
 
     async def mark_draining(self) -> None:
         try:
@@ -74,10 +73,7 @@ class WorkerRegistration:
         self.events.forward = None
         # The writer stops first: events still queued (or a batch in flight) applied after remove_worker
         # would put the departed worker's blocks back in the index, where nothing would ever remove them.
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+        await self.writer.stop()
         try:
             await self.heartbeater.stop(deregister=True)
             await self.index.remove_worker(self.worker_id)
@@ -91,22 +87,3 @@ class WorkerRegistration:
         for client in (self.index, self.registry):
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
-
-    async def _write_events(self) -> None:
-        """Apply events in order; when Redis is unreachable, start over from a snapshot once it is back."""
-        resync = False
-        while True:
-            events = await self._queue.get()
-            while not self._queue.empty():
-                events = events + self._queue.get_nowait()
-            if resync:
-                events = self.events.snapshot()
-            try:
-                await self.index.apply(self.worker_id, events)
-                resync = False
-            except (RedisError, OSError) as exc:
-                if not resync:
-                    log.warning("KV index write failed (%s); will resync from a snapshot", exc)
-                resync = True
-                await asyncio.sleep(0.5)
-                self._queue.put_nowait([])
