@@ -3,33 +3,25 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from eplb_svc.config import EPLBSettings
 from eplb_svc.service import EPLBService
-from mesh.config import add_arguments, from_sources
-from mesh.grpc_server import format_address
+from mesh.config import parse_service_settings
+from mesh.grpc_server import format_address, wait_for_stop_signal
 
 log = logging.getLogger("eplb_svc")
 
 
 def parse_settings(argv: list[str] | None = None) -> EPLBSettings:
-    parser = argparse.ArgumentParser(
-        prog="python -m eplb_svc",
-        description="pdmesh EPLB controller: aggregates MoE workers' expert load and publishes balanced "
+    return parse_service_settings(
+        EPLBSettings, "eplb", "python -m eplb_svc",
+        "pdmesh EPLB controller: aggregates MoE workers' expert load and publishes balanced "
         "expert placements (pdmesh.v1.EPLB).",
-    )
-    add_arguments(parser, EPLBSettings, "eplb")
-    args = parser.parse_args(argv)
-    try:
-        return from_sources(EPLBSettings, args)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+        argv,
+    )  # fmt: skip
 
 
 async def serve(settings: EPLBSettings) -> None:
@@ -40,12 +32,8 @@ async def serve(settings: EPLBSettings) -> None:
         f"metrics={format_address(settings.host, service.metrics_port)} id={service.controller_id}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         log.info("eplb controller stopping")
         await service.stop()

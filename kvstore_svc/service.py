@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import uuid
 
 from redis.exceptions import RedisError
@@ -20,7 +19,7 @@ from kvstore_svc.block_store import BlockStore
 from kvstore_svc.config import KVStoreSettings
 from kvstore_svc.servicer import KVStoreMetrics, KVStoreServicer
 from mesh.block_hash import salted_fingerprint
-from mesh.grpc_server import format_address, set_serving, start_server
+from mesh.grpc_server import format_address, set_serving, start_server, wait_for_stop_signal
 from mesh.kv_events import AllBlocksCleared, Tier
 from mesh.kv_transfer import create_transfer_agent
 from mesh.telemetry import start_metrics_server
@@ -120,16 +119,12 @@ async def serve(settings: KVStoreSettings) -> None:
         )  # fmt: skip
         await heartbeater.start()
     servicer.tasks.spawn(servicer.background(), "kvstore-lease-keeper")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     print(
         f"pdmesh kvstore ready: grpc={servicer.address} metrics={settings.host}:{metrics_port} "
         f"store_id={servicer.store_id} model={model_fingerprint} host_blocks={host_blocks} disk_blocks={disk_blocks}",
         flush=True,
     )
-    await stop.wait()
+    await wait_for_stop_signal()
     log.info("stopping")
     await set_serving(server, False)
     if heartbeater is not None:
@@ -148,14 +143,13 @@ async def serve(settings: KVStoreSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
     import sys
 
-    from mesh.config import add_arguments, from_sources
+    from mesh.config import parse_service_settings
 
-    parser = argparse.ArgumentParser(prog="python -m kvstore_svc", description="pdmesh KV offload store.")
-    add_arguments(parser, KVStoreSettings, "kvstore")
-    settings = from_sources(KVStoreSettings, parser.parse_args(argv))
+    settings = parse_service_settings(
+        KVStoreSettings, "kvstore", "python -m kvstore_svc", "pdmesh KV offload store.", argv
+    )
     try:
         asyncio.run(serve(settings))
     except KeyboardInterrupt:

@@ -184,6 +184,19 @@ def from_sources(
     return obj
 
 
+def parse_service_settings(cls: type[T], title: str, prog: str, description: str, argv: list[str] | None = None) -> T:
+    """A service's settings: its flags (``--help``), then ``PDMESH_*`` variables, then defaults; a bad value
+    exits with argparse's usage error."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, cls, title)
+    args = parser.parse_args(argv)
+    try:
+        return from_sources(cls, args)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
 def to_argv(obj: Any, only: Iterable[str] | None = None) -> list[str]:
     """Flags that reproduce ``obj`` (for a launcher handing settings to a child process)."""
     out: list[str] = []

@@ -206,3 +206,14 @@ async def abort_with(context: grpc.aio.ServicerContext, code: grpc.StatusCode, m
     """End the RPC with ``code`` and ``message`` (raises; nothing after it runs)."""
     await context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # for type checkers
+
+
+async def wait_for_stop_signal() -> None:
+    """Return once the process gets SIGTERM or SIGINT (a service's main task waits here, then stops)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

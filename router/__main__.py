@@ -7,16 +7,14 @@ requests (the same shape as the workers' line; ``metrics`` is the HTTP server, w
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from mesh.config import add_arguments, from_sources
-from mesh.grpc_server import format_address
+from mesh.config import parse_service_settings
+from mesh.grpc_server import format_address, wait_for_stop_signal
 from router.config import RouterConfig
 from router.service import RouterService
 
@@ -24,18 +22,12 @@ log = logging.getLogger("router")
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
-    parser = argparse.ArgumentParser(
-        prog="python -m router",
-        description="pdmesh router: OpenAI-compatible HTTP and pdmesh.v1.Router gRPC in front of prefill "
+    return parse_service_settings(
+        RouterConfig, "router", "python -m router",
+        "pdmesh router: OpenAI-compatible HTTP and pdmesh.v1.Router gRPC in front of prefill "
         "and decode workers.",
-    )
-    add_arguments(parser, RouterConfig, "router")
-    args = parser.parse_args(argv)
-    try:
-        return from_sources(RouterConfig, args)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+        argv,
+    )  # fmt: skip
 
 
 async def serve(config: RouterConfig) -> None:
@@ -47,12 +39,8 @@ async def serve(config: RouterConfig) -> None:
         f"http={format_address(config.host, service.http_port)} model={service.model.name}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         log.info("router shutting down")
         await service.stop()
