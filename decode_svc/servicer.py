@@ -12,7 +12,8 @@ import grpc
 from engine import SamplingParams
 from mesh.grpc_server import StatusError, insecure_channel
 from mesh.kv_layout import LayoutMismatchError
-from mesh.kv_transfer import KVTransferError, TransferMetadata
+from mesh.kv_transfer import KVTransferError
+from mesh.kv_transfer_proto import metadata_from_proto
 from mesh.telemetry import get_tracer, inject_metadata
 from mesh.worker_service import (
     FINISH_REASONS,
@@ -218,17 +219,6 @@ class DecodeServicer(WorkerServicerBase):
                         f"{handle.worker_address} failed: {code.name} {exc.details()}",
                     ) from exc
             try:
-                return self.transfer.add_peer(
-                    TransferMetadata(
-                        agent_name=meta.agent_name,
-                        agent_metadata=meta.agent_metadata,
-                        layout_fingerprint=meta.layout_fingerprint,
-                        block_nbytes=meta.block_nbytes,
-                        num_blocks=meta.num_blocks,
-                        base_address=meta.pool_base_address,
-                        device=meta.device,
-                        mem_type=meta.mem_type,
-                    )
-                )
+                return self.transfer.add_peer(metadata_from_proto(meta))
             except KVTransferError as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer setup failed: {exc}") from exc

@@ -22,7 +22,8 @@ from mesh.background import BackgroundTasks
 from mesh.grpc_server import StatusError, insecure_channel, status_for
 from mesh.kv_events import Tier
 from mesh.kv_layout import LayoutMismatchError
-from mesh.kv_transfer import KVTransferAgent, KVTransferError, TransferMetadata
+from mesh.kv_transfer import KVTransferAgent, KVTransferError
+from mesh.kv_transfer_proto import metadata_from_proto, metadata_to_proto
 from mesh.telemetry import ServiceMetrics
 from protos.pdmesh.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2_grpc
 
@@ -260,16 +261,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             except LayoutMismatchError as exc:
                 await self._fail(context, exc)
         meta = self.transfer.metadata()
-        return common_pb2.TransferMetadata(
-            agent_name=meta.agent_name,
-            agent_metadata=meta.agent_metadata,
-            layout_fingerprint=meta.layout_fingerprint,
-            block_nbytes=meta.block_nbytes,
-            num_blocks=meta.num_blocks,
-            pool_base_address=meta.base_address,
-            device=meta.device,
-            mem_type=meta.mem_type,
-        )
+        return metadata_to_proto(meta)
 
     async def GetStats(
         self, request: kvstore_pb2.KVStoreStatsRequest, context: grpc.aio.ServicerContext
@@ -381,17 +373,6 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     f"the worker at {address} has agent {meta.agent_name!r}, not {agent_name!r}",
                 )
             try:
-                return self.transfer.add_peer(
-                    TransferMetadata(
-                        agent_name=meta.agent_name,
-                        agent_metadata=meta.agent_metadata,
-                        layout_fingerprint=meta.layout_fingerprint,
-                        block_nbytes=meta.block_nbytes,
-                        num_blocks=meta.num_blocks,
-                        base_address=meta.pool_base_address,
-                        device=meta.device,
-                        mem_type=meta.mem_type,
-                    )
-                )
+                return self.transfer.add_peer(metadata_from_proto(meta))
             except KVTransferError as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer setup failed: {exc}") from exc

@@ -34,7 +34,7 @@ import grpc
 
 from mesh.block_hash import block_hashes, root_hash
 from mesh.grpc_server import insecure_channel
-from mesh.kv_transfer import TransferMetadata
+from mesh.kv_transfer_proto import metadata_from_proto
 from mesh.telemetry import ServiceMetrics, inject_metadata
 from protos.pdmesh.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
@@ -215,18 +215,7 @@ class KVOffloadClient:
             ),
             timeout=self.settings.kvstore_timeout_s,
         )
-        self._store_agent = self.transfer.add_peer(
-            TransferMetadata(
-                agent_name=meta.agent_name,
-                agent_metadata=meta.agent_metadata,
-                layout_fingerprint=meta.layout_fingerprint,
-                block_nbytes=meta.block_nbytes,
-                num_blocks=meta.num_blocks,
-                base_address=meta.pool_base_address,
-                device=meta.device,
-                mem_type=meta.mem_type,
-            )
-        )
+        self._store_agent = self.transfer.add_peer(metadata_from_proto(meta))
         return self._store_agent
 
     async def _discover_loop(self) -> None:

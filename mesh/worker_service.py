@@ -29,6 +29,7 @@ from mesh.eplb_client import start_eplb_client
 from mesh.grpc_server import StatusError, format_address, set_serving, start_server, status_for
 from mesh.kv_event_proto import events_to_proto
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
+from mesh.kv_transfer_proto import metadata_to_proto
 from mesh.structured_outputs_proto import structured_outputs_from_proto
 from mesh.telemetry import ServiceMetrics, server_span, setup_tracing, start_metrics_server
 from mesh.vllm_metrics import VllmMetrics
@@ -709,16 +710,7 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
                 f"the requester has {request.layout_fingerprint}; both must serve the same "
                 "model, dtype, block size and KV shape",
             )
-        return common_pb2.TransferMetadata(
-            agent_name=meta.agent_name,
-            agent_metadata=meta.agent_metadata,
-            layout_fingerprint=meta.layout_fingerprint,
-            block_nbytes=meta.block_nbytes,
-            num_blocks=meta.num_blocks,
-            pool_base_address=meta.base_address,
-            device=meta.device,
-            mem_type=meta.mem_type,
-        )
+        return metadata_to_proto(meta)
 
     async def sampling_params(self, p: common_pb2.SamplingParams) -> SamplingParams:
         """The engine's parameters for a request. A structured-output constraint is compiled here, on a

@@ -23,6 +23,7 @@ from engine.kv_offload import layout_for_model
 from mesh.grpc_server import insecure_channel, start_server
 from mesh.kv_index import RedisKVIndex
 from mesh.kv_transfer import KVTransferAgent, TransferMetadata, create_transfer_agent
+from mesh.kv_transfer_proto import metadata_to_proto
 from mesh.registry import RedisRegistry
 from protos.pdmesh.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2_grpc
 from tests.mesh_fixtures import REDIS_URL, ServiceProcess, async_test, needs_redis, until
@@ -42,16 +43,7 @@ class SourceWorker(worker_pb2_grpc.WorkerServicer):
 
     async def GetTransferMetadata(self, request, context):
         meta = self.agent.metadata()
-        return common_pb2.TransferMetadata(
-            agent_name=meta.agent_name,
-            agent_metadata=meta.agent_metadata,
-            layout_fingerprint=meta.layout_fingerprint,
-            block_nbytes=meta.block_nbytes,
-            num_blocks=meta.num_blocks,
-            pool_base_address=meta.base_address,
-            device=meta.device,
-            mem_type=meta.mem_type,
-        )
+        return metadata_to_proto(meta)
 
 
 class Worker:
