@@ -140,3 +140,28 @@ def test_eplb_bench_smoke_moves_every_share_of_slots() -> None:
     assert [m[0] for m in moves] == ["0.10", "0.50", "1.00"], out
     slots = [int(m[1]) for m in moves]
     assert 0 < slots[0] <= 4 and slots[0] < slots[1] <= 12 and slots[1] < slots[2] <= 24, out
+
+
+@pytest.mark.e2e
+def test_kv_offload_bench_smoke_loads_the_prompt_from_the_store(tmp_path: Path) -> None:
+    """``benchmarks/kv_offload_bench.py --smoke``: a store and a decode worker on the CPU; the table has the
+    computed, loaded and local-hit rows, the computed one with no cached tokens and the loaded one with the
+    prompt's full blocks (all but the last token's) from the store."""
+    import json
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kv_offload_bench.py"), "--smoke", "--prompt-len", "256",
+         "--reps", "2", "--warmup", "1", "--num-kv-blocks", "128", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
+    ).stdout  # fmt: skip
+    rows = {
+        m.group(1): (float(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^\| (computed|loaded|local hit) \| ([\d.]+) \| (\d+) \|", out, re.M)
+    }
+    assert set(rows) == {"computed", "loaded", "local hit"}, out
+    assert rows["computed"][1] == 0, out
+    assert rows["loaded"][1] > 0 and rows["loaded"][1] == (256 - 1) // 16 * 16, out
+    assert rows["local hit"][1] == rows["loaded"][1], out
+    assert all(ttft > 0 for ttft, _ in rows.values()), out
+    report = json.loads((tmp_path / "kv_offload_bench.json").read_text())
+    assert report["store"]["num_fetches"] == 3  # one load per round, warm-up included
