@@ -184,7 +184,9 @@ def from_sources(
     return obj
 
 
-def parse_service_settings(cls: type[T], title: str, prog: str, description: str, argv: list[str] | None = None) -> T:
+def parse_service_settings(
+    cls: type[T], title: str, prog: str, description: str, argv: list[str] | None = None
+) -> T:
     """A service's settings: its flags (``--help``), then ``PDMESH_*`` variables, then defaults; a bad value
     exits with argparse's usage error."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
