@@ -78,11 +78,12 @@ class PrefillGraphs:
         self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         self._counts = [blk.expert_counts for blk in model.moe_blocks()]
-        # With several expert-parallel ranks: which rows are real (True) and which padding, set before each
-        # replay, so that the padding rows' (token, expert) pairs run on no rank (``uniform_batches``' live).
+        # Which rows are real (True) and which padding, set before each replay of a MoE model: the padding
+        # rows' (token, expert) pairs count for no expert (``counting_live_rows``) and, with several
+        # expert-parallel ranks, run on no rank (``uniform_batches``' live).
         self.live = torch.ones(b, dtype=torch.bool, device=device)
         self._rows = torch.arange(b, device=device)
-        self._masks_padding = model.dispatcher is not None and model.dispatcher.ep_size > 1
+        self._masks_padding = bool(self._counts)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
         self._runs: dict[int, list[Callable[[], None]]] = {}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import expert_counts_restored
+from engine.cuda_graphs import counting_live_rows, expert_counts_restored
 from engine.models.decoder import AttentionMetadata
 from engine.prefill_graphs import PrefillGraphs
 from tests.kernel_testing import needs_gpu
@@ -121,14 +121,15 @@ class EagerPieces(PrefillGraphs):
     size the graphs capture, and the padding rows that run on no expert) runs in CI."""
 
     def capture(self) -> None:
-        with expert_counts_restored(self.model):
+        with expert_counts_restored(self.model), counting_live_rows(self.model, self.live):
             for size in self.sizes:
                 self._runs[size] = self._pieces(size)
             for size in self.sizes:
                 self._pad_counts[size] = self._measure_padding_counts(size)
 
     def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
-        with self.uniform_batches():  # what each replay runs: the pieces as captured
+        # What each replay runs: the pieces as captured, counting the live rows only.
+        with self.uniform_batches(), counting_live_rows(self.model, self.live):
             super()._forward(size, n, meta, replay=False)
 
 
