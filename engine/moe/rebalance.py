@@ -105,19 +105,17 @@ def move_experts(block: MoEBlock, new: list[int]) -> int:
             ops += [dist.P2POp(dist.irecv, _bytes(b), peer, dispatcher.group) for b in bufs]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    # Batched per layer, on byte views (index ops of every dtype, float8 included): the old slots a local
-    # copy reads are snapshot first (a swap reads the old weights; at most one layer's local experts, as
-    # vLLM's rearrangement buffer), then every destination is written in one op a tensor.
+    # Batched per layer, on byte views (index ops of every dtype, float8 included): every destination's
+    # source slot is gathered first (so a swap reads the old weights; at most one layer's local experts,
+    # as vLLM's rearrangement buffer), then written in one op a tensor: the moved bytes are read and
+    # written twice, as copying through a snapshot slot by slot does, in two launches a tensor.
     if plan.local:
-        srcs = sorted(set(plan.local.values()))
-        pos = {slot: i for i, slot in enumerate(srcs)}
         device = tensors[0].device
-        src_idx = torch.tensor(srcs, device=device)
         dst_idx = torch.tensor(list(plan.local), device=device)
-        take = torch.tensor([pos[src] for src in plan.local.values()], device=device)
+        src_idx = torch.tensor(list(plan.local.values()), device=device)
         for t in tensors:
             rows = _byte_rows(t)
-            rows.index_copy_(0, dst_idx, rows.index_select(0, src_idx).index_select(0, take))
+            rows.index_copy_(0, dst_idx, rows.index_select(0, src_idx))
     if plan.recv:
         device = tensors[0].device
         dsts = [dst for _peer, _logical, ds in plan.recv for dst in ds]
