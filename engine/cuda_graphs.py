@@ -17,10 +17,9 @@ while the host launches piece i+1 (docs/gpu.md has the numbers).
 It must not decide which batches run as graphs (``engine.model_runner`` does), and it needs the Triton op
 table: the PyTorch reference ops read device values on the host and cannot be captured.
 
-MoE expert counters (for the EPLB controller) are updated inside the graph, padding rows included. All
-padding rows of a graph see the same input, so after capture each graph is replayed once with padding
-only to measure what one padding row adds per layer; a padded replay then subtracts that, times the
-number of padding rows, in one fused launch.
+MoE expert counters (for the EPLB controller) are updated inside the graph for the live rows only: the
+routing kernel reads the static ``seq_lens`` (0 on padding rows) it was captured with
+(``counting_live_rows``), so a padded replay needs no correction.
 
 With several expert-parallel ranks the capture is collective (every rank captures the same sizes, in the
 same order, and the MoE layers' token exchanges are captured as NCCL collectives of a fixed size, under
@@ -42,7 +41,6 @@ import torch
 
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
-from engine.moe.layer import MoEBlock
 from kernels.decode_megakernel import DecodeMegakernel
 
 log = logging.getLogger(__name__)
@@ -105,52 +103,6 @@ def counting_live_rows(model: DecoderModel, live: torch.Tensor) -> Iterator[None
     finally:
         for blk in blocks:
             blk.count_live = None
-
-
-class PaddingCounts:
-    """What one padding row adds to each MoE block's expert counters, kept per logical expert: all padding
-    rows route to the same logical experts, but with replicas the row picks the replica, so a padded
-    replay's correction (``physical``, subtracted ``pad_rows`` times) takes each expert's share from its
-    first replica, exact per logical expert (``engine.moe.rebalance.even_out_replicas`` evens the replicas
-    out where one went below zero). ``refresh`` re-derives it after a new placement."""
-
-    def __init__(self, blocks: list[MoEBlock], logical: list[torch.Tensor]) -> None:
-        self.blocks = blocks
-        self.logical = logical
-        self.physical: list[torch.Tensor] = []
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.physical = []
-        for blk, per_row in zip(self.blocks, self.logical, strict=True):
-            phys = torch.zeros_like(blk.expert_counts)
-            phys.index_copy_(0, blk.placement.logical_to_physical[:, 0], per_row)
-            self.physical.append(phys)
-
-
-def padding_counts(
-    blocks: list[MoEBlock], replay_padding: Callable[[], None], rows: int, what: str
-) -> PaddingCounts | None:
-    """What one padding row adds to the MoE blocks' expert counters, measured by ``replay_padding``, a
-    replay of a graph of ``rows`` rows that are all padding (its callers restore the counters afterwards).
-    None without MoE blocks, or, with a warning naming ``what``, when the padding rows did not route to the
-    same logical experts (which should not happen): that graph's counts then stay uncorrected."""
-    if not blocks:
-        return None
-    before = [blk.expert_counts.clone() for blk in blocks]
-    replay_padding()
-    deltas = []
-    for blk, b in zip(blocks, before, strict=True):
-        logical = torch.zeros(blk.num_logical, dtype=torch.int64, device=b.device)
-        deltas.append(logical.scatter_add_(0, blk.placement.physical_to_logical, blk.expert_counts - b))
-    if all(bool((d % rows == 0).all()) for d in deltas):
-        return PaddingCounts(blocks, [d // rows for d in deltas])
-    log.warning(
-        "padding rows of the %s route differently; MoE expert counts of its padded steps include padding "
-        "tokens",
-        what,
-    )
-    return None
 
 
 def decode_step_pieces(
@@ -219,8 +171,6 @@ class _Graph:
     size: int
     pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     runs: list[Callable[[], None]] = field(default_factory=list)  # keeps the pieces' shared state alive
-    # Per MoE block, the expert counts one padding row adds (None: no MoE, or not measurable).
-    pad_counts: PaddingCounts | None = None
 
     def replay(self, late_point: torch.cuda.Event | None = None) -> None:
         """Launch the pieces in order; ``late_point`` is recorded after the second-to-last one (with a
@@ -272,8 +222,6 @@ class DecodeGraphs:
         self.late_point = torch.cuda.Event()
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self._blocks = model.moe_blocks()
-        self._counts = [blk.expert_counts for blk in self._blocks]
         self.graphs: dict[int, _Graph] = {}
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
         self.capture_seconds = 0.0
@@ -302,7 +250,6 @@ class DecodeGraphs:
         with capturing(), expert_counts_restored(self.model), uniform, live:
             for size in reversed(self.sizes):
                 self._capture_size(size, pool)
-            self._measure_padding_counts()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         log.info(
@@ -344,8 +291,6 @@ class DecodeGraphs:
         self._dev32[:1].copy_(self._host32[:1])
         with capturing(), expert_counts_restored(self.model), counting_live_rows(self.model, self.seq_lens):
             self._capture_size(1, torch.cuda.graph_pool_handle())
-            g = self.graphs[1]
-            g.pad_counts = padding_counts(self._blocks, g.replay, 1, "batch-1 decode graph")
         torch.cuda.synchronize()
 
     def _pieces(self, size: int) -> list[Callable[[], None]]:
@@ -362,17 +307,6 @@ class DecodeGraphs:
         return decode_step_pieces(
             self.model, self.input_ids[:size], self.positions[:size], self.kv_pool, meta, self.logits[:size]
         )
-
-    def _measure_padding_counts(self) -> None:
-        """Replay each graph with padding rows only; what one row adds is the padding correction."""
-        for size, g in self.graphs.items():
-            g.pad_counts = padding_counts(self._blocks, g.replay, size, f"batch-{size} decode graph")
-
-    def placement_changed(self) -> None:
-        """The MoE blocks run a new expert placement: re-derive the padding corrections."""
-        for g in self.graphs.values():
-            if g.pad_counts is not None:
-                g.pad_counts.refresh()
 
     def release(self) -> None:
         """Free every captured graph now (not when the last reference goes): a graph that captured NCCL
@@ -442,8 +376,8 @@ class DecodeGraphs:
 
     def run_padding(self, size: int) -> None:
         """Replay the graph of batch ``size`` with padding rows only (an expert-parallel rank with nothing
-        to run joins the others' step): nothing is written to the KV pool, the logits are dropped, and the
-        expert counters are corrected as for any padded replay."""
+        to run joins the others' step): nothing is written to the KV pool, the logits are dropped, and no expert
+        counts a row."""
         self._copied.synchronize()
         self._stage_padding(0, size)
         b = self.max_batch
@@ -453,10 +387,7 @@ class DecodeGraphs:
         self._replay_padded(size, 0)
 
     def _replay_padded(self, size: int, n: int) -> None:
-        """Launch the graph of ``size`` whose first ``n`` rows are real and the rest padding (staged), and
-        take the padding rows' share out of the expert counters."""
-        g = self.graphs[size]
-        g.replay(self.late_point)
-        if size > n and g.pad_counts is not None:
-            torch._foreach_add_(self._counts, g.pad_counts.physical, alpha=-(size - n))
+        """Launch the graph of ``size`` whose first ``n`` rows are real and the rest padding (staged: seq_len
+        0, so they count for no expert)."""
+        self.graphs[size].replay(self.late_point)
         self.replays[size] += 1

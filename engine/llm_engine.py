@@ -43,7 +43,7 @@ from engine.memory_profile import (
 from engine.model_runner import ModelRunner
 from engine.models.decoder import DecoderModel
 from engine.moe.dispatch import TokenDispatcher
-from engine.moe.rebalance import even_out_replicas, move_experts
+from engine.moe.rebalance import move_experts
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -1205,8 +1205,7 @@ class LLMEngine:
         blocks = self.model.moe_blocks()
         if not blocks:
             return None
-        counts = torch.stack([b.take_counts() for b in blocks]).cpu()
-        return even_out_replicas(counts, [b.placement.host for b in blocks])
+        return torch.stack([b.take_counts() for b in blocks]).cpu()
 
     def moe_layout(self) -> MoELayout | None:
         """The MoE layers' expert layout (what a placement must fit), or None for a dense model."""
@@ -1223,8 +1222,8 @@ class LLMEngine:
 
     def set_expert_placement(self, version: int, physical_to_logical: list[list[int]]) -> None:
         """Run placement ``version`` (the EPLB controller's; newer than the one running, else ignored). With
-        one rank it is applied now: expert weights move in place, the routing tables are rewritten, the
-        counters restart and the graphs' padding corrections follow. With several ranks it is staged: the
+        one rank it is applied now: expert weights move in place, the routing tables are rewritten and the
+        counters restart. With several ranks it is staged: the
         group applies it together at the start of a later step, once every rank has staged it
         (``engine.data_parallel.Lockstep``). Raises ``PlacementError`` for a placement that does not fit."""
         layout = self.moe_layout()
@@ -1245,7 +1244,6 @@ class LLMEngine:
         moved = 0
         for block, row in zip(self.model.moe_blocks(), physical_to_logical, strict=True):
             moved += move_experts(block, row)
-        self.runner.placement_changed()
         self.placement_version = version
         if self.staged_placement is not None and self.staged_placement[0] <= version:
             self.staged_placement = None

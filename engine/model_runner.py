@@ -350,13 +350,6 @@ class ModelRunner:
     def _scratch_forward(self, n: int) -> torch.Tensor:
         return scratch_forward(self.model, self.kv_pool, self.block_size, n)
 
-    def placement_changed(self) -> None:
-        """The MoE blocks run a new expert placement (``engine.moe.rebalance``): the graphs read the same
-        tensors, only their padding corrections of the expert counters change."""
-        for graphs in (self.graphs, self.prefill_graphs):
-            if graphs is not None:
-                graphs.placement_changed()
-
     def idle_pass(self, group_pass: GroupPass = EAGER) -> None:
         """A forward pass of padding only, for an expert-parallel rank with nothing to run while the others
         run a step: its MoE layers take part in their token exchanges (which every rank must join),

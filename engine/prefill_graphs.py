@@ -37,11 +37,9 @@ import torch
 
 from engine.cuda_graphs import (
     CAPTURE_ERROR_MODE,
-    PaddingCounts,
     capturing,
     counting_live_rows,
     expert_counts_restored,
-    padding_counts,
 )
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
@@ -77,17 +75,15 @@ class PrefillGraphs:
         dtype = model.embed_tokens.dtype
         self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
-        self._counts = [blk.expert_counts for blk in model.moe_blocks()]
         # Which rows are real (True) and which padding, set before each replay of a MoE model: the padding
         # rows' (token, expert) pairs count for no expert (``counting_live_rows``) and, with several
         # expert-parallel ranks, run on no rank (``uniform_batches``' live).
         self.live = torch.ones(b, dtype=torch.bool, device=device)
         self._rows = torch.arange(b, device=device)
-        self._masks_padding = bool(self._counts)
+        self._masks_padding = bool(model.moe_blocks())
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
         self._runs: dict[int, list[Callable[[], None]]] = {}
-        self._pad_counts: dict[int, PaddingCounts | None] = {}
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # device memory the capture reserved (the graphs' pool), measured after it
@@ -187,8 +183,6 @@ class PrefillGraphs:
                         run()
                     graphs.append(graph)
                 self._graphs[size] = graphs
-            for size in self.sizes:
-                self._pad_counts[size] = self._measure_padding_counts(size)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
@@ -203,22 +197,6 @@ class PrefillGraphs:
     def uniform_batches(self) -> AbstractContextManager[None]:
         """The dispatcher's ``uniform_batches`` for these graphs' passes (their capture)."""
         return (self.model.dispatcher or SingleRankDispatcher()).uniform_batches(self.live)
-
-    def placement_changed(self) -> None:
-        """The MoE blocks run a new expert placement: re-derive the padding corrections."""
-        for pad in self._pad_counts.values():
-            if pad is not None:
-                pad.refresh()
-
-    def _measure_padding_counts(self, size: int) -> PaddingCounts | None:
-        """Replay bucket ``size`` with padding only; what one row adds is the padding correction."""
-        self.live.zero_()
-        return padding_counts(
-            self.model.moe_blocks(),
-            lambda: self._forward(size, 0, None, replay=True),
-            size,
-            f"{size}-token prefill graph",
-        )
 
     # ---- replay ----------------------------------------------------------------------------------
     def run(
@@ -238,17 +216,13 @@ class PrefillGraphs:
 
     def run_padding(self, size: int) -> None:
         """Replay bucket ``size`` with padding rows only (an expert-parallel rank with nothing to run joins
-        the others' step): nothing is written to the KV pool, and the expert counters are corrected as for
-        any padded replay."""
+        the others' step): nothing is written to the KV pool, and no expert counts a row."""
         empty = self.input_ids[:0]
         self.stage(empty, empty, empty, size)
         self._replay_padded(size, 0, None)
 
     def _replay_padded(self, size: int, n: int, meta: AttentionMetadata | None) -> None:
         self._forward(size, n, meta, replay=True)
-        pad = self._pad_counts.get(size)
-        if size > n and pad is not None:
-            torch._foreach_add_(self._counts, pad.physical, alpha=-(size - n))
         self.replays[size] += 1
 
     def stage(

@@ -187,7 +187,7 @@ def _lockstep_rank_main(
         )  # fmt: skip
         assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
         runner = llm.engine.runner
-        if eager_pieces:  # collective, as a capture is: each bucket's padding pass exchanges tokens
+        if eager_pieces:
             pieces = runner.prefill_graphs = EagerPieces(
                 runner.model, runner.kv_pool, eager_pieces, runner.device
             )

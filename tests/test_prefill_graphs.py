@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import counting_live_rows, expert_counts_restored
+from engine.cuda_graphs import counting_live_rows
 from engine.models.decoder import AttentionMetadata
 from engine.prefill_graphs import PrefillGraphs
 from tests.kernel_testing import needs_gpu
@@ -117,15 +117,12 @@ def test_prefill_pieces_compute_the_model_forward() -> None:
 class EagerPieces(PrefillGraphs):
     """Prefill graphs whose pieces run eagerly instead of replaying (no CUDA on the CPU), so that the
     engine's whole prefill-graph path (bucket choice, staging, padding, attention between the pieces, the
-    padding correction of the expert counters; with several expert-parallel ranks, the exchanges of fixed
+    expert counters of live rows only; with several expert-parallel ranks, the exchanges of fixed
     size the graphs capture, and the padding rows that run on no expert) runs in CI."""
 
     def capture(self) -> None:
-        with expert_counts_restored(self.model), counting_live_rows(self.model, self.live):
-            for size in self.sizes:
-                self._runs[size] = self._pieces(size)
-            for size in self.sizes:
-                self._pad_counts[size] = self._measure_padding_counts(size)
+        for size in self.sizes:
+            self._runs[size] = self._pieces(size)
 
     def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
         # What each replay runs: the pieces as captured, counting the live rows only.

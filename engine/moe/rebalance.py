@@ -124,23 +124,3 @@ def move_experts(block: MoEBlock, new: list[int]) -> int:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's storage as bytes (gloo and NCCL move any dtype so, float8 included)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def even_out_replicas(counts: torch.Tensor, placements: list[list[int]]) -> torch.Tensor:
-    """Counters [layers, physical] as reported: a padded graph replay's correction takes each padding row's
-    share from an expert's first replica (engine.cuda_graphs.padding_counts), which is exact per logical
-    expert but can leave a replica below zero; in a layer where one is, each logical expert's total is
-    spread evenly over its replicas (the routing spreads tokens so)."""
-    if not bool((counts < 0).any()):
-        return counts
-    out = counts.clone()
-    for layer in torch.nonzero((counts < 0).any(dim=1)).flatten().tolist():
-        replicas: dict[int, list[int]] = {}
-        for slot, logical in enumerate(placements[layer]):
-            replicas.setdefault(logical, []).append(slot)
-        for slots in replicas.values():
-            total = int(counts[layer, slots].sum())
-            share, extra = divmod(max(total, 0), len(slots))
-            for i, slot in enumerate(slots):
-                out[layer, slot] = share + (1 if i < extra else 0)
-    return out
