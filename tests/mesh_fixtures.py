@@ -114,6 +114,20 @@ def worker_args(model: str = "tiny-dense", num_kv_blocks: int = 256, *extra: str
     return ["--model", model, "--num-kv-blocks", str(num_kv_blocks), "--metrics-port", "0", *extra]
 
 
+def start_expert_parallel_ranks(service: str, args: list[str], world: int = 2) -> list[ServiceProcess]:
+    """``world`` processes of ``service``, ranks 0..world-1 of one expert-parallel group (``args`` carry
+    its size and meeting point), started at once: each waits in the group's rendezvous for the others
+    before it is ready."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(world) as pool:
+        starts = [
+            pool.submit(ServiceProcess.start, service, *args, "--expert-parallel-rank", str(r), timeout=120.0)
+            for r in range(world)
+        ]
+        return [s.result() for s in starts]
+
+
 @contextlib.contextmanager
 def worker_pair(*extra: str) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """One prefill and one decode worker process on the tiny dense model, real NIXL on host memory;

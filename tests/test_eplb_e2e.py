@@ -26,7 +26,13 @@ import redis
 from engine import LLM, SamplingParams
 from mesh.cli import free_port
 from protos.pdmesh.v1 import common_pb2, worker_pb2
-from tests.mesh_fixtures import REDIS_URL, ServiceProcess, needs_redis, worker_args
+from tests.mesh_fixtures import (
+    REDIS_URL,
+    ServiceProcess,
+    needs_redis,
+    start_expert_parallel_ranks,
+    worker_args,
+)
 from tests.test_disagg_e2e import _prompts, _stub
 
 pytestmark = pytest.mark.e2e
@@ -193,19 +199,7 @@ def test_two_expert_parallel_ranks_apply_the_same_placement_together() -> None:
         )  # fmt: skip
         ranks: list[ServiceProcess] = []
         try:
-            with ThreadPoolExecutor(2) as pool:
-                starts = [
-                    pool.submit(
-                        ServiceProcess.start,
-                        "decode_svc",
-                        *args,
-                        "--expert-parallel-rank",
-                        str(r),
-                        timeout=120.0,
-                    )
-                    for r in (0, 1)
-                ]
-                ranks = [s.result() for s in starts]
+            ranks = start_expert_parallel_ranks("decode_svc", args)
             with ThreadPoolExecutor(2) as pool:
                 before = list(pool.map(lambda r: _generate(r.address, prompts, f"b-{r.address}"), ranks))
             assert before == [expected, expected]

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -23,7 +22,7 @@ import pytest
 from engine import LLM, SamplingParams
 from mesh.cli import free_port
 from protos.pdmesh.v1 import worker_pb2
-from tests.mesh_fixtures import ServiceProcess, worker_args
+from tests.mesh_fixtures import ServiceProcess, start_expert_parallel_ranks, worker_args
 from tests.test_disagg_e2e import _disaggregated, _free_blocks, _prompts, _proto_params, _sample, _stub
 
 pytestmark = pytest.mark.e2e
@@ -38,20 +37,7 @@ def _prefill_and_two_decode_ranks(*rank_args: str) -> Iterator[tuple[ServiceProc
     prefill = ServiceProcess.start("prefill_svc", *worker_args("tiny-moe", BLOCKS))
     ranks: list[ServiceProcess] = []
     try:
-        # Both ranks at once: each waits in the group's rendezvous for the other before it is ready.
-        with ThreadPoolExecutor(2) as pool:
-            starts = [
-                pool.submit(
-                    ServiceProcess.start,
-                    "decode_svc",
-                    *worker_args("tiny-moe", BLOCKS, *ep),
-                    "--expert-parallel-rank",
-                    str(r),
-                    timeout=120.0,
-                )  # fmt: skip
-                for r in (0, 1)
-            ]
-            ranks = [s.result() for s in starts]
+        ranks = start_expert_parallel_ranks("decode_svc", worker_args("tiny-moe", BLOCKS, *ep))
         for r, svc in enumerate(ranks):  # each engine joined the group as its rank (half the experts)
             assert any(f"expert-parallel rank {r} of 2 (gloo)" in line for line in svc.lines), svc.log()
         yield prefill, ranks
