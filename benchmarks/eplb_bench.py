@@ -5,7 +5,8 @@ Builds gpu_bench's Qwen3-30B-A3B-shaped model with random weights (``load_format
 and with ``enable_eplb`` and redundant slots, and reports decode tok/s of each at the given batches; then
 applies placements that rewrite a given share of the slots and times the move (``set_expert_placement``
 on one rank: device copies) against the device-to-device copy rate (the move reads and writes each
-rewritten slot's bytes once: its roofline). ``--smoke``: gpu_bench's small shapes on the CPU (CI runs it).
+rewritten slot's bytes once: its roofline), with the engine's copy op and, beside it, the reference's
+(``--move-ops``). ``--smoke``: gpu_bench's small shapes on the CPU (CI runs it).
 
     python3 benchmarks/eplb_bench.py [--redundant 16] [--batches 1,64] [--smoke]
 """
@@ -13,7 +14,9 @@ rewritten slot's bytes once: its roofline). ``--smoke``: gpu_bench's small shape
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import itertools
 import json
 import random
 import statistics
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
 from engine.moe.rebalance import expert_tensors  # noqa: E402
+from kernels.copy_rows import copy_rows_torch  # noqa: E402
 
 
 def rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, repeats: int) -> float:
@@ -90,6 +94,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="gpu_bench's small shapes, on the CPU")
+    ap.add_argument("--move-ops", default="engine,torch",
+                    help="copy ops the moves are timed with: engine (the engine's table: one kernel a tensor "
+                         "and layer on a GPU), torch (the reference: gather into a temporary, then scatter)")  # fmt: skip
     args = ap.parse_args()
     from benchmarks.gpu_bench import SHAPES, write_config
 
@@ -119,7 +126,13 @@ def main() -> None:
     ceiling = copy_gbps(device)
     moves = []
     version = 0
-    for share in (float(s) for s in args.shares.split(",")):
+    blocks = engine.model.moe_blocks()
+    tables = {"engine": blocks[0].ops, "torch": dataclasses.replace(blocks[0].ops, copy_rows=copy_rows_torch)}
+    for share, move_op in itertools.product(
+        (float(s) for s in args.shares.split(",")), args.move_ops.split(",")
+    ):
+        for block in blocks:
+            block.ops = tables[move_op]
         times, slots = [], 0
         for _ in range(args.repeats):
             old = engine.expert_placement()
@@ -137,7 +150,9 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         ms = statistics.median(times) * 1e3
         moved_gb = slots * slot_bytes / 1e9
-        moves.append((share, slots, moved_gb, ms, 2 * moved_gb / ceiling * 1e3))
+        moves.append((share, move_op, slots, moved_gb, ms, 2 * moved_gb / ceiling * 1e3))
+    for block in blocks:
+        block.ops = tables["engine"]
     after = {b: rate(llm, prompts[b], params, args.repeats) for b in batches}
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"{SHAPES['moe'][0]}{' (smoke)' if args.smoke else ''} on {name}: {layout.num_logical} experts, "
@@ -147,9 +162,11 @@ def main() -> None:
     for b in batches:
         print(f"{b:>5} {base[b]:>15.1f} {redundant[b]:>10.1f} ({redundant[b] / base[b]:.2f}) "
               f"{after[b]:>10.1f} ({after[b] / base[b]:.2f})")  # fmt: skip
-    print(f"{'share':>5} {'slots':>6} {'GB':>7} {'apply ms':>9} {'roofline ms':>12} {'ratio':>6}")
-    for share, slots, gb, ms, roof in moves:
-        print(f"{share:>5.2f} {slots:>6} {gb:>7.2f} {ms:>9.1f} {roof:>12.1f} {roof / ms:>6.2f}")
+    print(
+        f"{'share':>5} {'copy op':>8} {'slots':>6} {'GB':>7} {'apply ms':>9} {'roofline ms':>12} {'ratio':>6}"
+    )
+    for share, move_op, slots, gb, ms, roof in moves:
+        print(f"{share:>5.2f} {move_op:>8} {slots:>6} {gb:>7.2f} {ms:>9.1f} {roof:>12.1f} {roof / ms:>6.2f}")
 
 
 if __name__ == "__main__":

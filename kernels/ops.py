@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
+from kernels.copy_rows import copy_rows_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.lora import lora_apply_torch
@@ -39,6 +40,7 @@ class Ops:
         Callable  # the sampling race, with top-k, top-p and min-p (engine/sampler.py picks the rows)
     )
     lora_apply: Callable  # a projection's output plus the LoRA of each row's adapter slot (engine/lora.py)
+    copy_rows: Callable  # dst[dst_rows] = src[src_rows] (expert slots moved by a new placement)
 
 
 TORCH_OPS = Ops(
@@ -57,6 +59,7 @@ TORCH_OPS = Ops(
     add_rms_norm_linear=add_rms_norm_linear_torch,
     gumbel_sample=gumbel_sample_torch,
     lora_apply=lora_apply_torch,
+    copy_rows=copy_rows_torch,
 )
 
 

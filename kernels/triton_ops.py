@@ -8,6 +8,7 @@ from __future__ import annotations
 from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
+from kernels.triton_copy_rows import copy_rows_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
 from kernels.triton_lora import lora_apply_small
@@ -35,4 +36,5 @@ TRITON_OPS = Ops(
     gumbel_sample=gumbel_sample_triton,
     # Two kernels up to 16 rows, the reference's cuBLAS GEMMs beyond (measured on an H100: performance.md).
     lora_apply=lora_apply_small,
+    copy_rows=copy_rows_triton,
 )
