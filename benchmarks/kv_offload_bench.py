@@ -7,12 +7,12 @@ over NIXL from device memory into the store's host pool). Each round takes a fre
 from the client, a Decode RPC without a KV handle (the worker prefills locally, ``max_tokens`` 1) to its
 first streamed token:
 
-* computed: the worker's prefix cache reset, the prompt never seen by the store (the worker's Lookup
-  misses, so this row pays the ~0.3 ms Lookup a worker with a store always pays). When the request
+* computed: the worker's prefix cache reset, the prompt never seen by the store (the worker's Fetch
+  misses, so this row pays the ~0.3 ms round trip a worker with a store always pays). When the request
   finishes the worker offers the prompt's blocks to the store; the benchmark waits until the store's
   ``Lookup`` of the prompt's block hashes answers every block.
-* loaded: the worker's prefix cache reset again, the same prompt: its blocks come from the store (Lookup,
-  Fetch, one NIXL READ into reserved blocks, commit) and only the last block's tokens are computed.
+* loaded: the worker's prefix cache reset again, the same prompt: its blocks come from the store (Fetch,
+  one NIXL READ into reserved blocks, commit) and only the last block's tokens are computed.
 * local hit: the same prompt once more without a reset: the worker's own prefix cache holds it
   (reference: the best a cache can do).
 

@@ -6,9 +6,9 @@ Owns the worker side of both directions, over gRPC (``pdmesh.v1.KVStore``) and t
   and wakes this client, which ``take``s them and offers each chain to the store (``Put``: the store READs
   them from this worker's pool), at most ``kvstore_max_puts`` at once; batches beyond ``kvstore_max_queued``
   waiting are dropped (counted). Each batch's block references are dropped when the store has answered.
-- **Load.** Before a request is added, ``generate`` compares the local prefix cache with the store's
-  ``Lookup``; where the store holds at least ``kvstore_min_blocks`` more leading blocks, it ``Fetch``es
-  them (pinned in the store under a lease), reserves local blocks, READs them (the notification names the
+- **Load.** Before a request is added, ``generate`` counts the prompt's leading blocks the local prefix cache
+  holds and ``Fetch``es the rest from the store (one call: a miss answers nothing, a hit comes pinned under a
+  lease); where the store holds at least ``kvstore_min_blocks`` of them, it reserves local blocks, READs them (the notification names the
   lease, so the store unpins at once), and has the engine enter them into its prefix cache in the same
   engine call that adds the request: the request counts them as cached prompt tokens.
 
@@ -301,29 +301,23 @@ class KVOffloadClient:
         need = self.settings.kvstore_min_blocks
         if len(chain) < need:
             return None
-        local = await self.aengine.call(lambda: self.offload.local_prefix(chain))
+        # Read on this thread, not the engine's (a lookup in the prefix cache's hash map, atomic under the GIL):
+        # a block cached or evicted meanwhile is settled by the reserve and the commit on the engine thread, as
+        # it would be after a hop there.
+        local = self.offload.local_prefix(chain)
         if len(chain) - local < need:
             return None
         wanted = chain[local:]
         stub = self._stub_for()
         timeout = self.settings.kvstore_timeout_s
-        op = "lookup"
+        op = "fetch"
         lease_id = ""
         try:
-            found = await stub.Lookup(
-                kvstore_pb2.LookupRequest(model_fingerprint=self.model_fingerprint, block_hashes=wanted),
-                timeout=timeout,
-                metadata=inject_metadata(),
-            )
-            if found.num_prefix_blocks < need:
-                self._succeeded()
-                return None
-            op = "fetch"
-            peer = await self._ensure_store_peer()
+            # Fetch alone (it answers a miss as Lookup does, and pins a hit): one round trip before the READ.
             fetched = await stub.Fetch(
                 kvstore_pb2.FetchRequest(
                     model_fingerprint=self.model_fingerprint,
-                    block_hashes=wanted[: found.num_prefix_blocks],
+                    block_hashes=wanted,
                     requester_agent_name=self.transfer.agent_name,
                     layout_fingerprint=self.layout_fingerprint,
                     request_id=request_id,
@@ -338,6 +332,8 @@ class KVOffloadClient:
                 await self._release(lease_id)
                 self._succeeded()
                 return None
+            op = "handshake"
+            peer = await self._ensure_store_peer()
         except grpc.aio.AioRpcError as exc:
             self._failed(op, exc)
             if lease_id:

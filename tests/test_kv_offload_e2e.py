@@ -128,9 +128,17 @@ async def test_blocks_offloaded_by_one_worker_are_loaded_by_another_with_identic
             stats = await ks.GetStats(kvstore_pb2.KVStoreStatsRequest())
             assert stats.num_blocks_demoted > 0 and stats.num_fetches == 2
 
-            # Every block a worker held for the store, or reserved for a load, is back in its pool.
+            # A prompt whose only block the store holds is its first: one block is below --kvstore-min-blocks
+            # (2), so B computes it all and gives back the lease its Fetch took.
+            await wb.ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest())
+            _tokens, cached = await _decode(wb, "b-short", prompt[:BS] + _prompt(3 * BS, 3))
+            assert cached == 0
+
+            # Every block a worker held for the store, or reserved for a load, is back in its pool, and no
+            # lease pins a store block (the misses' Fetches pinned nothing, the hits' READs unpinned).
             for stub in (wa, wb):
                 assert await until(lambda s=stub: _all_free(s), timeout=10)
+            assert (await ks.GetStats(kvstore_pb2.KVStoreStatsRequest())).num_leases == 0
 
             # The store dies: requests still succeed, computing their prompts, and the failures are counted.
             store.kill()
