@@ -8,6 +8,11 @@ CUDA), which is the roofline the ratio is taken against.
 
     python benchmarks/kv_transfer_bench.py                  # CPU, small-model layout (128 KiB blocks)
     python benchmarks/kv_transfer_bench.py --device cuda    # one GPU, both processes, Llama-3.1-8B layout (2 MiB)
+    python benchmarks/kv_transfer_bench.py --device cuda --source cpu   # the source's pool in host memory
+
+``--source cpu`` / ``cpu-pinned`` put the source's pool in host memory (pageable, or page-locked through CUDA),
+as the KV offload store's host tier is, read into the GPU pool: the roofline is then a host-to-device copy of
+the same bytes from page-locked memory in one process.
 
 This is a benchmark, not a test: it prints a table and checks only that the bytes it read are the right ones.
 """
@@ -62,7 +67,12 @@ class Row:
 
 
 def make_pool(num_blocks: int, layout: KVLayout, device: str) -> torch.Tensor:
-    pool = torch.empty(num_blocks, *layout.block_shape, dtype=getattr(torch, layout.dtype), device=device)
+    """``device``: cpu, cuda, or cpu-pinned (host memory page-locked through CUDA)."""
+    pinned = device == "cpu-pinned"
+    device = "cpu" if pinned else device
+    pool = torch.empty(
+        num_blocks, *layout.block_shape, dtype=getattr(torch, layout.dtype), device=device, pin_memory=pinned
+    )
     pool.fill_(0)  # touch every page now, not inside the timed region
     return pool
 
@@ -70,7 +80,7 @@ def make_pool(num_blocks: int, layout: KVLayout, device: str) -> torch.Tensor:
 def prefill_side(conn: Connection, num_blocks: int, layout: KVLayout, device: str) -> None:
     """Child process: own a pool whose block i holds i % 251, serve READs, drain notifications until told to stop."""
     pool = make_pool(num_blocks, layout, device)
-    marks = (torch.arange(num_blocks, device=device) % MARK_MOD).to(pool.dtype)
+    marks = (torch.arange(num_blocks, device=pool.device) % MARK_MOD).to(pool.dtype)
     pool.view(num_blocks, -1).copy_(marks[:, None].expand(num_blocks, pool[0].numel()))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -116,13 +126,15 @@ def time_reads(
     return times
 
 
-def time_copy(nbytes: int, device: str, min_time_s: float, min_iters: int) -> float:
+def time_copy(nbytes: int, device: str, min_time_s: float, min_iters: int, from_host: bool = False) -> float:
     """Median seconds of one plain copy of ``nbytes`` in this process (the roofline).
 
     On the CPU it is one thread's memcpy (``numpy.copyto``), like the single ``process_vm_readv`` stream UCX's
-    ``cma`` transport uses; torch's multi-threaded ``copy_`` collapses on a loaded 2-core machine.
+    ``cma`` transport uses; torch's multi-threaded ``copy_`` collapses on a loaded 2-core machine. With
+    ``from_host``, a host-to-device copy from page-locked memory.
     """
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=from_host, device="cpu" if from_host else device)
+    src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)
     if device == "cuda":
 
@@ -156,6 +168,12 @@ def main() -> None:
     )
     ap.add_argument("--min-iters", type=int, default=5)
     ap.add_argument(
+        "--source",
+        choices=["same", "cpu", "cpu-pinned"],
+        default="same",
+        help="the source pool's memory: the reader's device, or host memory (pageable or page-locked)",
+    )
+    ap.add_argument(
         "--progress-thread",
         choices=["both", "source"],
         default="both",
@@ -177,14 +195,18 @@ def main() -> None:
     )
 
     # The roofline first, while no NIXL progress thread competes for the cores.
-    copy_s = {n: time_copy(n * layout.block_nbytes, device, args.min_time, args.min_iters) for n in sizes}
+    source = device if args.source == "same" else args.source
+    from_host = source != device
+    copy_s = {
+        n: time_copy(n * layout.block_nbytes, device, args.min_time, args.min_iters, from_host) for n in sizes
+    }
     if device == "cuda":
         torch.cuda.empty_cache()  # hand the copy buffers back before the pools are allocated
 
     reader_progress = args.progress_thread == "both"
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=prefill_side, args=(child_conn, pool_blocks, layout, device), daemon=True)
+    child = ctx.Process(target=prefill_side, args=(child_conn, pool_blocks, layout, source), daemon=True)
     child.start()
     pool = make_pool(pool_blocks, layout, device)
     meta = conn.recv()
@@ -229,7 +251,8 @@ def main() -> None:
     print()
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(
-        f"KV transfer, NIXL READ between two processes ({device_name}), {layout.block_nbytes / 2**10:.0f} KiB blocks"
+        f"KV transfer, NIXL READ between two processes ({device_name}), {layout.block_nbytes / 2**10:.0f} KiB blocks, "
+        f"source pool on {source}, read into {device}"
     )
     print(
         "first read after handshake (connection set-up): "
@@ -239,7 +262,7 @@ def main() -> None:
         f"progress threads: {args.progress_thread}; notifications received by the prefill side: "
         f"{notifications}"
     )
-    copy_name = "D2D copy" if device == "cuda" else "memcpy"
+    copy_name = ("H2D copy" if from_host else "D2D copy") if device == "cuda" else "memcpy"
     header = f"| mode | placement | blocks | MiB | descs posted | ms/xfer | GB/s | {copy_name} GB/s | ratio |"
     print(header)
     print("|" + "---|" * 9)

@@ -49,9 +49,12 @@ class ExpertPlacement:
             raise ValueError(f"placement leaves logical experts {missing} without a physical replica")
         width = self.logical_to_physical.shape[1]
         table = [r + [-1] * (width - len(r)) for r in replicas]
-        self.physical_to_logical.copy_(torch.tensor(physical_to_logical, dtype=torch.int64))
-        self.logical_to_physical.copy_(torch.tensor(table, dtype=torch.int64))
-        self.replica_counts.copy_(torch.tensor([len(r) for r in replicas], dtype=torch.int64))
+        # From page-locked memory, not waited for on a GPU: a placement rewrites every layer's tables.
+        pinned = self.physical_to_logical.is_cuda
+        for dst, values in ((self.physical_to_logical, physical_to_logical), (self.logical_to_physical, table),
+                            (self.replica_counts, [len(r) for r in replicas])):  # fmt: skip
+            host = torch.tensor(values, dtype=torch.int64)
+            dst.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
         self.host = list(physical_to_logical)
 
 

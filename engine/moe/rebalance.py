@@ -110,35 +110,44 @@ def move_experts(block: MoEBlock, new: list[int]) -> int:
     # slot before any slot is written: the old slots that are also rewritten are saved first; the other
     # sources are read in place. Copied slot by slot (a snapshot, then a copy: four launches a slot) an H100
     # moved experts at 11-17% of its copy rate (performance.md).
-    device = tensors[0].device
-
-    def rows(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
     saved = sorted(set(plan.local.values()) & set(plan.local))
     saved_row = {slot: i for i, slot in enumerate(saved)}
     direct = [(dst, src) for dst, src in sorted(plan.local.items()) if src not in saved_row]
     from_saved = [(dst, saved_row[src]) for dst, src in sorted(plan.local.items()) if src in saved_row]
     from_peers = [(dst, i) for i, (_peer, _logical, dsts) in enumerate(plan.recv) for dst in dsts]
-    calls = []  # (source: "saved", "self" or "peers", source rows, destination rows)
-    if direct:
-        calls.append(("self", rows([s for _d, s in direct]), rows([d for d, _s in direct])))
-    if from_saved:
-        calls.append(("saved", rows([s for _d, s in from_saved]), rows([d for d, _s in from_saved])))
-    if from_peers:
-        calls.append(("peers", rows([i for _d, i in from_peers]), rows([d for d, _i in from_peers])))
-    saved_rows = rows(saved) if saved else None
+    # Every index list of the layer in one host-to-device copy from page-locked memory, which the host does
+    # not wait for (one from pageable memory per list can hold it until the copies queued before have run).
+    lists = [saved, list(range(len(saved)))]
+    calls = []  # (source: "saved", "self" or "peers", index of its source rows, of its destination rows)
+    for source, pairs in (("self", direct), ("saved", from_saved), ("peers", from_peers)):
+        if pairs:
+            calls.append((source, len(lists), len(lists) + 1))
+            lists += [[s for _d, s in pairs], [d for d, _s in pairs]]
+    index = to_device([i for values in lists for i in values], tensors[0].device)
+    bounds = [0]
+    for values in lists:
+        bounds.append(bounds[-1] + len(values))
+    views = [index[bounds[i] : bounds[i + 1]] for i in range(len(lists))]
+    saved_rows = views[0] if saved else None
     for k, t in enumerate(tensors):
         keep = None
         if saved_rows is not None:
             keep = t.new_empty((len(saved), *t.shape[1:]))
-            copy_rows(t, saved_rows, keep, torch.arange(len(saved), device=device))
+            copy_rows(t, saved_rows, keep, views[1])
         sources = {"self": t, "saved": keep, "peers": received[k] if received else None}
-        for source, src_rows, dst_rows in calls:
-            copy_rows(sources[source], src_rows, t, dst_rows)
+        for source, src_list, dst_list in calls:
+            copy_rows(sources[source], views[src_list], t, views[dst_list])
     block.placement.update(new)
     block.expert_counts.zero_()
     return len(plan.local) + len(from_peers)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``; to a GPU from page-locked memory, not waited for."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
