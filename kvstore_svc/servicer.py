@@ -357,6 +357,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         common_pb2.TransferMetadataRequest(
                             requester_agent_name=self.transfer.agent_name,
                             layout_fingerprint=self.layout_fingerprint,
+                            agent_name=agent_name,  # the pool's, or the worker's host staging agent
                         ),
                         timeout=10.0,
                     )

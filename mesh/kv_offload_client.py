@@ -100,6 +100,34 @@ class KVOffloadClient:
             1, self.engine.block_pool.num_blocks // 4
         )
         self.offload: Any = None  # the engine's KVOffload, once started
+        # Host staging between a GPU pool and the store (mesh.kv_staging): its agent then reads and offers the
+        # store's blocks instead of the pool's.
+        self.staging: Any = None
+        mode = getattr(settings, "kvstore_staging", "auto")
+        if mode == "on" or (mode == "auto" and transfer.pool.device.type == "cuda"):
+            from mesh.kv_staging import KVStaging, staging_blocks
+
+            n = staging_blocks(getattr(settings, "kvstore_staging_blocks", 0), self.max_held_blocks,
+                               transfer.block_nbytes)  # fmt: skip
+            extra = (
+                {"progress_thread": False, "xfer_mode": settings.kv_xfer_mode}
+                if settings.kv_transfer == "nixl"
+                else {}
+            )
+            self.staging = KVStaging(
+                transfer.pool,
+                self.engine.layout,
+                n,
+                settings.kv_transfer,
+                f"{transfer.name}-staging",
+                **extra,
+            )
+            log.info(
+                "KV offload store blocks staged through %d page-locked host blocks (%.0f MiB)",
+                n,
+                n * transfer.block_nbytes / 2**20,
+            )
+        self.reader = self.staging.agent if self.staging is not None else transfer
         self.store_address: str | None = settings.kvstore_address
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
@@ -167,6 +195,8 @@ class KVOffloadClient:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        if self.staging is not None:
+            self.staging.close()
 
     # ---- the store ----------------------------------------------------------------------------------
     @property
@@ -207,15 +237,15 @@ class KVOffloadClient:
             log.info("KV offload store %s answers again", self.store_address)
 
     async def _ensure_store_peer(self) -> str:
-        if self._store_agent is not None and self.transfer.has_peer(self._store_agent):
+        if self._store_agent is not None and self.reader.has_peer(self._store_agent):
             return self._store_agent
         meta = await self._stub_for().GetTransferMetadata(
             common_pb2.TransferMetadataRequest(
-                requester_agent_name=self.transfer.agent_name, layout_fingerprint=self.layout_fingerprint
+                requester_agent_name=self.reader.agent_name, layout_fingerprint=self.layout_fingerprint
             ),
             timeout=self.settings.kvstore_timeout_s,
         )
-        self._store_agent = self.transfer.add_peer(metadata_from_proto(meta))
+        self._store_agent = self.reader.add_peer(metadata_from_proto(meta))
         return self._store_agent
 
     async def _discover_loop(self) -> None:
@@ -318,7 +348,7 @@ class KVOffloadClient:
                 kvstore_pb2.FetchRequest(
                     model_fingerprint=self.model_fingerprint,
                     block_hashes=wanted,
-                    requester_agent_name=self.transfer.agent_name,
+                    requester_agent_name=self.reader.agent_name,
                     layout_fingerprint=self.layout_fingerprint,
                     request_id=request_id,
                 ),
@@ -344,6 +374,14 @@ class KVOffloadClient:
             if lease_id:
                 await self._release(lease_id)
             return None
+        slots: list[int] = []
+        if self.staging is not None:  # READ into host blocks of the staging pool, as many as are free
+            slots = self.staging.take(n)
+            if len(slots) < need:
+                await self.staging.give_back(slots)
+                await self._release(lease_id)
+                return None
+            n = len(slots)
         parent = chain[local - 1] if local else None
         load_id = f"{request_id}#kvstore"
         hashes = wanted[:n]
@@ -352,25 +390,29 @@ class KVOffloadClient:
         except Exception:  # a request id in use (the engine refuses the request itself, saying so)
             blocks = []
         if not blocks:
+            if self.staging is not None:
+                await self.staging.give_back(slots)
             await self._release(lease_id)
             return None
         load = PrefixLoad(self, load_id, n)
         try:
-            xfer = self.transfer.start_read(
+            xfer = self.reader.start_read(
                 peer,
-                list(handle.block_ids),
-                blocks,
+                list(handle.block_ids[:n]),
+                slots or blocks,
                 lease_id.encode(),
                 layout_fingerprint=handle.layout_fingerprint,
             )
             try:
                 deadline = time.monotonic() + self.settings.kv_transfer_timeout_s
-                while self.transfer.poll(xfer) != "DONE":
+                while self.reader.poll(xfer) != "DONE":
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"READ of {n} blocks from the KV offload store timed out")
                     await asyncio.sleep(0.0002)
             finally:
-                self.transfer.release(xfer)
+                self.reader.release(xfer)
+            if self.staging is not None:
+                await self.staging.to_device(slots, blocks)
         except BaseException as exc:
             await load.discard()
             await self._release(lease_id)
@@ -378,6 +420,9 @@ class KVOffloadClient:
                 raise
             self._failed("read", exc)
             return None
+        finally:
+            if self.staging is not None:
+                await self.staging.give_back(slots)
         self._succeeded()
         self.loaded.inc(n)
         self.loaded_tokens.inc(n * bs)
@@ -415,13 +460,15 @@ class KVOffloadClient:
                 task.add_done_callback(self._put_tasks.discard)
 
     async def _progressing(self, call: Coroutine[Any, Any, Any]) -> Any:
-        """Await ``call`` (a Put: the store READs this worker's pool meanwhile), driving the agent's progress."""
+        """Await ``call`` (a Put: the store READs this worker's pool, or its staging blocks, meanwhile),
+        driving the read agent's progress."""
+        progress = self.staging.agent.get_notifications if self.staging is not None else self.progress
         task = asyncio.ensure_future(call)
         self.num_puts_in_flight += 1
         try:
             while not task.done():
-                if self.progress is not None:
-                    self.progress()
+                if progress is not None:
+                    progress()
                 await asyncio.wait({task}, timeout=0.001)
         except BaseException:
             task.cancel()
@@ -432,18 +479,29 @@ class KVOffloadClient:
 
     async def _put(self, batch: Any) -> None:
         stored: list[int] = []
+        slots: list[int] = []
+        ids, hashes = list(batch.block_ids), list(batch.block_hashes)
         try:
             async with self._puts:
+                source, source_ids = self.transfer, ids
+                if self.staging is not None and self.available:
+                    # The store reads host copies: the chain's head, as much as the staging pool holds.
+                    if len(ids) > self.staging.num_blocks:
+                        self.offloaded.labels(outcome="dropped").inc(len(ids) - self.staging.num_blocks)
+                        ids, hashes = ids[: self.staging.num_blocks], hashes[: self.staging.num_blocks]
+                    slots = await self.staging.take_all(len(ids))
+                    await self.staging.to_host(ids, slots)
+                    source, source_ids = self.staging.agent, slots
                 request = kvstore_pb2.PutRequest(
                     model_fingerprint=self.model_fingerprint,
-                    block_hashes=list(batch.block_hashes),
+                    block_hashes=hashes,
                     source=common_pb2.KVHandle(
                         worker_id=self.worker_id,
                         worker_address=self.address,
-                        agent_name=self.transfer.agent_name,
-                        block_ids=list(batch.block_ids),
+                        agent_name=source.agent_name,
+                        block_ids=source_ids,
                         layout_fingerprint=self.layout_fingerprint,
-                        num_tokens=len(batch.block_ids) * self.block_size,
+                        num_tokens=len(ids) * self.block_size,
                     ),
                 )
                 if batch.parent_hash is not None:
@@ -458,13 +516,15 @@ class KVOffloadClient:
                     stored = list(reply.stored_block_hashes)
                     self._succeeded()
                     self.offloaded.labels(outcome="stored").inc(len(stored))
-                    self.offloaded.labels(outcome="declined").inc(len(batch.block_ids) - len(stored))
+                    self.offloaded.labels(outcome="declined").inc(len(ids) - len(stored))
                 else:
-                    self.offloaded.labels(outcome="dropped").inc(len(batch.block_ids))
+                    self.offloaded.labels(outcome="dropped").inc(len(ids))
         except grpc.aio.AioRpcError as exc:
             self._failed("put", exc)
-            self.offloaded.labels(outcome="failed").inc(len(batch.block_ids))
+            self.offloaded.labels(outcome="failed").inc(len(ids))
         finally:
             self._queued -= 1
+            if slots:
+                await asyncio.shield(self.staging.give_back(slots))
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.aengine.call(lambda: self.offload.finish(batch.batch_id, stored)))

@@ -142,6 +142,18 @@ class WorkerSettings:
     kvstore_max_held_blocks: int | None = setting(
         None, "Most KV blocks held for the store to read at once (default: a quarter of the pool)."
     )
+    kvstore_staging: str = setting(
+        "auto",
+        "Move the KV offload store's blocks through page-locked host blocks of the worker (device <-> host "
+        "copies, host <-> store over NIXL): auto = for GPU KV pools, where NIXL has no fast direct path "
+        "between device memory and another process's host memory (docs/kv_offload.md).",
+        choices=("auto", "on", "off"),
+    )
+    kvstore_staging_blocks: int = setting(
+        0,
+        "Host blocks of the staging pool (default: the held-blocks limit, at most 1 GiB); offers wait for free "
+        "ones, loads take what is free.",
+    )
     drain_timeout_s: float = setting(
         300.0, "On drain (SIGTERM or Drain RPC), longest wait for in-flight requests."
     )
@@ -702,7 +714,19 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
     async def GetTransferMetadata(
         self, request: common_pb2.TransferMetadataRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TransferMetadata:
-        meta = self.transfer.metadata()
+        agents = [self.transfer]
+        if self.kv_offload is not None and self.kv_offload.staging is not None:
+            agents.append(self.kv_offload.staging.agent)
+        named = (
+            [a for a in agents if a.agent_name == request.agent_name] if request.agent_name else agents[:1]
+        )
+        if not named:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"this worker has no transfer agent {request.agent_name!r} (it has "
+                f"{', '.join(a.agent_name for a in agents)}); it may have restarted",
+            )
+        meta = named[0].metadata()
         if request.layout_fingerprint and request.layout_fingerprint != meta.layout_fingerprint:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

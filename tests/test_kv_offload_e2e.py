@@ -73,8 +73,8 @@ async def _prefill(stub, rid: str, prompt: list[int]) -> worker_pb2.PrefillRespo
 
 @async_test
 async def test_blocks_offloaded_by_one_worker_are_loaded_by_another_with_identical_tokens(tmp_path) -> None:
-    prompt, other = _prompt(200, 1), _prompt(150, 2)
-    expected, expected_other = _offline([prompt, other])
+    prompt, other, fresh = _prompt(200, 1), _prompt(150, 2), _prompt(120, 5)
+    expected, expected_other, expected_fresh = _offline([prompt, other, fresh])
     full_blocks = (len(prompt) - 1) // BS  # a prompt always computes at least its last token
     store = ServiceProcess.start(
         "kvstore_svc",
@@ -92,7 +92,12 @@ async def test_blocks_offloaded_by_one_worker_are_loaded_by_another_with_identic
     try:
         a = ServiceProcess.start("prefill_svc", *worker_args("tiny-dense", 128, *flags))
         # B steps one decode step ahead (asynchronous scheduling): loads and offloads meet a step in flight.
-        b = ServiceProcess.start("decode_svc", *worker_args("tiny-dense", 128, *flags, "--async-scheduling"))
+        # B stages the store's blocks through host blocks of its own (the default on GPUs): its loads land
+        # there before they are copied into its pool.
+        b = ServiceProcess.start(
+            "decode_svc",
+            *worker_args("tiny-dense", 128, *flags, "--async-scheduling", "--kvstore-staging", "on"),
+        )
         async with (
             grpc.aio.insecure_channel(a.address) as ca,
             grpc.aio.insecure_channel(b.address) as cb,
@@ -112,7 +117,8 @@ async def test_blocks_offloaded_by_one_worker_are_loaded_by_another_with_identic
             assert first.num_cached_tokens == 0 and first.first_token_id == expected[0]
             assert await until(lambda: _at_least(stored, len(prompt) // BS), timeout=10)
 
-            # Worker B never saw the prompt: its blocks come from the store, the tokens are the offline engine's.
+            # Worker B never saw the prompt: its blocks come from the store (through its staging blocks), the
+            # tokens are the offline engine's.
             tokens, cached = await _decode(wb, "b1", prompt)
             assert tokens == expected
             assert cached == full_blocks * BS
@@ -127,6 +133,16 @@ async def test_blocks_offloaded_by_one_worker_are_loaded_by_another_with_identic
             assert again.num_cached_tokens == full_blocks * BS and again.first_token_id == expected[0]
             stats = await ks.GetStats(kvstore_pb2.KVStoreStatsRequest())
             assert stats.num_blocks_demoted > 0 and stats.num_fetches == 2
+
+            # B offers what it computed through its staging blocks (the store READs those); A, which never saw
+            # the prompt, loads it from the store and gets the offline engine's first token.
+            put_before = await stored()
+            tokens, cached = await _decode(wb, "b-fresh", fresh)
+            assert tokens == expected_fresh and cached == 0
+            assert await until(lambda: _at_least(stored, put_before + len(fresh) // BS), timeout=10)
+            reply = await _prefill(wa, "a-fresh", fresh)
+            assert reply.num_cached_tokens == (len(fresh) - 1) // BS * BS
+            assert reply.first_token_id == expected_fresh[0]
 
             # A prompt whose only block the store holds is its first: one block is below --kvstore-min-blocks
             # (2), so B computes it all and gives back the lease its Fetch took.
@@ -206,7 +222,10 @@ def test_pdmesh_up_with_kvstore_offloads_to_its_store_and_stops_cleanly() -> Non
 @async_test
 async def test_a_worker_finds_the_store_in_the_registry() -> None:
     """With ``--redis-url`` and no ``--kvstore-address``, a worker uses the store registered for its model
-    fingerprint (here one of the test's own: an engine-wide cache salt, the store started with the same)."""
+    fingerprint (here one of the test's own: an engine-wide cache salt, the store started with the same).
+    The worker stages the store's blocks through host blocks of its own (``--kvstore-staging on``, the
+    default for GPU pools): the store reads its offer from the staging agent, found by name in the
+    handshake, and its load lands in staging blocks first."""
     salt = uuid.uuid4().hex[:8]
     fp = salted_fingerprint(layout_for_model("tiny-dense").model_fingerprint, salt)
     prompt = _prompt(100, 4)
@@ -216,7 +235,19 @@ async def test_a_worker_finds_the_store_in_the_registry() -> None:
     worker = None
     try:
         worker = ServiceProcess.start(
-            "decode_svc", *worker_args("tiny-dense", 64, "--redis-url", REDIS_URL, "--cache-salt", salt)
+            "decode_svc",
+            *worker_args(
+                "tiny-dense",
+                64,
+                "--redis-url",
+                REDIS_URL,
+                "--cache-salt",
+                salt,
+                "--kvstore-staging",
+                "on",
+                "--kvstore-staging-blocks",
+                "8",
+            ),  # fmt: skip
         )
         async with grpc.aio.insecure_channel(worker.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
@@ -231,6 +262,8 @@ async def test_a_worker_finds_the_store_in_the_registry() -> None:
             await stub.ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest())
             tokens, cached = await _decode(stub, "d2", prompt)
             assert tokens == expected and cached == (len(prompt) - 1) // BS * BS
+            assert "staged through 8 page-locked host blocks" in worker.log()
+            assert await until(lambda: _all_free(stub), timeout=10)
     finally:
         if worker is not None:
             worker.stop()

@@ -226,12 +226,14 @@ class KVHandle(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TransferMetadataRequest(_message.Message):
-    __slots__ = ("requester_agent_name", "layout_fingerprint")
+    __slots__ = ("requester_agent_name", "layout_fingerprint", "agent_name")
     REQUESTER_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     requester_agent_name: str
     layout_fingerprint: str
-    def __init__(self, requester_agent_name: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    agent_name: str
+    def __init__(self, requester_agent_name: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class TransferMetadata(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "layout_fingerprint", "block_nbytes", "num_blocks", "pool_base_address", "device", "mem_type")
