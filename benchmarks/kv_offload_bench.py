@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--smoke", action="store_true", help="tiny-dense on the CPU over host memory")
+    parser.add_argument(
+        "--staging",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the worker's --kvstore-staging (auto: through host blocks of its own on a GPU)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or "kv_offload_out")
     args = parser.parse_args(argv)
     if args.prompt_len is None:
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.num_kv_blocks // 2),
                 "--kvstore-timeout-s",
                 "10",
+                "--kvstore-staging",
+                args.staging,
                 timeout=600,
             ).result()
         procs.append(worker_proc)
@@ -243,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "reps": args.reps,
         "warmup": args.warmup,
         "device": "cpu" if args.smoke else "cuda",
+        "staging": args.staging,
         "model": "tiny-dense" if args.smoke else "llama-3.1-8b-shaped (dummy bf16)",
         "summary": summary,
         "store": result["store"],
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / "kv_offload_bench.json").write_text(json.dumps(report, indent=1))
     lines = [
         f"\nTTFT, {args.prompt_len}-token prompt on a worker with a KV offload store, "
-        f"median of {args.reps} (after {args.warmup} warm-up)",
+        f"median of {args.reps} (after {args.warmup} warm-up), --kvstore-staging {args.staging}",
         "| row | TTFT ms | cached prompt tokens | vs computed |",
         "|---|---:|---:|---:|",
     ]
