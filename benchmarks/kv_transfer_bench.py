@@ -133,6 +133,7 @@ def time_copy(nbytes: int, device: str, min_time_s: float, min_iters: int, from_
     ``cma`` transport uses; torch's multi-threaded ``copy_`` collapses on a loaded 2-core machine. With
     ``from_host``, a host-to-device copy from page-locked memory.
     """
+    device = "cpu" if device == "cpu-pinned" else device
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=from_host, device="cpu" if from_host else device)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)
@@ -160,7 +161,10 @@ def time_copy(nbytes: int, device: str, min_time_s: float, min_iters: int, from_
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument(
+        "--device", choices=["cpu", "cuda", "cpu-pinned"], default="cpu", help="the reader's pool memory"
+    )
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), help="default: cuda's for cuda, else cpu's")
     ap.add_argument("--blocks", default="16,64,256,1024,4096", help="comma-separated block counts")
     ap.add_argument("--modes", default="coalesced,prepped", help="NIXL agent xfer modes to compare")
     ap.add_argument(
@@ -181,7 +185,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    layout = LAYOUTS[args.device]
+    layout = LAYOUTS[args.layout or ("cuda" if args.device == "cuda" else "cpu")]
     device = args.device
     sizes = [int(x) for x in args.blocks.split(",")]
     modes = args.modes.split(",")
@@ -196,7 +200,7 @@ def main() -> None:
 
     # The roofline first, while no NIXL progress thread competes for the cores.
     source = device if args.source == "same" else args.source
-    from_host = source != device
+    from_host = device == "cuda" and source != device
     copy_s = {
         n: time_copy(n * layout.block_nbytes, device, args.min_time, args.min_iters, from_host) for n in sizes
     }
