@@ -6,8 +6,13 @@ while pinned) and the KV events every change makes. Host blocks are evicted to d
 first (only unpinned ones); disk blocks are dropped least recently used first. ``Fetch`` promotes disk
 blocks back into host slots, since NIXL READs only the registered host pool.
 
-Single-threaded: the servicer calls it from its event loop only. No gRPC and no NIXL here; disk I/O is
-plain ``pread``/``pwrite`` of whole blocks (one block, all layers, is one contiguous byte range).
+The servicer calls it from its event loop only. No gRPC and no NIXL here. Disk I/O is ``pwrite``/``preadv``
+of whole blocks (one block, all layers, is one contiguous byte range) on one thread of its own, in the order
+the store decides it: the state changes at once, and the caller awaits ``take_io()``'s futures before it
+lets anything touch the slots they concern (the servicer: before a Put's READ into host slots a demotion
+freed, before a Fetch answers promoted blocks). One thread in order keeps every other case right: a disk
+slot written and then read, or freed and written again, and a host slot written out and then read into, see
+the operations in the order they were asked for.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +28,7 @@ import torch
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.kv_layout import KVLayout
 
-__all__ = ["BlockStore", "PutPlan"]
+__all__ = ["BlockStore", "DiskIO", "PutPlan"]
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -51,6 +57,16 @@ class PutPlan:
     declined: int = 0
 
 
+@dataclass
+class DiskIO:
+    """A disk operation in flight: a block written out of host slot (``demote``) or read into one
+    (``promote``)."""
+
+    future: Future
+    kind: str
+    block_hash: int
+
+
 class BlockStore:
     def __init__(
         self,
@@ -72,6 +88,9 @@ class BlockStore:
         # The same memory as bytes, one row per block (float8 tensors have no numpy view of their own).
         self._host_bytes = self.pool.view(torch.uint8).reshape(host_blocks, self.block_nbytes).numpy()
         self._fd: int | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._pending: list[DiskIO] = []
+        self._reading: dict[int, DiskIO] = {}  # promotions whose read may still run
         if self.disk_blocks:
             self._fd = os.open(disk_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             size = self.disk_blocks * self.block_nbytes
@@ -82,6 +101,7 @@ class BlockStore:
                 raise OSError(
                     f"cannot preallocate {size} bytes for the disk tier at {disk_path}: {exc}"
                 ) from exc
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk")
         self.publish = publish
         self._entries: dict[int, _Entry] = {}
         self._lru: dict[Tier, OrderedDict[int, None]] = {Tier.CPU: OrderedDict(), Tier.DISK: OrderedDict()}
@@ -126,8 +146,28 @@ class BlockStore:
         e = self._entries[h]
         if e.tier is Tier.CPU:
             return self._host_bytes[e.slot].tobytes()
-        assert self._fd is not None
-        return os.pread(self._fd, self.block_nbytes, e.slot * self.block_nbytes)
+        assert self._fd is not None and self._io is not None
+        # Behind the writes asked for before it.
+        return self._io.submit(os.pread, self._fd, self.block_nbytes, e.slot * self.block_nbytes).result()
+
+    def take_io(self) -> list[DiskIO]:
+        """The disk operations asked for since the last call (await them before the slots they concern are
+        used: see the module's docstring)."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def discard(self, hashes: Sequence[int]) -> None:
+        """Forget blocks whose bytes cannot be trusted (a disk operation failed); their slots are free."""
+        for h in hashes:
+            e = self._entries.pop(h, None)
+            self._reading.pop(h, None)
+            if e is None:
+                continue
+            self._lru[e.tier].pop(h, None)
+            self._free[e.tier].append(e.slot)
+            self._events.append(BlocksRemoved((h,), e.tier))
+            self.blocks_dropped += 1
+        self._flush()
 
     def snapshot_events(self) -> list[KVEvent]:
         """Events that rebuild what the store holds from nothing (an index resync)."""
@@ -199,7 +239,8 @@ class BlockStore:
     # ---- fetch --------------------------------------------------------------------------------------
     def pin_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Pin the longest held prefix in host memory, promoting disk blocks (stopping at the first one no
-        host slot can take); returns the host slots of the pinned blocks, in chain order."""
+        host slot can take); returns the host slots of the pinned blocks, in chain order. Blocks an earlier
+        call is still reading back from disk come with that read among ``take_io()``'s operations."""
         n = len(self.prefix_tiers(hashes))
         chain = list(hashes[:n])
         # Host blocks of the prefix first, so that promoting the disk ones cannot evict them.
@@ -207,6 +248,17 @@ class BlockStore:
             e = self._entries[h]
             if e.tier is Tier.CPU:
                 self._pin(h, e)
+                reading = self._reading.get(h)
+                if reading is not None:
+                    if reading.future.done():
+                        del self._reading[h]
+                    else:
+                        self._pending.append(reading)
+        # The chain's disk blocks out of the disk LRU while host slots are made: a demotion that needs a disk
+        # slot must not drop (and overwrite) a block this call is about to read back.
+        on_disk = [h for h in chain if self._entries[h].tier is Tier.DISK]
+        for h in on_disk:
+            self._lru[Tier.DISK].pop(h, None)
         slots: list[int] = []
         for i, h in enumerate(chain):
             e = self._entries[h]
@@ -217,6 +269,8 @@ class BlockStore:
                         le = self._entries.get(later)
                         if le is not None and le.tier is Tier.CPU and le.pins:
                             self._unpin(later, le)
+                        elif le is not None and le.tier is Tier.DISK:
+                            self._lru[Tier.DISK][later] = None  # back, most recently used
                     break
                 self._promote(h, e, slot)
                 self._pin(h, e)
@@ -262,8 +316,9 @@ class BlockStore:
             del self._entries[h]
             self.blocks_dropped += 1
         else:
-            assert self._fd is not None
-            os.pwrite(self._fd, self._host_bytes[slot].data, disk_slot * self.block_nbytes)
+            assert self._fd is not None and self._io is not None
+            write = self._io.submit(_write, self._fd, self._host_bytes[slot], disk_slot * self.block_nbytes)
+            self._pending.append(DiskIO(write, "demote", h))
             e.tier, e.slot = Tier.DISK, disk_slot
             self._lru[Tier.DISK][h] = None
             self._events.append(BlocksStored((h,), Tier.DISK))
@@ -276,6 +331,8 @@ class BlockStore:
         free = self._free[Tier.DISK]
         if free:
             return free.pop()
+        if not self._lru[Tier.DISK]:
+            return None  # every disk block is being read back
         h, _ = self._lru[Tier.DISK].popitem(last=False)
         e = self._entries.pop(h)
         self._events.append(BlocksRemoved((h,), Tier.DISK))
@@ -283,12 +340,11 @@ class BlockStore:
         return e.slot
 
     def _promote(self, h: int, e: _Entry, slot: int) -> None:
-        assert self._fd is not None
-        n = os.preadv(self._fd, [self._host_bytes[slot].data], e.slot * self.block_nbytes)
-        if n != self.block_nbytes:
-            raise OSError(
-                f"short read of block {h:016x} from the disk tier: {n} of {self.block_nbytes} bytes"
-            )
+        assert self._fd is not None and self._io is not None
+        read = DiskIO(self._io.submit(_read, self._fd, self._host_bytes[slot], e.slot * self.block_nbytes, h),
+                      "promote", h)  # fmt: skip
+        self._pending.append(read)
+        self._reading[h] = read
         self._lru[Tier.DISK].pop(h, None)
         self._free[Tier.DISK].append(e.slot)
         e.tier, e.slot = Tier.CPU, slot
@@ -302,6 +358,21 @@ class BlockStore:
         self._events = []
 
     def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _write(fd: int, block, offset: int) -> None:
+    n = os.pwrite(fd, block.data, offset)
+    if n != block.nbytes:
+        raise OSError(f"short write to the disk tier: {n} of {block.nbytes} bytes")
+
+
+def _read(fd: int, block, offset: int, h: int) -> None:
+    n = os.preadv(fd, [block.data], offset)
+    if n != block.nbytes:
+        raise OSError(f"short read of block {h:016x} from the disk tier: {n} of {block.nbytes} bytes")

@@ -165,6 +165,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         nbytes = 0
         if plan.read:
             try:
+                # Host slots freed by demotions: their old blocks are written out before the READ lands.
+                self.store.discard(await self._disk_done())
                 peer = await self._ensure_peer(src.agent_name, src.worker_address)
                 remote = [src.block_ids[i] for i, _ in plan.read]
                 local = [slot for _, slot in plan.read]
@@ -218,6 +220,20 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         except Exception as exc:
             await self._fail(context, exc)
             raise
+        try:
+            failed = await self._disk_done()  # promoted blocks read back before anyone may READ them
+        except BaseException:
+            self.store.unpin(hashes[: len(slots)])
+            raise
+        if failed:
+            self.store.unpin(hashes[: len(slots)])
+            self.store.discard(failed)
+            await self._fail(
+                context,
+                StatusError(
+                    grpc.StatusCode.INTERNAL, f"reading {len(failed)} blocks from the disk tier failed"
+                ),
+            )
         self._count_lookup(len(hashes), len(slots))
         self._update_metrics()
         if not slots:
@@ -323,6 +339,23 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await asyncio.sleep(0.002 if self.leases else 0.02)
 
     # ---- helpers ------------------------------------------------------------------------------------
+    async def _disk_done(self) -> list[int]:
+        """Wait (off the event loop: the store's disk thread does the I/O) for the disk operations the last
+        store call asked for; returns the blocks whose operation failed (their bytes cannot be trusted)."""
+        ops = self.store.take_io()
+        if not ops:
+            return []
+        results = await asyncio.gather(
+            *(asyncio.wrap_future(op.future) for op in ops), return_exceptions=True
+        )
+        failed = [(op, r) for op, r in zip(ops, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            log.error(
+                "disk tier: %d of %d operations failed (first: %s %016x: %r); those blocks are dropped",
+                len(failed), len(ops), failed[0][0].kind, failed[0][0].block_hash, failed[0][1],
+            )  # fmt: skip
+        return [op.block_hash for op, _r in failed]
+
     def _count_lookup(self, requested: int, hit: int) -> None:
         self.num_lookups += 1
         self.num_blocks_requested += requested

@@ -137,8 +137,10 @@ def test_eplb_bench_smoke_moves_every_share_of_slots() -> None:
     decode = [line.split() for line in out.splitlines() if re.match(r"\s+[12] ", line)]
     assert [r[0] for r in decode] == ["1", "2"] and all(len(r) == 6 for r in decode), out
     moves = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\.\d\d ", line)]
-    assert [m[0] for m in moves] == ["0.10", "0.50", "1.00"], out
-    slots = [int(m[1]) for m in moves]
+    # Each share with the engine's copy op, then the reference's (--move-ops engine,torch).
+    assert [(m[0], m[1]) for m in moves] == [(share, op) for share in ("0.10", "0.50", "1.00")
+                                             for op in ("engine", "torch")], out  # fmt: skip
+    slots = [int(m[2]) for m in moves[::2]]
     assert 0 < slots[0] <= 4 and slots[0] < slots[1] <= 12 and slots[1] < slots[2] <= 24, out
 
 
