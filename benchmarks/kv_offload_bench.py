@@ -58,20 +58,23 @@ BLOCK_SIZE = 16
 ROWS = ("computed", "loaded", "local hit")
 
 
-async def first_token(worker, rid: str, prompt: list[int]) -> dict[str, float]:
-    """One Decode RPC without a KV handle: ms to the first streamed token, and the cached prompt tokens."""
-    params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+async def first_token(worker, rid: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One Decode RPC without a KV handle: ms to the first streamed token, the cached prompt tokens, and the
+    greedy tokens (the rows of a round compare them)."""
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params)
     t0 = time.perf_counter()
     ttft = None
     cached = -1
+    tokens: list[int] = []
     async for msg in worker.Decode(req, timeout=300):
         if msg.token_ids and ttft is None:
             ttft = (time.perf_counter() - t0) * 1e3
+        tokens += list(msg.token_ids)
         if msg.HasField("usage"):
             cached = msg.usage.cached_prompt_tokens
     assert ttft is not None, rid
-    return {"ttft_ms": ttft, "cached_tokens": cached}
+    return {"ttft_ms": ttft, "cached_tokens": cached, "tokens": tokens}
 
 
 async def wait_stored(store, fingerprint: str, prompt: list[int], timeout: float = 60.0) -> float:
@@ -119,14 +122,14 @@ async def measure(
         for i in range(args.warmup + args.reps):
             prompt = [rng.randrange(0, vocab) for _ in range(args.prompt_len)]
             await worker.ResetPrefixCache(reset)
-            computed = await first_token(worker, f"computed-{i}", prompt)
+            computed = await first_token(worker, f"computed-{i}", prompt, args.tokens)
             computed["offload_wait_s"] = await wait_stored(store, fingerprint, prompt)
             # The worker drops its references to the offered blocks only after the store's answer: reset
             # until they are evicted too, so the loaded row finds none of the prompt's blocks locally.
             loaded_evicted = await reset_until(worker, (args.prompt_len - 1) // BLOCK_SIZE)
-            loaded = await first_token(worker, f"loaded-{i}", prompt)
+            loaded = await first_token(worker, f"loaded-{i}", prompt, args.tokens)
             loaded["evicted_before"] = loaded_evicted
-            local = await first_token(worker, f"local-{i}", prompt)
+            local = await first_token(worker, f"local-{i}", prompt, args.tokens)
             for name, r in zip(ROWS, (computed, loaded, local), strict=True):
                 r["round"] = i
                 r["warmup"] = i < args.warmup
@@ -146,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--prompt-len", type=int, default=None, help="default 2048 (1024 with --smoke)")
     parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument(
+        "--tokens", type=int, default=4, help="greedy tokens a request generates (the rows' must be equal)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--smoke", action="store_true", help="tiny-dense on the CPU over host memory")
@@ -267,6 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ROWS:
         s = summary[name]
         lines.append(f"| {name} | {s['ttft_ms']:.1f} | {s['cached_tokens']:.0f} | {s['vs_computed']:.2f}x |")
+    same = sum(
+        c["tokens"] == ld["tokens"] == lh["tokens"]
+        for c, ld, lh in zip(*(rows[name] for name in ROWS), strict=True)
+    )
+    lines.append(
+        f"greedy tokens ({args.tokens}) equal in all three rows: {same} of {len(rows['computed'])} rounds"
+    )
     lines.append(
         f"store: {result['store']['num_blocks_put']} blocks put, {result['store']['num_fetches']} fetches; "
         f"offload of a finished prompt until the store answered it: {summary['computed']['offload_wait_ms']:.1f} ms"
