@@ -8,9 +8,12 @@ Owns the worker side of both directions, over gRPC (``pdmesh.v1.KVStore``) and t
   waiting are dropped (counted). Each batch's block references are dropped when the store has answered.
 - **Load.** Before a request is added, ``generate`` counts the prompt's leading blocks the local prefix cache
   holds and ``Fetch``es the rest from the store (one call: a miss answers nothing, a hit comes pinned under a
-  lease); where the store holds at least ``kvstore_min_blocks`` of them, it reserves local blocks, READs them (the notification names the
-  lease, so the store unpins at once), and has the engine enter them into its prefix cache in the same
-  engine call that adds the request: the request counts them as cached prompt tokens.
+  lease); where the store holds at least ``kvstore_min_blocks`` of them, it reserves local blocks, READs them
+  (the notification names the lease, so the store unpins at once), and has the engine enter them into its
+  prefix cache in the same engine call that adds the request: the request counts them as cached prompt
+  tokens.
+- **GPU pools** move the store's blocks through host blocks of the worker (``mesh.kv_staging``): offers are
+  copied out before the store reads them, loads are read in before they are copied into the pool.
 
 The store being down, slow or failing never fails a request: every store call has a deadline, a failure
 is logged once per outage, counted (``pdmesh_<role>_kvstore_errors_total``), and the store is left alone

@@ -122,7 +122,14 @@ class KVStaging:
                     dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
             self._stream.synchronize()
 
-        await asyncio.to_thread(copy)
+        # A cancelled caller still waits for the copy: the blocks it reads or writes must not be given back
+        # (and taken by another transfer or request) while it runs.
+        running = asyncio.ensure_future(asyncio.to_thread(copy))
+        try:
+            await asyncio.shield(running)
+        except asyncio.CancelledError:
+            await running
+            raise
         self.bytes_copied += len(src_ids) * self.agent.block_nbytes
 
     def close(self) -> None:

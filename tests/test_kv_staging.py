@@ -59,3 +59,27 @@ def test_copies_both_ways_and_host_blocks_waited_for() -> None:
         assert staging.bytes_copied == 6 * LAYOUT.block_nbytes
     finally:
         staging.close()
+
+
+def test_a_cancelled_copy_is_waited_for() -> None:
+    """The caller's cancellation does not return before the copy has written its blocks (they are given
+    back and reused right after)."""
+    big = KVLayout("staging-big", "float32", block_size=16, num_layers=8, num_kv_heads=4, head_dim=128)
+    pool = torch.randn(128, *big.block_shape)  # 64 MiB: the copy outlasts the cancellation
+    staging = KVStaging(pool, big, 128, "local", "t-staging-cancel")
+    try:
+
+        async def run() -> None:
+            slots = staging.take(128)
+            slots.reverse()  # one run a block
+            task = asyncio.create_task(staging.to_host(list(range(128)), slots))
+            await asyncio.sleep(0)  # the copy's thread has started
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for block, slot in zip(range(128), slots, strict=True):
+                assert torch.equal(staging.host[slot], pool[block])
+
+        asyncio.run(run())
+    finally:
+        staging.close()
