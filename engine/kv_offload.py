@@ -137,13 +137,16 @@ class KVOffload:
         batch = self._offering.pop(batch_id, None)
         if batch is None:
             return
-        self.engine._drain_inflight()  # frees in the synchronous engine's order, as release_held does
-        self.pool.free_blocks(list(batch.block_ids))
-        self.num_held_blocks -= len(batch.block_ids)
-        self._offered_hashes.difference_update(batch.block_hashes)
         stored = set(stored_hashes)
         self.blocks_stored += sum(1 for h in batch.block_hashes if h in stored)
         self._remember(h for h in batch.block_hashes if h in stored)
+
+        def free() -> None:  # in the synchronous engine's order, without reading out a step in flight
+            self.pool.free_blocks(list(batch.block_ids))
+            self.num_held_blocks -= len(batch.block_ids)
+            self._offered_hashes.difference_update(batch.block_hashes)
+
+        self.engine.after_inflight(free)
 
     def drop_queued(self) -> int:
         """Give back every queued batch without offering it (the worker has no store); returns blocks freed."""
@@ -200,8 +203,7 @@ class KVOffload:
         load = self._loads.pop(load_id, None)
         if load is None:
             return False
-        self.engine._drain_inflight()
-        self.pool.free_blocks(list(load.block_ids))
+        self.engine.after_inflight(lambda: self.pool.free_blocks(list(load.block_ids)))
         return True
 
     @property

@@ -19,6 +19,7 @@ import datetime
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -304,6 +305,7 @@ class LLMEngine:
         # Unfinished requests held to a grammar (structured outputs): steps look for their rows only then.
         self._constrained: set[str] = set()
         self._inflight: _InFlight | None = None  # async_scheduling: the step whose tokens are unread
+        self._after_inflight: list[Callable[[], None]] = []  # run once that step is processed
         self.lookahead_steps = 0
         self.lookahead_drains = 0
         self.lookahead_late_waits = 0
@@ -540,15 +542,36 @@ class LLMEngine:
         return seq.block_table[:n]
 
     def release_held(self, request_id: str) -> bool:
-        self._drain_inflight()  # frees in the synchronous engine's order: the LRU order of cached blocks
+        if request_id not in self._held:
+            self._drain_inflight()  # the step in flight may be the one that finishes it
         seq = self._held.pop(request_id, None)
         if seq is None:
             return False
-        self.block_pool.free(seq)
-        if self.kv_offload is not None:
-            self.kv_offload.collect(seq)
-        self.block_pool.flush_events()
+
+        def free() -> None:
+            self.block_pool.free(seq)
+            if self.kv_offload is not None:
+                self.kv_offload.collect(seq)
+            self.block_pool.flush_events()
+
+        self.after_inflight(free)
         return True
+
+    def after_inflight(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a free of blocks no step uses) where the synchronous engine would have run it: now
+        without a step in flight, else right after that step's tokens are processed. The prefix cache's LRU
+        order and its KV events then stay the synchronous engine's without reading the step out early (a
+        host wait, which freeing at once would need)."""
+        if self._inflight is None:
+            fn()
+        else:
+            self._after_inflight.append(fn)
+
+    def _run_after_inflight(self) -> None:
+        while self._after_inflight:
+            fns, self._after_inflight = self._after_inflight, []
+            for fn in fns:
+                fn()
 
     # ---- decode role: importing KV from a prefill worker -----------------------------------------
     def reserve_import(
@@ -654,10 +677,9 @@ class LLMEngine:
         self.block_pool.flush_events()
 
     def cancel_import(self, request_id: str) -> None:
-        self._drain_inflight()
         seq = self._imports.pop(request_id, None)
         if seq is not None:
-            self.block_pool.free(seq)
+            self.after_inflight(lambda: self.block_pool.free(seq))
 
     # ---- stepping ------------------------------------------------------------------------------
     def wait_for_lookahead_point(self) -> None:
@@ -982,6 +1004,7 @@ class LLMEngine:
             logits = self.runner.execute_lookahead_mixed(seqs, num_new, input_ids)
         self.lookahead_steps += 1
         self._process_inflight(prev, outputs)  # the host's work, while the device computes
+        self._run_after_inflight()
         # A sequence that finished on the token just read drops its row: its next token never existed.
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
         if len(live) < len(seqs) and self.device.type == "cuda":
@@ -1016,6 +1039,7 @@ class LLMEngine:
         self._inflight = None
         self.lookahead_drains += 1
         self._process_inflight(prev, self._pending if outputs is None else outputs)
+        self._run_after_inflight()
 
     def _process_inflight(self, prev: _InFlight, outputs: list[RequestOutput]) -> None:
         for seq, tok in zip(prev.seqs, prev.read(), strict=True):

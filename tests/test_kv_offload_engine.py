@@ -120,3 +120,47 @@ def test_a_cancelled_or_impossible_load_leaks_no_block() -> None:
     assert offload.commit_load("b") == 0
     assert engine.block_pool.hash_to_block == before and all(b not in before.values() for b in blocks)
     assert engine.block_pool.num_free_blocks == total
+
+
+def test_store_answers_and_cancelled_loads_meet_a_step_in_flight_without_reading_it_out() -> None:
+    """With asynchronous scheduling, an offload's answer and a cancelled load free their blocks right after
+    the step in flight is processed (no drain); outputs and KV events are the synchronous engine's."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    other = [(i * 53 + 7) % 256 for i in range(40)]
+    loaded = block_hashes([(i * 29 + 3) % 256 for i in range(70)], BS, 12345)[:4]  # any chain
+    traces = []
+    for async_scheduling in (False, True):
+        events = ListEventSink()
+        config = EngineConfig(model="tiny-dense", num_kv_blocks=64, async_scheduling=async_scheduling)
+        engine = LLMEngine(config, event_sink=events)
+        offload = engine.enable_kv_offload(max_held_blocks=32)
+        outs: list[tuple] = []
+
+        def step(engine=engine, outs=outs) -> None:
+            outs.extend((o.request_id, tuple(o.new_token_ids), o.finish_reason) for o in engine.step())
+
+        engine.add_request("first", PROMPT, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            step()
+        (batch,) = offload.take()
+        engine.add_request("long", other, GREEDY)
+        for _ in range(3):
+            step()
+        assert (engine._inflight is not None) == async_scheduling  # the calls below meet a step in flight
+        drains = engine.lookahead_drains
+        offload.finish(batch.batch_id, batch.block_hashes[:3])
+        assert offload.num_held_blocks == (6 if async_scheduling else 0)  # freed once that step is processed
+        assert len(offload.reserve_load("r", loaded, None)) == 4
+        assert offload.cancel_load("r")
+        step()
+        assert offload.num_held_blocks == 0 and offload.num_loads == 0
+        assert engine.lookahead_drains == drains
+        while engine.has_unfinished():
+            step()
+        assert offload.drop_queued() > 0  # "long"'s blocks, offered when it finished
+        assert engine.block_pool.num_free_blocks == 64
+        traces.append((outs, events.events))
+    assert traces[0] == traces[1]
+    assert traces[1][0][-1] == ("long", traces[1][0][-1][1], "length")
