@@ -66,10 +66,15 @@ class Row:
         return self.gbps / self.copy_gbps
 
 
-def make_pool(num_blocks: int, layout: KVLayout, device: str) -> torch.Tensor:
-    """``device``: cpu, cuda, or cpu-pinned (host memory page-locked through CUDA)."""
+def make_pool(num_blocks: int, layout: KVLayout, device: str, huge: bool = False) -> torch.Tensor:
+    """``device``: cpu, cuda, or cpu-pinned (host memory page-locked through CUDA); ``huge``: host memory on
+    transparent huge pages (``mesh.host_memory``, as the KV offload store's pool and a worker's staging)."""
     pinned = device == "cpu-pinned"
     device = "cpu" if pinned else device
+    if huge and device == "cpu":
+        from mesh.host_memory import HostBlocks
+
+        return HostBlocks((num_blocks, *layout.block_shape), getattr(torch, layout.dtype), pin=pinned).tensor
     pool = torch.empty(
         num_blocks, *layout.block_shape, dtype=getattr(torch, layout.dtype), device=device, pin_memory=pinned
     )
@@ -77,9 +82,11 @@ def make_pool(num_blocks: int, layout: KVLayout, device: str) -> torch.Tensor:
     return pool
 
 
-def prefill_side(conn: Connection, num_blocks: int, layout: KVLayout, device: str) -> None:
+def prefill_side(
+    conn: Connection, num_blocks: int, layout: KVLayout, device: str, huge: bool = False
+) -> None:
     """Child process: own a pool whose block i holds i % 251, serve READs, drain notifications until told to stop."""
-    pool = make_pool(num_blocks, layout, device)
+    pool = make_pool(num_blocks, layout, device, huge)
     marks = (torch.arange(num_blocks, device=pool.device) % MARK_MOD).to(pool.dtype)
     pool.view(num_blocks, -1).copy_(marks[:, None].expand(num_blocks, pool[0].numel()))
     if device == "cuda":
@@ -172,6 +179,12 @@ def main() -> None:
     )
     ap.add_argument("--min-iters", type=int, default=5)
     ap.add_argument(
+        "--host-pages",
+        choices=["4k", "huge"],
+        default="4k",
+        help="host pools on plain pages or on transparent huge pages (the KV offload store's and staging's)",
+    )
+    ap.add_argument(
         "--source",
         choices=["same", "cpu", "cpu-pinned"],
         default="same",
@@ -210,9 +223,12 @@ def main() -> None:
     reader_progress = args.progress_thread == "both"
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=prefill_side, args=(child_conn, pool_blocks, layout, source), daemon=True)
+    huge = args.host_pages == "huge"
+    child = ctx.Process(
+        target=prefill_side, args=(child_conn, pool_blocks, layout, source, huge), daemon=True
+    )
     child.start()
-    pool = make_pool(pool_blocks, layout, device)
+    pool = make_pool(pool_blocks, layout, device, huge)
     meta = conn.recv()
     first_read_ms: dict[str, float] = {}
     rows: list[Row] = []
@@ -256,7 +272,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(
         f"KV transfer, NIXL READ between two processes ({device_name}), {layout.block_nbytes / 2**10:.0f} KiB blocks, "
-        f"source pool on {source}, read into {device}"
+        f"source pool on {source}, read into {device}, host pages {args.host_pages}"
     )
     print(
         "first read after handshake (connection set-up): "

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mesh.host_memory import HostBlocks
 from mesh.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, Tier
 from mesh.kv_layout import KVLayout
 
@@ -84,7 +85,9 @@ class BlockStore:
         self.block_nbytes = layout.block_nbytes
         self.host_blocks = host_blocks
         self.disk_blocks = disk_blocks if disk_path else 0
-        self.pool = torch.zeros((host_blocks, *layout.block_shape), dtype=_TORCH_DTYPES[layout.dtype])
+        # Huge pages: the workers' READs of this memory (cma) run about twice as fast (mesh.host_memory).
+        self._host = HostBlocks((host_blocks, *layout.block_shape), _TORCH_DTYPES[layout.dtype])
+        self.pool = self._host.tensor
         # The same memory as bytes, one row per block (float8 tensors have no numpy view of their own).
         self._host_bytes = self.pool.view(torch.uint8).reshape(host_blocks, self.block_nbytes).numpy()
         self._fd: int | None = None

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mesh.host_memory import HostBlocks
 from mesh.kv_layout import KVLayout
 from mesh.kv_transfer import KVTransferAgent, coalesce_runs, create_transfer_agent
 
@@ -57,8 +58,10 @@ class KVStaging:
             raise ValueError(f"a staging pool needs at least one block, not {num_blocks}")
         self.pool = pool
         self.cuda = pool.device.type == "cuda"
-        self.host = torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=self.cuda)
-        self.host.view(torch.uint8).zero_()  # touch every page before it is registered
+        # Huge pages (the store's cma READs of an offer run about twice as fast: mesh.host_memory), page-locked
+        # next to a GPU (copies at the copy engines' rate).
+        self._host = HostBlocks((num_blocks, *pool.shape[1:]), pool.dtype, pin=self.cuda)
+        self.host = self._host.tensor
         self.agent: KVTransferAgent = create_transfer_agent(
             kind, agent_name, self.host, layout, **agent_kwargs
         )
@@ -134,3 +137,4 @@ class KVStaging:
 
     def close(self) -> None:
         self.agent.close()
+        self._host.close()
