@@ -162,6 +162,20 @@ class KVOffloadClient:
         self.loaded_tokens = m.counter(
             "kv_onboard", "tokens", "Prompt tokens whose KV came from the KV offload store."
         )
+        if self.staging is not None:
+            staging = self.staging
+            m.gauge(
+                "kv_staging_free",
+                "blocks",
+                "Free host staging blocks (a GPU worker's path to the KV offload store).",
+            ).set_function(lambda: staging.num_free)
+            self.staged = m.counter(
+                "kv_staging_copied",
+                "bytes",
+                "Bytes copied between the KV pool and the host staging blocks, by direction (to_host: offers, "
+                "to_device: loads).",
+                ["direction"],
+            )
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self, tasks: Any, worker_id: str, address: str) -> None:
@@ -416,6 +430,7 @@ class KVOffloadClient:
                 self.reader.release(xfer)
             if self.staging is not None:
                 await self.staging.to_device(slots, blocks)
+                self.staged.labels(direction="to_device").inc(n * self.transfer.block_nbytes)
         except BaseException as exc:
             await load.discard()
             await self._release(lease_id)
@@ -494,6 +509,7 @@ class KVOffloadClient:
                         ids, hashes = ids[: self.staging.num_blocks], hashes[: self.staging.num_blocks]
                     slots = await self.staging.take_all(len(ids))
                     await self.staging.to_host(ids, slots)
+                    self.staged.labels(direction="to_host").inc(len(ids) * self.transfer.block_nbytes)
                     source, source_ids = self.staging.agent, slots
                 request = kvstore_pb2.PutRequest(
                     model_fingerprint=self.model_fingerprint,

@@ -263,6 +263,10 @@ async def test_a_worker_finds_the_store_in_the_registry() -> None:
             tokens, cached = await _decode(stub, "d2", prompt)
             assert tokens == expected and cached == (len(prompt) - 1) // BS * BS
             assert "staged through 8 page-locked host blocks" in worker.log()
+            blocks = (len(prompt) - 1) // BS  # offered out through staging by d1, loaded in by d2
+            staged = _metric(worker, "pdmesh_decode_kv_staging_copied_bytes_total")
+            assert staged == 2 * blocks * layout_for_model("tiny-dense").block_nbytes
+            assert _metric(worker, "pdmesh_decode_kv_staging_free_blocks") == 8
             assert await until(lambda: _all_free(stub), timeout=10)
     finally:
         if worker is not None:
