@@ -17,7 +17,8 @@ first streamed token:
   (reference: the best a cache can do).
 
 The rows of a round run in that order (each needs the one before); medians are over ``--reps`` rounds
-after ``--warmup``. Each row reports the cached prompt tokens of its response (``usage``): 0 computed, the
+after ``--warmup``; the worker's own histogram of its loads' phases (Fetch, READ, staging copy) gives their
+means. Each row reports the cached prompt tokens of its response (``usage``): 0 computed, the
 prompt's full blocks but the last token's loaded and local.
 
 Run from the repository root on the device machine: ``python3 benchmarks/kv_offload_bench.py`` (needs a
@@ -136,11 +137,28 @@ async def measure(
                 rows[name].append(r)
                 log.info("%s %s", name, json.dumps(r))
         stats = await store.GetStats(kvstore_pb2.KVStoreStatsRequest())
+    phases = load_phases(worker_proc)
     store_stats = {
         k: int(getattr(stats, k))
         for k in ("num_puts", "num_blocks_put", "num_fetches", "num_blocks_hit", "num_blocks_dropped")
     }
-    return {"rows": rows, "store": store_stats}
+    return {"rows": rows, "store": store_stats, "load_phases_ms": phases}
+
+
+def load_phases(worker_proc: ServiceProcess) -> dict[str, float]:
+    """Mean ms of each phase of the worker's loads (its ``kvstore_load_seconds`` histogram), warm-up
+    included."""
+    import urllib.request
+
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://{worker_proc.metrics_address}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            for suffix, into in (("_sum{", sums), ("_count{", counts)):
+                if "kvstore_load_seconds" + suffix in line:
+                    phase = line.split('phase="')[1].split('"')[0]
+                    into[phase] = float(line.rsplit(" ", 1)[1])
+    return {p: 1e3 * sums[p] / counts[p] for p in sums if counts.get(p)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--max-model-len",
                 "8192",
                 "--metrics-port",
-                "-1",
+                "0",
                 "--kvstore-address",
                 store_proc.address,
                 # A whole prompt is offered at once (the default holds at most a quarter of the pool), and a
@@ -260,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         "staging": args.staging,
         "model": "tiny-dense" if args.smoke else "llama-3.1-8b-shaped (dummy bf16)",
         "summary": summary,
+        "load_phases_ms": result["load_phases_ms"],
         "store": result["store"],
         "rows": rows,
     }
@@ -279,6 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     lines.append(
         f"greedy tokens ({args.tokens}) equal in all three rows: {same} of {len(rows['computed'])} rounds"
+    )
+    phases = result["load_phases_ms"]
+    lines.append(
+        "load phases, mean ms (every Fetch, a miss included): "
+        + ", ".join(f"{p} {phases[p]:.2f}" for p in ("fetch", "read", "copy") if p in phases)
     )
     lines.append(
         f"store: {result['store']['num_blocks_put']} blocks put, {result['store']['num_fetches']} fetches; "

@@ -162,6 +162,14 @@ class KVOffloadClient:
         self.loaded_tokens = m.counter(
             "kv_onboard", "tokens", "Prompt tokens whose KV came from the KV offload store."
         )
+        self.load_seconds = m.histogram(
+            "kvstore_load",
+            "seconds",
+            "Phases of a prefix load from the KV offload store: fetch (the Fetch RPC, a miss included), read (the "
+            "NIXL READ), copy (host staging blocks into the pool, GPU workers).",
+            ["phase"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+        )
         if self.staging is not None:
             staging = self.staging
             m.gauge(
@@ -361,6 +369,7 @@ class KVOffloadClient:
         lease_id = ""
         try:
             # Fetch alone (it answers a miss as Lookup does, and pins a hit): one round trip before the READ.
+            started = time.monotonic()
             fetched = await stub.Fetch(
                 kvstore_pb2.FetchRequest(
                     model_fingerprint=self.model_fingerprint,
@@ -372,6 +381,7 @@ class KVOffloadClient:
                 timeout=timeout,
                 metadata=inject_metadata(),
             )
+            self.load_seconds.labels(phase="fetch").observe(time.monotonic() - started)
             n = fetched.num_prefix_blocks
             handle = fetched.kv_handle
             lease_id = handle.request_id
@@ -413,6 +423,7 @@ class KVOffloadClient:
             return None
         load = PrefixLoad(self, load_id, n)
         try:
+            started = time.monotonic()
             xfer = self.reader.start_read(
                 peer,
                 list(handle.block_ids[:n]),
@@ -428,8 +439,11 @@ class KVOffloadClient:
                     await asyncio.sleep(0.0002)
             finally:
                 self.reader.release(xfer)
+            read_done = time.monotonic()
+            self.load_seconds.labels(phase="read").observe(read_done - started)
             if self.staging is not None:
                 await self.staging.to_device(slots, blocks)
+                self.load_seconds.labels(phase="copy").observe(time.monotonic() - read_done)
                 self.staged.labels(direction="to_device").inc(n * self.transfer.block_nbytes)
         except BaseException as exc:
             await load.discard()
