@@ -73,6 +73,9 @@ class KVOffload:
         self.pool = engine.block_pool
         self.max_held_blocks = max_held_blocks
         self.on_ready = on_ready
+        self.at_prefill = (
+            False  # also offer a prompt's blocks at its first token (LLMEngine.enable_kv_offload)
+        )
         self._ids = itertools.count(1)
         self._queued: list[OffloadBatch] = []  # collected, not taken yet
         self._offering: dict[int, OffloadBatch] = {}  # taken, the store has not answered
@@ -88,8 +91,9 @@ class KVOffload:
 
     # ---- offload ------------------------------------------------------------------------------------
     def collect(self, seq: Sequence) -> None:
-        """Queue the cached full blocks of a finished ``seq`` the store is not known to hold (called by the
-        engine after it freed them: they are cached, unreferenced, and nothing ran in between)."""
+        """Queue the cached full blocks of ``seq`` the store is not known to hold: a finished one's (called
+        by the engine after it freed them: they are cached, unreferenced, and nothing ran in between), or a
+        running one's prompt at its first token (its blocks then have the sequence's references too)."""
         pool = self.pool
         chain: list[int] = []
         for h in seq.block_hashes:

@@ -600,6 +600,7 @@ class LLMEngine:
             lora_name=lora_name,
         )
         seq.block_table = blocks
+        seq.kv_imported = True
         self._start_grammar(seq)
         self._imports[request_id] = seq
         return blocks
@@ -627,11 +628,13 @@ class LLMEngine:
             self._freed_while_running.synchronize()
             self._freed_while_running = None
 
-    def enable_kv_offload(self, max_held_blocks: int) -> KVOffload:
-        """Offer finished requests' blocks to a KV offload store and accept blocks loaded from it
-        (``engine.kv_offload``); returns the engine's ``KVOffload``."""
+    def enable_kv_offload(self, max_held_blocks: int, at_prefill: bool = False) -> KVOffload:
+        """Offer requests' blocks to a KV offload store and accept blocks loaded from it (``engine.kv_offload``):
+        when they finish, and with ``at_prefill`` also their prompt's blocks as soon as it is computed (at
+        the first token); returns the engine's ``KVOffload``."""
         if self.kv_offload is None:
             self.kv_offload = KVOffload(self, max_held_blocks)
+        self.kv_offload.at_prefill = at_prefill
         return self.kv_offload
 
     def _start_grammar(self, seq: Sequence) -> None:
@@ -1059,6 +1062,11 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         if not seq.output_token_ids:
             seq.first_token_ns = time.time_ns()
+            offload = self.kv_offload
+            if offload is not None and offload.at_prefill and not seq.kv_imported and not seq.hold_kv:
+                # The prompt's KV is computed (its first token is being read): its blocks may go to the
+                # store now, while the request decodes; at the finish only the rest is offered.
+                offload.collect(seq)
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)

@@ -30,6 +30,7 @@ class Sequence:
     params: SamplingParams
     # Hold the prompt's KV blocks after finishing, for a decode worker to pull (prefill role).
     hold_kv: bool = False
+    kv_imported: bool = False  # its prompt's KV came from another worker (decode role), not computed here
     root_hash: int | None = None  # block-hash chain root when the request has its own cache salt
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -209,7 +209,10 @@ class KVOffloadClient:
             return
         loop = asyncio.get_running_loop()
         wake = self._wake
-        offload = await self.aengine.call(lambda: self.engine.enable_kv_offload(self.max_held_blocks))
+        at_prefill = getattr(self.settings, "kvstore_offload_at", "prefill") == "prefill"
+        offload = await self.aengine.call(
+            lambda: self.engine.enable_kv_offload(self.max_held_blocks, at_prefill)
+        )
         offload.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
         self.offload = offload
         self._tasks.spawn(self._offload_loop(), "kv-offload")

@@ -142,6 +142,14 @@ class WorkerSettings:
     kvstore_max_held_blocks: int | None = setting(
         None, "Most KV blocks held for the store to read at once (default: a quarter of the pool)."
     )
+    kvstore_offload_at: str = setting(
+        "prefill",
+        "When a request's blocks are offered to the KV offload store: prefill (its prompt's blocks as soon as the "
+        "prompt is computed, the rest when it finishes, as vLLM's offloading connector stores blocks once "
+        "computed) or finish (all when it finishes). A prefill worker's disaggregated requests are offered when "
+        "their KV lease ends either way; a decode worker's imported prompts only when they finish.",
+        choices=("prefill", "finish"),
+    )
     kvstore_staging: str = setting(
         "auto",
         "Move the KV offload store's blocks through page-locked host blocks of the worker (device <-> host "

@@ -164,3 +164,30 @@ def test_store_answers_and_cancelled_loads_meet_a_step_in_flight_without_reading
         traces.append((outs, events.events))
     assert traces[0] == traces[1]
     assert traces[1][0][-1] == ("long", traces[1][0][-1][1], "length")
+
+
+def test_with_at_prefill_a_prompt_is_offered_at_its_first_token_and_the_rest_when_it_finishes() -> None:
+    llm = _llm()
+    engine = llm.engine
+    offload = engine.enable_kv_offload(max_held_blocks=32, at_prefill=True)
+    total = engine.block_pool.num_blocks
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prompt and its first token
+    chain = block_hashes(PROMPT, BS, engine.root_hash)
+    (prompt_batch,) = offload.take()
+    assert list(prompt_batch.block_hashes) == chain and engine.has_unfinished()  # still decoding
+    offload.finish(prompt_batch.batch_id, prompt_batch.block_hashes)
+    while engine.has_unfinished():
+        engine.step()
+    (rest,) = offload.take()  # 130 tokens, the last one's KV never computed: eight full blocks
+    assert rest.parent_hash == chain[-1] and len(rest.block_hashes) == 129 // BS - len(chain)
+    offload.finish(rest.batch_id)
+    assert engine.block_pool.num_free_blocks == total
+    # A disaggregated request's blocks wait for its KV lease to end, and an imported prompt for its finish.
+    engine.add_request("held", [t + 1 for t in PROMPT], SamplingParams(max_tokens=4), hold_kv=True)
+    engine.step()
+    assert offload.take() == []
+    assert engine.release_held("held")
+    (held,) = offload.take()
+    offload.finish(held.batch_id)
+    assert engine.block_pool.num_free_blocks == total
