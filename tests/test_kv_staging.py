@@ -83,3 +83,27 @@ def test_a_cancelled_copy_is_waited_for() -> None:
         asyncio.run(run())
     finally:
         staging.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_staging_next_to_a_gpu_pool_is_page_locked_and_copies_both_ways() -> None:
+    """A GPU pool: the staging blocks are page-locked huge-page memory, and copies through a stream of their
+    own land before the call returns (the engine's stream never waits for them)."""
+    big = KVLayout("staging-gpu", "bfloat16", block_size=16, num_layers=32, num_kv_heads=8, head_dim=128)
+    pool = torch.randn(64, *big.block_shape, device="cuda").to(torch.bfloat16)
+    staging = KVStaging(pool, big, 32, "local", "t-staging-gpu")
+    try:
+        assert staging.host.device.type == "cpu" and staging._host.pinned
+
+        async def run() -> None:
+            slots = staging.take(32)
+            await staging.to_host(list(range(10, 42)), slots)
+            assert torch.equal(staging.host[slots].cuda(), pool[10:42])
+            before = pool.clone()
+            await staging.to_device(slots, list(range(32)))
+            assert torch.equal(pool[:32], before[10:42]) and torch.equal(pool[42:], before[42:])
+
+        asyncio.run(run())
+    finally:
+        staging.close()
