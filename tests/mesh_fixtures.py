@@ -201,6 +201,20 @@ def redis_up() -> bool:
 needs_redis = pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
 
 
+async def forget_model(fp: str) -> None:
+    """Remove everything a test wrote under its own model fingerprint ``fp`` (KV index, registry entries)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"pdmesh:{fp}:*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.srem("pdmesh:models", fp)
+    finally:
+        await client.aclose()
+
+
 class ReadsFailWhileDown:
     """Mixin before a registry class: ``list_workers`` fails as an unreachable Redis does while ``down``."""
 

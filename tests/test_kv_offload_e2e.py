@@ -16,13 +16,20 @@ import uuid
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 
 from engine import LLM, SamplingParams
 from engine.kv_offload import layout_for_model
 from mesh.block_hash import salted_fingerprint
 from protos.pdmesh.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.mesh_fixtures import REDIS_URL, ServiceProcess, async_test, needs_redis, until, worker_args
+from tests.mesh_fixtures import (
+    REDIS_URL,
+    ServiceProcess,
+    async_test,
+    forget_model,
+    needs_redis,
+    until,
+    worker_args,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -272,9 +279,4 @@ async def test_a_worker_finds_the_store_in_the_registry() -> None:
         if worker is not None:
             worker.stop()
         store.stop()
-        client = aioredis.from_url(REDIS_URL)
-        keys = [k async for k in client.scan_iter(match=f"pdmesh:{fp}:*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-        await client.srem("pdmesh:models", fp)
-        await client.aclose()
+        await forget_model(fp)

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 import torch
 
 from engine.kv_offload import layout_for_model
@@ -26,7 +25,7 @@ from mesh.kv_transfer import KVTransferAgent, TransferMetadata, create_transfer_
 from mesh.kv_transfer_proto import metadata_to_proto
 from mesh.registry import RedisRegistry
 from protos.pdmesh.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2_grpc
-from tests.mesh_fixtures import REDIS_URL, ServiceProcess, async_test, needs_redis, until
+from tests.mesh_fixtures import REDIS_URL, ServiceProcess, async_test, forget_model, needs_redis, until
 
 pytestmark = pytest.mark.e2e
 
@@ -325,12 +324,7 @@ async def test_store_registers_and_publishes_its_tiers_to_the_kv_index(tmp_path)
         assert await registry.list_workers(role="kvstore", model_fingerprint=fp) == []
         assert (await index.lookup(chain(4))).get(store_id) is None
     finally:
-        client = aioredis.from_url(REDIS_URL)
-        keys = [k async for k in client.scan_iter(match=f"pdmesh:{fp}:*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-        await client.srem("pdmesh:models", fp)
-        await client.aclose()
+        await forget_model(fp)
         await index.aclose()
         await registry.aclose()
 

@@ -12,14 +12,12 @@ import uuid
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import redis.asyncio as aioredis
-
 from mesh.block_hash import block_hashes, root_hash
 from mesh.kv_events import BlocksStored, Tier
 from mesh.kv_index import RedisKVIndex
 from mesh.worker_registration import WorkerRegistration
 from mesh.worker_service import EventFanout
-from tests.mesh_fixtures import REDIS_URL, async_test, needs_redis, until
+from tests.mesh_fixtures import REDIS_URL, async_test, forget_model, needs_redis, until
 
 pytestmark = needs_redis
 
@@ -45,15 +43,10 @@ async def shared_mesh() -> AsyncIterator[tuple[str, RedisKVIndex, list[int]]]:
     """A model fingerprint of the test's own, the index as a router reads it, and a prompt's chain."""
     fp = f"tiny-dense-reg-{uuid.uuid4().hex[:12]}"
     index = RedisKVIndex(REDIS_URL, fp)
-    client = aioredis.from_url(REDIS_URL)
     try:
         yield fp, index, block_hashes(list(range(64)), BS, root_hash(fp))
     finally:
-        keys = [k async for k in client.scan_iter(match=f"pdmesh:{fp}:*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-        await client.srem("pdmesh:models", fp)
-        await client.aclose()
+        await forget_model(fp)
         await index.aclose()
 
 
