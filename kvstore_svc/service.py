@@ -55,13 +55,15 @@ async def serve(settings: KVStoreSettings) -> None:
     model_fingerprint = salted_fingerprint(layout.model_fingerprint, settings.cache_salt)
     host_blocks, disk_blocks = _sizes(settings, layout.block_nbytes)
     store = BlockStore(layout, host_blocks, settings.disk_path, disk_blocks)
-    extra = (
-        {"progress_thread": False, "xfer_mode": settings.kv_xfer_mode}
-        if settings.kv_transfer == "nixl"
-        else {}
-    )
     agent_name = f"kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    transfer = create_transfer_agent(settings.kv_transfer, agent_name, store.pool, layout, **extra)
+    transfer = create_transfer_agent(
+        settings.kv_transfer,
+        agent_name,
+        store.pool,
+        layout,
+        progress_thread=False,
+        xfer_mode=settings.kv_xfer_mode,
+    )
     metrics = KVStoreMetrics()
     servicer = KVStoreServicer(
         store,

@@ -112,19 +112,10 @@ class KVOffloadClient:
 
             n = staging_blocks(getattr(settings, "kvstore_staging_blocks", 0), self.max_held_blocks,
                                transfer.block_nbytes)  # fmt: skip
-            extra = (
-                {"progress_thread": False, "xfer_mode": settings.kv_xfer_mode}
-                if settings.kv_transfer == "nixl"
-                else {}
-            )
             self.staging = KVStaging(
-                transfer.pool,
-                self.engine.layout,
-                n,
-                settings.kv_transfer,
-                f"{transfer.name}-staging",
-                **extra,
-            )
+                transfer.pool, self.engine.layout, n, settings.kv_transfer, f"{transfer.name}-staging",
+                progress_thread=False, xfer_mode=settings.kv_xfer_mode,
+            )  # fmt: skip
             log.info(
                 "KV offload store blocks staged through %d page-locked host blocks (%.0f MiB)",
                 n,

@@ -473,11 +473,17 @@ class LocalKVTransferAgent(KVTransferAgent):
             self._inboxes.pop(self.agent_name, None)
 
 
+_NIXL_ONLY = ("xfer_mode", "progress_thread")
+
+
 def create_transfer_agent(
     kind: Literal["nixl", "local"], name: str, pool: torch.Tensor, layout: KVLayout, **kwargs: Any
 ) -> KVTransferAgent:
-    """Build the KV-transfer agent ``kind`` for ``pool``; extra keyword arguments go to the implementation."""
+    """Build the KV-transfer agent ``kind`` for ``pool``; extra keyword arguments go to the implementation.
+    NIXL's own options (``xfer_mode``, ``progress_thread``) are dropped for the local agent, which has no use
+    for them, so callers pass a worker's settings whatever the kind."""
     if kind == "local":
+        kwargs = {k: v for k, v in kwargs.items() if k not in _NIXL_ONLY}
         return LocalKVTransferAgent(name, pool, layout, **kwargs)
     if kind == "nixl":
         from mesh.nixl_transfer import NixlKVTransferAgent  # NIXL is optional: import only when asked

@@ -876,12 +876,10 @@ async def serve_worker(
     progress = settings.nixl_progress_thread == "on" or (
         settings.nixl_progress_thread == "auto" and engine.kv_pool.device.type == "cuda"
     )
-    extra = (
-        {"progress_thread": progress, "xfer_mode": settings.kv_xfer_mode}
-        if settings.kv_transfer == "nixl"
-        else {}
-    )
-    transfer = create_transfer_agent(settings.kv_transfer, agent_name, engine.kv_pool, engine.layout, **extra)
+    transfer = create_transfer_agent(
+        settings.kv_transfer, agent_name, engine.kv_pool, engine.layout,
+        progress_thread=progress, xfer_mode=settings.kv_xfer_mode,
+    )  # fmt: skip
     servicer = servicer_cls(aengine, transfer, settings, "pending", "", events, metrics)
     server, port = await start_server(
         [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],

@@ -387,3 +387,16 @@ def test_nixl_wheel_of_torchs_cuda_major_is_tried_first() -> None:
     assert nixl_modules("13.0") == ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
     assert nixl_modules("12.8") == ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
     assert nixl_modules(None) == ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # CPU torch
+
+
+def test_the_local_agent_takes_nixl_options_and_ignores_them() -> None:
+    """A worker passes its NIXL settings whatever the kind; anything else is still an error."""
+    agent = create_transfer_agent(
+        "local", "opts", random_pool(4), LAYOUT, xfer_mode="prepped", progress_thread=False
+    )
+    try:
+        assert agent.num_blocks == 4
+    finally:
+        agent.close()
+    with pytest.raises(TypeError):
+        create_transfer_agent("local", "bad", random_pool(4), LAYOUT, no_such_option=1)
