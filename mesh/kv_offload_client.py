@@ -106,11 +106,11 @@ class KVOffloadClient:
         # Host staging between a GPU pool and the store (mesh.kv_staging): its agent then reads and offers the
         # store's blocks instead of the pool's.
         self.staging: Any = None
-        mode = getattr(settings, "kvstore_staging", "auto")
+        mode = settings.kvstore_staging
         if mode == "on" or (mode == "auto" and transfer.pool.device.type == "cuda"):
             from mesh.kv_staging import KVStaging, staging_blocks
 
-            n = staging_blocks(getattr(settings, "kvstore_staging_blocks", 0), self.max_held_blocks,
+            n = staging_blocks(settings.kvstore_staging_blocks, self.max_held_blocks,
                                transfer.block_nbytes)  # fmt: skip
             self.staging = KVStaging(
                 transfer.pool, self.engine.layout, n, settings.kv_transfer, f"{transfer.name}-staging",
@@ -200,7 +200,7 @@ class KVOffloadClient:
             return
         loop = asyncio.get_running_loop()
         wake = self._wake
-        at_prefill = getattr(self.settings, "kvstore_offload_at", "prefill") == "prefill"
+        at_prefill = self.settings.kvstore_offload_at == "prefill"
         offload = await self.aengine.call(
             lambda: self.engine.enable_kv_offload(self.max_held_blocks, at_prefill)
         )

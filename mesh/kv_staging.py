@@ -69,7 +69,6 @@ class KVStaging:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._space = asyncio.Condition()
         self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
-        self.bytes_copied = 0
 
     # ---- host blocks --------------------------------------------------------------------------------
     @property
@@ -133,7 +132,6 @@ class KVStaging:
         except asyncio.CancelledError:
             await running
             raise
-        self.bytes_copied += len(src_ids) * self.agent.block_nbytes
 
     def close(self) -> None:
         self.agent.close()

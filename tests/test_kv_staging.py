@@ -56,7 +56,6 @@ def test_copies_both_ways_and_host_blocks_waited_for() -> None:
                 await staging.to_device([0, 1], [3])
 
         asyncio.run(run())
-        assert staging.bytes_copied == 6 * LAYOUT.block_nbytes
     finally:
         staging.close()
 

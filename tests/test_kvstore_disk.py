@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from concurrent.futures import wait
 
 import torch
@@ -33,18 +34,22 @@ def _put(store: BlockStore, hashes: list[int], seed: int) -> dict[int, bytes]:
 
 def test_blocks_go_to_disk_and_come_back_through_the_disk_thread(tmp_path) -> None:
     store = BlockStore(LAYOUT, 2, str(tmp_path / "kv.bin"), 6)
+    gate = threading.Event()
     try:
         data = _put(store, [1, 2], seed=1)
         data |= _put(store, [3, 4], seed=2)  # 1 and 2 written out; their host slots then take 3 and 4
         assert store.tier_of(1) is Tier.DISK and store.tier_of(3) is Tier.CPU
         assert store.read_block(1) == data[1]  # read behind the write
+        store._io.submit(gate.wait)  # the disk thread held: what follows stays in flight until the gate opens
         slots = store.pin_prefix([1, 2])  # both back: 3 and 4 written out first, into the same host slots
         ops = store.take_io()
         assert sorted(op.kind for op in ops) == ["demote", "demote", "promote", "promote"]
         # A second reader of the chain gets the reads still in flight with its answer.
         again = store.pin_prefix([1, 2])
         pending = store.take_io()
-        assert again == slots and {op.block_hash for op in pending} <= {1, 2}
+        reads = [op for op in ops if op.kind == "promote"]
+        assert again == slots and pending == reads and not any(op.future.done() for op in pending)
+        gate.set()
         wait([op.future for op in ops])
         for h, slot in zip([1, 2], slots, strict=True):
             assert store.pool[slot].numpy().tobytes() == data[h]
@@ -53,6 +58,7 @@ def test_blocks_go_to_disk_and_come_back_through_the_disk_thread(tmp_path) -> No
         store.unpin([1, 2])
         assert store.pin_prefix([1]) == slots[:1] and store.take_io() == []  # reads done: nothing to wait for
     finally:
+        gate.set()  # a failed check must not leave the disk thread held (close waits for it)
         store.close()
 
 
