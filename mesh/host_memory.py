@@ -13,6 +13,7 @@ that their memory is committed at start, and, for staging next to a GPU, page-lo
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -27,10 +28,7 @@ class HostBlocks:
     ``close`` unlocks it (before whatever registered it with NIXL has deregistered, never)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> None:
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         self.nbytes = nbytes
         self.huge = False
         self.pinned = False

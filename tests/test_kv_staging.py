@@ -106,3 +106,21 @@ def test_staging_next_to_a_gpu_pool_is_page_locked_and_copies_both_ways() -> Non
         asyncio.run(run())
     finally:
         staging.close()
+
+
+def test_the_store_pool_and_the_staging_blocks_are_advised_huge_pages(tmp_path) -> None:
+    """Both sides of a store transfer on the host (the side a cma READ reads decides its speed)."""
+    import mmap
+
+    from kvstore_svc.block_store import BlockStore
+
+    store = BlockStore(LAYOUT, 4)
+    staging = KVStaging(_pool(4), LAYOUT, 4, "local", "t-staging-huge")
+    try:
+        expected = hasattr(mmap, "MADV_HUGEPAGE")
+        assert store._host.huge == expected and staging._host.huge == expected
+        assert not staging._host.pinned  # no GPU pool: nothing to page-lock for
+        assert torch.count_nonzero(store.pool) == 0 and store.pool.shape == (4, *LAYOUT.block_shape)
+    finally:
+        staging.close()
+        store.close()
