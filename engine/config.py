@@ -171,6 +171,12 @@ class EngineConfig:
         "With enable_lora: adapters to register at start (vLLM's --lora-modules): each name=path to a PEFT "
         'directory, or JSON {"name": ..., "path": ...}; a request selects one by name (the model field).',
     )
+    cudagraph_specialize_lora: bool = setting(
+        True,
+        "With enable_lora and cuda_graphs: capture every CUDA graph twice, with the LoRA ops and without, and "
+        "replay the second for steps in which no request has an adapter (vLLM's compilation-config field of "
+        "that name), so base-model requests run at the plain engine's speed; twice the graphs' capture time.",
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

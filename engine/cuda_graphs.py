@@ -193,11 +193,15 @@ class DecodeGraphs:
         max_blocks: int,
         device: torch.device,
         megakernel: DecodeMegakernel | None = None,
+        specialize_lora: bool = True,
     ) -> None:
         """``megakernel``: where given, the batch-1 graph runs every decoder layer in it
-        (``kernels.decode_megakernel``) instead of the op-by-op pieces."""
+        (``kernels.decode_megakernel``) instead of the op-by-op pieces. ``specialize_lora``: with LoRA
+        adapters, every size is captured twice, with the LoRA ops and without; the second set is replayed
+        for steps no row of which has an adapter (and for padding passes)."""
         self.model = model
         self.megakernel = megakernel
+        self.lora = model.lora_slots if specialize_lora else None
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.sizes = bucket_sizes(max_num_seqs)
@@ -223,7 +227,9 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self._copied.record()
         self.graphs: dict[int, _Graph] = {}
+        self.graphs_without_lora: dict[int, _Graph] = {}  # with ``lora``: the same sizes, no LoRA op
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
+        self.replays_without_lora: dict[int, int] = dict.fromkeys(self.sizes, 0)  # of those
         self.capture_seconds = 0.0
 
     def bucket_for(self, n: int) -> int | None:
@@ -250,16 +256,21 @@ class DecodeGraphs:
         with capturing(), expert_counts_restored(self.model), uniform, live:
             for size in reversed(self.sizes):
                 self._capture_size(size, pool)
+            if self.lora is not None:
+                with self.lora.without_lora():
+                    for size in reversed(self.sizes):
+                        self._capture_size(size, pool, self.graphs_without_lora)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         log.info(
-            "captured decode CUDA graphs for batch %s (%d pieces each) in %.1f s",
+            "captured decode CUDA graphs for batch %s (%d pieces each%s) in %.1f s",
             ",".join(map(str, self.sizes)),
             len(self.graphs[self.max_batch].pieces),
+            ", with and without the LoRA ops" if self.graphs_without_lora else "",
             self.capture_seconds,
         )
 
-    def _capture_size(self, size: int, pool: tuple[int, int]) -> None:
+    def _capture_size(self, size: int, pool: tuple[int, int], into: dict[int, _Graph] | None = None) -> None:
         pieces = self._pieces(size)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -273,7 +284,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 run()
             g.pieces.append(graph)
-        self.graphs[size] = g
+        (self.graphs if into is None else into)[size] = g
 
     def set_megakernel(self, megakernel: DecodeMegakernel | None) -> None:
         """Run the batch-1 graph with (or, given None, without) the decode megakernel: that graph alone is
@@ -311,16 +322,24 @@ class DecodeGraphs:
     def release(self) -> None:
         """Free every captured graph now (not when the last reference goes): a graph that captured NCCL
         collectives keeps their communicator busy. The object cannot replay afterwards."""
-        for g in self.graphs.values():
-            for piece in g.pieces:
-                piece.reset()
-            g.pieces.clear()
-        self.graphs.clear()
+        for graphs in (self.graphs, self.graphs_without_lora):
+            for g in graphs.values():
+                for piece in g.pieces:
+                    piece.reset()
+                g.pieces.clear()
+            graphs.clear()
 
     # ---- replay ----------------------------------------------------------------------------------
     def replay(self, size: int) -> None:
         """Launch the step of batch ``size`` on the inputs staged last (benchmarks time this alone)."""
-        self.graphs[size].replay()
+        self._graph(size, with_rows=True).replay()
+
+    def _graph(self, size: int, with_rows: bool) -> _Graph:
+        """The graph of ``size`` for the next pass: without the LoRA ops where those were captured and no
+        row has an adapter (``with_rows`` False: padding only)."""
+        if self.graphs_without_lora and not (with_rows and self.lora.rows.any_adapter):
+            return self.graphs_without_lora[size]
+        return self.graphs[size]
 
     def _stage_padding(self, start: int, stop: int) -> None:
         b = self.max_batch
@@ -389,5 +408,8 @@ class DecodeGraphs:
     def _replay_padded(self, size: int, n: int) -> None:
         """Launch the graph of ``size`` whose first ``n`` rows are real and the rest padding (staged: seq_len
         0, so they count for no expert)."""
-        self.graphs[size].replay(self.late_point)
+        graph = self._graph(size, with_rows=n > 0)
+        graph.replay(self.late_point)
         self.replays[size] += 1
+        if graph is not self.graphs[size]:
+            self.replays_without_lora[size] += 1

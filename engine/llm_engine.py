@@ -282,6 +282,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             decode_megakernel=config.decode_megakernel,
+            specialize_lora=config.cudagraph_specialize_lora,
         )
         if start_memory is not None and before_graphs is not None:
             self._log_memory(num_blocks, start_memory, before_graphs)

@@ -36,6 +36,8 @@ import logging
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,16 +194,19 @@ class ProjectionLoRA:
 
 @dataclass
 class PassRows:
-    """What the runner said of the next pass's rows: whether any runs with an adapter."""
+    """What the runner said of the next pass's rows: whether any runs with an adapter; and whether passes
+    run now, captured as CUDA graphs too, may run the LoRA ops (not inside ``LoRASlots.without_lora``)."""
 
     any_adapter: bool = True  # until a pass is described, assume so (profiling counts LoRA's memory)
+    lora_ops: bool = True
 
 
 class LayerLoRA:
     """A decoder layer's adapters: ``apply(kind, x, y)`` is projection output ``y`` with what the batch's
     adapters add to it (the op table's ``lora_apply``: kernels/lora.py, kernels/triton_lora.py). An eager
-    pass in which no row has an adapter skips it; a pass being captured as a CUDA graph never does (the
-    graph is replayed for batches with adapters too)."""
+    pass in which no row has an adapter skips it; a pass being captured as a CUDA graph does not (it is
+    replayed for batches with adapters too), except inside ``LoRASlots.without_lora``, where every pass
+    skips it."""
 
     def __init__(self, projections: dict[str, ProjectionLoRA], row_slots: torch.Tensor, ops: Ops,
                  rows: PassRows) -> None:  # fmt: skip
@@ -211,6 +216,8 @@ class LayerLoRA:
         self.rows = rows
 
     def apply(self, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.rows.lora_ops:
+            return y
         if not self.rows.any_adapter and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return y
         p = self.projections[kind]
@@ -371,6 +378,17 @@ class LoRASlots:
                     p.b[rows, cols.start : cols.start + r].copy_(b, non_blocking=True)
         self.slots[slot].name = adapter.name
         log.info("LoRA adapter %r in slot %d", adapter.name, slot)
+
+    @contextmanager
+    def without_lora(self) -> Iterator[None]:
+        """Passes run inside, and CUDA graphs captured inside, run no LoRA op: the graphs a runner replays
+        for passes in which no row has an adapter (vLLM's ``cudagraph_specialize_lora``), so base-model
+        requests on a LoRA engine pay nothing for it."""
+        self.rows.lora_ops = False
+        try:
+            yield
+        finally:
+            self.rows.lora_ops = True
 
     def set_rows(self, row_slots: np.ndarray) -> None:
         """The slot of each row of the next pass (-1: no adapter), from the host, as the one-hot rows the

@@ -186,8 +186,11 @@ class ModelRunner:
         max_model_len: int | None = None,
         prefill_graph_tokens: int = 0,
         decode_megakernel: bool = False,
+        specialize_lora: bool = True,
     ) -> None:
         self.model = model
+        # With LoRA adapters: graphs captured with and without the LoRA ops (``engine.cuda_graphs``).
+        self.specialize_lora = specialize_lora
         # Whether the batch-1 decode graph may run the decoder layers in one kernel (where it supports the
         # model: kernels.decode_megakernel); ``megakernel`` is it once the graphs are captured.
         self.decode_megakernel = decode_megakernel
@@ -235,7 +238,7 @@ class ModelRunner:
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
         graphs = DecodeGraphs(
             self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device,
-            megakernel=self._build_megakernel(),
+            megakernel=self._build_megakernel(), specialize_lora=self.specialize_lora,
         )  # fmt: skip
         if self._multi_rank:
             self._check_same_graph_sizes(graphs.max_batch)
@@ -311,7 +314,7 @@ class ModelRunner:
             self._check_same_graph_sizes(max(max_tokens, 0), "prefill", "prefill_graph_tokens")
         if max_tokens < 1:
             return False
-        graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device)
+        graphs = PrefillGraphs(self.model, self.kv_pool, max_tokens, self.device, self.specialize_lora)
         graphs.capture()
         self.prefill_graphs = graphs
         return True

@@ -59,8 +59,18 @@ def prefill_bucket_sizes(max_tokens: int) -> list[int]:
 class PrefillGraphs:
     """Piecewise graphs of one model's forward over one KV pool, per bucket of token counts."""
 
-    def __init__(self, model: DecoderModel, kv_pool: torch.Tensor, max_tokens: int, device: torch.device):
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_pool: torch.Tensor,
+        max_tokens: int,
+        device: torch.device,
+        specialize_lora: bool = True,
+    ):
+        """``specialize_lora``: with LoRA adapters, every bucket is captured twice, with the LoRA ops and
+        without; the second set is replayed for steps no row of which has an adapter (and padding passes)."""
         self.model = model
+        self.lora = model.lora_slots if specialize_lora else None
         self.kv_pool = kv_pool
         self.device = device
         self.sizes = prefill_bucket_sizes(max_tokens)
@@ -81,10 +91,13 @@ class PrefillGraphs:
         self.live = torch.ones(b, dtype=torch.bool, device=device)
         self._rows = torch.arange(b, device=device)
         self._masks_padding = bool(model.moe_blocks())
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self._state: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: residual, hidden
-        self._runs: dict[int, list[Callable[[], None]]] = {}
+        # Per (bucket, with the LoRA ops): the pieces' graphs, their shared state (residual, hidden) and
+        # their eager runs. Without ``lora`` only the first kind.
+        self._graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
+        self._state: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
+        self._runs: dict[tuple[int, bool], list[Callable[[], None]]] = {}
         self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # per bucket, for tests and stats
+        self.replays_without_lora: dict[int, int] = dict.fromkeys(self.sizes, 0)  # of those
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # device memory the capture reserved (the graphs' pool), measured after it
 
@@ -103,12 +116,13 @@ class PrefillGraphs:
         self._graphs.clear()
 
     # ---- pieces ----------------------------------------------------------------------------------
-    def _pieces(self, size: int) -> list[Callable[[], None]]:
+    def _pieces(self, key: tuple[int, bool]) -> list[Callable[[], None]]:
         model = self.model
         layers = list(model.layers)
+        size = key[0]
         ids, positions, slots = self.input_ids[:size], self.positions[:size], self.slot_mapping[:size]
         attn_in, attn_out = self.attn_in[:size], self.attn_out[:size]
-        state = self._state.setdefault(size, {})
+        state = self._state.setdefault(key, {})
 
         def first() -> None:
             model.begin_forward()
@@ -131,18 +145,18 @@ class PrefillGraphs:
 
         return [first, *(middle(i) for i in range(1, len(layers))), last]
 
-    def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
-        """The pieces of bucket ``size`` in order (replayed, or run eagerly), with attention over the first
-        ``n`` rows between them (none when ``n`` is 0)."""
+    def _forward(self, key: tuple[int, bool], n: int, meta: AttentionMetadata | None, replay: bool) -> None:
+        """The pieces of ``key`` (bucket, with the LoRA ops) in order (replayed, or run eagerly), with
+        attention over the first ``n`` rows between them (none when ``n`` is 0)."""
         layers = self.model.layers
         q = self.attn_in[:n]
         out = self.attn_out[:n].view(q.shape)  # attention writes the next piece's input in place
         with torch.inference_mode():
             for i in range(len(layers) + 1):
                 if replay:
-                    self._graphs[size][i].replay()
+                    self._graphs[key][i].replay()
                 else:
-                    self._runs[size][i]()
+                    self._runs[key][i]()
                 if i < len(layers) and n > 0:
                     assert meta is not None
                     layers[i].self_attn.attend(q, self.kv_pool, meta, out=out)
@@ -159,40 +173,49 @@ class PrefillGraphs:
         live = counting_live_rows(self.model, self.live)
         with capturing(), expert_counts_restored(self.model), self.uniform_batches(), live:
             for size in reversed(self.sizes):
-                self._runs[size] = self._pieces(size)
-                meta = AttentionMetadata(
-                    slot_mapping=self.slot_mapping[:size],
-                    block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
-                    seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
-                    query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
-                )
-                self.live.fill_(True)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._forward(size, 1, meta, replay=False)
-                torch.cuda.current_stream().wait_stream(side)
-                self.attn_out.zero_()
-                graphs = []
-                for run in self._runs[size]:  # in order: each piece's outputs are the next one's inputs
-                    graph = torch.cuda.CUDAGraph()
-                    with (
-                        torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE),
-                        torch.inference_mode(),
-                    ):
-                        run()
-                    graphs.append(graph)
-                self._graphs[size] = graphs
+                self._capture_size(size, True, pool)
+            if self.lora is not None:
+                with self.lora.without_lora():
+                    for size in reversed(self.sizes):
+                        self._capture_size(size, False, pool)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         log.info(
-            "captured prefill CUDA graphs for %s tokens (%d pieces each) in %.1f s; %.0f MiB more reserved",
+            "captured prefill CUDA graphs for %s tokens (%d pieces each%s) in %.1f s; %.0f MiB more reserved",
             ",".join(map(str, self.sizes)),
             len(self.model.layers) + 1,
+            ", with and without the LoRA ops" if self.lora is not None else "",
             self.capture_seconds,
             self.pool_bytes / 2**20,
         )
+
+    def _capture_size(self, size: int, with_lora: bool, pool: tuple[int, int]) -> None:
+        key = (size, with_lora)
+        self._runs[key] = self._pieces(key)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
+        )
+        self.live.fill_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(key, 1, meta, replay=False)
+        torch.cuda.current_stream().wait_stream(side)
+        self.attn_out.zero_()
+        graphs = []
+        for run in self._runs[key]:  # in order: each piece's outputs are the next one's inputs
+            graph = torch.cuda.CUDAGraph()
+            with (
+                torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE),
+                torch.inference_mode(),
+            ):
+                run()
+            graphs.append(graph)
+        self._graphs[key] = graphs
 
     def uniform_batches(self) -> AbstractContextManager[None]:
         """The dispatcher's ``uniform_batches`` for these graphs' passes (their capture)."""
@@ -211,8 +234,8 @@ class PrefillGraphs:
         that holds them; with several ranks, the one the ranks agreed on). Returns the final hidden states
         [n, hidden]: a view of the graphs' memory, valid until the next replay of this bucket."""
         size, n = self.stage(input_ids, positions, meta.slot_mapping, size)
-        self._replay_padded(size, n, meta)
-        return self._state[size]["hidden"][:n]
+        key = self._replay_padded(size, n, meta)
+        return self._state[key]["hidden"][:n]
 
     def run_padding(self, size: int) -> None:
         """Replay bucket ``size`` with padding rows only (an expert-parallel rank with nothing to run joins
@@ -221,9 +244,16 @@ class PrefillGraphs:
         self.stage(empty, empty, empty, size)
         self._replay_padded(size, 0, None)
 
-    def _replay_padded(self, size: int, n: int, meta: AttentionMetadata | None) -> None:
-        self._forward(size, n, meta, replay=True)
+    def _replay_padded(self, size: int, n: int, meta: AttentionMetadata | None) -> tuple[int, bool]:
+        """Replay bucket ``size`` for ``n`` real rows: without the LoRA ops where those graphs exist and no
+        row has an adapter (the runner set the rows before). Returns the graphs' key."""
+        with_lora = self.lora is None or (n > 0 and self.lora.rows.any_adapter)
+        key = (size, with_lora)
+        self._forward(key, n, meta, replay=True)
         self.replays[size] += 1
+        if not with_lora:
+            self.replays_without_lora[size] += 1
+        return key
 
     def stage(
         self,
@@ -237,7 +267,7 @@ class PrefillGraphs:
         n = input_ids.shape[0]
         if size is None:
             size = self.bucket_for(n)
-        elif size not in self._runs or size < n:
+        elif size not in self.sizes or size < n:
             raise ValueError(f"no {size}-token prefill graph holds a step of {n} tokens")
         if size is None:
             raise ValueError(

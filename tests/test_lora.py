@@ -196,6 +196,74 @@ def test_gpu_graphs_with_adapters_match_the_eager_reference(dense: dict[str, Pat
     assert fast.engine.stats().decode_graph_passes > 0
 
 
+@needs_gpu
+def test_gpu_graphs_without_lora_ops_serve_steps_without_adapters(dense: dict[str, Path]) -> None:
+    """On a GPU, with ``cudagraph_specialize_lora`` (the default): steps in which no request has an adapter
+    replay decode and prefill graphs captured without the LoRA ops, with the plain engine's tokens (float32:
+    identical); steps with an adapter row replay the graphs with them, and once the adapters' requests
+    finish, the rest of the batch goes back to the graphs without."""
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256)
+    lora = LLM(str(dense["base"]), kernel_backend="triton", enable_lora=True, max_loras=2, **kw)
+    plain = LLM(str(dense["base"]), kernel_backend="triton", **kw)
+    decode, prefill = lora.engine.runner.graphs, lora.engine.runner.prefill_graphs
+    assert decode is not None and prefill is not None
+    assert decode.graphs_without_lora.keys() == decode.graphs.keys()
+    prompts = _prompts(6, seed=7)
+    got = lora.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    for graphs in (decode, prefill):
+        assert sum(graphs.replays_without_lora.values()) == sum(graphs.replays.values()) > 0
+    # Two adapter requests of three tokens among four base ones of twelve.
+    short = dataclasses.replace(GREEDY, max_tokens=3)
+    params = [short, short, GREEDY, GREEDY, GREEDY, GREEDY]
+    reqs = [LoRARequest("all", 1, str(dense["all"])), LoRARequest("attn", 2, str(dense["attn"]))] + [None] * 4
+    before = dict(decode.replays), dict(decode.replays_without_lora)
+    got = lora.generate(prompts, params, lora_request=reqs)
+    eager = LLM(str(dense["base"]), kernel_backend="torch", cuda_graphs=False, enable_lora=True, max_loras=2,
+                **kw)  # fmt: skip
+    assert [o.token_ids for o in got] == [
+        o.token_ids for o in eager.generate(prompts, params, lora_request=reqs)
+    ]
+    with_lora = sum(decode.replays.values()) - sum(before[0].values())
+    without = sum(decode.replays_without_lora.values()) - sum(before[1].values())
+    assert with_lora - without > 0 and without > 0  # both kinds in one generate
+
+
+def test_prefill_pieces_without_lora_ops_for_steps_without_adapters(dense: dict[str, Path]) -> None:
+    """CPU (the prefill graphs' pieces run eagerly, ``EagerPieces``): with ``cudagraph_specialize_lora`` a
+    LoRA engine keeps a second set of pieces, without the LoRA ops: steps in which no row has an adapter go
+    through it, running no LoRA op, the others through the set with them; the tokens are the plain
+    engine's and the LoRA engine's without pieces. Turned off, every step goes through the set with them."""
+    from tests.test_prefill_graphs import EagerPieces
+
+    prompts = _prompts(4, seed=21)
+    kw = dict(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48)
+    plain = LLM(str(dense["base"]), **kw).generate(prompts, GREEDY)
+    reqs = [LoRARequest("all", 1, str(dense["all"])) if i % 2 == 0 else None for i in range(len(prompts))]
+    reference = LLM(str(dense["base"]), enable_lora=True, **kw).generate(prompts, GREEDY, lora_request=reqs)
+    for specialize in (True, False):
+        llm = LLM(str(dense["base"]), enable_lora=True, cudagraph_specialize_lora=specialize, **kw)
+        runner = llm.engine.runner
+        pieces = EagerPieces(runner.model, runner.kv_pool, 48, torch.device("cpu"), specialize)
+        runner.prefill_graphs = pieces
+        pieces.capture()
+        calls = []
+        for layer in llm.engine.lora.layers:
+            op = layer.ops.lora_apply
+            layer.ops = dataclasses.replace(
+                layer.ops, lora_apply=lambda *a, op=op, c=calls: c.append(1) or op(*a)
+            )
+        base = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in base] == [o.token_ids for o in plain]
+        assert not calls
+        passes, without = sum(pieces.replays.values()), sum(pieces.replays_without_lora.values())
+        assert passes > 0 and without == (passes if specialize else 0)
+        mixed = llm.generate(prompts, GREEDY, lora_request=reqs)
+        assert [o.token_ids for o in mixed] == [o.token_ids for o in reference]
+        assert calls  # the adapter rows' steps ran the LoRA ops
+        assert sum(pieces.replays.values()) - sum(pieces.replays_without_lora.values()) > passes - without
+
+
 def test_an_adapter_in_use_stays_and_a_replaced_one_leaves_no_cache(dense: dict[str, Path]) -> None:
     llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
     engine = llm.engine
@@ -224,7 +292,9 @@ def test_eager_passes_without_adapters_skip_lora(
     calls = []
     for layer in llm.engine.lora.layers:
         op = layer.ops.lora_apply
-        layer.ops = dataclasses.replace(layer.ops, lora_apply=lambda *a, op=op: calls.append(1) or op(*a))
+        layer.ops = dataclasses.replace(
+            layer.ops, lora_apply=lambda *a, op=op, c=calls: c.append(1) or op(*a)
+        )
     prompts = _prompts(3, seed=9)
     base = llm.generate(prompts, GREEDY)
     assert not calls

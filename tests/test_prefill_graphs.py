@@ -11,6 +11,7 @@ between the pieces). On the CPU the same path runs with the pieces called eagerl
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -102,13 +103,14 @@ def test_prefill_pieces_compute_the_model_forward() -> None:
         want = model(ids, positions, pool_eager, meta)
         pg = PrefillGraphs(model, pool_pieces, 100, torch.device("cpu"))
         assert pg.sizes[-1] == 100 and pg.bucket_for(n) == bucket and pg.bucket_for(101) is None
-        pg._runs[bucket] = pg._pieces(bucket)
+        key = (bucket, True)  # the graphs with the LoRA ops (the only ones without adapters)
+        pg._runs[key] = pg._pieces(key)
         pg.attn_out.fill_(7.0)  # stale rows of an earlier, longer step
         pg.stage(torch.randint(3, 200, (60,)), torch.arange(60), torch.arange(60))
         assert pg.stage(ids, positions, meta.slot_mapping) == (bucket, n)
         assert pg.slot_mapping[n:bucket].eq(-1).all() and pg.attn_out[n:bucket].eq(0).all()
-        pg._forward(bucket, n, meta, replay=False)
-        torch.testing.assert_close(pg._state[bucket]["hidden"][:n], want)
+        pg._forward(key, n, meta, replay=False)
+        torch.testing.assert_close(pg._state[key]["hidden"][:n], want)
         torch.testing.assert_close(pool_pieces, pool_eager)  # a 64-row matmul may round unlike a 37-row one
         untouched = [b for b in range(pool_pieces.shape[0]) if b not in (1, 2, 3)]
         assert torch.equal(pool_pieces[untouched], runner.kv_pool[untouched])
@@ -122,12 +124,15 @@ class EagerPieces(PrefillGraphs):
 
     def capture(self) -> None:
         for size in self.sizes:
-            self._runs[size] = self._pieces(size)
+            for with_lora in (True, False) if self.lora is not None else (True,):
+                self._runs[size, with_lora] = self._pieces((size, with_lora))
 
-    def _forward(self, size: int, n: int, meta: AttentionMetadata | None, replay: bool) -> None:
-        # What each replay runs: the pieces as captured, counting the live rows only.
-        with self.uniform_batches(), counting_live_rows(self.model, self.live):
-            super()._forward(size, n, meta, replay=False)
+    def _forward(self, key: tuple[int, bool], n: int, meta: AttentionMetadata | None, replay: bool) -> None:
+        # What each replay runs: the pieces as captured, counting the live rows only, and without the LoRA
+        # ops where they were captured without them.
+        lora = self.lora.without_lora() if not key[1] else contextlib.nullcontext()
+        with self.uniform_batches(), counting_live_rows(self.model, self.live), lora:
+            super()._forward(key, n, meta, replay=False)
 
 
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
