@@ -196,6 +196,7 @@ def main() -> None:
         default="both",
         help="which NIXL agents run a UCX progress thread (each keeps a core busy; the source's is required)",
     )
+    ap.add_argument("--threads", type=int, default=0, help="NIXL's num_threads for the reader's UCX backend")
     args = ap.parse_args()
 
     layout = LAYOUTS[args.layout or ("cuda" if args.device == "cuda" else "cpu")]
@@ -235,8 +236,9 @@ def main() -> None:
     for mode in modes:
         # One decode agent at a time: each agent's progress thread holds a core.
         agent = create_transfer_agent(
-            "nixl", f"bench-decode-{mode}", pool, layout, xfer_mode=mode, progress_thread=reader_progress
-        )
+            "nixl", f"bench-decode-{mode}", pool, layout, xfer_mode=mode, progress_thread=reader_progress,
+            num_threads=args.threads,
+        )  # fmt: skip
         t0 = time.perf_counter()
         peer = agent.add_peer(meta)
         h = agent.start_read(peer, [0], [0], b"first")

@@ -473,7 +473,7 @@ class LocalKVTransferAgent(KVTransferAgent):
             self._inboxes.pop(self.agent_name, None)
 
 
-_NIXL_ONLY = ("xfer_mode", "progress_thread")
+_NIXL_ONLY = ("xfer_mode", "progress_thread", "num_threads")
 
 
 def create_transfer_agent(

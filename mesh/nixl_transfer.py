@@ -106,6 +106,7 @@ class NixlKVTransferAgent(KVTransferAgent):
         xfer_mode: XferMode = "coalesced",
         backends: tuple[str, ...] = ("UCX",),
         progress_thread: bool = True,
+        num_threads: int = 0,
     ) -> None:
         if xfer_mode not in ("coalesced", "prepped"):
             raise ValueError(f"xfer_mode must be 'coalesced' or 'prepped', not {xfer_mode!r}")
@@ -118,7 +119,9 @@ class NixlKVTransferAgent(KVTransferAgent):
         self._dev_id = _device_id(self.device)
         self._agent = api.nixl_agent(
             self.agent_name,
-            api.nixl_agent_config(backends=list(backends), enable_prog_thread=progress_thread),
+            api.nixl_agent_config(
+                backends=list(backends), enable_prog_thread=progress_thread, num_threads=num_threads
+            ),
         )
         if not self._agent.backends:
             raise KVTransferError(f"NIXL could not create any of the backends {list(backends)}")
