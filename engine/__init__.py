@@ -4,17 +4,20 @@ Public API: ``from engine import LLM, SamplingParams``. The engine must not impo
 """
 
 from engine.config import EngineConfig
-from engine.llm import LLM, CompletionOutput
+from engine.llm import LLM, CompletionOutput, EmbeddingOutput
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.lora import LoRARequest
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EngineConfig",
     "LLMEngine",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from engine.pooling import needs_every_token
 from engine.sequence import Sequence
 from mesh.block_hash import block_hashes
 from mesh.kv_events import BlocksRemoved, BlocksStored, KVEvent, KVEventSink, Tier
@@ -80,8 +81,9 @@ class BlockPool:
     # ---- allocation -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq``; at least one token is always left to compute.
-        Nothing for a sequence with prompt logprobs still to compute (vLLM's rule too)."""
-        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+        Nothing for a sequence with prompt logprobs still to compute (vLLM's rule too), nor for an embedding
+        request pooled over every prompt token (``engine.pooling``)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs or needs_every_token(seq.pooling):
             return []
         self.update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -13,6 +13,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import generation_defaults
 from engine.lora import LoRARequest
 from engine.moe.dispatch import TokenDispatcher
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import render_chat
@@ -29,6 +30,15 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's shape).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (``LLM.embed``)."""
+
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -124,6 +134,51 @@ class LLM:
                             logprobs=logprobs[out.request_id],
                             num_cached_tokens=out.num_cached_tokens,
                             prompt_logprobs=prompt_logprobs.get(out.request_id),
+                        )
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        return [results[rid] for rid in ids]
+
+    def embed(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingOutput]:
+        """vLLM's ``LLM.embed``: each prompt's pooled last hidden states (``engine.pooling``; the model's
+        pooling and normalisation unless ``pooling_params`` says otherwise), in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if lora_request is not None and lora_request.lora_name not in self.engine.list_loras():
+            self.engine.add_lora(lora_request.lora_name, lora_request.lora_path)
+        ids = [f"embed-{uuid.uuid4().hex}" for _ in token_prompts]
+        results: dict[str, EmbeddingOutput] = {}
+        added: list[str] = []
+        try:
+            for rid, prompt in zip(ids, token_prompts, strict=True):
+                self.engine.add_request(
+                    rid,
+                    prompt,
+                    SamplingParams(),
+                    lora_name=lora_request.lora_name if lora_request else None,
+                    pooling=pooling_params or PoolingParams(),
+                )
+                added.append(rid)
+            while len(results) < len(ids) or self._lockstep is not None:
+                outs = self._step()
+                if outs is None:
+                    break
+                for out in outs:
+                    if out.finished and out.embedding is not None:
+                        results[out.request_id] = EmbeddingOutput(
+                            token_prompts[ids.index(out.request_id)], out.embedding, out.num_cached_tokens
                         )
         except BaseException:
             for rid in added:

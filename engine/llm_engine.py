@@ -31,7 +31,7 @@ from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
 from engine.kv_offload import KVOffload
-from engine.loader import load_model, resolve_dtype
+from engine.loader import load_model, resolve_dtype, resolve_model_config
 from engine.lora import LoRAError, LoRASlots, parse_lora_modules
 from engine.memory_profile import (
     GIB,
@@ -45,6 +45,7 @@ from engine.model_runner import ModelRunner
 from engine.models.decoder import DecoderModel
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.rebalance import move_experts
+from engine.pooling import ModelPooling, PoolingParams
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -87,6 +88,8 @@ class RequestOutput:
     arrival_time_ns: int = 0
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
+    # An embedding request's (engine.pooling): its pooled hidden states, on the output that finishes it.
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -243,7 +246,9 @@ class LLMEngine:
         self.staged_placement: tuple[int, list[list[int]]] | None = None
         self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg
+        self.pooling = ModelPooling.of(resolve_model_config(config.model)[1], loaded.cfg.hidden_size)
         self.model = loaded.model
+        self.generates = loaded.has_lm_head  # False: a base model's checkpoint, which only embeds
         self.lora = self._serve_loras(config, loaded.model) if config.enable_lora else None
         self.tokenizer = loaded.tokenizer
         # With an engine-wide cache salt the engine is its own cache domain (mesh.block_hash).
@@ -433,9 +438,16 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_name: str | None = None,
+        pooling: bool = False,
     ) -> None:
+        """``pooling``: an embedding request, which generates nothing, so its prompt may fill
+        ``max_model_len``."""
         if request_id in self._seqs or request_id in self._held or request_id in self._imports:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not pooling and not self.generates:
+            raise InvalidRequestError(
+                "this model's checkpoint has no LM head (a base model's weights): it serves embeddings only"
+            )
         if lora_name is not None:
             if self.lora is None:
                 raise InvalidRequestError(
@@ -445,7 +457,11 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: it must have at least one token")
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
+        if pooling and n > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, more than max_model_len ({self.max_model_len})"
+            )
+        if not pooling and n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {n} tokens, max_model_len is {self.max_model_len}: it must be shorter to leave "
                 "room for at least one generated token"
@@ -483,11 +499,19 @@ class LLMEngine:
         hold_kv: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """``lora_name``: the registered LoRA adapter the request runs with (``add_lora``), None for the
-        base model."""
+        base model. ``pooling``: an embedding request (``engine.pooling``): it computes its prompt and
+        finishes with ``RequestOutput.embedding`` instead of sampling (``params`` then counts only for its
+        priority)."""
         prompt_token_ids = list(prompt_token_ids)
-        self.validate(request_id, prompt_token_ids, params, lora_name)
+        if pooling is not None:
+            if hold_kv:
+                raise ValueError("an embedding request has no KV to hold for a decode worker")
+            pooling = self.pooling.resolve(pooling)
+            params = SamplingParams(max_tokens=1, priority=params.priority)
+        self.validate(request_id, prompt_token_ids, params, lora_name, pooling is not None)
         seq = Sequence(
             request_id,
             prompt_token_ids,
@@ -496,6 +520,7 @@ class LLMEngine:
             arrival_time_ns=time.time_ns(),
             root_hash=self._salted_root(cache_salt, lora_name),
             lora_name=lora_name,
+            pooling=pooling,
         )
         self._start_grammar(seq)
         if seq.grammar is not None:
@@ -717,7 +742,7 @@ class LLMEngine:
             return
         # Grammar masks depend only on tokens the host has: computed while the device runs the forward.
         grammar_masks = self._grammar_masks(batch.seqs) if self._constrained else None
-        sample_seqs, logits, prompt_logprobs, spec_logits = self.runner.execute(
+        sample_seqs, logits, prompt_logprobs, spec_logits, pooled = self.runner.execute(
             batch, bool(self._scoring), {s: len(d) for s, d in spec.items()}
         )
         for seq, found in prompt_logprobs:
@@ -730,6 +755,8 @@ class LLMEngine:
                 del seq.output_token_ids[-len(spec[seq]) :]
             seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
+        for seq, vec in pooled.items():
+            self._finish_pooling(seq, vec.tolist(), outputs)
         if spec:
             self._verify_drafts(spec, spec_logits, outputs)
             keep = [i for i, s in enumerate(sample_seqs) if s not in spec]
@@ -916,6 +943,7 @@ class LLMEngine:
             not s.params.needs_host_step
             and not s.wants_prompt_logprobs
             and not s.hold_kv
+            and s.pooling is None
             and (
                 (s.block_table and s.num_uncomputed_tokens == 1)
                 or (
@@ -1095,6 +1123,16 @@ class LLMEngine:
             else:
                 seq.finish_reason = reason
             self._finalize(seq)
+
+    def _finish_pooling(self, seq: Sequence, embedding: list[float], outputs: list[RequestOutput]) -> None:
+        """An embedding request's prompt is computed: it finishes with its embedding."""
+        seq.first_token_ns = time.time_ns()
+        self._count_prompt(seq)
+        self.scheduler.finish(seq, "stop")
+        self._finalize(seq)
+        out = self._output(seq, [])
+        out.embedding = embedding
+        outputs.append(out)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
         p = seq.params

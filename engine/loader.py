@@ -49,6 +49,8 @@ class LoadedModel:
     model: DecoderModel
     tokenizer: Tokenizer
     fingerprint: str  # model identity + dtype: the root of every block hash
+    # False for a checkpoint of the base model alone (no lm_head, untied): it can only embed (engine.pooling).
+    has_lm_head: bool = True
 
 
 def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
@@ -152,6 +154,7 @@ def load_model(
     if fp8 is not None:
         log.info("%s: attention, MLP and expert weights kept in float8 (%s)", model, fp8.describe())
     net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical, fp8)
+    has_lm_head = True
     if path is None:
         _init_tiny(net, seed=1234)
         tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size)
@@ -159,11 +162,12 @@ def load_model(
         if load_format == "dummy":
             _init_dummy(net, seed)
         else:
-            _load_safetensors(net, cfg, path, dispatcher)
+            has_lm_head = _load_safetensors(net, cfg, path, dispatcher)
         tokenizer = _checkpoint_tokenizer(path, cfg, load_format)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
-    return LoadedModel(cfg, net, tokenizer, model_fingerprint(model, path, dtype, load_format, fp8))
+    fingerprint = model_fingerprint(model, path, dtype, load_format, fp8)
+    return LoadedModel(cfg, net, tokenizer, fingerprint, has_lm_head)
 
 
 def fp8_layout(cfg: ModelConfig, path: Path | None, quantization: str, load_format: str) -> Fp8Layout | None:
@@ -295,9 +299,16 @@ _KV_SCALES = {
 }
 
 
+# Weights of a checkpoint saved from the base model alone (transformers' ``AutoModel``), named without ``model.``.
+_BASE_MODEL_KEYS = ("embed_tokens.", "layers.", "norm.")
+
+
 def _load_safetensors(
     net: DecoderModel, cfg: ModelConfig, path: Path, dispatcher: TokenDispatcher | None
-) -> None:
+) -> bool:
+    """Read the checkpoint's weights into ``net``; returns whether it has an LM head (a checkpoint of the base
+    model alone, as transformers' ``AutoModel`` saves an embedding model, has none: its weights' names lack
+    the ``model.`` prefix, and the engine can then only embed)."""
     from safetensors import safe_open
 
     loaded: set[str] = set()
@@ -317,8 +328,9 @@ def _load_safetensors(
     float8 = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                tensor = f.get_tensor(name)
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensor = f.get_tensor(key)
+                name = f"model.{key}" if key.startswith(_BASE_MODEL_KEYS) else key
                 scale = None
                 if tensor.dtype in FLOAT8_DTYPES:
                     scale = scales.get(scale_name(name, scales) or "")  # none without a quantisation config
@@ -332,10 +344,16 @@ def _load_safetensors(
         how = f"kept in float8 ({net.fp8.describe()})" if net.fp8 else f"widened to {net.norm.dtype}"
         log.info("%s: %d float8 weights (%s) %s at load", path, float8, quant.method, how)  # type: ignore[union-attr]
     missing = sorted(expected - loaded)
+    if missing == ["lm_head"]:
+        log.info("%s has no LM head (a base model's checkpoint): the engine serves embeddings only", path)
+        with torch.no_grad():
+            net.lm_head.zero_()
+        return False
     if missing:
         raise UnsupportedModelError(
             f"checkpoint {path} lacks weights for: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
+    return True
 
 
 def _put(

@@ -33,6 +33,7 @@ from engine.cuda_graphs import DecodeGraphs, expert_counts_restored
 from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
+from engine.pooling import pool_chunk
 from engine.prefill_graphs import PrefillGraphs
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
@@ -80,6 +81,9 @@ class Executed(NamedTuple):
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]]
     # Speculative decoding: each drafting sequence's logits at its last real token and every draft token.
     spec_logits: dict[Sequence, torch.Tensor] = {}  # noqa: RUF012 (a NamedTuple default, never mutated)
+    # Embedding requests (engine.pooling) whose prompt this step ended: their embeddings (float32). They
+    # are not among the sequences that sample.
+    pooled: dict[Sequence, torch.Tensor] = {}  # noqa: RUF012
 
 
 @dataclass
@@ -487,11 +491,16 @@ class ModelRunner:
         self.forward_passes += 1
         tokens = sum(batch.num_new_tokens)
         prompt_rows = PromptLogprobRows.of(batch) if prompt_logprobs else None
-        agreed = self._group_pass(len(batch.seqs) if max(batch.num_new_tokens) == 1 else None, tokens)
+        pooling = any(s.pooling is not None for s in batch.seqs)  # needs hidden states: no decode graph
+        decode_rows = len(batch.seqs) if max(batch.num_new_tokens) == 1 and not pooling else None
+        agreed = self._group_pass(decode_rows, tokens)
         if agreed.decode is not None:
             return self._execute_decode_graph(batch.seqs, agreed.decode, prompt_rows)
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta, agreed)
+        pooled: dict[Sequence, torch.Tensor] = {}
+        if pooling:
+            sample_seqs, rows = self._pool(batch, hidden, sample_seqs, rows, pooled)
         scored = (
             prompt_rows.compute(
                 lambda r: self.model.compute_logits(hidden[r]), self.model.cfg.vocab_size, self.device
@@ -512,8 +521,31 @@ class ModelRunner:
                 first += b - a
         if not sample_seqs:
             empty = hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-            return Executed([], empty, scored, spec_logits)
-        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored, spec_logits)
+            return Executed([], empty, scored, spec_logits, pooled)
+        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored, spec_logits, pooled)
+
+    @staticmethod
+    def _pool(
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        sample_seqs: list[Sequence],
+        rows: torch.Tensor,
+        pooled: dict[Sequence, torch.Tensor],
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Each embedding request's chunk into its pooling (``engine.pooling``): those whose prompt ends
+        here go into ``pooled``; returns the sequences that sample, and their rows, without them."""
+        start = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.pooling is not None:
+                vec = pool_chunk(seq, hidden[start : start + n], seq.num_computed_tokens)
+                if vec is not None:
+                    pooled[seq] = vec
+            start += n
+        keep = [i for i, s in enumerate(sample_seqs) if s.pooling is None]
+        if len(keep) == len(sample_seqs):
+            return sample_seqs, rows
+        index = torch.tensor(keep, dtype=torch.long, device=rows.device)
+        return [sample_seqs[i] for i in keep], rows.index_select(0, index)
 
     def execute_lookahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are still on the device (asynchronous scheduling): token

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import GrammarMatcher
 
@@ -52,6 +55,10 @@ class Sequence:
     grammar: GrammarMatcher | None = None  # with params.structured_outputs: where its output is in it
     lora_name: str | None = None  # the LoRA adapter it runs with (engine.lora)
     lora_slot: int = -1  # the adapter's device slot while it runs (-1: none, or not running)
+    # An embedding request (engine.pooling): computes its prompt and returns its pooled hidden states instead
+    # of sampling; ``pool_state`` is its pooling so far (mean: the running sum) while its prompt is chunked.
+    pooling: PoolingParams | None = None
+    pool_state: torch.Tensor | None = None
     _emitted: int = 0  # output tokens already reported to the caller
 
     def __post_init__(self) -> None:

@@ -14,6 +14,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )
+# The decoder alone, as transformers' base-model classes save it (no LM head): read as its family, which
+# then only embeds (engine.pooling) unless its embeddings are tied to the LM head.
+BASE_MODEL_ARCHITECTURES = {a.replace("ForCausalLM", "Model"): a for a in SUPPORTED_ARCHITECTURES}
 
 
 @dataclass
@@ -48,6 +51,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
+        # A base model's checkpoint (transformers' ``AutoModel``, e.g. an embedding model): its family.
+        archs = [BASE_MODEL_ARCHITECTURES.get(a, a) for a in archs]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
