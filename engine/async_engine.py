@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.data_parallel import Lockstep
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from mesh.kv_events import KVEventSink
 
@@ -109,16 +110,24 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         before_add: Callable[[], Any] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``before_add`` runs on the engine thread in the same call, right before the request is added
-        (blocks loaded from the KV offload store enter the prefix cache there, so the request finds them)."""
+        (blocks loaded from the KV offload store enter the prefix cache there, so the request finds them).
+        ``pooling``: an embedding request (``LLMEngine.add_request``)."""
         q = self.open_stream(request_id)
 
         def add() -> None:
             if before_add is not None:
                 before_add()
             self.engine.add_request(
-                request_id, prompt_token_ids, params, hold_kv, cache_salt, lora_name=lora_name
+                request_id,
+                prompt_token_ids,
+                params,
+                hold_kv,
+                cache_salt,
+                lora_name=lora_name,
+                pooling=pooling,
             )
 
         try:

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from mesh.background import BackgroundTasks
 from mesh.config import check_choices, setting
@@ -644,6 +645,43 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         evicted = await self.aengine.call(self.engine.reset_prefix_cache)
         log.info("prefix cache reset: %d blocks evicted", evicted)
         return worker_pb2.ResetPrefixCacheResponse(num_evicted_blocks=evicted)
+
+    async def Embed(
+        self,
+        request: worker_pb2.EmbedRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.EmbedResponse:
+        """One prompt's embedding (``engine.pooling``): computed as a prefill is, holding no KV."""
+        rid = request.request_id
+        with self.request_scope("Embed", rid, context) as span:
+            try:
+                self.check_admission()
+                pooling = PoolingParams(
+                    pooling_type=request.pooling_type or None,
+                    normalize=request.normalize if request.HasField("normalize") else None,
+                    dimensions=request.dimensions or None,
+                )
+                out = None
+                async for item in self.aengine.generate(
+                    rid,
+                    list(request.prompt_token_ids),
+                    SamplingParams(priority=request.priority),
+                    cache_salt=request.cache_salt or None,
+                    lora_name=request.lora_name or None,
+                    pooling=pooling,
+                ):
+                    out = item
+                if out is None or out.embedding is None:
+                    raise RuntimeError(f"the engine's stream for {rid} ended without an embedding")
+            except Exception as exc:  # every failure leaves as a gRPC status
+                await self.fail(context, span, exc)
+            self.metrics.finished("finished", out.finish_reason, None, (out.num_prompt_tokens, 0))
+            return worker_pb2.EmbedResponse(
+                request_id=rid,
+                embedding=out.embedding,
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens,
+            )
 
     # ---- LoRA adapters (vLLM's load_lora_adapter / unload_lora_adapter, one worker's part) -------------
     @property

@@ -32,6 +32,7 @@ from protos.pdmesh.v1 import worker_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
+from router.embeddings import serve_embeddings
 from router.errors import InvalidRequestError, NotFoundError, RouterError
 from router.http_replies import SSE_HEADERS, error_response, failed_mid_stream, sse
 from router.lora_updates import LoRAUpdates
@@ -86,6 +87,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         stored = self.responses_http  # stored responses (router.responses_http)
         app.router.add_get("/v1/responses/{response_id}", stored.get_response)
         app.router.add_delete("/v1/responses/{response_id}", stored.delete_response)
@@ -288,6 +290,24 @@ class HttpApi:
                 "(a response)"
             )
         )
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's ``/v1/embeddings`` (``router.embeddings``)."""
+        status = "ok"
+        try:
+            return await serve_embeddings(request, self.model, self.orchestrator)
+        except RouterError as exc:
+            status = exc.metric_status
+            return error_response(exc)
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except Exception as exc:
+            status = "error"
+            log.exception("internal error serving embeddings")
+            return error_response(RouterError(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            self.metrics.requests.labels(endpoint="embeddings", status=status).inc()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")

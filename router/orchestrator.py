@@ -104,6 +104,21 @@ class Generation:
 
 
 @dataclass
+class EmbedCall:
+    """One prompt of an embeddings request, tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    pooling_type: str = ""  # empty: the model's
+    normalize: bool | None = None  # None: the model's
+    dimensions: int | None = None
+    priority: int = 0
+    cache_salt: str = ""
+    lora_name: str = ""
+    trace_context: otel_context.Context | None = None
+
+
+@dataclass
 class Chunk:
     """New tokens of one request; the last chunk has ``finish_reason`` and ``usage``."""
 
@@ -470,6 +485,56 @@ class Orchestrator:
                 calling.end_call(n_prompt)
                 if span.is_recording():
                     span.end()
+
+    # ---- embeddings ----------------------------------------------------------------------------------
+    async def embed(self, e: EmbedCall) -> worker_pb2.EmbedResponse:
+        """One prompt's embedding, from a prefill worker (its work is a prefill's), or a decode worker where
+        no prefill worker can take it. A worker that fails with a status another may not (RETRYABLE) is
+        replaced by the next best, each worker tried once; any other status is the request's error."""
+        rr = RouteRequest(e.request_id, e.prompt_token_ids, None, e.cache_salt, e.lora_name)
+        deadline = time.monotonic() + self.request_timeout_s
+        tried: list[WorkerEndpoint] = []
+        failures: list[str] = []
+        n_prompt = len(e.prompt_token_ids)
+        request = worker_pb2.EmbedRequest(
+            request_id=e.request_id,
+            prompt_token_ids=e.prompt_token_ids,
+            cache_salt=e.cache_salt,
+            lora_name=e.lora_name,
+            pooling_type=e.pooling_type,
+            dimensions=e.dimensions or 0,
+            priority=e.priority,
+        )
+        if e.normalize is not None:
+            request.normalize = e.normalize
+        with self.tracer.start_as_current_span(
+            "embed",
+            context=e.trace_context,
+            kind=trace.SpanKind.SERVER,
+            attributes={"pdmesh.request_id": e.request_id, "pdmesh.prompt_tokens": n_prompt},
+        ) as span:
+            while True:
+                role = PREFILL if self.pool.candidates(PREFILL, tried, e.lora_name) else DECODE
+                candidates = self.pool.candidates(role, tried, e.lora_name)
+                if not candidates:
+                    detail = "; ".join(failures) or self.pool.describe_unusable(DECODE)
+                    raise NoWorkerAvailableError(f"no worker could compute the embedding ({detail})")
+                worker = (await self.chooser.choose(role, rr, candidates)).worker
+                tried.append(worker)
+                span.set_attribute("pdmesh.worker", worker.address)
+                worker.begin_call(n_prompt)
+                try:
+                    return await worker.stub.Embed(
+                        request, timeout=self._remaining(deadline), metadata=inject_metadata()
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    self._worker_error(worker, "Embed", exc)
+                    if exc.code() not in RETRYABLE:
+                        raise from_worker_status(exc.code(), exc.details() or "", worker.address) from None
+                    failures.append(f"{worker.address}: {exc.code().name}: {exc.details()}")
+                finally:
+                    worker.end_call(n_prompt)
+                    self.chooser.prefill_done(rr)
 
     # ---- helpers -------------------------------------------------------------------------------------
     async def _next(self, role: str, rr: RouteRequest, tried: list[WorkerEndpoint]) -> WorkerEndpoint | None:

@@ -1699,3 +1699,61 @@ def test_responses_stored_in_redis_are_shared_by_every_router(pd_workers) -> Non
         for key in client.scan_iter("pdmesh:*"):
             client.delete(key)
         client.close()
+
+
+def test_embeddings_over_the_mesh_equal_offline(router: Router, llm: LLM, pd_workers) -> None:  # noqa: F811
+    """``/v1/embeddings`` through the ``openai`` client (which asks for base64) and as plain floats, from text
+    and from token ids, equals the offline engine's ``LLM.embed``; the prefill worker computed them."""
+    from engine import PoolingParams
+
+    texts = ["The mesh embeds this sentence.", "and this one, a little longer than the first"]
+    want = [o.embedding for o in llm.embed(texts)]
+    reply = router.client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in reply.data] == [0, 1]
+    for got, expected in zip((d.embedding for d in reply.data), want, strict=True):
+        assert got == pytest.approx(expected, abs=1e-5)
+    assert (
+        reply.usage.prompt_tokens
+        == sum(len(llm.tokenizer.encode(t)) for t in texts)
+        == reply.usage.total_tokens
+    )
+    ids = llm.tokenizer.encode(texts[0])
+    body = _post(router, "/v1/embeddings", {"model": MODEL, "input": ids, "encoding_format": "float", "pooling_type": "mean", "normalize": False})  # fmt: skip
+    mean = llm.embed([ids], PoolingParams(pooling_type="mean", normalize=False))[0].embedding
+    assert body["object"] == "list" and body["model"] == MODEL
+    assert body["data"][0]["embedding"] == pytest.approx(mean, abs=1e-5)
+    prefill, _ = pd_workers
+    deadline = time.monotonic() + 5
+    while True:  # the router's spans say which worker computed them: the prefill worker
+        workers = {
+            s["attributes"].get("pdmesh.worker")
+            for s in read_spans_jsonl(router.trace_file)
+            if s["name"] == "embed"
+        }
+        if len(workers) == 1 and None not in workers:
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.1)
+    assert workers == {prefill.address}
+    with urllib.request.urlopen(f"http://{router.http}/metrics", timeout=10) as resp:
+        assert re.search(
+            r'^pdmesh_router_requests_total\{endpoint="embeddings",status="ok"\} ', resp.read().decode(), re.M
+        )
+
+
+def test_bad_embedding_requests_get_a_400(router: Router) -> None:
+    for body, words in (
+        ({"model": MODEL}, "'input' is required"),
+        ({"model": MODEL, "input": ""}, "empty"),
+        ({"model": MODEL, "input": [[1, 2], "x"]}, "'input' must be"),
+        ({"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"model": MODEL, "input": "x", "dimensions": 8}, "not a Matryoshka model"),
+        ({"model": MODEL, "input": "x", "pooling_type": "max"}, "pooling_type"),
+        ({"model": MODEL, "input": [10**6]}, "outside the vocabulary"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _post(router, "/v1/embeddings", body)
+        assert err.value.code == 400, body
+        assert words in json.loads(err.value.read())["error"]["message"], body
+    with pytest.raises(openai.NotFoundError):
+        router.client.embeddings.create(model="no-such-model", input="x")

@@ -90,6 +90,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdmesh.v1.Worker/Embed',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -176,6 +181,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One prompt's embedding: its last hidden states pooled (vLLM's pooling runner; the router's
+        /v1/embeddings). Served by both roles; it computes the prompt as a prefill does and holds no KV.
+        INVALID_ARGUMENT: a bad prompt or pooling setting (dimensions the model does not take, say).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +247,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +551,33 @@ class Worker:
             '/pdmesh.v1.Worker/UnloadLoRAAdapter',
             protos_dot_pdmesh_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             protos_dot_pdmesh_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Worker/Embed',
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
