@@ -29,7 +29,9 @@ from router.served_model import ServedModel
 ENCODINGS = ("float", "base64")
 
 
-async def serve_embeddings(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
+async def serve_embeddings(
+    request: web.Request, model: ServedModel, orchestrator: Orchestrator
+) -> web.Response:
     """The reply to one ``/v1/embeddings`` request (errors raise ``RouterError``s)."""
     body = parse_json_body(await request.read())
     f = JsonFields(body)
@@ -110,12 +112,14 @@ async def _prompts(f: JsonFields, model: ServedModel) -> list[list[int]]:
             raise InvalidRequestError("an input is an empty string", param="input")
         ids = await model.tokenize(item, add_special) if texts else list(item)
         ids = model.truncate_prompt(ids, keep)
-        _check(model, ids)
+        check_input(model, ids)
         prompts.append(ids)
     return prompts
 
 
-def _check(model: ServedModel, ids: list[int]) -> None:
+def check_input(model: ServedModel, ids: list[int]) -> None:
+    """An embedding's prompt: at least one token, every id in the vocabulary, at most ``max_model_len``
+    tokens (it generates nothing), else a 400 / INVALID_ARGUMENT."""
     if not ids:
         raise InvalidRequestError("an input is empty: it must have at least one token", param="input")
     model.check_token_ids(ids, "input token ids", "input")

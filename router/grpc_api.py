@@ -1,4 +1,4 @@
-"""The public gRPC API: ``pdmesh.v1.Router`` (``Generate``, ``ListModels``).
+"""The public gRPC API: ``pdmesh.v1.Router`` (``Generate``, ``Embed``, ``ListModels``).
 
 ``Generate`` applies the same checks as the HTTP API (``router.served_model``) and streams one
 ``GenerateResponse`` per orchestrator chunk; errors are gRPC statuses (INVALID_ARGUMENT, NOT_FOUND,
@@ -18,9 +18,10 @@ import grpc
 from mesh.grpc_server import abort_with
 from mesh.telemetry import extract_context
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.embeddings import check_input
 from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
-from router.orchestrator import Generation, Orchestrator
+from router.orchestrator import EmbedCall, Generation, Orchestrator
 from router.served_model import COMPLETIONS_DEFAULT_MAX_TOKENS, ServedModel, sampling_input_from_proto
 from router.worker_pool import DECODE, PREFILL, WorkerPool
 
@@ -117,6 +118,57 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self.metrics.requests.labels(endpoint=ENDPOINT, status=status).inc()
+
+    async def Embed(  # noqa: N802 (generated name)
+        self, request: router_pb2.EmbeddingRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.EmbeddingResponse:
+        """One prompt's embedding (``Orchestrator.embed``), checked as ``/v1/embeddings`` checks it."""
+        status = "ok"
+        try:
+            lora_name = self.model.check_model(request.model, request.lora_name) or ""
+            which = request.WhichOneof("prompt")
+            if which == "text":
+                if not request.text:
+                    raise InvalidRequestError("the prompt is an empty string", param="text")
+                ids = await self.model.tokenize(request.text)
+            elif which == "token_ids":
+                ids = list(request.token_ids.ids)
+            else:
+                raise InvalidRequestError(
+                    "EmbeddingRequest needs a prompt: set text or token_ids", param="prompt"
+                )
+            check_input(self.model, ids)
+            call = EmbedCall(
+                request_id=request.request_id or f"embd-{uuid.uuid4().hex}",
+                prompt_token_ids=ids,
+                pooling_type=request.pooling_type,
+                normalize=request.normalize if request.HasField("normalize") else None,
+                dimensions=request.dimensions or None,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                lora_name=lora_name,
+                trace_context=extract_context(context.invocation_metadata()),  # type: ignore[arg-type]
+            )
+            reply = await self.orchestrator.embed(call)
+            return router_pb2.EmbeddingResponse(
+                request_id=call.request_id,
+                embedding=reply.embedding,
+                usage=common_pb2.Usage(prompt_tokens=len(ids), cached_prompt_tokens=reply.num_cached_tokens),
+            )
+        except RouterError as exc:
+            status = exc.metric_status
+            await abort_with(context, exc.grpc_code, exc.message)
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except Exception as exc:
+            status = "error"
+            log.exception("internal error serving Embed")
+            await abort_with(
+                context, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            )
+        finally:
+            self.metrics.requests.labels(endpoint="grpc_embed", status=status).inc()
 
     async def ListModels(  # noqa: N802 (generated name)
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

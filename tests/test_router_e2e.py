@@ -1757,3 +1757,45 @@ def test_bad_embedding_requests_get_a_400(router: Router) -> None:
         assert words in json.loads(err.value.read())["error"]["message"], body
     with pytest.raises(openai.NotFoundError):
         router.client.embeddings.create(model="no-such-model", input="x")
+
+
+def test_grpc_embed_equals_offline(router: Router, llm: LLM) -> None:
+    """``pdmesh.v1.Router/Embed``, from text and from token ids, gives the offline engine's embedding and
+    usage; a bad request is INVALID_ARGUMENT, an unknown model NOT_FOUND."""
+    text = "embedded over gRPC"
+    ids = llm.tokenizer.encode(text)
+
+    async def run() -> tuple[
+        router_pb2.EmbeddingResponse, router_pb2.EmbeddingResponse, list[grpc.StatusCode]
+    ]:
+        async with grpc.aio.insecure_channel(router.grpc) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            by_text = await stub.Embed(router_pb2.EmbeddingRequest(text=text, model=MODEL), timeout=30)
+            by_ids = await stub.Embed(
+                router_pb2.EmbeddingRequest(token_ids=common_pb2.TokenIds(ids=ids), pooling_type="cls"),
+                timeout=30,
+            )
+            codes = []
+            for bad in (
+                router_pb2.EmbeddingRequest(model=MODEL),
+                router_pb2.EmbeddingRequest(text="x", dimensions=3),
+                router_pb2.EmbeddingRequest(text="x", model="no-such-model"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Embed(bad, timeout=30)
+                codes.append(err.value.code())
+            return by_text, by_ids, codes
+
+    by_text, by_ids, codes = asyncio.run(run())
+    from engine import PoolingParams
+
+    assert list(by_text.embedding) == pytest.approx(llm.embed([text])[0].embedding, abs=1e-5)
+    assert list(by_ids.embedding) == pytest.approx(
+        llm.embed([ids], PoolingParams(pooling_type="cls"))[0].embedding, abs=1e-5
+    )
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 0
+    assert codes == [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+    ]

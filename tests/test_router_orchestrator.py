@@ -115,6 +115,16 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             self.calls.append(("DecodeCancelled", request.request_id))
             raise
 
+    async def Embed(self, request: worker_pb2.EmbedRequest, context: Any) -> worker_pb2.EmbedResponse:  # noqa: N802
+        self._record("Embed", request.request_id, context)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, f"scripted {self.fail_with.name}", self.trailers)
+        value = 1.0 if self.role == "prefill" else 2.0  # says which role answered
+        return worker_pb2.EmbedResponse(
+            request_id=request.request_id, embedding=[value, float(len(request.prompt_token_ids))],
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )  # fmt: skip
+
     async def Abort(self, request: worker_pb2.AbortRequest, context: Any) -> worker_pb2.AbortResponse:  # noqa: N802
         self._record("Abort", request.request_id, context)
         return worker_pb2.AbortResponse(found=True)
@@ -596,5 +606,38 @@ def test_an_unavailable_decode_is_retried_with_the_same_kv_handle_only_when_refu
             assert retry.HasField("kv_handle") == refused
             if not refused:  # the handle may be spent: the prefill worker's blocks are let go
                 assert await until(lambda: prefill.names("ReleaseKV") == prefill.names("Prefill"))
+
+    asyncio.run(run())
+
+
+def test_embeddings_go_to_a_prefill_worker_and_are_retried_on_the_next() -> None:
+    """An embedding goes to a prefill worker; one that fails with a retryable status is replaced by the
+    next; with every prefill worker failing, a decode worker computes it; INVALID_ARGUMENT is the
+    request's 400, not retried. The inputs of one request run as one call each."""
+    bad = ScriptedWorker("prefill", fail_with=grpc.StatusCode.UNAVAILABLE)
+    good = ScriptedWorker("prefill")
+    decode = ScriptedWorker("decode")
+
+    async def run() -> None:
+        async with mesh([bad, good], [decode], routing="round_robin") as svc:
+            for _ in range(2):
+                status, body = await _complete(svc, {"input": ["x", "yz"]}, "/v1/embeddings")
+                assert status == 200, body
+                assert [d["embedding"] for d in body["data"]] == [[1.0, 2.0], [1.0, 3.0]]  # BOS + bytes
+                assert body["usage"]["prompt_tokens"] == 5
+            assert bad.names("Embed") and len(good.names("Embed")) == 4 and not decode.names("Embed")
+        async with mesh([ScriptedWorker("prefill", fail_with=grpc.StatusCode.UNAVAILABLE)], [decode]) as svc:
+            status, body = await _complete(svc, {"input": "x"}, "/v1/embeddings")
+            assert status == 200 and body["data"][0]["embedding"] == [2.0, 2.0]
+        refusing = ScriptedWorker("prefill", fail_with=grpc.StatusCode.INVALID_ARGUMENT)
+        other = ScriptedWorker("prefill")
+        async with mesh([refusing, other], [ScriptedWorker("decode")], routing="round_robin") as svc:
+            status, body = await _complete(svc, {"input": "x"}, "/v1/embeddings")
+            if status == 400:  # round robin picked the refusing worker first: its status, not a retry
+                assert body["error"]["message"] == "scripted INVALID_ARGUMENT" and not other.names("Embed")
+            else:
+                assert status == 200 and not refusing.names("Embed")
+            status, body = await _complete(svc, {"input": "x"}, "/v1/embeddings")
+            assert {len(refusing.names("Embed")), len(other.names("Embed"))} == {1}
 
     asyncio.run(run())

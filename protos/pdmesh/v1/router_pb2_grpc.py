@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdmesh.v1.Router/Embed',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -64,6 +69,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One prompt's embedding (the HTTP API's /v1/embeddings): its last hidden states pooled by a worker.
+        INVALID_ARGUMENT for a bad prompt or pooling setting, UNAVAILABLE when no worker can take it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Router:
             '/pdmesh.v1.Router/ListModels',
             protos_dot_pdmesh_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             protos_dot_pdmesh_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Router/Embed',
+            protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingResponse.FromString,
             options,
             channel_credentials,
             insecure,
