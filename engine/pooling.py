@@ -143,8 +143,8 @@ def pool_chunk(seq: Sequence, hidden: torch.Tensor, start: int) -> torch.Tensor 
             return None
         vec = seq.pool_state / n_prompt
     elif params.pooling_type == "cls":
-        if start == 0:
-            seq.pool_state = hidden[0].float()
+        if start == 0:  # a copy: ``hidden`` may be a CUDA graph's memory, rewritten by the next replay
+            seq.pool_state = hidden[0].to(torch.float32, copy=True)
         if not ends:
             return None
         assert seq.pool_state is not None
@@ -152,7 +152,7 @@ def pool_chunk(seq: Sequence, hidden: torch.Tensor, start: int) -> torch.Tensor 
     else:
         if not ends:
             return None
-        vec = hidden[-1].float()
+        vec = hidden[-1].to(torch.float32, copy=True)
     seq.pool_state = None
     if params.dimensions is not None:
         vec = vec[: params.dimensions]

@@ -16,6 +16,7 @@ import torch
 from engine import LLM, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from tests.checkpoints import make_checkpoint
+from tests.kernel_testing import needs_gpu
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +212,45 @@ def test_embedding_request_limits(qwen3: Path) -> None:
         llm.embed([list(range(3, 36))])
     with pytest.raises(ValueError, match="no KV to hold"):
         llm.engine.add_request("x", [5, 6], SamplingParams(), hold_kv=True, pooling=PoolingParams())
+
+
+def test_embeddings_through_the_prefill_graphs_pieces(qwen3: Path) -> None:
+    """CPU (the prefill graphs' pieces run eagerly, ``EagerPieces``, as on a GPU they replay): embeddings of
+    prompts chunked through padded buckets equal the eager engine's, for each pooling type."""
+    from tests.test_prefill_graphs import EagerPieces
+
+    kw = dict(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48)
+    eager = LLM(str(qwen3), **kw)
+    llm = LLM(str(qwen3), **kw)
+    runner = llm.engine.runner
+    pieces = runner.prefill_graphs = EagerPieces(runner.model, runner.kv_pool, 48, torch.device("cpu"))
+    pieces.capture()
+    prompts = _prompts(5, seed=9, lengths=(5, 90))
+    for kind in ("last", "mean", "cls"):
+        params = PoolingParams(pooling_type=kind)
+        for a, b in zip(llm.embed(prompts, params), eager.embed(prompts, params), strict=True):
+            torch.testing.assert_close(
+                torch.tensor(a.embedding), torch.tensor(b.embedding), atol=2e-5, rtol=1e-4
+            )
+    assert sum(pieces.replays.values()) > 0
+
+
+@needs_gpu
+def test_gpu_embeddings_with_graphs_equal_the_eager_reference(qwen3: Path) -> None:
+    """On a GPU: the Triton ops with decode and prefill graphs and asynchronous scheduling, embedding requests
+    beside generating ones, give the eager torch ops' embeddings (float32) and tokens."""
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64)
+    fast = LLM(str(qwen3), kernel_backend="triton", **kw)
+    eager = LLM(str(qwen3), kernel_backend="torch", cuda_graphs=False, **kw)
+    assert fast.engine.runner.prefill_graphs is not None
+    prompts = _prompts(6, seed=10, lengths=(2, 120))
+    for kind in ("last", "mean", "cls"):
+        params = PoolingParams(pooling_type=kind)
+        for a, b in zip(fast.embed(prompts, params), eager.embed(prompts, params), strict=True):
+            torch.testing.assert_close(
+                torch.tensor(a.embedding), torch.tensor(b.embedding), atol=1e-4, rtol=1e-3
+            )
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in fast.generate(prompts, greedy)] == [
+        o.token_ids for o in eager.generate(prompts, greedy)
+    ]
