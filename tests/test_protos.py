@@ -172,7 +172,7 @@ def test_tiers_match_the_mesh_kv_events_tiers() -> None:
 @pytest.mark.parametrize(
     ("module", "service", "methods"),
     [
-        (router_pb2, "Router", {"Generate": True, "ListModels": False}),
+        (router_pb2, "Router", {"Generate": True, "ListModels": False, "Embed": False}),
         (
             worker_pb2,
             "Worker",
@@ -188,6 +188,7 @@ def test_tiers_match_the_mesh_kv_events_tiers() -> None:
                 "ResetPrefixCache": False,
                 "LoadLoRAAdapter": False,
                 "UnloadLoRAAdapter": False,
+                "Embed": False,
             },
         ),
         (
