@@ -67,6 +67,14 @@ class LLM:
             return self._lockstep.step()
         return self.engine.step()
 
+    def _token_prompts(self, prompts: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+        """One prompt (text or token ids) or several, as token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the checkpoint's recommended sampling (its generation_config.json, where it samples),
         else SamplingParams' own defaults; what ``generate`` and ``chat`` use when given none."""
@@ -83,11 +91,7 @@ class LLM:
         """``priority`` (vLLM's): each prompt's, under the priority scheduling policy. ``lora_request``
         (vLLM's): the LoRA adapter all prompts run with, or one per prompt (None: the base model); an
         adapter not yet registered under its name is loaded from its path first."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_prompts = self._token_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (
@@ -151,11 +155,7 @@ class LLM:
     ) -> list[EmbeddingOutput]:
         """vLLM's ``LLM.embed``: each prompt's pooled last hidden states (``engine.pooling``; the model's
         pooling and normalisation unless ``pooling_params`` says otherwise), in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_prompts = self._token_prompts(prompts)
         if lora_request is not None and lora_request.lora_name not in self.engine.list_loras():
             self.engine.add_lora(lora_request.lora_name, lora_request.lora_path)
         ids = [f"embed-{uuid.uuid4().hex}" for _ in token_prompts]

@@ -30,17 +30,25 @@ log = logging.getLogger(__name__)
 ENDPOINT = "grpc_generate"
 
 
+async def prompt_ids(
+    model: ServedModel, request: router_pb2.GenerateRequest | router_pb2.EmbeddingRequest
+) -> list[int]:
+    """A request's ``prompt`` oneof as token ids: ``text`` tokenized, ``token_ids`` as given."""
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return await model.tokenize(request.text)
+    if which == "token_ids":
+        return list(request.token_ids.ids)
+    raise InvalidRequestError(
+        f"{type(request).__name__} needs a prompt: set text or token_ids", param="prompt"
+    )
+
+
 async def build_generation(
     model: ServedModel, request: router_pb2.GenerateRequest, metadata: object
 ) -> Generation:
     lora_name = model.check_model(request.model, request.lora_name) or ""
-    which = request.WhichOneof("prompt")
-    if which == "text":
-        ids = await model.tokenize(request.text)
-    elif which == "token_ids":
-        ids = list(request.token_ids.ids)
-    else:
-        raise InvalidRequestError("GenerateRequest needs a prompt: set text or token_ids", param="prompt")
+    ids = await prompt_ids(model, request)
     model.check_prompt(ids)
     s = sampling_input_from_proto(request.sampling_params)
     max_tokens = model.resolve_max_tokens(s.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -126,17 +134,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         status = "ok"
         try:
             lora_name = self.model.check_model(request.model, request.lora_name) or ""
-            which = request.WhichOneof("prompt")
-            if which == "text":
-                if not request.text:
-                    raise InvalidRequestError("the prompt is an empty string", param="text")
-                ids = await self.model.tokenize(request.text)
-            elif which == "token_ids":
-                ids = list(request.token_ids.ids)
-            else:
-                raise InvalidRequestError(
-                    "EmbeddingRequest needs a prompt: set text or token_ids", param="prompt"
-                )
+            if request.WhichOneof("prompt") == "text" and not request.text:
+                raise InvalidRequestError("the prompt is an empty string", param="text")
+            ids = await prompt_ids(self.model, request)
             check_input(self.model, ids)
             call = EmbedCall(
                 request_id=request.request_id or f"embd-{uuid.uuid4().hex}",
