@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import struct
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from mesh.telemetry import extract_context
+from protos.pdmesh.v1 import worker_pb2
 from router.errors import InvalidRequestError
 from router.openai_protocol import JsonFields, parse_json_body
 from router.orchestrator import EmbedCall, Orchestrator
@@ -46,6 +48,34 @@ async def serve_embeddings(
         raise InvalidRequestError(f"dimensions must be at least 1, got {dimensions}", param="dimensions")
     prompts = await _prompts(f, model)
     request_id = f"embd-{uuid.uuid4().hex}"
+    replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id, dimensions)
+    n_tokens = sum(len(ids) for ids in prompts)
+    return web.json_response(
+        {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model.reply_name(f.str("model")),
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _encode(list(r.embedding), encoding)}
+                for i, r in enumerate(replies)
+            ],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )
+
+
+async def _embed_all(
+    request: web.Request,
+    f: JsonFields,
+    orchestrator: Orchestrator,
+    lora_name: str,
+    prompts: list[list[int]],
+    request_id: str,
+    dimensions: int | None = None,
+) -> list[worker_pb2.EmbedResponse]:
+    """Each prompt's embedding, one worker call each, concurrently; the request's pooling fields from ``f``.
+    One failure cancels the others and is the request's error."""
     trace_context = extract_context([(k.lower(), v) for k, v in request.headers.items()])
     calls = [
         EmbedCall(
@@ -63,13 +93,35 @@ async def serve_embeddings(
     ]
     tasks = [asyncio.ensure_future(orchestrator.embed(c)) for c in calls]
     try:
-        replies = await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     except BaseException:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    n_tokens = sum(len(ids) for ids in prompts)
+
+
+async def serve_score(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
+    """vLLM's ``/score`` for an embedding model: the cosine similarity of ``text_1``'s and ``text_2``'s
+    embeddings; one ``text_1`` against each ``text_2``, or pairwise when both list as many texts."""
+    f = JsonFields(parse_json_body(await request.read()))
+    lora_name = model.check_model(f.str("model")) or ""
+    first, second = _texts(f, "text_1"), _texts(f, "text_2")
+    if len(first) == 1:
+        pairs = [(0, j) for j in range(len(second))]
+    elif len(first) == len(second):
+        pairs = [(i, i) for i in range(len(first))]
+    else:
+        raise InvalidRequestError(
+            f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as text_2",
+            param="text_1",
+        )
+    prompts = [await _tokenized(f, model, t) for t in (*first, *second)]
+    request_id = f"score-{uuid.uuid4().hex}"
+    vecs = [
+        list(r.embedding) for r in await _embed_all(request, f, orchestrator, lora_name, prompts, request_id)
+    ]
+    n_tokens = sum(map(len, prompts))
     return web.json_response(
         {
             "id": request_id,
@@ -77,12 +129,76 @@ async def serve_embeddings(
             "created": int(time.time()),
             "model": model.reply_name(f.str("model")),
             "data": [
-                {"object": "embedding", "index": i, "embedding": _encode(list(r.embedding), encoding)}
-                for i, r in enumerate(replies)
+                {"index": k, "object": "score", "score": _cosine(vecs[a], vecs[len(first) + b])}
+                for k, (a, b) in enumerate(pairs)
             ],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
     )
+
+
+async def serve_rerank(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
+    """vLLM's ``/rerank`` (Jina's and Cohere's API) for an embedding model: ``documents`` (strings, or
+    objects with a ``text``) by the cosine similarity of their embeddings to ``query``'s, best first, the
+    first ``top_n`` (default: all)."""
+    f = JsonFields(parse_json_body(await request.read()))
+    lora_name = model.check_model(f.str("model")) or ""
+    query = f.str("query")
+    if not query:
+        raise InvalidRequestError("'query' is required, a non-empty string", param="query")
+    documents = f.body.get("documents")
+    if not isinstance(documents, list) or not documents:
+        raise InvalidRequestError("'documents' must be a non-empty array", param="documents")
+    texts = []
+    for d in documents:
+        text = d.get("text") if isinstance(d, dict) else d
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(
+                "each document must be a non-empty string or an object with a 'text' string",
+                param="documents",
+            )
+        texts.append(text)
+    top_n = f.int("top_n") or len(texts)
+    if top_n < 0:
+        raise InvalidRequestError(f"top_n must be >= 0, got {top_n}", param="top_n")
+    prompts = [await _tokenized(f, model, t) for t in (query, *texts)]
+    request_id = f"rerank-{uuid.uuid4().hex}"
+    vecs = [
+        list(r.embedding) for r in await _embed_all(request, f, orchestrator, lora_name, prompts, request_id)
+    ]
+    scores = [_cosine(vecs[0], v) for v in vecs[1:]]
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])[:top_n]
+    n_tokens = sum(map(len, prompts))
+    return web.json_response(
+        {
+            "id": request_id,
+            "model": model.reply_name(f.str("model")),
+            "usage": {"total_tokens": n_tokens},
+            "results": [
+                {"index": i, "document": {"text": texts[i]}, "relevance_score": scores[i]} for i in order
+            ],
+        }
+    )
+
+
+def _texts(f: JsonFields, name: str) -> list[str]:
+    texts = f.str_list(name)
+    if not texts or not all(texts):
+        raise InvalidRequestError(f"'{name}' must be a non-empty string or an array of them", param=name)
+    return texts
+
+
+async def _tokenized(f: JsonFields, model: ServedModel, text: str) -> list[int]:
+    ids = model.truncate_prompt(
+        await model.tokenize(text, f.bool("add_special_tokens", True)), f.int("truncate_prompt_tokens")
+    )
+    check_input(model, ids)
+    return ids
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    norm = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return sum(x * y for x, y in zip(a, b, strict=True)) / norm if norm else 0.0
 
 
 async def _prompts(f: JsonFields, model: ServedModel) -> list[list[int]]:

@@ -32,7 +32,7 @@ from protos.pdmesh.v1 import worker_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
-from router.embeddings import serve_embeddings
+from router.embeddings import serve_embeddings, serve_rerank, serve_score
 from router.errors import InvalidRequestError, NotFoundError, RouterError
 from router.http_replies import SSE_HEADERS, error_response, failed_mid_stream, sse
 from router.lora_updates import LoRAUpdates
@@ -88,6 +88,10 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        for path in ("/score", "/v1/score"):
+            app.router.add_post(path, self.score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.router.add_post(path, self.rerank)
         stored = self.responses_http  # stored responses (router.responses_http)
         app.router.add_get("/v1/responses/{response_id}", stored.get_response)
         app.router.add_delete("/v1/responses/{response_id}", stored.delete_response)
@@ -293,9 +297,20 @@ class HttpApi:
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """OpenAI's ``/v1/embeddings`` (``router.embeddings``)."""
+        return await self._pooling(request, "embeddings", serve_embeddings)
+
+    async def score(self, request: web.Request) -> web.Response:
+        """vLLM's ``/score``: cosine similarities of embeddings (``router.embeddings``)."""
+        return await self._pooling(request, "score", serve_score)
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """vLLM's ``/rerank`` (Jina's and Cohere's API): documents by similarity to a query."""
+        return await self._pooling(request, "rerank", serve_rerank)
+
+    async def _pooling(self, request: web.Request, endpoint: str, serve: Any) -> web.Response:
         status = "ok"
         try:
-            return await serve_embeddings(request, self.model, self.orchestrator)
+            return await serve(request, self.model, self.orchestrator)
         except RouterError as exc:
             status = exc.metric_status
             return error_response(exc)
@@ -304,10 +319,10 @@ class HttpApi:
             raise
         except Exception as exc:
             status = "error"
-            log.exception("internal error serving embeddings")
+            log.exception("internal error serving %s", endpoint)
             return error_response(RouterError(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
-            self.metrics.requests.labels(endpoint="embeddings", status=status).inc()
+            self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")

@@ -1799,3 +1799,44 @@ def test_grpc_embed_equals_offline(router: Router, llm: LLM) -> None:
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,
     ]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    import math
+
+    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(
+        sum(x * x for x in a) * sum(y * y for y in b)
+    )
+
+
+def test_score_and_rerank_rank_by_the_offline_embeddings(router: Router, llm: LLM) -> None:
+    """vLLM's ``/score`` (one text against several, and pairwise) and ``/rerank`` give the cosine
+    similarities of the offline engine's embeddings, ``/rerank`` best first and cut to ``top_n``."""
+    query = "where do the experts live"
+    docs = ["the experts live on the ranks", "bananas are yellow", "experts move between ranks"]
+    vec = {t: e.embedding for t, e in zip([query, *docs], llm.embed([query, *docs]), strict=True)}
+    want = [_cosine(vec[query], vec[d]) for d in docs]
+    one_to_many = _post(router, "/score", {"model": MODEL, "text_1": query, "text_2": docs})
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    assert [d["score"] for d in one_to_many["data"]] == pytest.approx(want, abs=1e-5)
+    pairwise = _post(router, "/v1/score", {"text_1": docs[:2], "text_2": docs[1:]})
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [_cosine(vec[docs[0]], vec[docs[1]]), _cosine(vec[docs[1]], vec[docs[2]])], abs=1e-5
+    )
+    assert one_to_many["usage"]["prompt_tokens"] == sum(len(llm.tokenizer.encode(t)) for t in [query, *docs])
+    reranked = _post(router, "/v1/rerank", {"model": MODEL, "query": query, "documents": [docs[0], {"text": docs[1]}, docs[2]], "top_n": 2})  # fmt: skip
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in reranked["results"]] == order
+    assert [r["relevance_score"] for r in reranked["results"]] == pytest.approx(
+        [want[i] for i in order], abs=1e-5
+    )
+    assert reranked["results"][0]["document"]["text"] == docs[order[0]]
+    for path, body, words in (
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "give one text_1"),
+        ("/score", {"text_1": "a"}, "'text_2'"),
+        ("/rerank", {"query": "q", "documents": []}, "'documents'"),
+        ("/v2/rerank", {"documents": ["d"]}, "'query'"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _post(router, path, body)
+        assert err.value.code == 400 and words in json.loads(err.value.read())["error"]["message"], body
