@@ -1,8 +1,9 @@
 """API keys on the router's public APIs (vLLM's ``--api-key``): with keys set, a request must carry
 ``Authorization: Bearer <key>`` with one of them.
 
-HTTP: every path under ``/v1`` (the OpenAI API) is checked, as vLLM does, and ``/invocations`` (which
-serves the same; vLLM leaves it open) and ``/reset_prefix_cache`` (it changes every worker); ``/health``, ``/ping``, ``/metrics``, ``/version``, ``/tokenize`` and
+HTTP: every path under ``/v1`` (the OpenAI API) is checked, as vLLM does, and ``/invocations``,
+``/score``, ``/rerank`` and ``/v2/rerank`` (they run the model as ``/v1`` does; vLLM leaves them open) and
+``/reset_prefix_cache`` (it changes every worker); ``/health``, ``/ping``, ``/metrics``, ``/version``, ``/tokenize`` and
 ``/detokenize`` stay open for probes and scrapers. A refused request is a
 401 in OpenAI's error shape. gRPC: every method of ``pdmesh.v1.Router`` is checked (``authorization``
 metadata); health checking and reflection stay open. A refused call ends UNAUTHENTICATED.
@@ -22,6 +23,8 @@ import grpc
 from aiohttp import web
 
 ROUTER_METHODS = "/pdmesh.v1.Router/"  # the gRPC methods that need a key
+# HTTP paths outside /v1 that need a key: they run the model, or change every worker.
+GUARDED_PATHS = ("/invocations", "/score", "/rerank", "/v2/rerank", "/reset_prefix_cache")
 REFUSED = "a valid API key is required: send 'Authorization: Bearer <key>'"
 
 
@@ -51,7 +54,7 @@ def http_middleware(keys: ApiKeys) -> Callable[..., Awaitable[web.StreamResponse
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         path = request.path
-        guarded = path == "/v1" or path.startswith("/v1/") or path in ("/invocations", "/reset_prefix_cache")
+        guarded = path == "/v1" or path.startswith("/v1/") or path in GUARDED_PATHS
         if guarded and request.method != "OPTIONS" and not keys.allows(request.headers.get("Authorization")):
             return web.json_response(
                 {

@@ -1119,6 +1119,15 @@ def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa:
             _http(f"http://{http}/invocations", "POST", {"Authorization": "Bearer key-one"}, invocation)[0]
             == 200
         )
+        for path, body in (
+            ("/score", {"text_1": "a", "text_2": "b"}),
+            ("/rerank", {"query": "q", "documents": ["d"]}),
+        ):
+            assert _http(f"http://{http}{path}", "POST", {}, body)[0] == 401, path  # they run the model too
+            assert (
+                _http(f"http://{http}{path}", "POST", {"Authorization": "Bearer key-one"}, body)[0] == 200
+            ), path
+        assert client.embeddings.create(model=MODEL, input="Hi").usage.prompt_tokens > 0
 
         async def generate(metadata: tuple[tuple[str, str], ...]) -> str:
             params = common_pb2.SamplingParams(max_tokens=3, temperature=0.0)
