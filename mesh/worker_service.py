@@ -675,7 +675,16 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
                     raise RuntimeError(f"the engine's stream for {rid} ended without an embedding")
             except Exception as exc:  # every failure leaves as a gRPC status
                 await self.fail(context, span, exc)
-            self.metrics.finished("finished", out.finish_reason, None, (out.num_prompt_tokens, 0))
+            # Counted as the role counts a request that ends (vLLM counts pooling requests alike): its queue
+            # time, its prefill (the prompt) and inference, its end-to-end latency, no generated token.
+            self.metrics.queued(max(0, out.first_scheduled_ns - out.arrival_time_ns) / 1e9)
+            self.metrics.phases(out, out.first_token_ns, prefilled_here=True)
+            self.metrics.finished(
+                "finished" if self.role == common_pb2.WORKER_ROLE_PREFILL else out.finish_reason,
+                out.finish_reason,
+                max(0, time.time_ns() - out.arrival_time_ns) / 1e9,
+                (out.num_prompt_tokens, 0),
+            )
             return worker_pb2.EmbedResponse(
                 request_id=rid,
                 embedding=out.embedding,
