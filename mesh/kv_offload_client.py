@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from engine.pooling import PoolingParams, needs_every_token
 from mesh.block_hash import block_hashes, root_hash
 from mesh.grpc_server import insecure_channel
 from mesh.kv_transfer_proto import metadata_from_proto
@@ -315,11 +316,13 @@ class KVOffloadClient:
         hold_kv: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[Any]:
         """``AsyncEngine.generate``, with the prompt's blocks the store holds loaded first."""
         load = None
-        # Prompts with prompt logprobs are computed whole anyway.
-        if self.offload is not None and getattr(params, "prompt_logprobs", None) is None:
+        # Prompts with prompt logprobs, and embeddings pooled over every token, are computed whole anyway.
+        whole = getattr(params, "prompt_logprobs", None) is not None or needs_every_token(pooling)
+        if self.offload is not None and not whole:
             load = await self.load_prefix(request_id, prompt_token_ids, cache_salt, lora_name)
         try:
             async for out in self.aengine.generate(
@@ -330,6 +333,7 @@ class KVOffloadClient:
                 cache_salt=cache_salt,
                 lora_name=lora_name,
                 before_add=load.commit if load is not None else None,
+                pooling=pooling,
             ):
                 yield out
         finally:

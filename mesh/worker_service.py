@@ -656,13 +656,15 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         with self.request_scope("Embed", rid, context) as span:
             try:
                 self.check_admission()
-                pooling = PoolingParams(
-                    pooling_type=request.pooling_type or None,
-                    normalize=request.normalize if request.HasField("normalize") else None,
-                    dimensions=request.dimensions or None,
+                pooling = self.engine.pooling.resolve(  # the model's defaults (immutable: read here)
+                    PoolingParams(
+                        pooling_type=request.pooling_type or None,
+                        normalize=request.normalize if request.HasField("normalize") else None,
+                        dimensions=request.dimensions or None,
+                    )
                 )
                 out = None
-                async for item in self.aengine.generate(
+                async for item in self.generate(  # loads what the KV offload store holds first
                     rid,
                     list(request.prompt_token_ids),
                     SamplingParams(priority=request.priority),

@@ -141,6 +141,24 @@ async def test_blocks_offloaded_by_one_worker_are_loaded_by_another_with_identic
             stats = await ks.GetStats(kvstore_pb2.KVStoreStatsRequest())
             assert stats.num_blocks_demoted > 0 and stats.num_fetches == 2
 
+            # An embedding request loads its prompt's prefix from the store as a prefill does (last-token
+            # pooling) and gives the offline engine's embedding; a mean-pooled one computes its prompt whole.
+            await wa.ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest())
+            emb = await wa.Embed(
+                worker_pb2.EmbedRequest(request_id="a-emb", prompt_token_ids=other), timeout=30
+            )
+            assert emb.num_cached_tokens == (len(other) - 1) // BS * BS
+            offline = LLM("tiny-dense", num_kv_blocks=256)
+            assert list(emb.embedding) == pytest.approx(offline.embed([other])[0].embedding, abs=1e-5)
+            mean = await wa.Embed(
+                worker_pb2.EmbedRequest(request_id="a-mean", prompt_token_ids=other, pooling_type="mean"),
+                timeout=30,
+            )
+            assert mean.num_cached_tokens == 0
+            assert (
+                await ks.GetStats(kvstore_pb2.KVStoreStatsRequest())
+            ).num_fetches == 3  # the mean one: none
+
             # B offers what it computed through its staging blocks (the store READs those); A, which never saw
             # the prompt, loads it from the store and gets the offline engine's first token.
             put_before = await stored()
