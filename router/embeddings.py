@@ -1,7 +1,8 @@
 """OpenAI's ``/v1/embeddings`` (vLLM's embedding API): each input's embedding from a worker
 (``Orchestrator.embed``: the pooled last hidden states of its prompt, ``engine.pooling``).
 
-Request: ``input`` (a string, an array of strings, an array of token ids, or an array of such arrays),
+Request: ``input`` (a string, an array of strings, an array of token ids, or an array of such arrays; or
+vLLM's chat form, ``messages`` with the chat-completions fields that shape the prompt),
 ``model``, ``encoding_format`` (``float``, the default, or ``base64``: the float32 values' little-endian bytes,
 which the ``openai`` client asks for by default), ``dimensions`` (Matryoshka models only), ``user`` (ignored);
 and vLLM's ``add_special_tokens`` (default true), ``truncate_prompt_tokens``, ``normalize``, ``priority``,
@@ -24,7 +25,7 @@ from aiohttp import web
 from mesh.telemetry import extract_context
 from protos.pdmesh.v1 import worker_pb2
 from router.errors import InvalidRequestError
-from router.openai_protocol import JsonFields, parse_json_body
+from router.openai_protocol import JsonFields, parse_chat, parse_json_body
 from router.orchestrator import EmbedCall, Orchestrator
 from router.served_model import ServedModel
 
@@ -202,10 +203,23 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 
 async def _prompts(f: JsonFields, model: ServedModel) -> list[list[int]]:
-    """``input`` as token ids, one list per input, each checked (and truncated when asked)."""
+    """``input`` as token ids, one list per input, each checked (and truncated when asked); or vLLM's chat
+    form, ``messages`` rendered with the chat template (no generation prompt unless asked), one input."""
     value = f.body.get("input")
+    if value is None and "messages" in f.body:
+        chat = parse_chat({**f.body, "add_generation_prompt": f.bool("add_generation_prompt", False)})
+        ids = await model.tokenize_chat(
+            chat.messages,
+            chat.add_generation_prompt,
+            chat.add_special_tokens,
+            chat.template_kwargs,
+            chat.continue_final_message,
+        )
+        ids = model.truncate_prompt(ids, f.int("truncate_prompt_tokens"))
+        check_input(model, ids)
+        return [ids]
     if value is None:
-        raise InvalidRequestError("'input' is required", param="input")
+        raise InvalidRequestError("'input' (or 'messages') is required", param="input")
     if isinstance(value, str) or (isinstance(value, list) and value and _is_int(value[0])):
         value = [value]
     if not isinstance(value, list) or not value:

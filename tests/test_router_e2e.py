@@ -1750,9 +1750,24 @@ def test_embeddings_over_the_mesh_equal_offline(router: Router, llm: LLM, pd_wor
         )
 
 
+def test_chat_embeddings_render_the_messages_with_the_chat_template(router: Router, llm: LLM) -> None:
+    """vLLM's chat form of ``/v1/embeddings``: ``messages`` rendered with the chat template (no generation
+    prompt unless asked, no special tokens added) and embedded as the offline engine embeds those ids."""
+    messages = [{"role": "system", "content": "Embed this."}, {"role": "user", "content": "a chat turn"}]
+    for add_generation_prompt in (False, True):
+        body = {"model": MODEL, "messages": messages, "add_generation_prompt": add_generation_prompt}
+        got = _post(router, "/v1/embeddings", body)
+        ids = llm.tokenizer.encode(
+            render_chat(llm.tokenizer, messages, add_generation_prompt), add_special_tokens=False
+        )
+        assert got["usage"]["prompt_tokens"] == len(ids)
+        assert got["data"][0]["embedding"] == pytest.approx(llm.embed([ids])[0].embedding, abs=1e-5)
+
+
 def test_bad_embedding_requests_get_a_400(router: Router) -> None:
     for body, words in (
-        ({"model": MODEL}, "'input' is required"),
+        ({"model": MODEL}, "'input' (or 'messages') is required"),
+        ({"model": MODEL, "messages": []}, "'messages' must be"),
         ({"model": MODEL, "input": ""}, "empty"),
         ({"model": MODEL, "input": [[1, 2], "x"]}, "'input' must be"),
         ({"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format"),
