@@ -169,3 +169,18 @@ def test_kv_offload_bench_smoke_loads_the_prompt_from_the_store(tmp_path: Path) 
     assert re.search(r"greedy tokens, computed equal to local hit .*: 3 of 3 rounds", out), out  # float32
     report = json.loads((tmp_path / "kv_offload_bench.json").read_text())
     assert report["store"]["num_fetches"] == 3  # one load per round, warm-up included
+
+
+def test_embedding_bench_smoke_times_both_engines() -> None:
+    """``embedding_bench.py --smoke``: the engine's embeddings (checked for their size in the script) and
+    transformers' forward, each a row with its throughput."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "embedding_bench.py"), "--smoke", "--prompts", "8",
+         "--prompt-len", "64", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
+    ).stdout  # fmt: skip
+    rows = re.findall(
+        r"^(pdmesh LLM\.embed|transformers AutoModel)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$", out, re.M
+    )
+    assert [r[0] for r in rows] == ["pdmesh LLM.embed", "transformers AutoModel"], out
+    assert all(float(r[1]) > 0 and int(r[3]) > 0 for r in rows), out
