@@ -43,7 +43,7 @@ def pooled(states: torch.Tensor, kind: str, normalize: bool = True) -> torch.Ten
     return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_each_pooling_type_matches_transformers(arch: str, tmp_path: Path) -> None:
     """Chunked prompts (a 16-token budget) in batches of several: last, mean and cls pooling, normalised or
     not, equal the same pooling of transformers' hidden states."""
