@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,41 +111,55 @@ class LLM:
             if lora.lora_name not in self.engine.list_loras():
                 self.engine.add_lora(lora.lora_name, lora.lora_path)
         ids = [f"offline-{uuid.uuid4().hex}" for _ in token_prompts]
+
+        def add(rid: str, i: int) -> None:
+            lora = loras[i]
+            self.engine.add_request(
+                rid, token_prompts[i], params[i], lora_name=lora.lora_name if lora else None
+            )
+
+        results = []
+        for prompt, outs in zip(token_prompts, self._run(ids, add).values(), strict=True):
+            last = outs[-1]
+            found = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+            results.append(
+                CompletionOutput(
+                    prompt_token_ids=prompt,
+                    token_ids=[t for o in outs for t in o.new_token_ids],
+                    text=last.text or "",
+                    finish_reason=last.finish_reason,
+                    stop_reason=last.stop_reason,
+                    logprobs=[lp for o in outs for lp in o.new_logprobs],
+                    num_cached_tokens=last.num_cached_tokens,
+                    prompt_logprobs=found[-1] if found else None,
+                )
+            )
+        return results
+
+    def _run(self, ids: list[str], add: Callable[[str, int], None]) -> dict[str, list[RequestOutput]]:
+        """Add request ``ids[i]`` with ``add(ids[i], i)`` for each, step until every one has finished (with
+        several ranks, until no rank has work left) and return each one's outputs in order, by id in the
+        order of ``ids``. Anything raised aborts the requests already added."""
+        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
         added: list[str] = []
+        finished = 0
         try:
-            for rid, prompt, p, lora in zip(ids, token_prompts, params, loras, strict=True):
-                self.engine.add_request(rid, prompt, p, lora_name=lora.lora_name if lora else None)
+            for i, rid in enumerate(ids):
+                add(rid, i)
                 added.append(rid)
-            results: dict[str, CompletionOutput] = {}
-            tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-            logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
-            prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-            while len(results) < len(ids) or self._lockstep is not None:
+            while finished < len(ids) or self._lockstep is not None:
                 outs = self._step()
                 if outs is None:  # every rank is done
                     break
                 for out in outs:
-                    tokens[out.request_id].extend(out.new_token_ids)
-                    logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.prompt_logprobs is not None:
-                        prompt_logprobs[out.request_id] = out.prompt_logprobs
-                    if out.finished:
-                        results[out.request_id] = CompletionOutput(
-                            prompt_token_ids=token_prompts[ids.index(out.request_id)],
-                            token_ids=tokens[out.request_id],
-                            text=out.text or "",
-                            finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                            logprobs=logprobs[out.request_id],
-                            num_cached_tokens=out.num_cached_tokens,
-                            prompt_logprobs=prompt_logprobs.get(out.request_id),
-                        )
+                    outputs[out.request_id].append(out)
+                    finished += out.finished
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)
             self.engine.step()
             raise
-        return [results[rid] for rid in ids]
+        return outputs
 
     def embed(
         self,
@@ -159,33 +174,21 @@ class LLM:
         if lora_request is not None and lora_request.lora_name not in self.engine.list_loras():
             self.engine.add_lora(lora_request.lora_name, lora_request.lora_path)
         ids = [f"embed-{uuid.uuid4().hex}" for _ in token_prompts]
-        results: dict[str, EmbeddingOutput] = {}
-        added: list[str] = []
-        try:
-            for rid, prompt in zip(ids, token_prompts, strict=True):
-                self.engine.add_request(
-                    rid,
-                    prompt,
-                    SamplingParams(),
-                    lora_name=lora_request.lora_name if lora_request else None,
-                    pooling=pooling_params or PoolingParams(),
-                )
-                added.append(rid)
-            while len(results) < len(ids) or self._lockstep is not None:
-                outs = self._step()
-                if outs is None:
-                    break
-                for out in outs:
-                    if out.finished and out.embedding is not None:
-                        results[out.request_id] = EmbeddingOutput(
-                            token_prompts[ids.index(out.request_id)], out.embedding, out.num_cached_tokens
-                        )
-        except BaseException:
-            for rid in added:
-                self.engine.abort(rid)
-            self.engine.step()
-            raise
-        return [results[rid] for rid in ids]
+        lora_name = lora_request.lora_name if lora_request else None
+        pooling = pooling_params or PoolingParams()
+
+        def add(rid: str, i: int) -> None:
+            self.engine.add_request(
+                rid, token_prompts[i], SamplingParams(), lora_name=lora_name, pooling=pooling
+            )
+
+        results = []
+        for prompt, outs in zip(token_prompts, self._run(ids, add).values(), strict=True):
+            last = outs[-1]
+            if last.embedding is None:
+                raise RuntimeError(f"an embedding request ended without an embedding ({last.finish_reason})")
+            results.append(EmbeddingOutput(prompt, last.embedding, last.num_cached_tokens))
+        return results
 
     def chat(
         self,

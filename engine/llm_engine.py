@@ -755,8 +755,12 @@ class LLMEngine:
                 del seq.output_token_ids[-len(spec[seq]) :]
             seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
-        for seq, vec in pooled.items():
-            self._finish_pooling(seq, vec.tolist(), outputs)
+        if pooled:  # every embedding of the step read in one copy to the host
+            values = torch.cat(list(pooled.values())).tolist()
+            start = 0
+            for seq, vec in pooled.items():
+                self._finish_pooling(seq, values[start : start + vec.shape[0]], outputs)
+                start += vec.shape[0]
         if spec:
             self._verify_drafts(spec, spec_logits, outputs)
             keep = [i for i, s in enumerate(sample_seqs) if s not in spec]

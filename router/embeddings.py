@@ -50,20 +50,11 @@ async def serve_embeddings(
     prompts = await _prompts(f, model)
     request_id = f"embd-{uuid.uuid4().hex}"
     replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id, dimensions)
-    n_tokens = sum(len(ids) for ids in prompts)
-    return web.json_response(
-        {
-            "id": request_id,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model.reply_name(f.str("model")),
-            "data": [
-                {"object": "embedding", "index": i, "embedding": _encode(list(r.embedding), encoding)}
-                for i, r in enumerate(replies)
-            ],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        }
-    )
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(list(r.embedding), encoding)}
+        for i, r in enumerate(replies)
+    ]
+    return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
 
 
 async def _embed_all(
@@ -122,20 +113,11 @@ async def serve_score(request: web.Request, model: ServedModel, orchestrator: Or
     vecs = [
         list(r.embedding) for r in await _embed_all(request, f, orchestrator, lora_name, prompts, request_id)
     ]
-    n_tokens = sum(map(len, prompts))
-    return web.json_response(
-        {
-            "id": request_id,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model.reply_name(f.str("model")),
-            "data": [
-                {"index": k, "object": "score", "score": _cosine(vecs[a], vecs[len(first) + b])}
-                for k, (a, b) in enumerate(pairs)
-            ],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        }
-    )
+    data = [
+        {"index": k, "object": "score", "score": _cosine(vecs[a], vecs[len(first) + b])}
+        for k, (a, b) in enumerate(pairs)
+    ]
+    return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
 
 
 async def serve_rerank(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
@@ -178,6 +160,23 @@ async def serve_rerank(request: web.Request, model: ServedModel, orchestrator: O
             "results": [
                 {"index": i, "document": {"text": texts[i]}, "relevance_score": scores[i]} for i in order
             ],
+        }
+    )
+
+
+def _list_reply(
+    request_id: str, model_name: str, data: list[dict[str, Any]], prompts: list[list[int]]
+) -> web.Response:
+    """OpenAI's list reply (embeddings, vLLM's scores), with the prompts' tokens as usage."""
+    n_tokens = sum(map(len, prompts))
+    return web.json_response(
+        {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model_name,
+            "data": data,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
     )
 
