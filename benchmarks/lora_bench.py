@@ -76,6 +76,18 @@ def use_two_kernel_lora(llm: LLM) -> None:
     )
 
 
+def build(model_dir: Path, **kwargs) -> tuple[LLM, str]:
+    """An engine and what its construction cost: wall seconds, graph capture seconds, device memory."""
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), **kwargs)
+    seconds = time.perf_counter() - start
+    runner = llm.engine.runner
+    decode = runner.graphs.capture_seconds if runner.graphs is not None else 0.0
+    prefill = runner.prefill_graphs.capture_seconds if runner.prefill_graphs is not None else 0.0
+    reserved = torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
+    return llm, f"built in {seconds:.1f} s (graphs: decode {decode:.1f} s, prefill {prefill:.1f} s), {reserved:.1f} GiB reserved"
+
+
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: list, repeats: int) -> float:
     llm.generate(prompts, params, lora_request=loras)  # warm-up: compiles, fills the slots
     times = []
@@ -112,13 +124,20 @@ def main() -> None:
     rng = random.Random(0)
     prompts = {b: [[rng.randrange(3, cfg.vocab_size) for _ in range(256)] for _ in range(b)] for b in batches}
 
-    plain = LLM(str(model_dir), **common)
+    plain, built = build(model_dir, **common)
+    cost = {"no LoRA": built}
     base = {b: timed(plain, prompts[b], params, [None] * b, args.repeats) for b in batches}
     del plain
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
-    lora = LLM(str(model_dir), enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common)
+    lora_kwargs = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common)
+    if gpu:  # what the graphs without the LoRA ops cost to capture and hold
+        other, cost["LoRA, one graph set"] = build(model_dir, cudagraph_specialize_lora=False, **lora_kwargs)
+        del other
+        gc.collect()
+        torch.cuda.empty_cache()
+    lora, cost["LoRA, graphs with and without LoRA ops"] = build(model_dir, **lora_kwargs)
     rows = []
     for b in batches:
         no_adapter = timed(lora, prompts[b], params, [None] * b, args.repeats)
@@ -140,6 +159,8 @@ def main() -> None:
     for b, plain_rate, *rates in rows:
         cells = " ".join(f"{r:>10.1f} ({r / plain_rate:.2f})" for r in rates)
         print(f"{b:>5} {plain_rate:>10.1f} {cells}")
+    for name, line in cost.items():
+        print(f"{name}: {line}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Public API: ``from engine import LLM, SamplingParams``. The engine must not impo
 """
 
 from engine.config import EngineConfig
-from engine.llm import LLM, CompletionOutput, EmbeddingOutput
+from engine.llm import LLM, ClassificationOutput, CompletionOutput, EmbeddingOutput, ScoringOutput
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.lora import LoRARequest
 from engine.pooling import PoolingParams
@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "ClassificationOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EngineConfig",
@@ -20,4 +21,5 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
 ]

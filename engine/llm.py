@@ -10,11 +10,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.data_parallel import Lockstep
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import generation_defaults
 from engine.lora import LoRARequest
 from engine.moe.dispatch import TokenDispatcher
-from engine.pooling import PoolingParams
+from engine.pooling import PoolingParams, cosine, score_pairs
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import render_chat
@@ -40,6 +41,24 @@ class EmbeddingOutput:
     prompt_token_ids: list[int]
     embedding: list[float]
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities by label id (``LLM.classify``; the raw logits without activation)."""
+
+    prompt_token_ids: list[int]
+    probs: list[float]
+    label: str  # the most probable label's name
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    """One text pair's relevance (``LLM.score``): a cross-encoder's sigmoid, else the embeddings' cosine."""
+
+    prompt_token_ids: list[int]  # the pair's (a cross-encoder), else the second text's
+    score: float
 
 
 class LLM:
@@ -189,6 +208,54 @@ class LLM:
                 raise RuntimeError(f"an embedding request ended without an embedding ({last.finish_reason})")
             results.append(EmbeddingOutput(prompt, last.embedding, last.num_cached_tokens))
         return results
+
+    def classify(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        *,
+        activation: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ClassificationOutput]:
+        """vLLM's ``LLM.classify``: a sequence classifier's (``*ForSequenceClassification``) probabilities
+        for each prompt, in prompt order (softmax over the labels, a sigmoid for one; ``activation=False``:
+        the logits)."""
+        labels = self.engine.model_config.labels
+        params = PoolingParams(task="classify", activation=activation)
+        results = []
+        for out in self.embed(prompts, params, lora_request=lora_request):
+            best = max(range(len(out.embedding)), key=out.embedding.__getitem__)
+            results.append(
+                ClassificationOutput(out.prompt_token_ids, out.embedding, labels[best], out.num_cached_tokens)
+            )
+        return results
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringOutput]:
+        """vLLM's ``LLM.score``: the relevance of each ``data_2`` text to ``data_1`` (one text against each,
+        or pairwise when both are lists of one length). A cross-encoder (a classifier of one label) reads
+        each pair as one prompt (the tokenizer's pair template) and gives its sigmoid; an embedding model
+        gives the cosine of the two embeddings."""
+        firsts, seconds = score_pairs(data_1, data_2)
+        if self.engine.model_config.num_labels == 1:
+            pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds, strict=True)]
+            outs = self.classify(pairs, lora_request=lora_request)  # type: ignore[arg-type]
+            return [ScoringOutput(o.prompt_token_ids, o.probs[0]) for o in outs]
+        if self.engine.model_config.num_labels:
+            raise InvalidRequestError(
+                f"score needs a cross-encoder (a classifier of one label) or an embedding model; this "
+                f"classifier has {self.engine.model_config.num_labels} labels"
+            )
+        unique = list(dict.fromkeys([*firsts, *seconds]))
+        vectors = dict(zip(unique, self.embed(unique, lora_request=lora_request), strict=True))
+        return [
+            ScoringOutput(vectors[b].prompt_token_ids, cosine(vectors[a].embedding, vectors[b].embedding))
+            for a, b in zip(firsts, seconds, strict=True)
+        ]
 
     def chat(
         self,

@@ -246,9 +246,12 @@ class LLMEngine:
         self.staged_placement: tuple[int, list[list[int]]] | None = None
         self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg
-        self.pooling = ModelPooling.of(resolve_model_config(config.model)[1], loaded.cfg.hidden_size)
+        self.pooling = ModelPooling.of(
+            resolve_model_config(config.model)[1], loaded.cfg.hidden_size, loaded.cfg.num_labels
+        )
         self.model = loaded.model
-        self.generates = loaded.has_lm_head  # False: a base model's checkpoint, which only embeds
+        # False: a base model's checkpoint, which only embeds, or a classifier's, which classifies or embeds
+        self.generates = loaded.has_lm_head
         self.lora = self._serve_loras(config, loaded.model) if config.enable_lora else None
         self.tokenizer = loaded.tokenizer
         # With an engine-wide cache salt the engine is its own cache domain (mesh.block_hash).
@@ -446,7 +449,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not pooling and not self.generates:
             raise InvalidRequestError(
-                "this model's checkpoint has no LM head (a base model's weights): it serves embeddings only"
+                "this model's checkpoint has no LM head (a classifier's or a base model's weights): it "
+                "serves embeddings"
+                + (" and classification" if self.model_config.num_labels else "")
+                + " only"
             )
         if lora_name is not None:
             if self.lora is None:

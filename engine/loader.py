@@ -154,7 +154,7 @@ def load_model(
     if fp8 is not None:
         log.info("%s: attention, MLP and expert weights kept in float8 (%s)", model, fp8.describe())
     net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical, fp8)
-    has_lm_head = True
+    has_lm_head = not cfg.num_labels  # a classifier's checkpoint has a score head instead
     if path is None:
         _init_tiny(net, seed=1234)
         tokenizer: Tokenizer = ByteTokenizer(cfg.vocab_size)
@@ -162,7 +162,7 @@ def load_model(
         if load_format == "dummy":
             _init_dummy(net, seed)
         else:
-            has_lm_head = _load_safetensors(net, cfg, path, dispatcher)
+            has_lm_head = _load_safetensors(net, cfg, path, dispatcher) and not cfg.num_labels
         tokenizer = _checkpoint_tokenizer(path, cfg, load_format)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
@@ -315,7 +315,7 @@ def _load_safetensors(
     modules = dict(net.named_modules())
     # Parameter names, a float8 weight's two (values, scales) as the weight's own name
     expected = {n.rsplit(".", 1)[0] if _fp8_owner(net, n, modules) else n for n, _ in net.named_parameters()}
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings or cfg.num_labels:
         expected.discard("lm_head")
     files = safetensors_files(path)
     quant = checkpoint_quantization(json.loads((path / "config.json").read_text()), path)
@@ -402,13 +402,16 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
         put(net.embed_tokens, t)
         return ["embed_tokens"]
     if name == "lm_head.weight":
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings or cfg.num_labels:  # a classifier's LM head goes unused
             return []
         put(net.lm_head, t)
         return ["lm_head"]
     if name == "model.norm.weight":
         put(net.norm, t)
         return ["norm"]
+    if name == "score.weight" and net.score is not None:  # a sequence classifier's head
+        put(net.score, t)
+        return ["score"]
     m = _LAYER.match(name)
     if not m:
         return []  # e.g. rotary inv_freq buffers in old checkpoints

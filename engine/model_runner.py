@@ -524,8 +524,8 @@ class ModelRunner:
             return Executed([], empty, scored, spec_logits, pooled)
         return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored, spec_logits, pooled)
 
-    @staticmethod
     def _pool(
+        self,
         batch: ScheduledBatch,
         hidden: torch.Tensor,
         sample_seqs: list[Sequence],
@@ -537,7 +537,7 @@ class ModelRunner:
         start = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.pooling is not None:
-                vec = pool_chunk(seq, hidden[start : start + n], seq.num_computed_tokens)
+                vec = pool_chunk(seq, hidden[start : start + n], seq.num_computed_tokens, self.model.score)
                 if vec is not None:
                     pooled[seq] = vec
             start += n

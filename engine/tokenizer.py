@@ -28,6 +28,7 @@ class Tokenizer(Protocol):
     chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode_pair(self, text: str, pair: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
@@ -46,6 +47,10 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.BOS, *ids] if add_special_tokens else ids
+
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one prompt (a cross-encoder's query and document): BOS, then both."""
+        return [self.BOS, *text.encode("utf-8"), *pair.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -97,6 +102,14 @@ class HFTokenizer:
         # tokenized on a worker thread does not stall the router's event loop.
         ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one prompt, as transformers' ``tokenizer(text, text_pair)``: the tokenizer's pair
+        template (a cross-encoder's query and document; vLLM's ``/score`` of a classifier)."""
+        ids = self._tok.encode_batch([(text, pair)], add_special_tokens=True)[0].ids
+        if self._add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
 

@@ -651,7 +651,8 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
         request: worker_pb2.EmbedRequest,
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.EmbedResponse:
-        """One prompt's embedding (``engine.pooling``): computed as a prefill is, holding no KV."""
+        """One prompt's embedding, or a classifier's probabilities (``engine.pooling``): computed as a
+        prefill is, holding no KV."""
         rid = request.request_id
         with self.request_scope("Embed", rid, context) as span:
             try:
@@ -661,6 +662,8 @@ class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):
                         pooling_type=request.pooling_type or None,
                         normalize=request.normalize if request.HasField("normalize") else None,
                         dimensions=request.dimensions or None,
+                        task=request.task or "embed",
+                        activation=request.activation if request.HasField("activation") else None,
                     )
                 )
                 out = None

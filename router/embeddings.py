@@ -8,13 +8,18 @@ which the ``openai`` client asks for by default), ``dimensions`` (Matryoshka mod
 and vLLM's ``add_special_tokens`` (default true), ``truncate_prompt_tokens``, ``normalize``, ``priority``,
 ``cache_salt``, plus ``pooling_type`` (``last``, ``mean``, ``cls``; default the model's). Inputs run
 concurrently, one worker call each; the reply lists them in input order with ``usage.prompt_tokens``.
+
+A sequence classifier (a ``*ForSequenceClassification`` checkpoint) also serves vLLM's ``/classify``: each
+input's class probabilities, its most probable label and ``num_classes`` (``activation`` false: the raw
+logits). One of a single label is a cross-encoder: ``/score`` and ``/rerank`` then read each (query,
+document) pair as one prompt (the tokenizer's pair template) and answer the classifier's sigmoid, as vLLM
+does; for an embedding model they answer the cosine similarity of the two embeddings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import math
 import struct
 import time
 import uuid
@@ -22,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.errors import InvalidRequestError as EngineInvalidRequest
+from engine.pooling import cosine, score_pairs
 from mesh.telemetry import extract_context
 from protos.pdmesh.v1 import worker_pb2
 from router.errors import InvalidRequestError
@@ -65,21 +72,26 @@ async def _embed_all(
     prompts: list[list[int]],
     request_id: str,
     dimensions: int | None = None,
+    task: str = "embed",
 ) -> list[worker_pb2.EmbedResponse]:
-    """Each prompt's embedding, one worker call each, concurrently; the request's pooling fields from ``f``.
-    One failure cancels the others and is the request's error."""
+    """Each prompt's embedding (or, ``task`` "classify", class probabilities), one worker call each,
+    concurrently; the request's pooling fields from ``f``. One failure cancels the others and is the
+    request's error."""
+    classify = task == "classify"
     trace_context = extract_context([(k.lower(), v) for k, v in request.headers.items()])
     calls = [
         EmbedCall(
             request_id=f"{i}_{request_id}" if len(prompts) > 1 else request_id,
             prompt_token_ids=ids,
             pooling_type=f.str("pooling_type") or "",
-            normalize=f.bool("normalize", True) if f.present("normalize") else None,
+            normalize=None if classify or not f.present("normalize") else f.bool("normalize", True),
             dimensions=dimensions,
             priority=f.int("priority") or 0,
             cache_salt=f.str("cache_salt") or "",
             lora_name=lora_name,
             trace_context=trace_context,
+            task=task,
+            activation=_activation(f) if classify else None,
         )
         for i, ids in enumerate(prompts)
     ]
@@ -93,37 +105,47 @@ async def _embed_all(
         raise
 
 
-async def serve_score(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
-    """vLLM's ``/score`` for an embedding model: the cosine similarity of ``text_1``'s and ``text_2``'s
-    embeddings; one ``text_1`` against each ``text_2``, or pairwise when both list as many texts."""
+async def serve_classify(
+    request: web.Request, model: ServedModel, orchestrator: Orchestrator
+) -> web.Response:
+    """vLLM's ``/classify``: each input's class probabilities by a sequence classifier, in input order."""
     f = JsonFields(parse_json_body(await request.read()))
     lora_name = model.check_model(f.str("model")) or ""
-    first, second = _texts(f, "text_1"), _texts(f, "text_2")
-    if len(first) == 1:
-        pairs = [(0, j) for j in range(len(second))]
-    elif len(first) == len(second):
-        pairs = [(i, i) for i in range(len(first))]
-    else:
-        raise InvalidRequestError(
-            f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as text_2",
-            param="text_1",
-        )
-    prompts = [await _tokenized(f, model, t) for t in (*first, *second)]
+    _need_classifier(model, "/classify")
+    prompts = await _prompts(f, model)
+    request_id = f"classify-{uuid.uuid4().hex}"
+    replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id, task="classify")
+    labels = model.config.labels
+    data = []
+    for i, r in enumerate(replies):
+        probs = list(r.embedding)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
+    return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
+
+
+async def serve_score(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
+    """vLLM's ``/score``: the relevance of each ``text_2`` to ``text_1`` (one ``text_1`` against each
+    ``text_2``, or pairwise when both list as many texts): a cross-encoder's, else the cosine similarity of
+    the two embeddings."""
+    f = JsonFields(parse_json_body(await request.read()))
+    lora_name = model.check_model(f.str("model")) or ""
+    try:
+        firsts, seconds = score_pairs(_texts(f, "text_1"), _texts(f, "text_2"))
+    except EngineInvalidRequest as exc:
+        raise InvalidRequestError(str(exc), param="text_1") from None
     request_id = f"score-{uuid.uuid4().hex}"
-    vecs = [
-        list(r.embedding) for r in await _embed_all(request, f, orchestrator, lora_name, prompts, request_id)
-    ]
-    data = [
-        {"index": k, "object": "score", "score": _cosine(vecs[a], vecs[len(first) + b])}
-        for k, (a, b) in enumerate(pairs)
-    ]
+    scores, prompts = await _relevance(
+        request, f, model, orchestrator, lora_name, firsts, seconds, request_id
+    )
+    data = [{"index": k, "object": "score", "score": score} for k, score in enumerate(scores)]
     return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
 
 
 async def serve_rerank(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
-    """vLLM's ``/rerank`` (Jina's and Cohere's API) for an embedding model: ``documents`` (strings, or
-    objects with a ``text``) by the cosine similarity of their embeddings to ``query``'s, best first, the
-    first ``top_n`` (default: all)."""
+    """vLLM's ``/rerank`` (Jina's and Cohere's API): ``documents`` (strings, or objects with a ``text``) by
+    their relevance to ``query`` (a cross-encoder's, else the cosine similarity of the embeddings), best
+    first, the first ``top_n`` (default: all)."""
     f = JsonFields(parse_json_body(await request.read()))
     lora_name = model.check_model(f.str("model")) or ""
     query = f.str("query")
@@ -144,12 +166,10 @@ async def serve_rerank(request: web.Request, model: ServedModel, orchestrator: O
     top_n = f.int("top_n") or len(texts)
     if top_n < 0:
         raise InvalidRequestError(f"top_n must be >= 0, got {top_n}", param="top_n")
-    prompts = [await _tokenized(f, model, t) for t in (query, *texts)]
     request_id = f"rerank-{uuid.uuid4().hex}"
-    vecs = [
-        list(r.embedding) for r in await _embed_all(request, f, orchestrator, lora_name, prompts, request_id)
-    ]
-    scores = [_cosine(vecs[0], v) for v in vecs[1:]]
+    scores, prompts = await _relevance(
+        request, f, model, orchestrator, lora_name, [query] * len(texts), texts, request_id
+    )
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[:top_n]
     n_tokens = sum(map(len, prompts))
     return web.json_response(
@@ -162,6 +182,55 @@ async def serve_rerank(request: web.Request, model: ServedModel, orchestrator: O
             ],
         }
     )
+
+
+async def _relevance(
+    request: web.Request,
+    f: JsonFields,
+    model: ServedModel,
+    orchestrator: Orchestrator,
+    lora_name: str,
+    firsts: list[str],
+    seconds: list[str],
+    request_id: str,
+) -> tuple[list[float], list[list[int]]]:
+    """Each (first, second) pair's relevance, and the prompts computed for them: a cross-encoder's sigmoid
+    of each pair as one prompt, else the cosine of the two texts' embeddings (each distinct text once)."""
+    if model.config.num_labels == 1:
+        keep = f.int("truncate_prompt_tokens")
+        prompts = []
+        for a, b in zip(firsts, seconds, strict=True):
+            ids = model.truncate_prompt(await model.tokenize_pair(a, b), keep)
+            check_input(model, ids)
+            prompts.append(ids)
+        replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id, task="classify")
+        return [r.embedding[0] for r in replies], prompts
+    if model.config.num_labels:
+        raise InvalidRequestError(
+            f"this model is a classifier of {model.config.num_labels} labels: score and rerank need a "
+            "cross-encoder (a classifier of one label) or an embedding model"
+        )
+    unique = list(dict.fromkeys([*firsts, *seconds]))
+    prompts = [await _tokenized(f, model, t) for t in unique]
+    replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id)
+    vectors = {text: list(r.embedding) for text, r in zip(unique, replies, strict=True)}
+    return [cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds, strict=True)], prompts
+
+
+def _need_classifier(model: ServedModel, endpoint: str) -> None:
+    if not model.config.num_labels:
+        raise InvalidRequestError(
+            f"{endpoint} needs a sequence classifier (a *ForSequenceClassification checkpoint); this model "
+            "has no classification head"
+        )
+
+
+def _activation(f: JsonFields) -> bool | None:
+    """vLLM's ``activation`` (``use_activation`` in newer releases): None leaves it on."""
+    for name in ("activation", "use_activation"):
+        if f.present(name):
+            return f.bool(name, True)
+    return None
 
 
 def _list_reply(
@@ -194,11 +263,6 @@ async def _tokenized(f: JsonFields, model: ServedModel, text: str) -> list[int]:
     )
     check_input(model, ids)
     return ids
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    norm = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
-    return sum(x * y for x, y in zip(a, b, strict=True)) / norm if norm else 0.0
 
 
 async def _prompts(f: JsonFields, model: ServedModel) -> list[list[int]]:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -31,7 +32,8 @@ ENDPOINT = "grpc_generate"
 
 
 async def prompt_ids(
-    model: ServedModel, request: router_pb2.GenerateRequest | router_pb2.EmbeddingRequest
+    model: ServedModel,
+    request: router_pb2.GenerateRequest | router_pb2.EmbeddingRequest | router_pb2.ClassificationRequest,
 ) -> list[int]:
     """A request's ``prompt`` oneof as token ids: ``text`` tokenized, ``token_ids`` as given."""
     which = request.WhichOneof("prompt")
@@ -131,13 +133,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.EmbeddingRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.EmbeddingResponse:
         """One prompt's embedding (``Orchestrator.embed``), checked as ``/v1/embeddings`` checks it."""
-        status = "ok"
-        try:
+
+        async def run() -> router_pb2.EmbeddingResponse:
             lora_name = self.model.check_model(request.model, request.lora_name) or ""
-            if request.WhichOneof("prompt") == "text" and not request.text:
-                raise InvalidRequestError("the prompt is an empty string", param="text")
-            ids = await prompt_ids(self.model, request)
-            check_input(self.model, ids)
+            ids = await self._pooled_prompt(request)
             call = EmbedCall(
                 request_id=request.request_id or f"embd-{uuid.uuid4().hex}",
                 prompt_token_ids=ids,
@@ -155,6 +154,65 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 embedding=reply.embedding,
                 usage=common_pb2.Usage(prompt_tokens=len(ids), cached_prompt_tokens=reply.num_cached_tokens),
             )
+
+        return await self._pooling(context, "Embed", run)
+
+    async def Classify(  # noqa: N802 (generated name)
+        self, request: router_pb2.ClassificationRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ClassificationResponse:
+        """One prompt's class probabilities by a sequence classifier, checked as ``/classify`` checks it;
+        with ``text_pair``, the pair as one prompt (a cross-encoder's relevance, as ``/score``)."""
+
+        async def run() -> router_pb2.ClassificationResponse:
+            lora_name = self.model.check_model(request.model, request.lora_name) or ""
+            labels = self.model.config.labels
+            if not labels:
+                raise InvalidRequestError(
+                    "Classify needs a sequence classifier (a *ForSequenceClassification checkpoint); this "
+                    "model has no classification head"
+                )
+            if request.text_pair and request.WhichOneof("prompt") != "text":
+                raise InvalidRequestError("text_pair needs a text prompt", param="text_pair")
+            if request.text_pair:
+                ids = await self.model.tokenize_pair(request.text, request.text_pair)
+                check_input(self.model, ids)
+            else:
+                ids = await self._pooled_prompt(request)
+            call = EmbedCall(
+                request_id=request.request_id or f"classify-{uuid.uuid4().hex}",
+                prompt_token_ids=ids,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                lora_name=lora_name,
+                trace_context=extract_context(context.invocation_metadata()),  # type: ignore[arg-type]
+                task="classify",
+                activation=request.activation if request.HasField("activation") else None,
+            )
+            reply = await self.orchestrator.embed(call)
+            probs = list(reply.embedding)
+            return router_pb2.ClassificationResponse(
+                request_id=call.request_id,
+                probs=probs,
+                label=labels[max(range(len(probs)), key=probs.__getitem__)],
+                usage=common_pb2.Usage(prompt_tokens=len(ids), cached_prompt_tokens=reply.num_cached_tokens),
+            )
+
+        return await self._pooling(context, "Classify", run)
+
+    async def _pooled_prompt(
+        self, request: router_pb2.EmbeddingRequest | router_pb2.ClassificationRequest
+    ) -> list[int]:
+        if request.WhichOneof("prompt") == "text" and not request.text:
+            raise InvalidRequestError("the prompt is an empty string", param="text")
+        ids = await prompt_ids(self.model, request)
+        check_input(self.model, ids)
+        return ids
+
+    async def _pooling(self, context: grpc.aio.ServicerContext, method: str, run: Any) -> Any:
+        """``run()``'s reply; its errors as gRPC statuses, counted under ``grpc_<method>``."""
+        status = "ok"
+        try:
+            return await run()
         except RouterError as exc:
             status = exc.metric_status
             await abort_with(context, exc.grpc_code, exc.message)
@@ -163,12 +221,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         except Exception as exc:
             status = "error"
-            log.exception("internal error serving Embed")
+            log.exception("internal error serving %s", method)
             await abort_with(
                 context, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
             )
         finally:
-            self.metrics.requests.labels(endpoint="grpc_embed", status=status).inc()
+            self.metrics.requests.labels(endpoint=f"grpc_{method.lower()}", status=status).inc()
 
     async def ListModels(  # noqa: N802 (generated name)
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -32,7 +32,7 @@ from protos.pdmesh.v1 import worker_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
-from router.embeddings import serve_embeddings, serve_rerank, serve_score
+from router.embeddings import serve_classify, serve_embeddings, serve_rerank, serve_score
 from router.errors import InvalidRequestError, NotFoundError, RouterError
 from router.http_replies import SSE_HEADERS, error_response, failed_mid_stream, sse
 from router.lora_updates import LoRAUpdates
@@ -88,6 +88,8 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        for path in ("/classify", "/v1/classify"):
+            app.router.add_post(path, self.classify)
         for path in ("/score", "/v1/score"):
             app.router.add_post(path, self.score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -299,12 +301,17 @@ class HttpApi:
         """OpenAI's ``/v1/embeddings`` (``router.embeddings``)."""
         return await self._pooling(request, "embeddings", serve_embeddings)
 
+    async def classify(self, request: web.Request) -> web.Response:
+        """vLLM's ``/classify``: a sequence classifier's class probabilities (``router.embeddings``)."""
+        return await self._pooling(request, "classify", serve_classify)
+
     async def score(self, request: web.Request) -> web.Response:
-        """vLLM's ``/score``: cosine similarities of embeddings (``router.embeddings``)."""
+        """vLLM's ``/score``: a cross-encoder's relevance, or the cosine similarity of embeddings
+        (``router.embeddings``)."""
         return await self._pooling(request, "score", serve_score)
 
     async def rerank(self, request: web.Request) -> web.Response:
-        """vLLM's ``/rerank`` (Jina's and Cohere's API): documents by similarity to a query."""
+        """vLLM's ``/rerank`` (Jina's and Cohere's API): documents by relevance to a query."""
         return await self._pooling(request, "rerank", serve_rerank)
 
     async def _pooling(self, request: web.Request, endpoint: str, serve: Any) -> web.Response:

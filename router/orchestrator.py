@@ -105,7 +105,7 @@ class Generation:
 
 @dataclass
 class EmbedCall:
-    """One prompt of an embeddings request, tokenized and validated."""
+    """One prompt of an embeddings or classification request, tokenized and validated."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -116,6 +116,8 @@ class EmbedCall:
     cache_salt: str = ""
     lora_name: str = ""
     trace_context: otel_context.Context | None = None
+    task: str = "embed"  # or "classify": a sequence classifier's probabilities (engine.pooling)
+    activation: bool | None = None  # classify: None or True the softmax / sigmoid, False the logits
 
 
 @dataclass
@@ -488,7 +490,7 @@ class Orchestrator:
 
     # ---- embeddings ----------------------------------------------------------------------------------
     async def embed(self, e: EmbedCall) -> worker_pb2.EmbedResponse:
-        """One prompt's embedding, from a prefill worker (its work is a prefill's), or a decode worker where
+        """One prompt's embedding (or class probabilities), from a prefill worker (its work is a prefill's), or a decode worker where
         no prefill worker can take it. A worker that fails with a status another may not (RETRYABLE) is
         replaced by the next best, each worker tried once; any other status is the request's error."""
         rr = RouteRequest(e.request_id, e.prompt_token_ids, None, e.cache_salt, e.lora_name)
@@ -504,9 +506,12 @@ class Orchestrator:
             pooling_type=e.pooling_type,
             dimensions=e.dimensions or 0,
             priority=e.priority,
+            task=e.task,
         )
         if e.normalize is not None:
             request.normalize = e.normalize
+        if e.activation is not None:
+            request.activation = e.activation
         with self.tracer.start_as_current_span(
             "embed",
             context=e.trace_context,

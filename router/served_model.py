@@ -183,6 +183,13 @@ class ServedModel:
             return self.encode(text, add_special_tokens)
         return await self._off_loop(lambda: self.encode(text, add_special_tokens))
 
+    async def tokenize_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one prompt by the tokenizer's pair template (a cross-encoder's query and document),
+        off the event loop unless they are short."""
+        if len(text) + len(pair) < INLINE_ENCODE_MAX_CHARS:
+            return list(self.tokenizer.encode_pair(text, pair))
+        return await self._off_loop(lambda: list(self.tokenizer.encode_pair(text, pair)))
+
     async def tokenize_chat(
         self,
         messages: list[dict[str, Any]],

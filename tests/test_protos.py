@@ -172,7 +172,7 @@ def test_tiers_match_the_mesh_kv_events_tiers() -> None:
 @pytest.mark.parametrize(
     ("module", "service", "methods"),
     [
-        (router_pb2, "Router", {"Generate": True, "ListModels": False, "Embed": False}),
+        (router_pb2, "Router", {"Generate": True, "ListModels": False, "Embed": False, "Classify": False}),
         (
             worker_pb2,
             "Worker",

@@ -1128,6 +1128,7 @@ def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa:
                 _http(f"http://{http}{path}", "POST", {"Authorization": "Bearer key-one"}, body)[0] == 200
             ), path
         assert client.embeddings.create(model=MODEL, input="Hi").usage.prompt_tokens > 0
+        assert _http(f"http://{http}/classify", "POST", {}, {"input": "Hi"})[0] == 401
 
         async def generate(metadata: tuple[tuple[str, str], ...]) -> str:
             params = common_pb2.SamplingParams(max_tokens=3, temperature=0.0)
@@ -1781,6 +1782,13 @@ def test_bad_embedding_requests_get_a_400(router: Router) -> None:
         assert words in json.loads(err.value.read())["error"]["message"], body
     with pytest.raises(openai.NotFoundError):
         router.client.embeddings.create(model="no-such-model", input="x")
+    for path in ("/classify", "/v1/classify"):  # tiny-dense has no classification head
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _post(router, path, {"model": MODEL, "input": "x"})
+        assert (
+            err.value.code == 400
+            and "no classification head" in json.loads(err.value.read())["error"]["message"]
+        )
 
 
 def test_grpc_embed_equals_offline(router: Router, llm: LLM) -> None:

@@ -298,10 +298,15 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        # A classifier has no LM head (it never generates; the passes that compute logits read the
+        # embeddings, which costs no memory) and a ``score`` head, applied by engine.pooling.
         self.lm_head = (
             self.embed_tokens
-            if cfg.tie_word_embeddings
+            if cfg.tie_word_embeddings or cfg.num_labels
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.score = (
+            _param(cfg.num_labels, cfg.hidden_size, dtype=dtype, device=device) if cfg.num_labels else None
         )
         self.lora_slots: LoRASlots | None = None  # the served LoRA adapters' slots (engine.lora)
         self.register_buffer(

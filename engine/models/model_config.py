@@ -17,6 +17,12 @@ SUPPORTED_ARCHITECTURES = (
 # The decoder alone, as transformers' base-model classes save it (no LM head): read as its family, which
 # then only embeds (engine.pooling) unless its embeddings are tied to the LM head.
 BASE_MODEL_ARCHITECTURES = {a.replace("ForCausalLM", "Model"): a for a in SUPPORTED_ARCHITECTURES}
+# The decoder with a classification head on its last token's state (transformers'
+# ``*ForSequenceClassification``: ``score``, num_labels x hidden, no bias): read as its family, which then
+# only classifies or embeds (engine.pooling), never generates.
+CLASSIFIER_ARCHITECTURES = {
+    a.replace("ForCausalLM", "ForSequenceClassification"): a for a in SUPPORTED_ARCHITECTURES
+}
 
 
 @dataclass
@@ -43,6 +49,12 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_layers: list[bool] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
+    # A sequence classifier's labels (config.json's id2label, by id); empty for every other checkpoint.
+    labels: list[str] = field(default_factory=list)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
     @property
     def is_moe(self) -> bool:
@@ -52,7 +64,9 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         # A base model's checkpoint (transformers' ``AutoModel``, e.g. an embedding model): its family.
-        archs = [BASE_MODEL_ARCHITECTURES.get(a, a) for a in archs]
+        given = list(archs)
+        archs = [BASE_MODEL_ARCHITECTURES.get(a, CLASSIFIER_ARCHITECTURES.get(a, a)) for a in archs]
+        classifier = any(a in CLASSIFIER_ARCHITECTURES for a in given)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -121,4 +135,13 @@ class ModelConfig:
             norm_topk_prob=norm_topk,
             moe_layers=moe_layers,
             eos_token_ids=eos_ids,
+            labels=_labels(cfg) if classifier else [],
         )
+
+
+def _labels(cfg: dict[str, Any]) -> list[str]:
+    """A classifier's label names by id: config.json's ``id2label`` (transformers writes ``LABEL_i`` when
+    none were named), else ``num_labels`` unnamed ones."""
+    id2label = cfg.get("id2label") or {}
+    n = len(id2label) or int(cfg.get("num_labels") or 2)
+    return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]

@@ -114,3 +114,37 @@ class EmbeddingResponse(_message.Message):
     embedding: _containers.RepeatedScalarFieldContainer[float]
     usage: _common_pb2.Usage
     def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class ClassificationRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "text_pair", "model", "lora_name", "cache_salt", "priority", "activation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PAIR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _common_pb2.TokenIds
+    text_pair: str
+    model: str
+    lora_name: str
+    cache_salt: str
+    priority: int
+    activation: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., text_pair: _Optional[str] = ..., model: _Optional[str] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., activation: _Optional[bool] = ...) -> None: ...
+
+class ClassificationResponse(_message.Message):
+    __slots__ = ("request_id", "probs", "label", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    label: str
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., probs: _Optional[_Iterable[float]] = ..., label: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class RouterStub:
                 request_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingRequest.SerializeToString,
                 response_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/pdmesh.v1.Router/Classify',
+                request_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ClassificationRequest.SerializeToString,
+                response_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ClassificationResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -77,6 +82,15 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """One prompt's class probabilities by a sequence classifier (the HTTP API's /classify; with a
+        text_pair, a cross-encoder's relevance as /score gives it). INVALID_ARGUMENT for a bad prompt or a
+        model without a classification head, UNAVAILABLE when no worker can take it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingRequest.FromString,
                     response_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ClassificationRequest.FromString,
+                    response_serializer=protos_dot_pdmesh_dot_v1_dot_router__pb2.ClassificationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class Router:
             '/pdmesh.v1.Router/Embed',
             protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingRequest.SerializeToString,
             protos_dot_pdmesh_dot_v1_dot_router__pb2.EmbeddingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Router/Classify',
+            protos_dot_pdmesh_dot_v1_dot_router__pb2.ClassificationRequest.SerializeToString,
+            protos_dot_pdmesh_dot_v1_dot_router__pb2.ClassificationResponse.FromString,
             options,
             channel_credentials,
             insecure,
