@@ -16,6 +16,7 @@ import torch
 from engine import LLM, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from tests.checkpoints import make_checkpoint
+from tests.kernel_testing import needs_gpu
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
@@ -142,3 +143,19 @@ def test_labels_without_names_and_unnamed_configs(tmp_path: Path) -> None:
     from engine.models.model_config import ModelConfig
 
     assert ModelConfig.from_hf_dict(cfg).labels == ["LABEL_0", "LABEL_1", "LABEL_2", "LABEL_3"]
+
+
+@needs_gpu
+def test_gpu_classifier_with_graphs_matches_transformers(tmp_path: Path) -> None:
+    """On a GPU: the Triton ops with prefill graphs give transformers' class probabilities (float32, and
+    bf16 within bf16's error), prompts chunked through the graphs' buckets."""
+    path = classifier("qwen3_moe", tmp_path / "moe")
+    prompts = _prompts(6, seed=12)
+    want = torch.stack([torch.softmax(hf_logits(path, p), 0) for p in prompts])
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+        llm = LLM(str(path), device="cuda", dtype=dtype, kernel_backend="triton", num_kv_blocks=256,
+                  max_num_batched_tokens=32)  # fmt: skip
+        assert llm.engine.runner.prefill_graphs is not None
+        got = torch.tensor([o.probs for o in llm.classify(prompts)])
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+        del llm
