@@ -23,7 +23,7 @@ def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
 
 
 def make_layout(cfg: ModelConfig, fingerprint: str, dtype: str, block_size: int) -> KVLayout:
-    return KVLayout(fingerprint, dtype, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    return KVLayout(fingerprint, dtype, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.kv_head_dim)
 
 
 def num_blocks_for(layout: KVLayout, memory_gb: float) -> int:

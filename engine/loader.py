@@ -30,6 +30,7 @@ from engine.fp8_weights import (
     store_fp8,
 )
 from engine.models.decoder import DecoderModel
+from engine.models.mla import GroupedMoEBlock, MLAttention
 from engine.models.model_config import ModelConfig
 from engine.moe.dispatch import TokenDispatcher
 from engine.tiny_models import TINY_MODELS, tiny_model_config
@@ -178,6 +179,10 @@ def fp8_layout(cfg: ModelConfig, path: Path | None, quantization: str, load_form
         raise ValueError(f"quantization must be auto, fp8 or none, got {quantization!r}")
     if quantization == "none":
         return None
+    if cfg.mla is not None:
+        if quantization == "fp8":
+            raise UnsupportedModelError("quantization fp8 is not served for DeepSeek-V3 models yet")
+        return None  # a float8 checkpoint's weights are widened at load
     quant = (
         None
         if path is None
@@ -416,9 +421,15 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
     if not m:
         return []  # e.g. rotary inv_freq buffers in old checkpoints
     i, rest = int(m.group(1)), m.group(2)
+    if i >= len(net.layers):
+        return []  # DeepSeek-V3's multi-token-prediction layers, past the decoder's (not served yet)
     layer = net.layers[i]
     pre = f"layers.{i}."
     attn = layer.self_attn
+    if isinstance(attn, MLAttention):
+        found = _assign_mla(layer, attn, rest, t, put, cfg)
+        if found is not None:
+            return [pre + f for f in found]
     if rest in _KV_SCALES:
         value = _kv_scale(name, t)
         if "k" in _KV_SCALES[rest]:
@@ -426,21 +437,22 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
         if "v" in _KV_SCALES[rest]:
             attn.v_scale = value
         return []  # not a parameter: used by a float8 KV pool only (decoder.Attention.kv_scales)
-    q, kv = attn.q_size, attn.kv_size
     simple = {
         "input_layernorm.weight": ("input_layernorm", layer.input_layernorm),
         "post_attention_layernorm.weight": ("post_attention_layernorm", layer.post_attention_layernorm),
-        "self_attn.o_proj.weight": ("self_attn.o_proj", attn.o_proj),
-        "self_attn.q_norm.weight": ("self_attn.q_norm", attn.q_norm),
-        "self_attn.k_norm.weight": ("self_attn.k_norm", attn.k_norm),
     }
+    if not isinstance(attn, MLAttention):
+        simple["self_attn.o_proj.weight"] = ("self_attn.o_proj", attn.o_proj)
+        simple["self_attn.q_norm.weight"] = ("self_attn.q_norm", attn.q_norm)
+        simple["self_attn.k_norm.weight"] = ("self_attn.k_norm", attn.k_norm)
     if rest in simple:
         target, param = simple[rest]
         if param is None:
             return []
         put(param, t)
         return [pre + target]
-    qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    q, kv = (0, 0) if isinstance(attn, MLAttention) else (attn.q_size, attn.kv_size)
+    qkv_rows = {} if isinstance(attn, MLAttention) else {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     for proj, (lo, hi) in qkv_rows.items():
         if rest == f"self_attn.{proj}.weight":
             put(attn.qkv_proj, t, rows=slice(lo, hi))
@@ -494,6 +506,47 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
             put(which, full[p2l[lo_phys + local]], expert=local)
         return [pre + ("mlp.w13" if which is mlp.w13 else "mlp.w2")]
     return []
+
+
+def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.Tensor, put: Callable,
+                cfg: ModelConfig) -> list[str] | None:  # fmt: skip
+    """A DeepSeek-V3 layer's own tensors (latent attention, router bias, shared experts); None for the
+    tensors every layer has. The rotary rows of the query and latent projections are taken from the
+    checkpoint's interleaved pairs into rotate-half order (transformers' ``rope_interleave``, on by
+    default): the model then applies the common RoPE and computes the same scores."""
+    names = ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")  # fmt: skip
+    for n in names:
+        if rest == f"self_attn.{n}.weight":
+            if not (cfg.mla and cfg.mla.rope_interleave):
+                pass
+            elif n in ("q_b_proj", "q_proj"):
+                qk = attn.nope + attn.rope
+                order = torch.arange(t.shape[0]).view(attn.num_heads, qk)
+                order[:, attn.nope :] = order[:, attn.nope :][:, _deinterleave(attn.rope)]
+                t = t[order.reshape(-1)]
+            elif n == "kv_a_proj_with_mqa":
+                t = torch.cat([t[: attn.rank], t[attn.rank :][_deinterleave(attn.rope)]])
+            put(getattr(attn, n), t)
+            return [f"self_attn.{n}"]
+    mlp = layer.mlp
+    if rest == "mlp.gate.e_score_correction_bias" and isinstance(mlp, GroupedMoEBlock):
+        put(mlp.e_score_correction_bias, t)
+        return ["mlp.e_score_correction_bias"]
+    if rest.startswith("mlp.shared_experts.") and isinstance(mlp, GroupedMoEBlock) and mlp.shared_experts is not None:
+        shared, proj = mlp.shared_experts, rest.split(".")[2]
+        inter = shared.down_proj.shape[1]
+        rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
+        if proj in rows:
+            put(shared.gate_up_proj, t, rows=rows[proj])
+            return ["mlp.shared_experts.gate_up_proj"]
+        put(shared.down_proj, t)
+        return ["mlp.shared_experts.down_proj"]
+    return None
+
+
+def _deinterleave(dim: int) -> torch.Tensor:
+    """Interleaved rotary pairs (x0, x1), (x2, x3), ... into rotate-half order: evens, then odds."""
+    return torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
 
 
 def _kv_scale(name: str, t: torch.Tensor) -> float:

@@ -32,13 +32,60 @@ def moe_route_torch(
     topk_w, topk_logical = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
-    token = torch.arange(router_logits.shape[0], device=router_logits.device).unsqueeze(1)
+    topk_phys = to_physical(topk_logical, logical_to_physical, replica_counts, expert_counts, live)
+    return topk_w.to(out_dtype), topk_phys
+
+
+def moe_route_grouped_torch(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+    logical_to_physical: torch.Tensor,
+    replica_counts: torch.Tensor,
+    expert_counts: torch.Tensor,
+    out_dtype: torch.dtype,
+    live: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (``noaux_tc``), as transformers' ``DeepseekV3TopkRouter``: sigmoid scores of
+    the float32 ``router_logits`` [T, E]; ``bias`` [E] added for the choice only; the ``topk_group`` of
+    ``n_group`` groups whose two best biased scores sum highest; the top-k experts within them; their
+    unbiased scores as weights, renormalised (plus 1e-20) where asked, times ``scaling``. Then physical
+    replicas and counters as ``moe_route_torch``. Returns (weights [T, k] in ``out_dtype``, ids)."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias.float()
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, n_group, experts // n_group)
+    group_scores = grouped.topk(min(2, experts // n_group), dim=-1)[0].sum(dim=-1)
+    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0)
+    choice = choice.masked_fill(~keep.bool().repeat_interleave(experts // n_group, dim=1), float("-inf"))
+    topk_logical = choice.topk(top_k, dim=-1)[1]
+    topk_w = scores.gather(1, topk_logical)
+    if renormalize:
+        topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
+    topk_phys = to_physical(topk_logical, logical_to_physical, replica_counts, expert_counts, live)
+    return (topk_w * scaling).to(out_dtype), topk_phys
+
+
+def to_physical(
+    topk_logical: torch.Tensor,
+    logical_to_physical: torch.Tensor,
+    replica_counts: torch.Tensor,
+    expert_counts: torch.Tensor,
+    live: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each (token, k) pair's physical replica (``token % replicas``), counted in ``expert_counts``."""
+    top_k = topk_logical.shape[1]
+    token = torch.arange(topk_logical.shape[0], device=topk_logical.device).unsqueeze(1)
     replica = token % replica_counts[topk_logical]
     topk_phys = logical_to_physical[topk_logical, replica]
     flat = topk_phys.reshape(-1)
     if live is None:
         ones = torch.ones_like(flat)
     else:
-        ones = (live[: router_logits.shape[0]] != 0).to(flat.dtype).repeat_interleave(top_k)
+        ones = (live[: topk_logical.shape[0]] != 0).to(flat.dtype).repeat_interleave(top_k)
     expert_counts.scatter_add_(0, flat, ones)
-    return topk_w.to(out_dtype), topk_phys
+    return topk_phys

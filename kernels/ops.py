@@ -11,8 +11,9 @@ from kernels.copy_rows import copy_rows_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.lora import lora_apply_torch
+from kernels.mla_attention import mla_attention_torch
 from kernels.moe import fused_moe_torch
-from kernels.moe_routing import moe_route_torch
+from kernels.moe_routing import moe_route_grouped_torch, moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.qkv_prologue import qkv_attention_torch, qkv_prologue_torch
 from kernels.rope import apply_rope_torch
@@ -41,6 +42,8 @@ class Ops:
     )
     lora_apply: Callable  # a projection's output plus the LoRA of each row's adapter slot (engine/lora.py)
     copy_rows: Callable  # dst[dst_rows] = src[src_rows] (expert slots moved by a new placement)
+    moe_route_grouped: Callable  # DeepSeek-V3's routing (sigmoid, bias, expert groups); torch in both tables
+    mla_attention: Callable  # latent attention (DeepSeek's MLA) over the pool; torch in both tables
 
 
 TORCH_OPS = Ops(
@@ -60,6 +63,8 @@ TORCH_OPS = Ops(
     gumbel_sample=gumbel_sample_torch,
     lora_apply=lora_apply_torch,
     copy_rows=copy_rows_torch,
+    moe_route_grouped=moe_route_grouped_torch,
+    mla_attention=mla_attention_torch,
 )
 
 

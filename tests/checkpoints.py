@@ -77,6 +77,49 @@ ARCHS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=2,
         num_hidden_layers=4,
     ),
+    # DeepSeek-V3: latent attention with a low-rank query, grouped routing (4 groups, 2 kept) with a choice
+    # bias, a shared expert, a dense first layer, interleaved rotary rows.
+    "deepseek_v3": dict(
+        cls="DeepseekV3ForCausalLM",
+        cfg="DeepseekV3Config",
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+    ),
+    # No query projection rank, YaRN with DeepSeek's mscale (the softmax scale and the cos/sin factor).
+    "deepseek_v3_yarn": dict(
+        cls="DeepseekV3ForCausalLM",
+        cfg="DeepseekV3Config",
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 256,
+                         "beta_fast": 32, "beta_slow": 1},  # fmt: skip
+    ),
     "mixtral": dict(
         cls="MixtralForCausalLM",
         cfg="MixtralConfig",
@@ -90,6 +133,9 @@ ARCHS: dict[str, dict[str, Any]] = {
 def _scale_weights(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's choice bias: transformers zeroes it
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
         for name, p in sorted(model.named_parameters()):
             if p.ndim == 1:
                 p.copy_(

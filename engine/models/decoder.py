@@ -1,8 +1,9 @@
-"""Decoder-only transformer covering Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral.
+"""Decoder-only transformer covering Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral and DeepSeek-V3.
 
 The differences between these architectures are flags of ``ModelConfig`` (q/k/v bias, per-head q/k
-RMSNorm, MoE layers); weights are stored fused (qkv, gate-up, expert w13) and every op goes through the
-``kernels`` op table. The KV cache is the block-major pool, addressed by ``AttentionMetadata``.
+RMSNorm, MoE layers; DeepSeek-V3's latent attention and grouped routing, ``engine.models.mla``); weights
+are stored fused (qkv, gate-up, expert w13) and every op goes through the ``kernels`` op table. The KV
+cache is the block-major pool, addressed by ``AttentionMetadata``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.lora import LayerLoRA, LoRASlots
+from engine.models.mla import GroupedMoEBlock, MLAttention
 from engine.models.model_config import ModelConfig
 from engine.models.rope_cache import cos_sin_cache
 from engine.moe.dispatch import TokenDispatcher
@@ -177,9 +179,32 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg, layer, ops, dtype, device, fp8)
+        self.mla = cfg.mla is not None
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(cfg, layer, ops, dtype, device) if self.mla else Attention(cfg, layer, ops, dtype, device, fp8)
+        )
         self.mlp: nn.Module
-        if cfg.moe_layers and cfg.moe_layers[layer]:
+        if cfg.routing is not None and cfg.moe_layers[layer]:
+            shared = (
+                DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, device)
+                if cfg.n_shared_experts
+                else None
+            )
+            self.mlp = GroupedMoEBlock(
+                cfg,
+                shared,
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.moe_intermediate_size,
+                num_experts=cfg.num_experts,
+                top_k=cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob,
+                ops=ops,
+                dtype=dtype,
+                device=device,
+                physical_to_logical=physical_to_logical,
+                dispatcher=dispatcher,
+            )
+        elif cfg.moe_layers and cfg.moe_layers[layer]:
             self.mlp = MoEBlock(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size,
@@ -207,6 +232,12 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.self_attn, MLAttention):
+            if residual is None:
+                h, residual = self.ops.rms_norm(x, self.input_layernorm, self.eps), x
+            else:
+                h, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+            return self.post_attention(self.self_attn(h, positions, cos_sin, kv_pool, meta), residual)
         qkv, residual = self.qkv(x, residual)
         o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
         return self.post_attention(o, residual)
@@ -250,6 +281,9 @@ class DecoderLayer(nn.Module):
         else:
             flat = o.reshape(-1, self.self_attn.q_size)
             o = lora.apply("o", flat, self.self_attn.output(flat))
+        if isinstance(self.mlp, GroupedMoEBlock):  # its router reads h in float32
+            h, residual = self.ops.fused_add_rms_norm(o, residual, self.post_attention_layernorm, self.eps)
+            return self.mlp(h), residual
         if isinstance(self.mlp, MoEBlock):
             logits, h, residual = self.ops.add_rms_norm_linear(
                 o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True

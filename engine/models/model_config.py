@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 # The decoder alone, as transformers' base-model classes save it (no LM head): read as its family, which
 # then only embeds (engine.pooling) unless its embeddings are tied to the LM head.
@@ -23,6 +25,36 @@ BASE_MODEL_ARCHITECTURES = {a.replace("ForCausalLM", "Model"): a for a in SUPPOR
 CLASSIFIER_ARCHITECTURES = {
     a.replace("ForCausalLM", "ForSequenceClassification"): a for a in SUPPORTED_ARCHITECTURES
 }
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank projection, keys
+    and values from one latent a token (``kv_lora_rank`` values, normalised) plus a shared rotary key
+    (``qk_rope_head_dim``); the KV pool holds only that latent and rotary key."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the checkpoint's rotary rows in interleaved pairs (transformers' default)
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV pool holds a token a layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's expert routing (``noaux_tc``): sigmoid scores, a per-expert bias that only chooses,
+    the top ``topk_group`` of ``n_group`` expert groups (each scored by its two best), the top-k experts
+    within them, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
 
 
 @dataclass
@@ -51,6 +83,19 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # A sequence classifier's labels (config.json's id2label, by id); empty for every other checkpoint.
     labels: list[str] = field(default_factory=list)
+    # DeepSeek-V3: latent attention (then num_kv_heads is 1 and head_dim the rotary part), grouped routing
+    # and shared experts (a dense MLP of n_shared_experts x moe_intermediate_size beside the routed ones).
+    mla: MLAConfig | None = None
+    routing: GroupedRouting | None = None
+    n_shared_experts: int = 0
+    # The softmax scale's factor beyond head_dim ** -0.5 (YaRN's mscale_all_dim, squared: DeepSeek's).
+    attention_scale_factor: float = 1.0
+
+    @property
+    def kv_head_dim(self) -> int:
+        """The KV pool's values a head a token, in each of its K and V halves: an MLA model's latent and
+        rotary key are split across the two (one head), others hold K and V of ``head_dim``."""
+        return self.mla.latent_dim // 2 if self.mla else self.head_dim
 
     @property
     def num_labels(self) -> int:
@@ -83,12 +128,13 @@ class ModelConfig:
             rope_scaling = rope_params
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
+            if rope_type not in ("default", "llama3", "yarn"):
                 raise UnsupportedModelError(
-                    f"unsupported rope scaling {rope_type!r}; supported: default, llama3"
+                    f"unsupported rope scaling {rope_type!r}; supported: default, llama3, yarn"
                 )
-            if rope_type == "default":
-                rope_scaling = None
+            rope_scaling = None if rope_type == "default" else {**rope_scaling, "rope_type": rope_type}
+            if rope_type == "yarn" and not rope_scaling.get("original_max_position_embeddings"):
+                rope_scaling["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 4096)
         num_layers = cfg["num_hidden_layers"]
         num_experts = 0
         top_k = 0
@@ -105,6 +151,14 @@ class ModelConfig:
             moe_layers = [
                 (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
             ]
+        elif arch == "DeepseekV3ForCausalLM":
+            num_experts = cfg["n_routed_experts"]
+            top_k = cfg["num_experts_per_tok"]
+            moe_inter = cfg["moe_intermediate_size"]
+            norm_topk = bool(cfg.get("norm_topk_prob", True))
+            first_dense = cfg.get("first_k_dense_replace") or 0
+            freq = cfg.get("moe_layer_freq") or 1
+            moe_layers = [i >= first_dense and i % freq == 0 for i in range(num_layers)]
         elif arch == "MixtralForCausalLM":
             num_experts = cfg["num_local_experts"]
             top_k = cfg["num_experts_per_tok"]
@@ -113,7 +167,7 @@ class ModelConfig:
             moe_layers = [True] * num_layers
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -137,6 +191,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             labels=_labels(cfg) if classifier else [],
         )
+        if arch == "DeepseekV3ForCausalLM":
+            config = dataclasses.replace(config, **_deepseek(cfg, rope_scaling))
+        return config
 
 
 def _labels(cfg: dict[str, Any]) -> list[str]:
@@ -145,3 +202,41 @@ def _labels(cfg: dict[str, Any]) -> list[str]:
     id2label = cfg.get("id2label") or {}
     n = len(id2label) or int(cfg.get("num_labels") or 2)
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+
+
+
+def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepSeek-V3's fields (and overrides: one KV head, the rotary head_dim)."""
+    import math
+
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise UnsupportedModelError(
+            f"DeepSeek routing {cfg.get('topk_method')!r} with {cfg.get('scoring_func')!r} scores is not "
+            "served: only noaux_tc with sigmoid scores (DeepSeek-V3, R1, Kimi-K2)"
+        )
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError("DeepSeek attention with biases is not served")
+    mla = MLAConfig(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+    if mla.latent_dim % 2:
+        raise UnsupportedModelError(f"MLA latent of {mla.latent_dim} values: the KV pool needs an even size")
+    n_group = cfg.get("n_group") or 1
+    factor = 1.0
+    if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+        scale = rope_scaling["factor"]
+        mscale = 0.1 * rope_scaling["mscale_all_dim"] * math.log(scale) + 1.0 if scale > 1 else 1.0
+        factor = mscale * mscale
+    return {
+        "num_kv_heads": 1,
+        "head_dim": mla.qk_rope_head_dim,
+        "mla": mla,
+        "routing": GroupedRouting(n_group, cfg.get("topk_group") or n_group, float(cfg.get("routed_scaling_factor", 1.0))),
+        "n_shared_experts": cfg.get("n_shared_experts") or 0,
+        "attention_scale_factor": factor,
+    }

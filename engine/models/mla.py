@@ -1,0 +1,130 @@
+"""DeepSeek-V3's layers: multi-head latent attention (MLA) and the MoE block with grouped routing and
+shared experts. The decoder (``engine.models.decoder``) takes them where ``ModelConfig.mla`` and
+``ModelConfig.routing`` say so; the rest of the layer (norms, residuals, dense MLPs) is the common one.
+
+MLA keeps one latent a token a layer in the KV pool (``kernels.mla_attention``): the normalised
+``kv_lora_rank`` values and the shared rotary key, split across the pool's K and V halves. Attention runs
+in the latent space (the key projection ``W_uk`` absorbed into the queries, the value projection ``W_uv``
+applied to the output, both slices of ``kv_b_proj``), as vLLM and SGLang run MLA for decode.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.models.model_config import ModelConfig
+from engine.moe.layer import MoEBlock
+from kernels import Ops
+
+if TYPE_CHECKING:
+    from engine.models.decoder import AttentionMetadata, DenseMLP
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        mla = cfg.mla
+        assert mla is not None
+        self.layer, self.ops, self.eps = layer, ops, cfg.rms_norm_eps
+        self.num_heads = cfg.num_heads
+        self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.rank, self.latent = mla.kv_lora_rank, mla.latent_dim
+        qk = self.nope + self.rope
+        self.q_size = cfg.num_heads * self.v_dim  # the output projection's input
+        self.scale = qk**-0.5 * cfg.attention_scale_factor
+        kw = {"dtype": dtype, "device": device}
+        self.q_lora = mla.q_lora_rank is not None
+        if mla.q_lora_rank is not None:
+            self.q_a_proj = _param(mla.q_lora_rank, cfg.hidden_size, **kw)
+            self.q_a_layernorm = _param(mla.q_lora_rank, **kw)
+            self.q_b_proj = _param(cfg.num_heads * qk, mla.q_lora_rank, **kw)
+        else:
+            self.q_proj = _param(cfg.num_heads * qk, cfg.hidden_size, **kw)
+        self.kv_a_proj_with_mqa = _param(self.latent, cfg.hidden_size, **kw)
+        self.kv_a_layernorm = _param(self.rank, **kw)
+        self.kv_b_proj = _param(cfg.num_heads * (self.nope + self.v_dim), self.rank, **kw)
+        self.o_proj = _param(cfg.hidden_size, self.q_size, **kw)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention of the normalised hidden states h [T, hidden]: writes each token's latent into the
+        pool at ``meta.slot_mapping`` and returns the heads' outputs [T, heads * v_head_dim]."""
+        ops, t, heads = self.ops, h.shape[0], self.num_heads
+        if self.q_lora:
+            q = ops.linear(ops.rms_norm(ops.linear(h, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj)
+        else:
+            q = ops.linear(h, self.q_proj)
+        q_nope, q_rope = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        kv = ops.linear(h, self.kv_a_proj_with_mqa)
+        latent = ops.rms_norm(kv[:, : self.rank].contiguous(), self.kv_a_layernorm, self.eps)
+        q_rope, k_rope = ops.apply_rope(q_rope.contiguous(), kv[:, None, self.rank :].contiguous(), positions, cos_sin)
+        cache = torch.cat([latent, k_rope[:, 0]], dim=-1)
+        half = self.latent // 2
+        ops.write_kv(kv_pool, self.layer, cache[:, None, :half], cache[:, None, half:], meta.slot_mapping)
+        w_kv = self.kv_b_proj.view(heads, self.nope + self.v_dim, self.rank)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_kv[:, : self.nope])
+        o = ops.mla_attention(
+            torch.cat([q_latent, q_rope], dim=-1),
+            kv_pool,
+            self.layer,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            self.rank,
+        )
+        return torch.einsum("thr,hvr->thv", o, w_kv[:, self.nope :]).reshape(t, self.q_size)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj)
+
+
+class GroupedMoEBlock(MoEBlock):
+    """DeepSeek-V3's MoE block: the router in float32 (its weight and the choice bias are float32, as
+    transformers keeps them), grouped routing (``kernels.moe_routing.moe_route_grouped_torch``), the
+    routed experts as ``MoEBlock``'s (replicas, counters, expert-parallel dispatch), plus the shared
+    experts (a dense MLP every token takes)."""
+
+    def __init__(self, cfg: ModelConfig, shared: DenseMLP | None, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        assert cfg.routing is not None
+        self.routing = cfg.routing
+        device = self.gate.device
+        self.gate = nn.Parameter(torch.empty(self.gate.shape, dtype=torch.float32, device=device), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(self.num_logical, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.shared_experts = shared
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        logits = torch.nn.functional.linear(x.float(), self.gate)
+        p, r = self.placement, self.routing
+        topk_w, topk_phys = self.ops.moe_route_grouped(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            r.n_group,
+            r.topk_group,
+            self.norm_topk_prob,
+            r.routed_scaling_factor,
+            p.logical_to_physical,
+            p.replica_counts,
+            self.expert_counts,
+            x.dtype,
+            self.count_live,
+        )
+        out = self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,0 +1,45 @@
+"""Multi-head latent attention (DeepSeek-V2/V3's MLA) over the block-major KV pool: PyTorch reference.
+
+The pool holds one latent a token a layer (``kv_lora_rank`` normalised values, then the rotary key),
+split across its K and V halves (one head each, half the latent in each). With the key projection
+absorbed into the queries (``q_latent = q_nope @ W_uk``, computed by the model), every head attends to
+the same latents: scores ``[q_latent, q_rope] . latent * scale`` and values the latent's first
+``v_dim`` (``kv_lora_rank``) values, which the model's ``W_uv`` then projects per head. Causality and
+the batch's layout are as ``kernels.attention``'s: sequence ``b``'s new queries are its last tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mla_attention_torch(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """q: [T, H, L] (L = the pool's latent: twice its head_dim); block_tables: [B, max_blocks] int32;
+    seq_lens: [B]; query_start_loc: [B+1]. -> [T, H, v_dim] in q's dtype."""
+    out = q.new_empty((q.shape[0], q.shape[1], v_dim))
+    block_size = kv_pool.shape[3]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        blocks = block_tables[b, : (seq_len + block_size - 1) // block_size].long()
+        kv = kv_pool[blocks, layer]  # [n, 2, bs, 1, L/2]
+        latent = torch.cat([kv[:, 0], kv[:, 1]], dim=-1).reshape(-1, q.shape[2])[:seq_len].to(torch.float32)
+        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # [H, q_len, L]
+        scores = torch.matmul(qb, latent.t()) * scale  # [H, q_len, S]
+        q_len = q1 - q0
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+        out[q0:q1] = torch.matmul(probs, latent[:, :v_dim]).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,156 @@
+"""DeepSeek-V3 (engine/models/mla.py) beyond greedy parity (tests/test_parity.py runs both DeepSeek
+checkpoints of tests/checkpoints.py against transformers): the latent KV pool's layout, the routing op
+against transformers' router, prefix-cache hits and preemption, the Triton ops (in the interpreter), two
+expert-parallel ranks over gloo, YaRN for the other families, and what such a model refuses."""
+
+from __future__ import annotations
+
+import faulthandler
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine import LLM, SamplingParams
+from mesh.cli import free_port
+from tests.checkpoints import VOCAB, hf_greedy, make_checkpoint
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ds") / "ds", seed=7)
+
+
+def _prompts(n: int, seed: int, lengths: tuple[int, int] = (3, 40)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(*lengths))] for _ in range(n)]
+
+
+def test_the_pool_holds_one_latent_a_token(deepseek: Path) -> None:
+    """The KV pool holds the latent (kv_lora_rank normalised values) and the rotary key, split across its
+    K and V halves: (32 + 16) / 2 values each, one head, not heads x head_dim twice."""
+    llm = LLM(str(deepseek), dtype="float32", num_kv_blocks=16)
+    layout = llm.engine.layout
+    assert (layout.num_kv_heads, layout.head_dim) == (1, 24)
+    assert tuple(llm.engine.kv_pool.shape[2:]) == (2, 16, 1, 24)
+    prompt = _prompts(1, seed=1)[0]
+    llm.generate([prompt], GREEDY)
+    attn = llm.engine.model.layers[0].self_attn
+    # The first token's latent: the normalised kv_a projection of its input's norm, then its rotary key.
+    layer0 = llm.engine.model.layers[0]
+    h = torch.nn.functional.rms_norm(
+        llm.engine.model.embed_tokens[prompt[:1]], (64,), layer0.input_layernorm, 1e-6
+    )
+    kv = h @ attn.kv_a_proj_with_mqa.t()
+    want = torch.nn.functional.rms_norm(kv[:, :32], (32,), attn.kv_a_layernorm, 1e-6)[0]
+    pool = llm.engine.kv_pool
+    stored = torch.cat([pool[:, 0, 0, 0, 0], pool[:, 0, 1, 0, 0]], dim=-1)[:, :32]  # every block's slot 0
+    assert any(torch.allclose(row, want, atol=1e-5) for row in stored)
+
+
+def test_grouped_routing_equals_transformers_router() -> None:
+    """The routing op picks transformers' experts with its weights (choice bias, groups, renormalisation,
+    scaling), and counts each pair for its physical replica."""
+    import transformers
+
+    from kernels.moe_routing import moe_route_grouped_torch
+
+    config = transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+    router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(0, 0.3)
+    x = torch.randn(50, 32)
+    logits, want_w, want_ids = router(x)
+    counts = torch.zeros(16, dtype=torch.int64)
+    identity = torch.arange(16).unsqueeze(1)
+    got_w, got_ids = moe_route_grouped_torch(logits, router.e_score_correction_bias, 4, 4, 2, True, 2.5, identity,
+                                             torch.ones(16, dtype=torch.int64), counts, torch.float32)  # fmt: skip
+    order_w, order_g = want_ids.sort(dim=1), got_ids.sort(dim=1)
+    assert torch.equal(order_w.values, order_g.values)
+    torch.testing.assert_close(got_w.gather(1, order_g.indices), want_w.gather(1, order_w.indices))
+    assert int(counts.sum()) == 50 * 4 and torch.equal(
+        counts, torch.bincount(want_ids.reshape(-1), minlength=16)
+    )
+
+
+def test_prefix_cache_hits_and_preemption_keep_the_tokens(deepseek: Path) -> None:
+    """A prompt whose prefix is cached, and requests preempted by a pool too small for all of them, give
+    the tokens of a fresh engine (the latent blocks are shared and recomputed as any KV)."""
+    prompts = _prompts(4, seed=2, lengths=(34, 40))
+    shared = prompts[0][:32] + [7, 8, 9]
+    want = [
+        o.token_ids
+        for o in LLM(str(deepseek), dtype="float32", num_kv_blocks=64).generate(prompts + [shared], GREEDY)
+    ]
+    llm = LLM(str(deepseek), dtype="float32", num_kv_blocks=64)
+    llm.generate(prompts[:1], GREEDY)
+    again = llm.generate([shared], GREEDY)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == want[-1]
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    fresh = LLM(str(deepseek), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
+    small = LLM(str(deepseek), dtype="float32", num_kv_blocks=10, enable_prefix_caching=False)
+    outs = small.generate(prompts, long)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh.generate(prompts, long)]
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_triton_ops_in_the_interpreter_give_the_torch_tokens(
+    deepseek: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prompts = _prompts(2, seed=3)
+    kw = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    triton = LLM(str(deepseek), kernel_backend="triton", **kw).generate(prompts, GREEDY)
+    torch_ = LLM(str(deepseek), **kw).generate(prompts, GREEDY)
+    assert [o.token_ids for o in triton] == [o.token_ids for o in torch_]
+
+
+def _rank(rank: int, world: int, port: int, path: str, prompts: list[list[int]], out: dict) -> None:
+    faulthandler.dump_traceback_later(180, exit=True)
+    torch.set_num_threads(1)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
+              distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+    assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
+    out[rank] = [o.token_ids for o in llm.generate([prompts[rank]], GREEDY)]
+    llm.close()
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks_give_one_ranks_tokens(deepseek: Path) -> None:
+    """Each of two ranks holds half of the routed experts (the shared expert and attention whole) and
+    serves its own prompt; together they give the single engine's tokens."""
+    prompts = _prompts(2, seed=4)
+    single = LLM(str(deepseek), dtype="float32", num_kv_blocks=64)
+    want = [single.generate([p], GREEDY)[0].token_ids for p in prompts]
+    out = mp.Manager().dict()
+    mp.spawn(_rank, args=(2, free_port(), str(deepseek), prompts, out), nprocs=2, join=True)
+    assert [out[0][0], out[1][0]] == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_yarn_scaling_matches_transformers(arch: str, tmp_path: Path) -> None:
+    """YaRN for the other families too (Qwen3's long-context setting): the cos/sin factor and the
+    frequencies' ramp, past the original context."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    path = make_checkpoint(arch, tmp_path / arch, seed=9, rope_parameters=yarn, rope_scaling=None)
+    prompt = _prompts(1, seed=5, lengths=(60, 61))[0]
+    want = hf_greedy(path, prompt, 12)
+    assert LLM(str(path), dtype="float32", num_kv_blocks=64).generate([prompt], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids == want  # fmt: skip
+
+
+def test_what_a_deepseek_model_refuses(deepseek: Path) -> None:
+    for kw, words in (
+        ({"enable_lora": True}, "LoRA adapters are not served"),
+        ({"kv_cache_dtype": "fp8"}, "latent KV"),
+        ({"quantization": "fp8"}, "fp8 is not served"),
+    ):
+        with pytest.raises(Exception, match=words):
+            LLM(str(deepseek), dtype="float32", num_kv_blocks=16, **kw)
