@@ -310,6 +310,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
+            decode=True,
         )
         if size == 1 and self.megakernel is not None:
             return megakernel_step_pieces(

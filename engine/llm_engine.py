@@ -241,15 +241,13 @@ class LLMEngine:
         )
         if config.enable_eplb and not loaded.cfg.is_moe:
             raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
-        graphs = config.cuda_graphs
+        prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_num_batched_tokens)
         if loaded.cfg.mla is not None:  # DeepSeek-V3 (engine.models.mla): what its ops do not do yet
             if config.enable_lora:
                 raise ValueError(f"enable_lora: LoRA adapters are not served for {loaded.cfg.architecture} yet")
             if config.kv_cache_dtype != "auto":
                 raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture} keeps its latent KV in the model dtype")
-            if graphs and self.device.type == "cuda":
-                log.warning("%s: its latent attention has no graph-safe kernel yet; running without CUDA graphs", loaded.cfg.architecture)
-            graphs = False
+            prefill_graph_tokens = 0  # its layers have no attention-free pieces (engine.prefill_graphs)
         self.placement_version = 0  # the expert placement the MoE layers run (0: the initial one)
         # With several ranks, a newer placement waiting for every rank (version, physical -> logical).
         self.staged_placement: tuple[int, list[list[int]]] | None = None
@@ -294,8 +292,8 @@ class LLMEngine:
             self.kv_pool,
             config.block_size,
             self.device,
-            cuda_graphs=graphs,
-            prefill_graph_tokens=min(config.prefill_graph_tokens, config.max_num_batched_tokens),
+            cuda_graphs=config.cuda_graphs,
+            prefill_graph_tokens=prefill_graph_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             decode_megakernel=config.decode_megakernel,

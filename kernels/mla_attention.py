@@ -22,9 +22,17 @@ def mla_attention_torch(
     query_start_loc: torch.Tensor,
     scale: float,
     v_dim: int,
+    *,
+    decode: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, L] (L = the pool's latent: twice its head_dim); block_tables: [B, max_blocks] int32;
-    seq_lens: [B]; query_start_loc: [B+1]. -> [T, H, v_dim] in q's dtype."""
+    seq_lens: [B]; query_start_loc: [B+1]. -> [T, H, v_dim] in q's dtype.
+
+    ``decode``: the caller vouches that every sequence brings one query token (T = B; a row of seq_len 0
+    gets zeros): every row at once over its whole block-table row, masked past its length, with no host
+    synchronisation, so a CUDA graph can capture it."""
+    if decode:
+        return _decode(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim)
     out = q.new_empty((q.shape[0], q.shape[1], v_dim))
     block_size = kv_pool.shape[3]
     starts = query_start_loc.tolist()
@@ -43,3 +51,22 @@ def mla_attention_torch(
         probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
         out[q0:q1] = torch.matmul(probs, latent[:, :v_dim]).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    batch = q.shape[0]
+    kv = kv_pool[block_tables.long(), layer]  # [B, nblk, 2, bs, 1, L/2]
+    latent = torch.cat([kv[:, :, 0], kv[:, :, 1]], dim=-1).reshape(batch, -1, q.shape[2]).to(torch.float32)
+    scores = torch.einsum("bhl,bsl->bhs", q.to(torch.float32), latent) * scale
+    beyond = torch.arange(latent.shape[1], device=q.device)[None, :] >= seq_lens[:, None]
+    probs = torch.softmax(scores.masked_fill(beyond[:, None, :], float("-inf")), dim=-1)
+    probs = probs.nan_to_num(0.0)  # a row of seq_len 0 (padding) attends to nothing
+    return torch.einsum("bhs,bsv->bhv", probs, latent[..., :v_dim]).to(q.dtype)

@@ -30,6 +30,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32: tokens in the context after this step
     query_start_loc: torch.Tensor  # [B+1] int32
+    # Every sequence brings one query token (a decode graph's batch; its padding rows have seq_len 0):
+    # ops that would otherwise read the layout on the host (the MLA reference) take a graph-safe path.
+    decode: bool = False
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -85,6 +85,7 @@ class MLAttention(nn.Module):
             meta.query_start_loc,
             self.scale,
             self.rank,
+            decode=meta.decode,
         )
         return torch.einsum("thr,hvr->thv", o, w_kv[:, self.nope :]).reshape(t, self.q_size)
 
