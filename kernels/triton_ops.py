@@ -5,8 +5,6 @@ Imported lazily by ``kernels.ops.get_ops("triton")`` so that the CPU path never 
 
 from __future__ import annotations
 
-from kernels.mla_attention import mla_attention_torch
-from kernels.moe_routing import moe_route_grouped_torch
 from kernels.ops import Ops
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
@@ -14,6 +12,7 @@ from kernels.triton_copy_rows import copy_rows_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
 from kernels.triton_lora import lora_apply_small
+from kernels.triton_mla import mla_attention_triton, moe_route_grouped_triton
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
@@ -39,8 +38,7 @@ TRITON_OPS = Ops(
     # Two kernels up to 16 rows, the reference's cuBLAS GEMMs beyond (measured on an H100: performance.md).
     lora_apply=lora_apply_small,
     copy_rows=copy_rows_triton,
-    # No Triton kernels yet: DeepSeek-V3 models run these two ops in torch (graph-safe routing; the MLA
-    # reference reads the batch's layout on the host, so such models run without CUDA graphs).
-    moe_route_grouped=moe_route_grouped_torch,
-    mla_attention=mla_attention_torch,
+    # DeepSeek-V3: the latent attention's decode calls in Triton, its prefill calls the torch reference.
+    moe_route_grouped=moe_route_grouped_triton,
+    mla_attention=mla_attention_triton,
 )

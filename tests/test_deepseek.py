@@ -229,3 +229,87 @@ def test_gpu_triton_ops_and_decode_graphs_give_the_torch_tokens(deepseek: Path) 
         a == b for o, w in zip(outs, want, strict=True) for a, b in zip(o.token_ids[:4], w[:4], strict=True)
     )
     assert agree >= 10  # bf16 rounding may part from float32 late, rarely in the first tokens
+
+
+@pytest.mark.parametrize("experts,groups,kept,k", [(8, 4, 2, 3), (64, 1, 1, 6), (256, 8, 4, 8)])
+def test_the_triton_grouped_routing_equals_the_reference(
+    experts: int, groups: int, kept: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: the same experts, weights and counts (replicas too), for DeepSeek-V3's own
+    shape (256 experts, 8 groups, 4 kept, 8 chosen), Moonlight's (one group) and the tests' model's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.moe_routing import moe_route_grouped_torch
+    from kernels.triton_mla import moe_route_grouped_triton
+
+    gen = torch.Generator().manual_seed(experts)
+    logits, bias = torch.randn(9, experts, generator=gen), torch.randn(experts, generator=gen) * 0.3
+    physical = experts + 2  # the first two experts have a second replica
+    l2p = torch.full((experts, 2), -1, dtype=torch.int64)
+    l2p[:, 0] = torch.arange(experts)
+    l2p[:2, 1] = torch.tensor([experts, experts + 1])
+    replicas = torch.ones(experts, dtype=torch.int64)
+    replicas[:2] = 2
+    live = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1])
+    runs = []
+    for route in (moe_route_grouped_torch, moe_route_grouped_triton):
+        counts = torch.zeros(physical, dtype=torch.int64)
+        weights, ids = route(
+            logits, bias, k, groups, kept, True, 2.5, l2p, replicas, counts, torch.float32, live
+        )
+        order = ids.sort(dim=1)
+        runs.append((order.values, weights.gather(1, order.indices), counts))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 16])
+def test_the_triton_latent_attention_equals_the_reference(
+    splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: the split-KV decode kernel and its merge give the reference's decode path,
+    with one split or several (some of them empty), and zeros for a padding row."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.mla_attention import mla_attention_torch
+    from kernels.triton_mla import mla_attention_triton
+
+    gen = torch.Generator().manual_seed(splits)
+    pool = torch.randn(12, 2, 2, 4, 1, 24, generator=gen)
+    seq_lens = torch.tensor([5, 1, 11, 0], dtype=torch.int32)
+    tables = torch.tensor([[3, 7, 0], [5, 0, 0], [1, 2, 11], [0, 0, 0]], dtype=torch.int32)
+    q = torch.randn(4, 3, 48, generator=gen)
+    qsl = torch.arange(5, dtype=torch.int32)
+    want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True)
+    got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros(3, 32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_triton_latent_attention_at_deepseeks_shape(heads: int) -> None:
+    """On a GPU, DeepSeek-V3's latent (512 + 64) in bf16, Moonlight's and V3's head counts, contexts up
+    to 3000 tokens over random blocks: the kernels give the reference's decode path within bf16's error;
+    the routing kernel gives the reference's experts at V3's routing shape."""
+    from kernels.mla_attention import mla_attention_torch
+    from kernels.moe_routing import moe_route_grouped_torch
+    from kernels.triton_mla import mla_attention_triton, moe_route_grouped_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    pool = torch.randn(400, 2, 2, 16, 1, 288, generator=gen, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor([1, 700, 3000, 0, 129], dtype=torch.int32, device="cuda")
+    tables = torch.randint(0, 400, (5, 188), generator=gen, device="cuda", dtype=torch.int32)
+    q = torch.randn(5, heads, 576, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.1
+    qsl = torch.arange(6, dtype=torch.int32, device="cuda")
+    want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.07, 512, decode=True)
+    got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.07, 512, decode=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    logits = torch.randn(64, 256, generator=gen, device="cuda")
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.1
+    l2p, replicas = (
+        torch.arange(256, device="cuda").unsqueeze(1),
+        torch.ones(256, dtype=torch.int64, device="cuda"),
+    )
+    counts = [torch.zeros(256, dtype=torch.int64, device="cuda") for _ in range(2)]
+    a = moe_route_grouped_torch(logits, bias, 8, 8, 4, True, 2.5, l2p, replicas, counts[0], torch.bfloat16)
+    b = moe_route_grouped_triton(logits, bias, 8, 8, 4, True, 2.5, l2p, replicas, counts[1], torch.bfloat16)
+    assert torch.equal(a[1].sort(1).values, b[1].sort(1).values) and torch.equal(counts[0], counts[1])

@@ -1,0 +1,236 @@
+"""DeepSeek-V3's two ops in Triton: the grouped routing (``kernels/moe_routing.py::moe_route_grouped_torch``)
+in one launch, and the latent attention's decode path (``kernels/mla_attention.py``, ``decode=True``) as a
+split-KV kernel and a merge. Other calls of the latent attention (prefill and mixed steps, which run
+eagerly) take the torch reference; so do shapes outside the kernels' power-of-two sizes.
+
+Routing, one token per program: sigmoid scores of the float32 logits, the choice bias, each group's score
+(its two best choices summed), the ``topk_group`` best groups, then the k best experts within them, each by
+a max-reduction that breaks ties towards the lowest index; weights the unbiased scores, renormalised
+(plus 1e-20) and scaled; then the physical replica (``token % replicas``) and a relaxed atomic count, as
+``moe_route_triton`` does. No host synchronisation: graph-safe.
+
+Latent attention (decode): program ``(b, s, g)`` takes sequence ``b``'s tokens of split ``s`` and heads
+``g * BLOCK_H ..``; each tile of ``BLOCK_N`` cached latents is loaded once for those heads (the latent's
+first ``R`` values and its ``P`` rotary ones, read across the pool's K and V halves), scores are two
+``tl.dot``s (the absorbed query against the latent, the rotary query against the rotary key), the values
+are the same latent tile; an online softmax keeps the split's output and log-sum-exp in float32 scratch,
+which the merge combines (a split without tokens weighs nothing; a row of seq_len 0 gets zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mla_attention import mla_attention_torch
+from kernels.moe_routing import moe_route_grouped_torch
+from kernels.triton_device import dot_precision
+
+
+@triton.jit
+def _grouped_route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, l2p_ptr, replica_counts_ptr, counts_ptr, live_ptr,
+    stride_lt, stride_l2p_e, stride_l2p_r, scaling,
+    E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LIVE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    GS: tl.constexpr = E // N_GROUP
+    e = tl.arange(0, E)
+    logit = tl.load(logits_ptr + t * stride_lt + e).to(tl.float32)
+    score = 1.0 / (1.0 + tl.exp(-logit))
+    choice = score + tl.load(bias_ptr + e).to(tl.float32)
+    if N_GROUP > 1:
+        grouped = tl.reshape(choice, (N_GROUP, GS))
+        first = tl.max(grouped, axis=1)
+        if GS > 1:
+            ties = tl.sum((grouped == first[:, None]).to(tl.int32), axis=1)
+            below = tl.max(tl.where(grouped < first[:, None], grouped, float("-inf")), axis=1)
+            group_score = first + tl.where(ties > 1, first, below)
+        else:
+            group_score = first
+        g = tl.arange(0, N_GROUP)
+        keep = tl.zeros([N_GROUP], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(tl.where(keep, float("-inf"), group_score), axis=0, tie_break_left=True)
+            keep = keep | (g == best)
+        choice = tl.reshape(tl.where(keep[:, None], grouped, float("-inf")), (E,))
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_e = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0, tie_break_left=True)
+        taken = e == best
+        top_w = tl.where(slots == j, tl.sum(tl.where(taken, score, 0.0), axis=0), top_w)
+        top_e = tl.where(slots == j, best.to(tl.int64), top_e)
+        choice = tl.where(taken, float("-inf"), choice)
+    valid = slots < TOP_K
+    if RENORMALIZE:
+        top_w = top_w / (tl.sum(tl.where(valid, top_w, 0.0), axis=0) + 1e-20)
+    top_w = top_w * scaling
+    replicas = tl.load(replica_counts_ptr + top_e, mask=valid, other=1)
+    physical = tl.load(l2p_ptr + top_e * stride_l2p_e + (t % replicas) * stride_l2p_r, mask=valid, other=0)
+    tl.store(weights_ptr + t * TOP_K + slots, top_w.to(weights_ptr.dtype.element_ty), mask=valid)
+    tl.store(ids_ptr + t * TOP_K + slots, physical, mask=valid)
+    count = valid
+    if HAS_LIVE:
+        count = count & (tl.load(live_ptr + t + slots * 0) != 0)  # the row's flag, in every lane
+    tl.atomic_add(
+        counts_ptr + physical, tl.full([BLOCK_K], 1, counts_ptr.dtype.element_ty), mask=count, sem="relaxed"
+    )
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def moe_route_grouped_triton(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+    logical_to_physical: torch.Tensor,
+    replica_counts: torch.Tensor,
+    expert_counts: torch.Tensor,
+    out_dtype: torch.dtype,
+    live: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_route_grouped_torch`` in one launch (the same arguments and results); expert counts that are
+    not a power of two, or groups that do not divide them so, take the reference."""
+    tokens, experts = router_logits.shape
+    if not (_pow2(experts) and _pow2(n_group) and experts % n_group == 0):
+        return moe_route_grouped_torch(router_logits, bias, top_k, n_group, topk_group, renormalize, scaling,
+                                       logical_to_physical, replica_counts, expert_counts, out_dtype, live)  # fmt: skip
+    weights = torch.empty((tokens, top_k), dtype=out_dtype, device=router_logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    _grouped_route_kernel[(tokens,)](
+        logits, bias, weights, ids, logical_to_physical, replica_counts, expert_counts,
+        live if live is not None else expert_counts, logits.stride(0),
+        logical_to_physical.stride(0), logical_to_physical.stride(1), float(scaling),
+        E=experts, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize, HAS_LIVE=live is not None, num_warps=1 if experts <= 64 else 2,
+    )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, pool_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_pb, stride_pl, stride_ph, stride_pt, stride_tb,
+    layer, num_heads, blocks_per_split, scale,
+    R: tl.constexpr, P: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = s * blocks_per_split * BLOCK_SIZE
+    end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, seq_len)
+    r = tl.arange(0, R)
+    p = tl.arange(0, P)
+    q_row = q_ptr + b * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + r[None, :], mask=head_mask[:, None], other=0.0)
+    q_rope = tl.load(q_row + R + p[None, :], mask=head_mask[:, None], other=0.0)
+    # A latent column c sits in the pool's K half below HALF, in its V half (at c - HALF) from there.
+    r_off = tl.where(r < HALF, r, stride_ph + r - HALF)
+    p_off = tl.where(R + p < HALF, R + p, stride_ph + R + p - HALF)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok = pool_ptr + block * stride_pb + layer * stride_pl + (n % BLOCK_SIZE) * stride_pt
+        k_lat = tl.load(tok[:, None] + r_off[None, :], mask=n_mask[:, None], other=0.0)
+        k_rope = tl.load(tok[:, None] + p_off[None, :], mask=n_mask[:, None], other=0.0)
+        scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        scores = tl.where(n_mask[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        probs = tl.exp(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(probs, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.maximum(l_sum, 1e-30)[:, None]
+    lse = tl.where(l_sum > 0, m + tl.log(tl.maximum(l_sum, 1e-30)), float("-inf"))
+    row = (b * NUM_SPLITS + s) * num_heads + heads
+    tl.store(o_ptr + row[:, None] * R + r[None, :], out, mask=head_mask[:, None])
+    tl.store(lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    o_part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+    R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    rows = (b * NUM_SPLITS + s) * num_heads + h
+    lse = tl.load(lse_ptr + rows)
+    top = tl.max(lse, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # every split empty (seq_len 0): no -inf - -inf
+    weight = tl.exp(lse - top)
+    total = tl.sum(weight, axis=0)
+    r = tl.arange(0, R)
+    parts = tl.load(o_part_ptr + rows[:, None] * R + r[None, :])
+    merged = tl.sum(parts * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + r, merged.to(out_ptr.dtype.element_ty))
+
+
+def mla_attention_triton(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    *,
+    decode: bool = False,
+    num_splits: int = 16,
+) -> torch.Tensor:
+    """``mla_attention_torch``'s contract. Decode calls (``decode``: one query a sequence) run the
+    split-KV kernel and its merge when the latent's parts are powers of two and the value part is the
+    latent's (``v_dim`` = kv_lora_rank); other calls take the reference."""
+    latent = q.shape[2]
+    rope = latent - v_dim
+    half = kv_pool.shape[-1]
+    if not decode or not (_pow2(v_dim) and _pow2(rope)) or kv_pool.shape[4] != 1 or 2 * half != latent:
+        return mla_attention_torch(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, v_dim,
+                                   decode=decode)  # fmt: skip
+    batch, heads = q.shape[0], q.shape[1]
+    q = q if q.stride(2) == 1 else q.contiguous()
+    out = q.new_empty((batch, heads, v_dim))
+    if batch == 0:
+        return out
+    block_size = kv_pool.shape[3]
+    splits = max(1, min(num_splits, block_tables.shape[1]))
+    splits = triton.next_power_of_2(splits)
+    blocks_per_split = triton.cdiv(block_tables.shape[1], splits)
+    o_part = torch.empty((batch, splits, heads, v_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, splits, heads), dtype=torch.float32, device=q.device)
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))
+    _mla_split_kernel[(batch, splits, triton.cdiv(heads, block_h))](
+        q, kv_pool, block_tables, seq_lens, o_part, lse,
+        q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        block_tables.stride(0), layer, heads, blocks_per_split, float(scale),
+        R=v_dim, P=rope, HALF=half, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=16, NUM_SPLITS=splits,
+        PRECISION=dot_precision(q.dtype), num_warps=4,
+    )  # fmt: skip
+    _mla_merge_kernel[(batch, heads)](
+        o_part, lse, out, heads, out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=splits, num_warps=4
+    )
+    return out
