@@ -7,7 +7,7 @@ side in one run, with the roofline of each batch's decode step.
     python benchmarks/deepseek_bench.py --smoke          # small shapes, on the CPU
 
 Decode tok/s: ``batch x new`` tokens over the time of a ``new``-token generation less that of a one-token
-one (the prompt's prefill), medians of ``--repeats``. The engine runs the Triton ops and its decode CUDA
+one (the prompts' prefill, one step for the whole batch, as transformers' is), medians of ``--repeats``. The engine runs the Triton ops and its decode CUDA
 graphs, the latent attention and the grouped routing in torch inside them (their fast kernels are not
 written). Roofline: the bytes a decode step must read (the weights of the attention, the dense and shared
 MLPs, the routed experts the batch activates at most (every one once a batch chooses them all), the LM head,
@@ -146,6 +146,7 @@ def main() -> None:
     }
     llm = LLM(str(path), load_format="dummy", device=device, dtype="bfloat16" if gpu else "float32",
               kernel_backend="triton" if gpu else "torch", max_num_seqs=max(batches), enable_prefix_caching=False,
+              max_num_batched_tokens=max(batches) * args.prompt,  # every prompt in one step: then decode alone
               max_model_len=args.prompt + args.new + 16, num_kv_blocks=max(batches) * (-(-(args.prompt + args.new + 16) // 16)) + 8)  # fmt: skip
     graphs = llm.engine.runner.graphs is not None
     engine_rates = {}
