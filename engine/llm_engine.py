@@ -244,9 +244,13 @@ class LLMEngine:
         prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_num_batched_tokens)
         if loaded.cfg.mla is not None:  # DeepSeek-V3 (engine.models.mla): what its ops do not do yet
             if config.enable_lora:
-                raise ValueError(f"enable_lora: LoRA adapters are not served for {loaded.cfg.architecture} yet")
+                raise ValueError(
+                    f"enable_lora: LoRA adapters are not served for {loaded.cfg.architecture} yet"
+                )
             if config.kv_cache_dtype != "auto":
-                raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture} keeps its latent KV in the model dtype")
+                raise ValueError(
+                    f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture} keeps its latent KV in the model dtype"
+                )
             prefill_graph_tokens = 0  # its layers have no attention-free pieces (engine.prefill_graphs)
         self.placement_version = 0  # the expert placement the MoE layers run (0: the initial one)
         # With several ranks, a newer placement waiting for every rank (version, physical -> logical).

@@ -452,7 +452,11 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
         put(param, t)
         return [pre + target]
     q, kv = (0, 0) if isinstance(attn, MLAttention) else (attn.q_size, attn.kv_size)
-    qkv_rows = {} if isinstance(attn, MLAttention) else {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    qkv_rows = (
+        {}
+        if isinstance(attn, MLAttention)
+        else {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    )
     for proj, (lo, hi) in qkv_rows.items():
         if rest == f"self_attn.{proj}.weight":
             put(attn.qkv_proj, t, rows=slice(lo, hi))
@@ -532,7 +536,11 @@ def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.T
     if rest == "mlp.gate.e_score_correction_bias" and isinstance(mlp, GroupedMoEBlock):
         put(mlp.e_score_correction_bias, t)
         return ["mlp.e_score_correction_bias"]
-    if rest.startswith("mlp.shared_experts.") and isinstance(mlp, GroupedMoEBlock) and mlp.shared_experts is not None:
+    if (
+        rest.startswith("mlp.shared_experts.")
+        and isinstance(mlp, GroupedMoEBlock)
+        and mlp.shared_experts is not None
+    ):
         shared, proj = mlp.shared_experts, rest.split(".")[2]
         inter = shared.down_proj.shape[1]
         rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}

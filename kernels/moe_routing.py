@@ -49,17 +49,23 @@ def moe_route_grouped_torch(
     expert_counts: torch.Tensor,
     out_dtype: torch.dtype,
     live: torch.Tensor | None = None,
+    *,
+    softmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing (``noaux_tc``), as transformers' ``DeepseekV3TopkRouter``: sigmoid scores of
     the float32 ``router_logits`` [T, E]; ``bias`` [E] added for the choice only; the ``topk_group`` of
     ``n_group`` groups whose two best biased scores sum highest; the top-k experts within them; their
     unbiased scores as weights, renormalised (plus 1e-20) where asked, times ``scaling``. Then physical
-    replicas and counters as ``moe_route_torch``. Returns (weights [T, k] in ``out_dtype``, ids)."""
-    scores = router_logits.float().sigmoid()
-    choice = scores + bias.float()
+    replicas and counters as ``moe_route_torch``. Returns (weights [T, k] in ``out_dtype``, ids).
+
+    ``softmax``: DeepSeek-V2's (``DeepseekV2TopkRouter``): softmax scores, no bias, each group scored by
+    its best score (``greedy`` is one group)."""
+    scores = router_logits.float().softmax(dim=-1) if softmax else router_logits.float().sigmoid()
+    choice = scores if softmax else scores + bias.float()
     tokens, experts = choice.shape
     grouped = choice.view(tokens, n_group, experts // n_group)
-    group_scores = grouped.topk(min(2, experts // n_group), dim=-1)[0].sum(dim=-1)
+    top = 1 if softmax else min(2, experts // n_group)
+    group_scores = grouped.topk(top, dim=-1)[0].sum(dim=-1)
     keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0)
     choice = choice.masked_fill(~keep.bool().repeat_interleave(experts // n_group, dim=1), float("-inf"))
     topk_logical = choice.topk(top_k, dim=-1)[1]

@@ -33,18 +33,25 @@ def _grouped_route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, l2p_ptr, replica_counts_ptr, counts_ptr, live_ptr,
     stride_lt, stride_l2p_e, stride_l2p_r, scaling,
     E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LIVE: tl.constexpr,
+    BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTMAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     GS: tl.constexpr = E // N_GROUP
     e = tl.arange(0, E)
     logit = tl.load(logits_ptr + t * stride_lt + e).to(tl.float32)
-    score = 1.0 / (1.0 + tl.exp(-logit))
-    choice = score + tl.load(bias_ptr + e).to(tl.float32)
+    if SOFTMAX:  # DeepSeek-V2: softmax scores, no bias, a group scored by its best
+        exp = tl.exp(logit - tl.max(logit, axis=0))
+        score = exp / tl.sum(exp, axis=0)
+        choice = score
+    else:
+        score = 1.0 / (1.0 + tl.exp(-logit))
+        choice = score + tl.load(bias_ptr + e).to(tl.float32)
     if N_GROUP > 1:
         grouped = tl.reshape(choice, (N_GROUP, GS))
         first = tl.max(grouped, axis=1)
-        if GS > 1:
+        if SOFTMAX:
+            group_score = first
+        elif GS > 1:
             ties = tl.sum((grouped == first[:, None]).to(tl.int32), axis=1)
             below = tl.max(tl.where(grouped < first[:, None], grouped, float("-inf")), axis=1)
             group_score = first + tl.where(ties > 1, first, below)
@@ -98,13 +105,16 @@ def moe_route_grouped_triton(
     expert_counts: torch.Tensor,
     out_dtype: torch.dtype,
     live: torch.Tensor | None = None,
+    *,
+    softmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_route_grouped_torch`` in one launch (the same arguments and results); expert counts that are
     not a power of two, or groups that do not divide them so, take the reference."""
     tokens, experts = router_logits.shape
     if not (_pow2(experts) and _pow2(n_group) and experts % n_group == 0):
         return moe_route_grouped_torch(router_logits, bias, top_k, n_group, topk_group, renormalize, scaling,
-                                       logical_to_physical, replica_counts, expert_counts, out_dtype, live)  # fmt: skip
+                                       logical_to_physical, replica_counts, expert_counts, out_dtype, live,
+                                       softmax=softmax)  # fmt: skip
     weights = torch.empty((tokens, top_k), dtype=out_dtype, device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens == 0:
@@ -115,7 +125,7 @@ def moe_route_grouped_triton(
         live if live is not None else expert_counts, logits.stride(0),
         logical_to_physical.stride(0), logical_to_physical.stride(1), float(scaling),
         E=experts, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, HAS_LIVE=live is not None, num_warps=1 if experts <= 64 else 2,
+        RENORMALIZE=renormalize, HAS_LIVE=live is not None, SOFTMAX=softmax, num_warps=1 if experts <= 64 else 2,
     )  # fmt: skip
     return weights, ids
 

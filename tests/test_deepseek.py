@@ -81,6 +81,31 @@ def test_grouped_routing_equals_transformers_router() -> None:
     )
 
 
+def test_v2_routing_equals_transformers_router() -> None:
+    """DeepSeek-V2's routing (softmax scores, groups scored by their best, scaled, not renormalised)
+    picks transformers' experts with its weights, greedy and group-limited."""
+    import transformers
+
+    from kernels.moe_routing import moe_route_grouped_torch
+
+    for method, groups, kept in (("group_limited_greedy", 4, 2), ("greedy", 1, 1)):
+        config = transformers.DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3,
+                                               n_group=groups, topk_group=kept, topk_method=method,
+                                               routed_scaling_factor=1.7)  # fmt: skip
+        router = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter(config)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            router.weight.normal_()
+        logits, want_w, want_ids = router(torch.randn(40, 32))
+        counts = torch.zeros(16, dtype=torch.int64)
+        got_w, got_ids = moe_route_grouped_torch(logits, torch.zeros(16), 3, groups, kept, False, 1.7,
+                                                 torch.arange(16).unsqueeze(1), torch.ones(16, dtype=torch.int64),
+                                                 counts, torch.float32, softmax=True)  # fmt: skip
+        order_w, order_g = want_ids.sort(dim=1), got_ids.sort(dim=1)
+        assert torch.equal(order_w.values, order_g.values), method
+        torch.testing.assert_close(got_w.gather(1, order_g.indices), want_w.gather(1, order_w.indices))
+
+
 def test_prefix_cache_hits_and_preemption_keep_the_tokens(deepseek: Path) -> None:
     """A prompt whose prefix is cached, and requests preempted by a pool too small for all of them, give
     the tokens of a fresh engine (the latent blocks are shared and recomputed as any KV)."""
@@ -231,12 +256,14 @@ def test_gpu_triton_ops_and_decode_graphs_give_the_torch_tokens(deepseek: Path) 
     assert agree >= 10  # bf16 rounding may part from float32 late, rarely in the first tokens
 
 
+@pytest.mark.parametrize("softmax", [False, True])
 @pytest.mark.parametrize("experts,groups,kept,k", [(8, 4, 2, 3), (64, 1, 1, 6), (256, 8, 4, 8)])
 def test_the_triton_grouped_routing_equals_the_reference(
-    experts: int, groups: int, kept: int, k: int, monkeypatch: pytest.MonkeyPatch
+    experts: int, groups: int, kept: int, k: int, softmax: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In the interpreter: the same experts, weights and counts (replicas too), for DeepSeek-V3's own
-    shape (256 experts, 8 groups, 4 kept, 8 chosen), Moonlight's (one group) and the tests' model's."""
+    shape (256 experts, 8 groups, 4 kept, 8 chosen), Moonlight's (one group) and the tests' model's; V3's
+    sigmoid routing and V2's softmax one."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.moe_routing import moe_route_grouped_torch
     from kernels.triton_mla import moe_route_grouped_triton
@@ -254,7 +281,19 @@ def test_the_triton_grouped_routing_equals_the_reference(
     for route in (moe_route_grouped_torch, moe_route_grouped_triton):
         counts = torch.zeros(physical, dtype=torch.int64)
         weights, ids = route(
-            logits, bias, k, groups, kept, True, 2.5, l2p, replicas, counts, torch.float32, live
+            logits,
+            bias,
+            k,
+            groups,
+            kept,
+            not softmax,
+            2.5,
+            l2p,
+            replicas,
+            counts,
+            torch.float32,
+            live,
+            softmax=softmax,
         )
         order = ids.sort(dim=1)
         runs.append((order.values, weights.gather(1, order.indices), counts))

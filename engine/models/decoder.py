@@ -184,12 +184,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.mla = cfg.mla is not None
         self.self_attn: Attention | MLAttention = (
-            MLAttention(cfg, layer, ops, dtype, device) if self.mla else Attention(cfg, layer, ops, dtype, device, fp8)
+            MLAttention(cfg, layer, ops, dtype, device)
+            if self.mla
+            else Attention(cfg, layer, ops, dtype, device, fp8)
         )
         self.mlp: nn.Module
         if cfg.routing is not None and cfg.moe_layers[layer]:
             shared = (
-                DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, device)
+                DenseMLP(
+                    cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, device
+                )
                 if cfg.n_shared_experts
                 else None
             )

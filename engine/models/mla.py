@@ -1,4 +1,4 @@
-"""DeepSeek-V3's layers: multi-head latent attention (MLA) and the MoE block with grouped routing and
+"""DeepSeek-V2's and V3's layers: multi-head latent attention (MLA) and the MoE block with grouped routing and
 shared experts. The decoder (``engine.models.decoder``) takes them where ``ModelConfig.mla`` and
 ``ModelConfig.routing`` say so; the rest of the layer (norms, residuals, dense MLPs) is the common one.
 
@@ -28,7 +28,9 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         mla = cfg.mla
         assert mla is not None
@@ -64,13 +66,17 @@ class MLAttention(nn.Module):
         pool at ``meta.slot_mapping`` and returns the heads' outputs [T, heads * v_head_dim]."""
         ops, t, heads = self.ops, h.shape[0], self.num_heads
         if self.q_lora:
-            q = ops.linear(ops.rms_norm(ops.linear(h, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj)
+            q = ops.linear(
+                ops.rms_norm(ops.linear(h, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj
+            )
         else:
             q = ops.linear(h, self.q_proj)
         q_nope, q_rope = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         kv = ops.linear(h, self.kv_a_proj_with_mqa)
         latent = ops.rms_norm(kv[:, : self.rank].contiguous(), self.kv_a_layernorm, self.eps)
-        q_rope, k_rope = ops.apply_rope(q_rope.contiguous(), kv[:, None, self.rank :].contiguous(), positions, cos_sin)
+        q_rope, k_rope = ops.apply_rope(
+            q_rope.contiguous(), kv[:, None, self.rank :].contiguous(), positions, cos_sin
+        )
         cache = torch.cat([latent, k_rope[:, 0]], dim=-1)
         half = self.latent // 2
         ops.write_kv(kv_pool, self.layer, cache[:, None, :half], cache[:, None, half:], meta.slot_mapping)
@@ -94,7 +100,7 @@ class MLAttention(nn.Module):
 
 
 class GroupedMoEBlock(MoEBlock):
-    """DeepSeek-V3's MoE block: the router in float32 (its weight and the choice bias are float32, as
+    """DeepSeek's MoE block: the router in float32 (its weight and V3's choice bias are float32, as
     transformers keeps them), grouped routing (``kernels.moe_routing.moe_route_grouped_torch``), the
     routed experts as ``MoEBlock``'s (replicas, counters, expert-parallel dispatch), plus the shared
     experts (a dense MLP every token takes)."""
@@ -104,9 +110,12 @@ class GroupedMoEBlock(MoEBlock):
         assert cfg.routing is not None
         self.routing = cfg.routing
         device = self.gate.device
-        self.gate = nn.Parameter(torch.empty(self.gate.shape, dtype=torch.float32, device=device), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(self.num_logical, dtype=torch.float32, device=device), requires_grad=False
+        self.gate = nn.Parameter(
+            torch.empty(self.gate.shape, dtype=torch.float32, device=device), requires_grad=False
+        )
+        # V3's choice bias (a buffer: V2 has none and keeps it zero; V3 checkpoints all carry theirs).
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(self.num_logical, dtype=torch.float32, device=device)
         )
         self.shared_experts = shared
 
@@ -126,6 +135,7 @@ class GroupedMoEBlock(MoEBlock):
             self.expert_counts,
             x.dtype,
             self.count_live,
+            softmax=r.softmax,
         )
         out = self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
 # The decoder alone, as transformers' base-model classes save it (no LM head): read as its family, which
@@ -48,13 +49,16 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class GroupedRouting:
-    """DeepSeek-V3's expert routing (``noaux_tc``): sigmoid scores, a per-expert bias that only chooses,
+    """DeepSeek's expert routing. V3 (``noaux_tc``): sigmoid scores, a per-expert bias that only chooses,
     the top ``topk_group`` of ``n_group`` expert groups (each scored by its two best), the top-k experts
-    within them, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``."""
+    within them, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``. V2
+    (``softmax``: ``greedy``, one group, or ``group_limited_greedy``): softmax scores, no bias, each group
+    scored by its best, weights scaled, never renormalised."""
 
     n_group: int
     topk_group: int
     routed_scaling_factor: float
+    softmax: bool = False
 
 
 @dataclass
@@ -151,11 +155,12 @@ class ModelConfig:
             moe_layers = [
                 (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
             ]
-        elif arch == "DeepseekV3ForCausalLM":
+        elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             num_experts = cfg["n_routed_experts"]
             top_k = cfg["num_experts_per_tok"]
             moe_inter = cfg["moe_intermediate_size"]
-            norm_topk = bool(cfg.get("norm_topk_prob", True))
+            # V2's router never renormalises (transformers' DeepseekV2TopkRouter), whatever the config says.
+            norm_topk = arch == "DeepseekV3ForCausalLM" and bool(cfg.get("norm_topk_prob", True))
             first_dense = cfg.get("first_k_dense_replace") or 0
             freq = cfg.get("moe_layer_freq") or 1
             moe_layers = [i >= first_dense and i % freq == 0 for i in range(num_layers)]
@@ -191,8 +196,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             labels=_labels(cfg) if classifier else [],
         )
-        if arch == "DeepseekV3ForCausalLM":
-            config = dataclasses.replace(config, **_deepseek(cfg, rope_scaling))
+        if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+            config = dataclasses.replace(
+                config, **_deepseek(cfg, rope_scaling, v2=arch == "DeepseekV2ForCausalLM")
+            )
         return config
 
 
@@ -204,18 +211,20 @@ def _labels(cfg: dict[str, Any]) -> list[str]:
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
 
 
-
-def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """DeepSeek-V3's fields (and overrides: one KV head, the rotary head_dim)."""
+def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None, v2: bool = False) -> dict[str, Any]:
+    """DeepSeek-V2's and V3's fields (and overrides: one KV head, the rotary head_dim)."""
     import math
 
-    if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+    method = cfg.get("topk_method", "greedy" if v2 else "noaux_tc")
+    scoring = cfg.get("scoring_func", "softmax" if v2 else "sigmoid")
+    served = {("greedy", "softmax"), ("group_limited_greedy", "softmax")} if v2 else {("noaux_tc", "sigmoid")}
+    if (method, scoring) not in served:
         raise UnsupportedModelError(
-            f"DeepSeek routing {cfg.get('topk_method')!r} with {cfg.get('scoring_func')!r} scores is not "
-            "served: only noaux_tc with sigmoid scores (DeepSeek-V3, R1, Kimi-K2)"
+            f"DeepSeek routing {method!r} with {scoring!r} scores is not served for this architecture: "
+            f"{', '.join(f'{m} with {s}' for m, s in sorted(served))}"
         )
-    if cfg.get("attention_bias"):
-        raise UnsupportedModelError("DeepSeek attention with biases is not served")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise UnsupportedModelError("DeepSeek attention or MLP biases are not served")
     mla = MLAConfig(
         q_lora_rank=cfg.get("q_lora_rank"),
         kv_lora_rank=cfg["kv_lora_rank"],
@@ -226,7 +235,7 @@ def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[
     )
     if mla.latent_dim % 2:
         raise UnsupportedModelError(f"MLA latent of {mla.latent_dim} values: the KV pool needs an even size")
-    n_group = cfg.get("n_group") or 1
+    n_group = 1 if method == "greedy" else cfg.get("n_group") or 1
     factor = 1.0
     if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
         scale = rope_scaling["factor"]
@@ -236,7 +245,12 @@ def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[
         "num_kv_heads": 1,
         "head_dim": mla.qk_rope_head_dim,
         "mla": mla,
-        "routing": GroupedRouting(n_group, cfg.get("topk_group") or n_group, float(cfg.get("routed_scaling_factor", 1.0))),
+        "routing": GroupedRouting(
+            n_group,
+            1 if method == "greedy" else cfg.get("topk_group") or n_group,
+            float(cfg.get("routed_scaling_factor", 1.0)),
+            softmax=v2,
+        ),
         "n_shared_experts": cfg.get("n_shared_experts") or 0,
         "attention_scale_factor": factor,
     }
