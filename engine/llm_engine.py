@@ -242,7 +242,7 @@ class LLMEngine:
         if config.enable_eplb and not loaded.cfg.is_moe:
             raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
         prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_num_batched_tokens)
-        if loaded.cfg.mla is not None:  # DeepSeek-V3 (engine.models.mla): what its ops do not do yet
+        if loaded.cfg.mla is not None:  # DeepSeek (engine.models.mla): what its ops do not do yet
             if config.enable_lora:
                 raise ValueError(
                     f"enable_lora: LoRA adapters are not served for {loaded.cfg.architecture} yet"

@@ -181,7 +181,9 @@ def fp8_layout(cfg: ModelConfig, path: Path | None, quantization: str, load_form
         return None
     if cfg.mla is not None:
         if quantization == "fp8":
-            raise UnsupportedModelError("quantization fp8 is not served for DeepSeek-V3 models yet")
+            raise UnsupportedModelError(
+                "quantization fp8 is not served for DeepSeek (latent attention) models yet"
+            )
         return None  # a float8 checkpoint's weights are widened at load
     quant = (
         None
@@ -514,21 +516,20 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
 
 def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.Tensor, put: Callable,
                 cfg: ModelConfig) -> list[str] | None:  # fmt: skip
-    """A DeepSeek-V3 layer's own tensors (latent attention, router bias, shared experts); None for the
+    """A DeepSeek layer's own tensors (latent attention, V3's router bias, shared experts); None for the
     tensors every layer has. The rotary rows of the query and latent projections are taken from the
     checkpoint's interleaved pairs into rotate-half order (transformers' ``rope_interleave``, on by
     default): the model then applies the common RoPE and computes the same scores."""
     names = ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")  # fmt: skip
+    interleaved = cfg.mla is not None and cfg.mla.rope_interleave
     for n in names:
         if rest == f"self_attn.{n}.weight":
-            if not (cfg.mla and cfg.mla.rope_interleave):
-                pass
-            elif n in ("q_b_proj", "q_proj"):
+            if interleaved and n in ("q_b_proj", "q_proj"):
                 qk = attn.nope + attn.rope
                 order = torch.arange(t.shape[0]).view(attn.num_heads, qk)
                 order[:, attn.nope :] = order[:, attn.nope :][:, _deinterleave(attn.rope)]
                 t = t[order.reshape(-1)]
-            elif n == "kv_a_proj_with_mqa":
+            elif interleaved and n == "kv_a_proj_with_mqa":
                 t = torch.cat([t[: attn.rank], t[attn.rank :][_deinterleave(attn.rope)]])
             put(getattr(attn, n), t)
             return [f"self_attn.{n}"]

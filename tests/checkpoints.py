@@ -28,6 +28,14 @@ BASE: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+# What the DeepSeek checkpoints below share: 8 routed experts of 32, a 32-value latent and 16 rotary values,
+# one dense layer first, a shared expert, no query rank, two experts a token.
+_DEEPSEEK: dict[str, Any] = dict(
+    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None,
+    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1,
+    n_shared_experts=1,
+)  # fmt: skip
+
 ARCHS: dict[str, dict[str, Any]] = {
     # GQA 2:1, head_dim that is not hidden/heads, llama3 rope scaling.
     "llama": dict(
@@ -80,82 +88,60 @@ ARCHS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3: latent attention with a low-rank query, grouped routing (4 groups, 2 kept) with a choice
     # bias, a shared expert, a dense first layer, interleaved rotary rows.
     "deepseek_v3": dict(
+        _DEEPSEEK,
         cls="DeepseekV3ForCausalLM",
         cfg="DeepseekV3Config",
-        num_key_value_heads=4,
-        n_routed_experts=8,
         num_experts_per_tok=3,
         n_group=4,
         topk_group=2,
-        kv_lora_rank=32,
         q_lora_rank=48,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
         v_head_dim=24,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
         routed_scaling_factor=2.5,
     ),
     # No query projection rank, YaRN with DeepSeek's mscale (the softmax scale and the cos/sin factor).
     "deepseek_v3_yarn": dict(
+        _DEEPSEEK,
         cls="DeepseekV3ForCausalLM",
         cfg="DeepseekV3Config",
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
         n_group=2,
         topk_group=1,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=16,
         qk_nope_head_dim=32,
-        v_head_dim=16,
-        moe_intermediate_size=32,
         first_k_dense_replace=0,
         n_shared_experts=2,
         norm_topk_prob=False,
         routed_scaling_factor=1.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 256,
-                         "beta_fast": 32, "beta_slow": 1},  # fmt: skip
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     ),
     # DeepSeek-V2: softmax routing limited to the best groups (each scored by its best expert), scaled,
     # not renormalised; a low-rank query.
     "deepseek_v2": dict(
+        _DEEPSEEK,
         cls="DeepseekV2ForCausalLM",
         cfg="DeepseekV2Config",
-        num_key_value_heads=4,
-        n_routed_experts=8,
         num_experts_per_tok=3,
         n_group=4,
         topk_group=2,
         topk_method="group_limited_greedy",
-        kv_lora_rank=32,
         q_lora_rank=48,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
         v_head_dim=24,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
         routed_scaling_factor=1.5,
     ),
     # DeepSeek-V2-Lite's kind: greedy softmax routing, no query rank, two shared experts.
     "deepseek_v2_lite": dict(
+        _DEEPSEEK,
         cls="DeepseekV2ForCausalLM",
         cfg="DeepseekV2Config",
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
         topk_method="greedy",
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=16,
         qk_nope_head_dim=32,
-        v_head_dim=16,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
         n_shared_experts=2,
     ),
     "mixtral": dict(
