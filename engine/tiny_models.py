@@ -1,4 +1,5 @@
-"""Built-in models ``tiny-dense`` and ``tiny-moe``: fixed configs, deterministic random weights, byte tokenizer.
+"""Built-in models ``tiny-dense``, ``tiny-moe`` and ``tiny-deepseek`` (DeepSeek-V3's latent attention and
+grouped routing): fixed configs, deterministic random weights, byte tokenizer.
 
 They let the whole mesh run with no checkpoint, and keep CPU tests quick.
 """
@@ -40,6 +41,23 @@ TINY_MODELS: dict[str, dict] = {
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[0],
+    ),
+    "tiny-deepseek": _base(
+        architectures=["DeepseekV3ForCausalLM"],
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
     ),
 }
 

@@ -352,3 +352,14 @@ def test_gpu_triton_latent_attention_at_deepseeks_shape(heads: int) -> None:
     a = moe_route_grouped_torch(logits, bias, 8, 8, 4, True, 2.5, l2p, replicas, counts[0], torch.bfloat16)
     b = moe_route_grouped_triton(logits, bias, 8, 8, 4, True, 2.5, l2p, replicas, counts[1], torch.bfloat16)
     assert torch.equal(a[1].sort(1).values, b[1].sort(1).values) and torch.equal(counts[0], counts[1])
+
+
+def test_the_built_in_tiny_deepseek_model() -> None:
+    """``tiny-deepseek`` (no checkpoint): its latent KV layout, and batched generation equal to one
+    request at a time (chunked prompts, several sequences a step)."""
+    llm = LLM("tiny-deepseek", num_kv_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.model_config.mla is not None and llm.engine.layout.head_dim == 24
+    prompts = ["Hello there, latent attention", "experts in groups", "x"]
+    batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert batched == [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert len({t for out in batched for t in out}) > 5
