@@ -158,7 +158,7 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             lora, cost[name] = build(model_dir, cudagraph_specialize_lora=specialize, **lora_kwargs)
-        device = torch.cuda.get_device_name() if gpu else "cpu"
+    device = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"{SHAPES[args.shape][0]}{' (smoke)' if args.smoke else ''} on {device}, rank {args.rank}, "
           f"{args.adapters} slots, {args.max_tokens} new tokens, decode tok/s (ratio to no LoRA)")  # fmt: skip
     print(f"{'batch':>5} {'no LoRA':>10} {'LoRA on, base':>18} {'one adapter':>18} {f'{args.adapters} adapters':>18}"
