@@ -125,6 +125,19 @@ def test_lora_bench_smoke_prints_every_row() -> None:
     assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 8 for r in rows), out
 
 
+def test_deepseek_bench_smoke_times_both_engines() -> None:
+    """``benchmarks/deepseek_bench.py --smoke``: the engine and transformers decode the DeepSeek-V3-shaped
+    model (small), a row a batch with both rates."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "deepseek_bench.py"), "--smoke", "--batches", "1,2",
+         "--prompt", "16", "--new", "4", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[12] ", line)]
+    assert [r[0] for r in rows] == ["1", "2"], out
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
+
+
 def test_eplb_bench_smoke_moves_every_share_of_slots() -> None:
     """``benchmarks/eplb_bench.py --smoke``: the engines with and without redundant slots decode, and each
     share's placements rewrite slots, more for a larger share (2 MoE layers of 12 slots: at most 2, 6 and
