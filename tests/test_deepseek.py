@@ -233,9 +233,12 @@ def test_decode_graph_pieces_equal_the_forward(deepseek: Path) -> None:
 
 
 @needs_gpu
-def test_gpu_triton_ops_and_decode_graphs_give_the_torch_tokens(deepseek: Path) -> None:
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_gpu_triton_ops_and_decode_graphs_give_the_torch_tokens(arch: str, tmp_path: Path) -> None:
     """On a GPU: the Triton ops, the decode CUDA graphs (the latent attention's graph-safe path inside
-    them) and asynchronous scheduling give the CPU torch engine's tokens (float32); bf16 runs too."""
+    them) and asynchronous scheduling give the CPU torch engine's tokens (float32), V3's sigmoid routing
+    and V2's softmax one; bf16 runs too."""
+    deepseek = make_checkpoint(arch, tmp_path / arch, seed=7)
     prompts = _prompts(5, seed=8, lengths=(3, 60))
     long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = [
