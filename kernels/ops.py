@@ -42,8 +42,8 @@ class Ops:
     )
     lora_apply: Callable  # a projection's output plus the LoRA of each row's adapter slot (engine/lora.py)
     copy_rows: Callable  # dst[dst_rows] = src[src_rows] (expert slots moved by a new placement)
-    moe_route_grouped: Callable  # DeepSeek-V3's routing (sigmoid, bias, expert groups); torch in both tables
-    mla_attention: Callable  # latent attention (DeepSeek's MLA) over the pool; torch in both tables
+    moe_route_grouped: Callable  # DeepSeek's routing (V3: sigmoid, bias; V2: softmax; expert groups)
+    mla_attention: Callable  # latent attention (DeepSeek's MLA) over the pool
 
 
 TORCH_OPS = Ops(
