@@ -172,6 +172,8 @@ def unsupported(model: torch.nn.Module, kv_pool: torch.Tensor) -> str | None:
     if (props.major, props.minor) < (9, 0):
         return f"compute capability {props.major}.{props.minor} (bulk copies need 9.0)"
     cfg = model.cfg
+    if getattr(cfg, "mla", None) is not None:
+        return "latent attention (DeepSeek)"
     if not cfg.is_moe or not all(cfg.moe_layers):
         return "not every layer is an MoE layer"
     if cfg.attention_bias:
