@@ -204,7 +204,20 @@ def test_two_expert_parallel_ranks_apply_the_same_placement_together() -> None:
                 before = list(pool.map(lambda r: _generate(r.address, prompts, f"b-{r.address}"), ranks))
             assert before == [expected, expected]
             _until_version(ranks, skewed)
-            versions = [metric(r, "pdmesh_decode_eplb_placement_version") for r in ranks]
+            # The ranks apply a placement in the same pass; each rank's gauge follows at its next load
+            # report, so a newer version can show on one rank a moment before the other: wait for both.
+            deadline = time.monotonic() + 30
+            while True:
+                versions = [metric(r, "pdmesh_decode_eplb_placement_version") for r in ranks]
+                if versions[0] == versions[1] >= 1 or time.monotonic() > deadline:
+                    break
+                with ThreadPoolExecutor(2) as pool:
+                    list(
+                        pool.map(
+                            lambda r: _generate(r.address, skewed, f"s-{r.address}-{time.monotonic()}"), ranks
+                        )
+                    )
+                time.sleep(0.2)
             assert versions[0] == versions[1] >= 1, versions
             # Both ranks' reports landed in one group of 2 ranks.
             assert metric(controller, "pdmesh_eplb_reports_total", "/decode/3x8e10p2r") >= 2
