@@ -366,3 +366,25 @@ def test_the_built_in_tiny_deepseek_model() -> None:
     batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert batched == [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert len({t for out in batched for t in out}) > 5
+
+
+def test_new_expert_placements_leave_the_tokens_unchanged() -> None:
+    """EPLB on a DeepSeek model (``enable_eplb``, redundant slots): placements applied at run time move
+    the routed experts (the shared one and the router stay), the grouped routing still picks the same
+    logical experts, and the tokens are unchanged."""
+    from tests.test_eplb_engine import logical_load, scrambled
+
+    prompts = [[5, 17, 99, 3, 250, 7, 64, 12, 200], [9, 8, 7, 6, 5, 4]]
+    plain = LLM("tiny-deepseek", num_kv_blocks=64)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    load = plain.engine.take_expert_counts()
+    llm = LLM("tiny-deepseek", num_kv_blocks=64, enable_eplb=True, num_redundant_experts=4)
+    engine = llm.engine
+    layout = engine.moe_layout()
+    assert layout is not None and (layout.num_layers, layout.num_logical, layout.num_physical) == (3, 8, 12)
+    for version in (1, 2):
+        placement = scrambled(layout.num_layers, 8, 12, seed=version)
+        engine.set_expert_placement(version, placement)
+        engine.take_expert_counts()
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert torch.equal(logical_load(engine.take_expert_counts(), placement, 8), load)
