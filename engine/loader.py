@@ -524,14 +524,15 @@ def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.T
     interleaved = cfg.mla is not None and cfg.mla.rope_interleave
     for n in names:
         if rest == f"self_attn.{n}.weight":
+            target = getattr(attn, n)
+            put(target, t)  # first: a float8 tensor is widened by its scale blocks, row by row as stored
             if interleaved and n in ("q_b_proj", "q_proj"):
-                qk = attn.nope + attn.rope
-                order = torch.arange(t.shape[0]).view(attn.num_heads, qk)
-                order[:, attn.nope :] = order[:, attn.nope :][:, _deinterleave(attn.rope)]
-                t = t[order.reshape(-1)]
+                order = torch.arange(target.shape[0], device=target.device).view(attn.num_heads, -1)
+                order[:, attn.nope :] = order[:, attn.nope :][:, _deinterleave(attn.rope).to(target.device)]
+                target.data.copy_(target.data[order.reshape(-1)])
             elif interleaved and n == "kv_a_proj_with_mqa":
-                t = torch.cat([t[: attn.rank], t[attn.rank :][_deinterleave(attn.rope)]])
-            put(getattr(attn, n), t)
+                rope = target.data[attn.rank :]
+                rope.copy_(rope[_deinterleave(attn.rope).to(target.device)])
             return [f"self_attn.{n}"]
     mlp = layer.mlp
     if rest == "mlp.gate.e_score_correction_bias" and isinstance(mlp, GroupedMoEBlock):
@@ -539,6 +540,7 @@ def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.T
         return ["mlp.e_score_correction_bias"]
     if (
         rest.startswith("mlp.shared_experts.")
+        and rest.endswith("_proj.weight")  # not a float8 weight's scales, which its weight's put reads
         and isinstance(mlp, GroupedMoEBlock)
         and mlp.shared_experts is not None
     ):

@@ -273,7 +273,7 @@ def quantize_checkpoint(
     out: dict[str, torch.Tensor] = {}
     meant: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
-        if not name.endswith("_proj.weight"):
+        if not name.endswith(("_proj.weight", "_proj_with_mqa.weight")):  # the latter: DeepSeek's latent
             out[name] = w
             continue
         rows, cols = w.shape

@@ -388,3 +388,31 @@ def test_new_expert_placements_leave_the_tokens_unchanged() -> None:
         engine.take_expert_counts()
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
         assert torch.equal(logical_load(engine.take_expert_counts(), placement, 8), load)
+
+
+@pytest.mark.parametrize("block", [(16, 16), (8, 16)], ids=["aligned", "straddling"])
+def test_a_float8_checkpoint_loads_widened(block: tuple[int, int], tmp_path: Path) -> None:
+    """DeepSeek-V3's own checkpoints are fine-grained FP8 (``weight_scale_inv`` per block): every
+    projection's float8 values are widened by their block's scale at load, the latent and query
+    projections' rotary rows reordered after that (so blocks that straddle the rotary rows, as 8-row ones
+    do here, widen right too), and the tokens are transformers' on the same checkpoint."""
+    from transformers import FineGrainedFP8Config
+
+    from tests.checkpoints import quantize_checkpoint
+
+    src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=7)
+    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=block)
+    prompt = _prompts(1, seed=11, lengths=(20, 21))[0]
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
+    rope = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])  # interleaved pairs: evens, odds
+    attn = llm.engine.model.layers[0].self_attn
+    kv_a = meant["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    torch.testing.assert_close(
+        attn.kv_a_proj_with_mqa, torch.cat([kv_a[:32], kv_a[32:][rope]]), atol=0, rtol=0
+    )
+    q_b = meant["model.layers.0.self_attn.q_b_proj.weight"].view(4, 32, -1)
+    want_q_b = torch.cat([q_b[:, :16], q_b[:, 16:][:, rope]], dim=1).reshape(128, -1)
+    torch.testing.assert_close(attn.q_b_proj, want_q_b, atol=0, rtol=0)
+    got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    widened = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    assert got == hf_greedy(tmp_path / "fp8", prompt, 12, **widened)
