@@ -2,7 +2,7 @@
 ``Authorization: Bearer <key>`` with one of them.
 
 HTTP: every path under ``/v1`` (the OpenAI API) is checked, as vLLM does, and ``/invocations``,
-``/classify``, ``/score``, ``/rerank`` and ``/v2/rerank`` (they run the model as ``/v1`` does; vLLM leaves them open) and
+``/classify``, ``/pooling``, ``/score``, ``/rerank`` and ``/v2/rerank`` (they run the model as ``/v1`` does; vLLM leaves them open) and
 ``/reset_prefix_cache`` (it changes every worker); ``/health``, ``/ping``, ``/metrics``, ``/version``, ``/tokenize`` and
 ``/detokenize`` stay open for probes and scrapers. A refused request is a
 401 in OpenAI's error shape. gRPC: every method of ``pdmesh.v1.Router`` is checked (``authorization``
@@ -24,7 +24,15 @@ from aiohttp import web
 
 ROUTER_METHODS = "/pdmesh.v1.Router/"  # the gRPC methods that need a key
 # HTTP paths outside /v1 that need a key: they run the model, or change every worker.
-GUARDED_PATHS = ("/invocations", "/classify", "/score", "/rerank", "/v2/rerank", "/reset_prefix_cache")
+GUARDED_PATHS = (
+    "/invocations",
+    "/classify",
+    "/pooling",
+    "/score",
+    "/rerank",
+    "/v2/rerank",
+    "/reset_prefix_cache",
+)
 REFUSED = "a valid API key is required: send 'Authorization: Bearer <key>'"
 
 

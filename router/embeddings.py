@@ -11,7 +11,7 @@ concurrently, one worker call each; the reply lists them in input order with ``u
 
 A sequence classifier (a ``*ForSequenceClassification`` checkpoint) also serves vLLM's ``/classify``: each
 input's class probabilities, its most probable label and ``num_classes`` (``activation`` false: the raw
-logits). One of a single label is a cross-encoder: ``/score`` and ``/rerank`` then read each (query,
+logits), and ``/pooling`` answers either task's raw vector. One of a single label is a cross-encoder: ``/score`` and ``/rerank`` then read each (query,
 document) pair as one prompt (the tokenizer's pair template) and answer the classifier's sigmoid, as vLLM
 does; for an embedding model they answer the cosine similarity of the two embeddings.
 """
@@ -121,6 +121,21 @@ async def serve_classify(
         probs = list(r.embedding)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
+    return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
+
+
+async def serve_pooling(request: web.Request, model: ServedModel, orchestrator: Orchestrator) -> web.Response:
+    """vLLM's ``/pooling``: each input's pooled output as the model's task gives it, a classifier's class
+    probabilities (``activation`` false: its logits), else the embedding (``normalize``, ``dimensions``,
+    ``pooling_type`` as for ``/v1/embeddings``)."""
+    f = JsonFields(parse_json_body(await request.read()))
+    lora_name = model.check_model(f.str("model")) or ""
+    dimensions = f.int("dimensions")
+    prompts = await _prompts(f, model)
+    request_id = f"pool-{uuid.uuid4().hex}"
+    task = "classify" if model.config.num_labels else "embed"
+    replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id, dimensions, task)
+    data = [{"index": i, "object": "pooling", "data": list(r.embedding)} for i, r in enumerate(replies)]
     return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
 
 

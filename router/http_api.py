@@ -32,7 +32,7 @@ from protos.pdmesh.v1 import worker_pb2
 from router.auth import ApiKeys, http_middleware
 from router.choices import ChoiceRequest, build_choices, merged_chunks
 from router.cors import CorsPolicy
-from router.embeddings import serve_classify, serve_embeddings, serve_rerank, serve_score
+from router.embeddings import serve_classify, serve_embeddings, serve_pooling, serve_rerank, serve_score
 from router.errors import InvalidRequestError, NotFoundError, RouterError
 from router.http_replies import SSE_HEADERS, error_response, failed_mid_stream, sse
 from router.lora_updates import LoRAUpdates
@@ -90,6 +90,7 @@ class HttpApi:
         app.router.add_post("/v1/embeddings", self.embeddings)
         for path in ("/classify", "/v1/classify"):
             app.router.add_post(path, self.classify)
+        app.router.add_post("/pooling", self.pooling)
         for path in ("/score", "/v1/score"):
             app.router.add_post(path, self.score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -300,6 +301,10 @@ class HttpApi:
     async def embeddings(self, request: web.Request) -> web.Response:
         """OpenAI's ``/v1/embeddings`` (``router.embeddings``)."""
         return await self._pooling(request, "embeddings", serve_embeddings)
+
+    async def pooling(self, request: web.Request) -> web.Response:
+        """vLLM's ``/pooling``: each input's pooled output (``router.embeddings``)."""
+        return await self._pooling(request, "pooling", serve_pooling)
 
     async def classify(self, request: web.Request) -> web.Response:
         """vLLM's ``/classify``: a sequence classifier's class probabilities (``router.embeddings``)."""

@@ -68,6 +68,9 @@ def test_classify_score_and_rerank_equal_offline(mesh: tuple[str, str], llm: LLM
         assert d["probs"] == pytest.approx(w.probs, abs=1e-5) and d["num_classes"] == 1
         assert d["label"] == "LABEL_0"
     assert got["usage"]["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in want)
+    pooled = _post(http, "/pooling", {"input": texts})
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    assert [d["data"] for d in pooled["data"]] == [pytest.approx(w.probs, abs=1e-5) for w in want]
     logits = _post(http, "/v1/classify", {"input": texts[0], "activation": False})["data"][0]["probs"]
     assert logits == pytest.approx(llm.classify(texts[0], activation=False)[0].probs, abs=1e-5)
 

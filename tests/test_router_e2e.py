@@ -1128,7 +1128,8 @@ def test_api_keys_guard_the_openai_and_router_apis(pd_workers) -> None:  # noqa:
                 _http(f"http://{http}{path}", "POST", {"Authorization": "Bearer key-one"}, body)[0] == 200
             ), path
         assert client.embeddings.create(model=MODEL, input="Hi").usage.prompt_tokens > 0
-        assert _http(f"http://{http}/classify", "POST", {}, {"input": "Hi"})[0] == 401
+        for path in ("/classify", "/pooling"):
+            assert _http(f"http://{http}{path}", "POST", {}, {"input": "Hi"})[0] == 401, path
 
         async def generate(metadata: tuple[tuple[str, str], ...]) -> str:
             params = common_pb2.SamplingParams(max_tokens=3, temperature=0.0)
@@ -1782,6 +1783,10 @@ def test_bad_embedding_requests_get_a_400(router: Router) -> None:
         assert words in json.loads(err.value.read())["error"]["message"], body
     with pytest.raises(openai.NotFoundError):
         router.client.embeddings.create(model="no-such-model", input="x")
+    pooled = _post(router, "/pooling", {"model": MODEL, "input": "x", "normalize": False})
+    plain = router.client.embeddings.create(model=MODEL, input="x", extra_body={"normalize": False})
+    assert pooled["data"][0]["object"] == "pooling"
+    assert pooled["data"][0]["data"] == pytest.approx(plain.data[0].embedding, abs=1e-5)
     for path in ("/classify", "/v1/classify"):  # tiny-dense has no classification head
         with pytest.raises(urllib.error.HTTPError) as err:
             _post(router, path, {"model": MODEL, "input": "x"})
