@@ -11,9 +11,10 @@ concurrently, one worker call each; the reply lists them in input order with ``u
 
 A sequence classifier (a ``*ForSequenceClassification`` checkpoint) also serves vLLM's ``/classify``: each
 input's class probabilities, its most probable label and ``num_classes`` (``activation`` false: the raw
-logits), and ``/pooling`` answers either task's raw vector. One of a single label is a cross-encoder: ``/score`` and ``/rerank`` then read each (query,
-document) pair as one prompt (the tokenizer's pair template) and answer the classifier's sigmoid, as vLLM
-does; for an embedding model they answer the cosine similarity of the two embeddings.
+logits); ``/pooling`` answers either task's vector as it is. A classifier of a single label is a
+cross-encoder: ``/score`` and ``/rerank`` then read each (query, document) pair as one prompt (the
+tokenizer's pair template) and answer the classifier's sigmoid, as vLLM does; for an embedding model they
+answer the cosine similarity of the two embeddings.
 """
 
 from __future__ import annotations
