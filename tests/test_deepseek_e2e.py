@@ -67,3 +67,58 @@ def test_disaggregated_tokens_equal_offline(router: str, deepseek: Path) -> None
     replies = asyncio.run(run())
     assert [r[0] for r in replies] == want
     assert all(prefill and decode and prefill != decode for _, prefill, decode in replies)
+
+
+def test_latent_blocks_go_through_the_kv_offload_store(tmp_path: Path) -> None:
+    """``tiny-deepseek``'s latent KV blocks, offered to the KV offload store when a prefill worker's lease
+    ends, load into a decode worker that never saw the prompt; its tokens are the offline engine's."""
+    from protos.pdmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2_grpc
+    from tests.mesh_fixtures import until, worker_args
+    from tests.test_kv_offload_e2e import BS, MAX_TOKENS, _decode, _prefill
+
+    prompt = [(i * 37) % 250 + 3 for i in range(100)]
+    offline = LLM("tiny-deepseek", num_kv_blocks=256, enable_prefix_caching=False)
+    expected = offline.generate(
+        [prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )
+    store = ServiceProcess.start(
+        "kvstore_svc",
+        "--model",
+        "tiny-deepseek",
+        "--metrics-port",
+        "0",
+        "--host-blocks",
+        "32",
+        "--disk-blocks",
+        "0",
+    )
+    flags = ["--kvstore-address", store.address, "--kvstore-retry-s", "0.5", "--kvstore-timeout-s", "0.5"]
+    procs = [store]
+    try:
+        a = ServiceProcess.start("prefill_svc", *worker_args("tiny-deepseek", 128, *flags))
+        procs.append(a)
+        b = ServiceProcess.start("decode_svc", *worker_args("tiny-deepseek", 128, *flags))
+        procs.append(b)
+
+        async def run() -> tuple[list[int], int]:
+            async with (
+                grpc.aio.insecure_channel(a.address) as ca,
+                grpc.aio.insecure_channel(b.address) as cb,
+                grpc.aio.insecure_channel(store.address) as cs,
+            ):
+                ks = kvstore_pb2_grpc.KVStoreStub(cs)
+
+                async def stored() -> bool:
+                    stats = await ks.GetStats(kvstore_pb2.KVStoreStatsRequest())
+                    return stats.num_blocks_put >= len(prompt) // BS
+
+                await _prefill(worker_pb2_grpc.WorkerStub(ca), "a1", prompt)
+                assert await until(stored, timeout=10)
+                return await _decode(worker_pb2_grpc.WorkerStub(cb), "b1", prompt)
+
+        tokens, cached = asyncio.run(run())
+        assert tokens == expected[0].token_ids
+        assert cached == (len(prompt) - 1) // BS * BS
+    finally:
+        for p in reversed(procs):
+            assert p.stop() == 0, p.log()[-3000:]
