@@ -11,7 +11,8 @@ from mesh.kv_layout import KV_CACHE_DTYPES
 @dataclass
 class EngineConfig:
     model: str = setting(
-        "tiny-dense", "Built-in model name (tiny-dense, tiny-moe, tiny-deepseek) or a Hugging Face checkpoint directory."
+        "tiny-dense",
+        "Built-in model name (tiny-dense, tiny-moe, tiny-deepseek) or a Hugging Face checkpoint directory.",
     )
     device: str = setting("cpu", "Device the model runs on.", choices=("cpu", "cuda"))
     dtype: str = dtype_setting()

@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import generation_defaults
 from engine.lora import LoRARequest
 from engine.moe.dispatch import TokenDispatcher
-from engine.pooling import PoolingParams, cosine, score_pairs
+from engine.pooling import PoolingParams, cosine, score_pairs, top_label
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import render_chat
@@ -221,13 +221,12 @@ class LLM:
         the logits)."""
         labels = self.engine.model_config.labels
         params = PoolingParams(task="classify", activation=activation)
-        results = []
-        for out in self.embed(prompts, params, lora_request=lora_request):
-            best = max(range(len(out.embedding)), key=out.embedding.__getitem__)
-            results.append(
-                ClassificationOutput(out.prompt_token_ids, out.embedding, labels[best], out.num_cached_tokens)
+        return [
+            ClassificationOutput(
+                o.prompt_token_ids, o.embedding, top_label(labels, o.embedding), o.num_cached_tokens
             )
-        return results
+            for o in self.embed(prompts, params, lora_request=lora_request)
+        ]
 
     def score(
         self,

@@ -31,7 +31,7 @@ from engine.device_copy import host_to_device
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_cache import allocate_pool, kv_dtype_name, make_layout, num_blocks_for
 from engine.kv_offload import KVOffload
-from engine.loader import load_model, resolve_dtype, resolve_model_config
+from engine.loader import load_model, resolve_dtype
 from engine.lora import LoRAError, LoRASlots, parse_lora_modules
 from engine.memory_profile import (
     GIB,
@@ -257,9 +257,7 @@ class LLMEngine:
         self.staged_placement: tuple[int, list[list[int]]] | None = None
         self.max_model_len = config.max_model_len or loaded.cfg.max_position_embeddings
         self.model_config = loaded.cfg
-        self.pooling = ModelPooling.of(
-            resolve_model_config(config.model)[1], loaded.cfg.hidden_size, loaded.cfg.num_labels
-        )
+        self.pooling = ModelPooling.of(loaded.path, loaded.cfg.hidden_size, loaded.cfg.num_labels)
         self.model = loaded.model
         # False: a base model's checkpoint, which only embeds, or a classifier's, which classifies or embeds
         self.generates = loaded.has_lm_head

@@ -52,6 +52,7 @@ class LoadedModel:
     fingerprint: str  # model identity + dtype: the root of every block hash
     # False for a checkpoint of the base model alone (no lm_head, untied): it can only embed (engine.pooling).
     has_lm_head: bool = True
+    path: Path | None = None  # the checkpoint directory (None: a built-in model)
 
 
 def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
@@ -168,7 +169,7 @@ def load_model(
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_token_ids)
     fingerprint = model_fingerprint(model, path, dtype, load_format, fp8)
-    return LoadedModel(cfg, net, tokenizer, fingerprint, has_lm_head)
+    return LoadedModel(cfg, net, tokenizer, fingerprint, has_lm_head, path)
 
 
 def fp8_layout(cfg: ModelConfig, path: Path | None, quantization: str, load_format: str) -> Fp8Layout | None:

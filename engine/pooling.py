@@ -202,6 +202,12 @@ def pool_chunk(
     return vec
 
 
+def top_label(labels: list[str], probs: list[float]) -> str:
+    """A classifier's most probable label's name (the first of equal ones), from its probabilities or
+    logits by label id."""
+    return labels[max(range(len(probs)), key=probs.__getitem__)]
+
+
 def score_pairs(data_1: str | list[str], data_2: str | list[str]) -> tuple[list[str], list[str]]:
     """vLLM's score pairing: one first text against each second text, or pairwise when both list as
     many; returns the pairs' first and second texts."""

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import InvalidRequestError as EngineInvalidRequest
-from engine.pooling import cosine, score_pairs
+from engine.pooling import cosine, score_pairs, top_label
 from mesh.telemetry import extract_context
 from protos.pdmesh.v1 import worker_pb2
 from router.errors import InvalidRequestError
@@ -112,7 +112,7 @@ async def serve_classify(
     """vLLM's ``/classify``: each input's class probabilities by a sequence classifier, in input order."""
     f = JsonFields(parse_json_body(await request.read()))
     lora_name = model.check_model(f.str("model")) or ""
-    _need_classifier(model, "/classify")
+    need_classifier(model, "/classify")
     prompts = await _prompts(f, model)
     request_id = f"classify-{uuid.uuid4().hex}"
     replies = await _embed_all(request, f, orchestrator, lora_name, prompts, request_id, task="classify")
@@ -120,8 +120,9 @@ async def serve_classify(
     data = []
     for i, r in enumerate(replies):
         probs = list(r.embedding)
-        best = max(range(len(probs)), key=probs.__getitem__)
-        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
+        data.append(
+            {"index": i, "label": top_label(labels, probs), "probs": probs, "num_classes": len(probs)}
+        )
     return _list_reply(request_id, model.reply_name(f.str("model")), data, prompts)
 
 
@@ -233,7 +234,8 @@ async def _relevance(
     return [cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds, strict=True)], prompts
 
 
-def _need_classifier(model: ServedModel, endpoint: str) -> None:
+def need_classifier(model: ServedModel, endpoint: str) -> None:
+    """A 400 / INVALID_ARGUMENT before any worker call when the model has no classification head."""
     if not model.config.num_labels:
         raise InvalidRequestError(
             f"{endpoint} needs a sequence classifier (a *ForSequenceClassification checkpoint); this model "

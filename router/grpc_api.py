@@ -16,10 +16,11 @@ from typing import Any
 
 import grpc
 
+from engine.pooling import top_label
 from mesh.grpc_server import abort_with
 from mesh.telemetry import extract_context
 from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.embeddings import check_input
+from router.embeddings import check_input, need_classifier
 from router.errors import InvalidRequestError, RouterError
 from router.metrics import RouterMetrics
 from router.orchestrator import EmbedCall, Generation, Orchestrator
@@ -165,12 +166,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         async def run() -> router_pb2.ClassificationResponse:
             lora_name = self.model.check_model(request.model, request.lora_name) or ""
-            labels = self.model.config.labels
-            if not labels:
-                raise InvalidRequestError(
-                    "Classify needs a sequence classifier (a *ForSequenceClassification checkpoint); this "
-                    "model has no classification head"
-                )
+            need_classifier(self.model, "Classify")
             if request.text_pair and request.WhichOneof("prompt") != "text":
                 raise InvalidRequestError("text_pair needs a text prompt", param="text_pair")
             if request.text_pair:
@@ -193,7 +189,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return router_pb2.ClassificationResponse(
                 request_id=call.request_id,
                 probs=probs,
-                label=labels[max(range(len(probs)), key=probs.__getitem__)],
+                label=top_label(self.model.config.labels, probs),
                 usage=common_pb2.Usage(prompt_tokens=len(ids), cached_prompt_tokens=reply.num_cached_tokens),
             )
 
