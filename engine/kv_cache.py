@@ -22,8 +22,21 @@ def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
     return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
 
 
-def make_layout(cfg: ModelConfig, fingerprint: str, dtype: str, block_size: int) -> KVLayout:
-    return KVLayout(fingerprint, dtype, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.kv_head_dim)
+def make_layout(
+    cfg: ModelConfig, fingerprint: str, dtype: str, block_size: int, draft_layers: int = 0
+) -> KVLayout:
+    """``draft_layers``: pool layers after the decoder's, for a draft's attention (the MTP layer's,
+    engine.models.mtp): every block then holds its KV too, so it moves with the decoder's."""
+    return KVLayout(
+        fingerprint, dtype, block_size, cfg.num_layers + draft_layers, cfg.num_kv_heads, cfg.kv_head_dim
+    )
+
+
+def draft_layers(speculative_config: str | None) -> int:
+    """The pool layers a speculative config adds after the decoder's: one for method mtp."""
+    from engine.speculative import MtpSpec, parse_speculative_config
+
+    return 1 if isinstance(parse_speculative_config(speculative_config), MtpSpec) else 0
 
 
 def num_blocks_for(layout: KVLayout, memory_gb: float) -> int:

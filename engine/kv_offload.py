@@ -222,14 +222,17 @@ def layout_for_model(
     block_size: int = 16,
     quantization: str = "auto",
     load_format: str = "auto",
+    speculative_config: str | None = None,
 ) -> KVLayout:
     """The KV layout (and so the fingerprints) an engine of these settings has, read from the model's
     config without loading weights: ``model_fingerprint`` is the engine's unsalted fingerprint."""
-    from engine.kv_cache import kv_dtype_name, make_layout
+    from engine.kv_cache import draft_layers, kv_dtype_name, make_layout
     from engine.loader import fp8_layout, model_fingerprint, resolve_dtype, resolve_model_config
 
     dtype = resolve_dtype(model, dtype)
     cfg, path = resolve_model_config(model)
     fp8 = fp8_layout(cfg, path, quantization, load_format)
     fingerprint = model_fingerprint(model, path, dtype, load_format, fp8)
-    return make_layout(cfg, fingerprint, kv_dtype_name(kv_cache_dtype, dtype), block_size)
+    return make_layout(
+        cfg, fingerprint, kv_dtype_name(kv_cache_dtype, dtype), block_size, draft_layers(speculative_config)
+    )

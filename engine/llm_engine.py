@@ -43,6 +43,7 @@ from engine.memory_profile import (
 )
 from engine.model_runner import ModelRunner
 from engine.models.decoder import DecoderModel
+from engine.models.mtp import MTPStep
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.rebalance import move_experts
 from engine.pooling import ModelPooling, PoolingParams
@@ -50,7 +51,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
-from engine.speculative import parse_speculative_config, propose
+from engine.speculative import MtpSpec, parse_speculative_config, propose
 from engine.structured_outputs import GrammarCompiler, apply_grammar_masks
 from engine.tokenizer import IncrementalDetokenizer, find_stop
 from kernels import get_ops
@@ -227,6 +228,10 @@ class LLMEngine:
         start_memory = DeviceMemory.read(self.device) if by_utilization else None
         if start_memory is not None:
             check_free(start_memory, config.gpu_memory_utilization)
+        self.spec = parse_speculative_config(config.speculative_config)
+        # The checkpoint's multi-token-prediction layer drafts (engine.models.mtp): it is loaded, the KV pool
+        # has its layer, and every step keeps its hidden states for the layer's pass after it.
+        self.mtp = isinstance(self.spec, MtpSpec)
         loaded = load_model(
             config.model,
             config.dtype,
@@ -238,6 +243,7 @@ class LLMEngine:
             dispatcher=dispatcher,
             quantization=config.quantization,
             num_redundant_experts=config.num_redundant_experts,
+            mtp=self.mtp,
         )
         if config.enable_eplb and not loaded.cfg.is_moe:
             raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
@@ -268,7 +274,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.cfg.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.cfg.vocab_size, self.eos_token_ids)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, config.dtype)
-        self.layout: KVLayout = make_layout(loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size)
+        self.layout: KVLayout = make_layout(
+            loaded.cfg, loaded.fingerprint, kv_dtype, config.block_size, draft_layers=int(self.mtp)
+        )
         self.sampler = Sampler(config.seed, config.kernel_backend)
         self.memory_profile: MemoryProfile | None = None
         self.graph_memory_bytes: int | None = None  # measured when the pool is sized by utilization
@@ -337,8 +345,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
-        self.spec = parse_speculative_config(config.speculative_config)
         self._spec_prompts: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
+        # MTP drafts for the next step: (the request's token count when drafted, the draft token).
+        self._mtp_drafts: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
 
@@ -757,8 +766,8 @@ class LLMEngine:
             return
         # Grammar masks depend only on tokens the host has: computed while the device runs the forward.
         grammar_masks = self._grammar_masks(batch.seqs) if self._constrained else None
-        sample_seqs, logits, prompt_logprobs, spec_logits, pooled = self.runner.execute(
-            batch, bool(self._scoring), {s: len(d) for s, d in spec.items()}
+        sample_seqs, logits, prompt_logprobs, spec_logits, pooled, mtp_step = self.runner.execute(
+            batch, bool(self._scoring), {s: len(d) for s, d in spec.items()}, keep_hidden=self.mtp
         )
         for seq, found in prompt_logprobs:
             seq.prompt_logprobs += found
@@ -782,8 +791,21 @@ class LLMEngine:
             if len(keep) < len(sample_seqs):
                 index = torch.tensor(keep, dtype=torch.long, device=logits.device)
                 sample_seqs, logits = [sample_seqs[i] for i in keep], logits.index_select(0, index)
-        if not sample_seqs:
-            return
+        if sample_seqs:
+            self._sample(batch, sample_seqs, logits, grammar_masks, outputs)
+        if mtp_step is not None:
+            self._mtp_pass(batch, mtp_step)
+
+    def _sample(
+        self,
+        batch: ScheduledBatch,
+        sample_seqs: list[Sequence],
+        logits: torch.Tensor,
+        grammar_masks: tuple[dict[Sequence, int], torch.Tensor] | None,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Sample a step's rows (those without a draft) and append their tokens, or, with asynchronous
+        scheduling where it can, leave the tokens on the device for the step launched next."""
         positions = [len(s.output_token_ids) for s in sample_seqs]
         params = [s.params for s in sample_seqs]
         if grammar_masks is not None:
@@ -831,12 +853,16 @@ class LLMEngine:
             limit = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             if limit <= 0:
                 continue
-            prompt = self._spec_prompts.get(seq)
-            if prompt is None:  # the prompt as an array once, not its Python list every step
-                prompt = self._spec_prompts[seq] = np.asarray(seq.prompt_token_ids, dtype=np.int64)
-            draft = propose(
-                np.concatenate([prompt, np.asarray(seq.output_token_ids, dtype=np.int64)]), spec, limit
-            )
+            if isinstance(spec, MtpSpec):  # what the MTP layer predicted after the last step, if it did
+                drafted = self._mtp_drafts.get(seq)
+                draft = [drafted[1]] if drafted is not None and drafted[0] == seq.num_tokens else []
+            else:
+                prompt = self._spec_prompts.get(seq)
+                if prompt is None:  # the prompt as an array once, not its Python list every step
+                    prompt = self._spec_prompts[seq] = np.asarray(seq.prompt_token_ids, dtype=np.int64)
+                draft = propose(
+                    np.concatenate([prompt, np.asarray(seq.output_token_ids, dtype=np.int64)]), spec, limit
+                )
             if not draft:
                 continue
             extra = pool.blocks_needed(seq, seq.num_tokens + len(draft)) - pool.blocks_needed(
@@ -848,6 +874,36 @@ class LLMEngine:
             seq.output_token_ids += draft
             drafts[seq] = draft
         return drafts
+
+    def _mtp_pass(self, batch: ScheduledBatch, step: MTPStep) -> None:
+        """After a step: the MTP layer over every row whose next token is now known (its KV for those
+        positions; a prompt chunk's every row, a decoding request's kept rows), then each request that
+        decodes next gets the layer's prediction at its last such row as its next draft (``engine.models.mtp``).
+        Finished requests' rows count too: their blocks may serve later prompts from the prefix cache."""
+        count = len(batch.seqs)
+        kept = np.zeros(count, dtype=np.int64)
+        next_ids: list[int] = []
+        drafting: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.pooling is not None:
+                continue
+            start = int(step.starts[i])
+            total = seq.num_tokens
+            k = min(n, total - start - 1)  # rows whose next token is known now
+            if k <= 0:
+                continue
+            kept[i] = k
+            next_ids += _token_range(seq, start + 1, start + k + 1)
+            if not seq.is_finished and start + k == total - 1:  # its last token is the next to compute
+                drafting.append(i)
+        if not kept.any():
+            return
+        tokens = step.draft(
+            self.model, self.kv_pool, kept, np.asarray(next_ids), np.asarray(drafting, dtype=np.int64)
+        )
+        for i, token in zip(drafting, tokens, strict=True):
+            seq = batch.seqs[i]
+            self._mtp_drafts[seq] = (seq.num_tokens, token)
 
     def _settle_drafts(
         self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]]
@@ -1339,6 +1395,14 @@ class LLMEngine:
             self.staged_placement = None
         log.info("expert placement %d applied: %d expert slots rewritten on this rank", version, moved)
         return moved
+
+
+def _token_range(seq: Sequence, a: int, b: int) -> list[int]:
+    """Tokens ``a`` to ``b`` of the prompt and output, by slices (``all_token_ids`` copies them all)."""
+    n = len(seq.prompt_token_ids)
+    if b <= n:
+        return seq.prompt_token_ids[a:b]
+    return seq.prompt_token_ids[a:n] + seq.output_token_ids[max(0, a - n) : b - n]
 
 
 def _kv_scales_in_use(model: torch.nn.Module, pool_dtype: torch.dtype) -> int:

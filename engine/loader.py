@@ -32,6 +32,7 @@ from engine.fp8_weights import (
 from engine.models.decoder import DecoderModel
 from engine.models.mla import GroupedMoEBlock, MLAttention
 from engine.models.model_config import ModelConfig
+from engine.models.mtp import MTPLayer
 from engine.moe.dispatch import TokenDispatcher
 from engine.tiny_models import TINY_MODELS, tiny_model_config
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -138,11 +139,13 @@ def load_model(
     physical_to_logical: list[list[int]] | None = None,
     quantization: str = "auto",
     num_redundant_experts: int = 0,
+    mtp: bool = False,
 ) -> LoadedModel:
     """``max_positions``: the longest sequence the RoPE cache covers (None: the checkpoint's
     ``max_position_embeddings``); ``quantization``: the engine setting (float8 weights kept, made or
     widened); ``num_redundant_experts``: physical expert slots beyond the model's experts in each MoE layer,
-    placed as ``mesh.expert_placement.initial_placement`` (unless ``physical_to_logical`` is given)."""
+    placed as ``mesh.expert_placement.initial_placement`` (unless ``physical_to_logical`` is given); ``mtp``:
+    load the checkpoint's first multi-token-prediction layer too (``engine.models.mtp``, for drafts)."""
     cfg, path = resolve_model_config(model)
     if num_redundant_experts and physical_to_logical is None:
         if not cfg.is_moe:
@@ -156,6 +159,15 @@ def load_model(
     if fp8 is not None:
         log.info("%s: attention, MLP and expert weights kept in float8 (%s)", model, fp8.describe())
     net = DecoderModel(cfg, ops, torch_dtype, device, max_positions, dispatcher, physical_to_logical, fp8)
+    if mtp:
+        if not cfg.num_mtp_layers:
+            raise UnsupportedModelError(
+                f"{model} has no multi-token-prediction layer (num_nextn_predict_layers): speculative "
+                "method mtp needs one (DeepSeek-V3 and R1 checkpoints have it)"
+            )
+        net.mtp = MTPLayer(cfg, ops, torch_dtype, device)
+        if path is None or load_format == "dummy":  # generated weights: the main model's embeddings and head
+            _share_mtp_tensors(net, cfg, force=True)
     has_lm_head = not cfg.num_labels  # a classifier's checkpoint has a score head instead
     if path is None:
         _init_tiny(net, seed=1234)
@@ -239,7 +251,8 @@ def _init_tiny(net: DecoderModel, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     norms = _norm_params(net)
     modules = dict(net.named_modules())
-    for name, p in sorted(net.named_parameters()):
+    # The MTP layer's weights drawn last, so that the decoder's are the same with it or without it.
+    for name, p in sorted(net.named_parameters(), key=lambda item: (item[0].startswith("mtp."), item[0])):
         fp8 = _fp8_owner(net, name, modules)
         if fp8 is not None:
             if name.endswith(".weight_scale"):
@@ -351,6 +364,8 @@ def _load_safetensors(
     if float8:
         how = f"kept in float8 ({net.fp8.describe()})" if net.fp8 else f"widened to {net.norm.dtype}"
         log.info("%s: %d float8 weights (%s) %s at load", path, float8, quant.method, how)  # type: ignore[union-attr]
+    if net.mtp is not None:
+        loaded |= _share_mtp_tensors(net, cfg, force=False, loaded=loaded)
     missing = sorted(expected - loaded)
     if missing == ["lm_head"]:
         log.info("%s has no LM head (a base model's checkpoint): the engine serves embeddings only", path)
@@ -424,10 +439,56 @@ def _assign(net: DecoderModel, cfg: ModelConfig, name: str, t: torch.Tensor, put
     if not m:
         return []  # e.g. rotary inv_freq buffers in old checkpoints
     i, rest = int(m.group(1)), m.group(2)
-    if i >= len(net.layers):
-        return []  # DeepSeek-V3's multi-token-prediction layers, past the decoder's (not served yet)
-    layer = net.layers[i]
-    pre = f"layers.{i}."
+    if i >= len(net.layers):  # DeepSeek-V3's multi-token-prediction layers, past the decoder's
+        if net.mtp is None or i != len(net.layers):
+            return []  # not drafted with, or past the first (the only one drafted with)
+        return _assign_mtp(net.mtp, cfg, name, rest, t, put)
+    return _assign_layer(net.layers[i], f"layers.{i}.", cfg, name, rest, t, put)
+
+
+# An MTP layer's own tensors (the rest are its decoder layer's), by checkpoint name.
+_MTP_OWN = {
+    "embed_tokens.weight": "embed_tokens",
+    "enorm.weight": "enorm",
+    "hnorm.weight": "hnorm",
+    "eh_proj.weight": "eh_proj",
+    "shared_head.norm.weight": "head_norm",
+    "shared_head.head.weight": "head",
+}
+
+
+def _assign_mtp(
+    mtp: MTPLayer, cfg: ModelConfig, name: str, rest: str, t: torch.Tensor, put: Callable
+) -> list[str]:
+    if rest in _MTP_OWN:
+        put(getattr(mtp, _MTP_OWN[rest]), t)
+        return ["mtp." + _MTP_OWN[rest]]
+    return _assign_layer(mtp.block, "mtp.block.", cfg, name, rest, t, put)
+
+
+def _share_mtp_tensors(
+    net: DecoderModel, cfg: ModelConfig, force: bool, loaded: set[str] | None = None
+) -> set[str]:
+    """Make the MTP layer's embeddings and head the main model's tensors: always with ``force``
+    (generated weights), else where the checkpoint has no copy of its own or its copy equals them
+    (DeepSeek-V3's do: one copy in memory instead of two). Returns the MTP names now provided."""
+    mtp = net.mtp
+    assert isinstance(mtp, MTPLayer)
+    shared = set()
+    for own, main in (("embed_tokens", net.embed_tokens), ("head", net.lm_head)):
+        if own == "head" and cfg.num_labels:
+            continue
+        name = f"mtp.{own}"
+        if force or name not in (loaded or set()) or torch.equal(getattr(mtp, own), main):
+            setattr(mtp, own, main)
+            shared.add(name)
+    return shared
+
+
+def _assign_layer(layer: torch.nn.Module, pre: str, cfg: ModelConfig, name: str, rest: str, t: torch.Tensor,
+                  put: Callable) -> list[str]:  # fmt: skip
+    """A decoder layer's tensor ``rest`` (of checkpoint tensor ``name``) into ``layer``, whose parameters
+    are named ``pre`` + their names."""
     attn = layer.self_attn
     if isinstance(attn, MLAttention):
         found = _assign_mla(layer, attn, rest, t, put, cfg)

@@ -32,6 +32,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, expert_counts_restored
 from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
+from engine.models.mtp import MTPStep
 from engine.moe.dispatch import SingleRankDispatcher
 from engine.pooling import pool_chunk
 from engine.prefill_graphs import PrefillGraphs
@@ -84,6 +85,8 @@ class Executed(NamedTuple):
     # Embedding requests (engine.pooling) whose prompt this step ended: their embeddings (float32). They
     # are not among the sequences that sample.
     pooled: dict[Sequence, torch.Tensor] = {}  # noqa: RUF012
+    # With ``keep_hidden``: what the MTP draft pass reads of the step (engine.models.mtp).
+    step: MTPStep | None = None
 
 
 @dataclass
@@ -479,11 +482,17 @@ class ModelRunner:
         return pg.run(input_ids, positions, meta, size)
 
     def execute(
-        self, batch: ScheduledBatch, prompt_logprobs: bool = False, drafts: dict[Sequence, int] | None = None
+        self,
+        batch: ScheduledBatch,
+        prompt_logprobs: bool = False,
+        drafts: dict[Sequence, int] | None = None,
+        keep_hidden: bool = False,
     ) -> Executed:
         """Run one step; returns the sequences that sample now, their logits [n, V] (fp32), and, when
         ``prompt_logprobs`` says some request of the batch may want them (the caller knows for free; the
         scan costs 40 us at batch 256), the prompt logprobs this step computed (``PromptLogprobRows``).
+        ``keep_hidden``: the step's hidden states and layout come back too (``Executed.step``, for an MTP
+        draft), so it replays no decode graph (whose output is the logits alone).
 
         After a graph replay the logits are a view of the graph's output buffer: use them before the
         next step."""
@@ -491,13 +500,23 @@ class ModelRunner:
         self.forward_passes += 1
         tokens = sum(batch.num_new_tokens)
         prompt_rows = PromptLogprobRows.of(batch) if prompt_logprobs else None
-        pooling = any(s.pooling is not None for s in batch.seqs)  # needs hidden states: no decode graph
-        decode_rows = len(batch.seqs) if max(batch.num_new_tokens) == 1 and not pooling else None
+        # Pooling needs hidden states: no decode graph.
+        hidden_out = keep_hidden or any(s.pooling is not None for s in batch.seqs)
+        decode_rows = len(batch.seqs) if max(batch.num_new_tokens) == 1 and not hidden_out else None
         agreed = self._group_pass(decode_rows, tokens)
         if agreed.decode is not None:
             return self._execute_decode_graph(batch.seqs, agreed.decode, prompt_rows)
+        starts = np.fromiter(
+            (s.num_computed_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs)
+        )
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta, agreed)
+        step = None
+        if keep_hidden:
+            row_starts = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
+            np.cumsum(batch.num_new_tokens, out=row_starts[1:])
+            step = MTPStep(hidden, positions, meta.slot_mapping, meta.block_tables, starts, row_starts)
+        pooling = hidden_out and any(s.pooling is not None for s in batch.seqs)
         pooled: dict[Sequence, torch.Tensor] = {}
         if pooling:
             sample_seqs, rows = self._pool(batch, hidden, sample_seqs, rows, pooled)
@@ -521,8 +540,9 @@ class ModelRunner:
                 first += b - a
         if not sample_seqs:
             empty = hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-            return Executed([], empty, scored, spec_logits, pooled)
-        return Executed(sample_seqs, self.model.compute_logits(hidden[rows]), scored, spec_logits, pooled)
+            return Executed([], empty, scored, spec_logits, pooled, step)
+        logits = self.model.compute_logits(hidden[rows])
+        return Executed(sample_seqs, logits, scored, spec_logits, pooled, step)
 
     def _pool(
         self,

@@ -12,6 +12,10 @@ distribution (with a one-token draft, accepting on equality is the optimal rejec
 each position's, as plain decoding's. Requests with penalties or bad words of several tokens (each
 position would need the output before it) and constrained ones are not drafted. Nothing here touches the
 engine.
+
+Method ``mtp`` (vLLM's ``{"method": "mtp"}``, also ``deepseek_mtp``): the draft is what a DeepSeek-V3
+checkpoint's own multi-token-prediction layer predicts after the step that made a request's last token
+known (engine.models.mtp); it is verified the same way.
 """
 
 from __future__ import annotations
@@ -31,8 +35,17 @@ class NgramSpec:
     lookup_min: int  # the shortest
 
 
-def parse_speculative_config(text: str | None) -> NgramSpec | None:
-    """vLLM's JSON; only the ``ngram`` method is served (a draft model or MTP head is refused)."""
+@dataclass(frozen=True)
+class MtpSpec:
+    num_tokens: int  # draft tokens a step: one, the checkpoint's first MTP layer's (not chained)
+
+
+MTP_METHODS = ("mtp", "deepseek_mtp")
+
+
+def parse_speculative_config(text: str | None) -> NgramSpec | MtpSpec | None:
+    """vLLM's JSON; the ``ngram`` and ``mtp`` (``deepseek_mtp``) methods are served (a draft model is
+    refused). Whether the model has an MTP layer is the engine's check."""
     if not text:
         return None
     try:
@@ -42,9 +55,12 @@ def parse_speculative_config(text: str | None) -> NgramSpec | None:
     if not isinstance(cfg, dict):
         raise ValueError("speculative_config must be a JSON object")
     method = cfg.get("method")
+    if method in MTP_METHODS:
+        return _mtp_spec(cfg)
     if method != "ngram":
         raise ValueError(
-            f"speculative_config method {method!r} is not served: only 'ngram' (prompt lookup) is"
+            f"speculative_config method {method!r} is not served: 'ngram' (prompt lookup) and 'mtp' (a "
+            "DeepSeek-V3 checkpoint's multi-token-prediction layer) are"
         )
     unknown = set(cfg) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     if unknown:
@@ -58,6 +74,21 @@ def parse_speculative_config(text: str | None) -> NgramSpec | None:
     if lo > hi:
         raise ValueError(f"speculative_config prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
     return NgramSpec(k, hi, lo)
+
+
+def _mtp_spec(cfg: dict) -> MtpSpec:
+    unknown = set(cfg) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"speculative_config method mtp has no keys {sorted(unknown)}")
+    k = cfg.get("num_speculative_tokens", 1)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+    if k > 1:
+        raise ValueError(
+            f"speculative_config method mtp drafts one token a step (the checkpoint's MTP layer, not run "
+            f"again on its own output); num_speculative_tokens {k} is not served"
+        )
+    return MtpSpec(k)
 
 
 def propose(tokens: Sequence[int] | np.ndarray, spec: NgramSpec, limit: int) -> list[int]:

@@ -58,6 +58,7 @@ TINY_MODELS: dict[str, dict] = {
         qk_rope_head_dim=16,
         qk_nope_head_dim=16,
         v_head_dim=16,
+        num_nextn_predict_layers=1,  # a multi-token-prediction layer, for speculative method mtp
     ),
 }
 

@@ -31,6 +31,11 @@ class KVStoreSettings:
     cache_salt: str | None = setting(
         None, "The workers' engine-wide cache salt, if they have one (their published model fingerprint)."
     )
+    speculative_config: str | None = setting(
+        None,
+        "The workers' --speculative-config, if they have one: with method mtp their KV blocks hold the MTP "
+        "layer's KV too (one layer more).",
+    )
     host: str = setting("127.0.0.1", "Address the gRPC server binds to.")
     port: int = setting(0, "gRPC port (0 picks a free one; the chosen port is printed).")
     advertise_host: str | None = setting(None, "Host workers use to reach the store (default: --host).")

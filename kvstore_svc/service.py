@@ -51,6 +51,7 @@ async def serve(settings: KVStoreSettings) -> None:
         settings.block_size,
         settings.quantization,
         settings.load_format,
+        settings.speculative_config,
     )
     model_fingerprint = salted_fingerprint(layout.model_fingerprint, settings.cache_salt)
     host_blocks, disk_blocks = _sizes(settings, layout.block_nbytes)

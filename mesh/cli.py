@@ -192,6 +192,8 @@ class Mesh:
             ]
         if a.lora_modules:  # without enable_lora the workers refuse it at start, saying so
             argv += ["--lora-modules", *a.lora_modules]
+        if a.speculative_config:  # every worker the same: an MTP draft's KV layer is in every block
+            argv += ["--speculative-config", a.speculative_config]
         return argv + a.worker_arg
 
     def plan(self, env: dict[str, str]) -> None:
@@ -295,6 +297,8 @@ class Mesh:
             argv += ["--disk-path", a.kvstore_disk_path, "--disk-gb", str(a.kvstore_disk_gb)]
         if a.redis_url:
             argv += ["--redis-url", a.redis_url]
+        if a.speculative_config:
+            argv += ["--speculative-config", a.speculative_config]
         self.children.append(Child("kvstore", argv + a.kvstore_arg))
 
     def _memory_share(self, slot: int, num_gpus: int, workers: int) -> list[str]:
@@ -454,6 +458,12 @@ class LauncherSettings:
         [],
         "With enable_lora: adapters every worker registers at start (vLLM's --lora-modules): name=path, or "
         'JSON {"name": ..., "path": ...}.',
+    )
+    speculative_config: str | None = setting(
+        None,
+        "Every worker (and the KV offload store) runs with this --speculative-config (vLLM's JSON): "
+        '{"method": "ngram", ...} or, for a DeepSeek-V3 checkpoint, {"method": "mtp"} (its own '
+        "multi-token-prediction layer drafts).",
     )
     eplb: bool = setting(
         False,

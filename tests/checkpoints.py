@@ -347,3 +347,117 @@ def write_weights(src: Path, dst: Path, replaced: dict[str, torch.Tensor]) -> Pa
         if (src / extra).exists():
             (dst / extra).write_bytes((src / extra).read_bytes())
     return dst
+
+
+def add_mtp_layer(src: Path, dst: Path, seed: int = 0, predictive: bool = False) -> Path:
+    """A copy of DeepSeek-V3 checkpoint ``src`` in ``dst`` with a multi-token-prediction layer, as
+    DeepSeek-V3's checkpoints hold theirs: ``model.layers.{num_hidden_layers}.*`` (a decoder layer's tensors,
+    experts one by one, plus ``embed_tokens`` and ``shared_head.head`` copies of the model's own, ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``), ``num_nextn_predict_layers`` 1. Random values, scaled
+    as ``make_checkpoint``'s.
+
+    ``predictive``: a checkpoint whose drafts are mostly right, so that drafts are kept: every layer's output
+    projections (attention and MLP, the decoder's and the MTP layer's) scaled by 0.05, so each layer adds
+    little to its input and the main model mostly predicts from its last token; and the MTP layer's
+    ``eh_proj`` reads mostly its token's embedding (an identity there), its head norm the model's final norm,
+    so its prediction from the token at p + 1 is about the main model's at p + 1."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = json.loads((src / "config.json").read_text())
+    config = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    n = cfg["num_hidden_layers"]
+    torch.manual_seed(seed)
+    block = DeepseekV3DecoderLayer(config, layer_idx=n)
+    _scale_weights(block, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    main = load_file(str(src / "model.safetensors"))
+    h = cfg["hidden_size"]
+    pre = f"model.layers.{n}."
+    eh = torch.randn(h, 2 * h, generator=gen) * (2 * h) ** -0.5
+    enorm = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    head_norm = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    replaced: dict[str, torch.Tensor] = {}
+    state = block.state_dict()
+    if predictive:
+        eh = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1) + 0.05 * eh
+        enorm = torch.ones(h)
+        head_norm = main["model.norm.weight"].clone()
+        out_projections = ("o_proj.weight", "down_proj.weight", "down_proj")
+        for name in [k for k in main if k.endswith(out_projections)]:
+            replaced[name] = main[name] * 0.05
+        for name in [k for k in state if k.endswith(out_projections)]:
+            state[name] = state[name] * 0.05
+    inter = cfg["moe_intermediate_size"]
+    for name, t in state.items():
+        if name == "mlp.experts.gate_up_proj":  # one expert at a time, as DeepSeek's checkpoints are
+            for e in range(t.shape[0]):
+                replaced[f"{pre}mlp.experts.{e}.gate_proj.weight"] = t[e, :inter]
+                replaced[f"{pre}mlp.experts.{e}.up_proj.weight"] = t[e, inter:]
+        elif name == "mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                replaced[f"{pre}mlp.experts.{e}.down_proj.weight"] = t[e]
+        else:
+            replaced[pre + name] = t
+    replaced.update({
+        pre + "embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+        pre + "enorm.weight": enorm,
+        pre + "hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+        pre + "eh_proj.weight": eh,
+        pre + "shared_head.norm.weight": head_norm,
+        pre + "shared_head.head.weight": main["lm_head.weight"].clone(),
+    })  # fmt: skip
+    write_weights(src, dst, replaced)
+    (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    return dst
+
+
+def mtp_reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+    """transformers' computation of checkpoint ``path``'s MTP layer over a whole sequence (float32, no
+    cache): row p is its logits for token p + 2, from the main model's final hidden state at p (after the
+    final norm) and the embedding of token p + 1 (zeroed at position 0): [len(tokens) - 1, V]."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    config = model.config
+    n = config.num_hidden_layers
+    pre = f"model.layers.{n}."
+    tensors = {
+        k[len(pre) :]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith(pre)
+    }
+    block = DeepseekV3DecoderLayer(config, layer_idx=n).eval()
+    state = {k: v for k, v in tensors.items() if not k.startswith(("mlp.experts.", "embed_tokens", "enorm",
+             "hnorm", "eh_proj", "shared_head"))}  # fmt: skip
+    experts = config.n_routed_experts
+    state["mlp.experts.gate_up_proj"] = torch.stack([
+        torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
+        for e in range(experts)
+    ])  # fmt: skip
+    state["mlp.experts.down_proj"] = torch.stack(
+        [tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(experts)]
+    )
+    block.load_state_dict(state)
+    eps = config.rms_norm_eps
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+        embeds = tensors["embed_tokens.weight"][ids[:, 1:]]
+        positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+        embeds[positions == 0] = 0.0
+        x = torch.cat([norm(embeds, tensors["enorm.weight"]), norm(hidden, tensors["hnorm.weight"])], dim=-1)
+        x = x @ tensors["eh_proj.weight"].t()
+        mask = create_causal_mask(
+            config=config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+        )
+        out = block(x, attention_mask=mask, position_ids=positions,
+                    position_embeddings=model.model.rotary_emb(x, positions))  # fmt: skip
+        out = out[0] if isinstance(out, tuple) else out
+        return (norm(out, tensors["shared_head.norm.weight"]) @ tensors["shared_head.head.weight"].t())[0]

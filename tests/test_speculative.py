@@ -108,7 +108,7 @@ def test_proposals_follow_the_latest_earlier_occurrence() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'ngram'"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "'ngram' \\(prompt lookup\\) and 'mtp'"),
         ('{"method": "ngram"}', "num_speculative_tokens"),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}',

@@ -176,10 +176,15 @@ class DecoderLayer(nn.Module):
         dispatcher: TokenDispatcher | None,
         physical_to_logical: list[int] | None,
         fp8: Fp8Layout | None = None,
+        moe: bool | None = None,
     ) -> None:
+        """``moe``: whether the MLP is an MoE block (None: as ``cfg.moe_layers`` says for ``layer``; a
+        multi-token-prediction layer, numbered past the decoder's, says it itself)."""
         super().__init__()
         self.ops = ops
         self.eps = cfg.rms_norm_eps
+        if moe is None:
+            moe = bool(cfg.moe_layers and cfg.moe_layers[layer])
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.mla = cfg.mla is not None
@@ -189,7 +194,7 @@ class DecoderLayer(nn.Module):
             else Attention(cfg, layer, ops, dtype, device, fp8)
         )
         self.mlp: nn.Module
-        if cfg.routing is not None and cfg.moe_layers[layer]:
+        if cfg.routing is not None and moe:
             shared = (
                 DenseMLP(
                     cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, device
@@ -211,7 +216,7 @@ class DecoderLayer(nn.Module):
                 physical_to_logical=physical_to_logical,
                 dispatcher=dispatcher,
             )
-        elif cfg.moe_layers and cfg.moe_layers[layer]:
+        elif moe:
             self.mlp = MoEBlock(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size,
@@ -350,6 +355,9 @@ class DecoderModel(nn.Module):
             _param(cfg.num_labels, cfg.hidden_size, dtype=dtype, device=device) if cfg.num_labels else None
         )
         self.lora_slots: LoRASlots | None = None  # the served LoRA adapters' slots (engine.lora)
+        # DeepSeek-V3's multi-token-prediction layer (engine.models.mtp), set by the loader when the engine
+        # drafts with it; its KV is the pool's layer after the decoder's.
+        self.mtp: nn.Module | None = None
         self.register_buffer(
             "cos_sin",
             cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device),

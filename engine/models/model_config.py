@@ -94,6 +94,10 @@ class ModelConfig:
     n_shared_experts: int = 0
     # The softmax scale's factor beyond head_dim ** -0.5 (YaRN's mscale_all_dim, squared: DeepSeek's).
     attention_scale_factor: float = 1.0
+    # DeepSeek-V3's multi-token-prediction layers past the decoder's (``num_nextn_predict_layers``; used as
+    # a speculative draft, engine.models.mtp), and whether they are MoE layers (by the decoder's rule).
+    num_mtp_layers: int = 0
+    mtp_moe: bool = False
 
     @property
     def kv_head_dim(self) -> int:
@@ -236,6 +240,10 @@ def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None, v2: bool
     if mla.latent_dim % 2:
         raise UnsupportedModelError(f"MLA latent of {mla.latent_dim} values: the KV pool needs an even size")
     n_group = 1 if method == "greedy" else cfg.get("n_group") or 1
+    # The first multi-token-prediction layer is numbered after the decoder's, and is an MoE layer by the
+    # same rule as theirs.
+    mtp_layer = cfg["num_hidden_layers"]
+    first_dense, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
     factor = 1.0
     if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
         scale = rope_scaling["factor"]
@@ -253,4 +261,6 @@ def _deepseek(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None, v2: bool
         ),
         "n_shared_experts": cfg.get("n_shared_experts") or 0,
         "attention_scale_factor": factor,
+        "num_mtp_layers": 0 if v2 else int(cfg.get("num_nextn_predict_layers") or 0),
+        "mtp_moe": mtp_layer >= first_dense and mtp_layer % freq == 0,
     }

@@ -1,0 +1,127 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) layer, served as a speculative draft (vLLM's
+``--speculative-config '{"method": "mtp"}'``, formerly ``deepseek_mtp``).
+
+A DeepSeek-V3 (or R1) checkpoint holds ``num_nextn_predict_layers`` such layers after its decoder's, as
+``model.layers.{num_hidden_layers}.*``. The first predicts the token after next: at position p it reads the
+main model's final hidden state h_p (after the final norm, as vLLM and SGLang hand it over) and the
+embedding of the token at p + 1:
+
+    x      = eh_proj([enorm(embed(t[p + 1])), hnorm(h_p)])    (the embedding zeroed at position 0, as vLLM does)
+    h'     = block(x)                                          (a whole decoder layer: latent attention, MoE)
+    logits = shared_head.head(shared_head.norm(h'))            (they predict t[p + 2])
+
+Its attention reads its own KV, the pool's layer after the decoder's (``num_layers``), which is written
+for every position once its next token is known, so it fills along with the decoder's and goes wherever
+their blocks go (prefix cache, KV transfers, the offload store). After each step the engine runs the layer
+over the rows whose next token that step made known (``MTPStep.draft``) and takes its argmax at each
+decoding request's last row as the next step's draft, which that step verifies as n-gram drafts are
+verified (engine.speculative): the output is the one plain decoding gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel
+from engine.models.model_config import ModelConfig
+from kernels import Ops
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class MTPLayer(nn.Module):
+    """The checkpoint's first MTP layer. ``embed_tokens`` and ``head`` are the main model's own tensors
+    where the checkpoint's copies equal them (DeepSeek-V3's do; the loader makes them one)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        h = cfg.hidden_size
+        self.ops, self.eps = ops, cfg.rms_norm_eps
+        self.embed_tokens = _param(cfg.vocab_size, h, **kw)
+        self.enorm = _param(h, **kw)
+        self.hnorm = _param(h, **kw)
+        self.eh_proj = _param(h, 2 * h, **kw)
+        # Its KV is the pool's layer ``num_layers``; one rank's experts (not served with several ranks).
+        self.block = DecoderLayer(cfg, cfg.num_layers, ops, dtype, device, None, None, moe=cfg.mtp_moe)
+        self.head_norm = _param(h, **kw)
+        self.head = _param(cfg.vocab_size, h, **kw)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layer's output [T, hidden] for the tokens ``ids`` that follow the positions ``positions``,
+        whose main-model hidden states are ``hidden``; writes the layer's KV at ``meta.slot_mapping``."""
+        ops = self.ops
+        embeds = self.embed_tokens[ids].masked_fill((positions == 0).unsqueeze(1), 0.0)
+        x = ops.linear(
+            torch.cat(
+                [ops.rms_norm(embeds, self.enorm, self.eps), ops.rms_norm(hidden, self.hnorm, self.eps)], -1
+            ),
+            self.eh_proj,
+        )
+        x, residual = self.block(x, None, positions, cos_sin, kv_pool, meta)
+        return x + residual
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] (float32) of the tokens two positions after each row's."""
+        return self.ops.linear(self.ops.rms_norm(h, self.head_norm, self.eps), self.head).float()
+
+
+@dataclass
+class MTPStep:
+    """What the MTP pass needs of the step just run (``ModelRunner.execute`` with ``keep_hidden``): its
+    final hidden states, each row's position and KV slot, and each sequence's block-table row, first
+    position and first row."""
+
+    hidden: torch.Tensor  # [T, hidden], after the final norm
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, width] int32
+    starts: np.ndarray  # [B]: each sequence's first position in the step
+    row_starts: np.ndarray  # [B + 1]: each sequence's first row (cumulative token counts)
+
+    @torch.inference_mode()
+    def draft(
+        self, model: DecoderModel, kv_pool: torch.Tensor, kept: np.ndarray, next_ids: np.ndarray,
+        drafting: np.ndarray,
+    ) -> list[int]:  # fmt: skip
+        """Run the MTP layer over the first ``kept[i]`` rows of each sequence i of the step (those whose
+        next token is known: ``next_ids``, sequence by sequence), writing its KV for them, and return its
+        argmax at the last of them for each sequence in ``drafting`` (indices, in order)."""
+        mtp = model.mtp
+        assert isinstance(mtp, MTPLayer)
+        seqs = np.flatnonzero(kept)
+        if not len(seqs):
+            return []
+        counts = kept[seqs]
+        ends = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=ends[1:])
+        rows = np.repeat(self.row_starts[seqs] - ends[:-1], counts) + np.arange(int(ends[-1]))
+        dev = self.hidden.device
+        index = torch.from_numpy(rows).to(dev)
+        positions = self.positions[index]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[index],
+            block_tables=self.block_tables[torch.from_numpy(seqs).to(dev)],
+            seq_lens=torch.from_numpy((self.starts[seqs] + counts).astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(ends.astype(np.int32)).to(dev),
+        )
+        ids = torch.from_numpy(np.asarray(next_ids, dtype=np.int64)).to(dev)
+        h = mtp(ids, positions, self.hidden[index], model.cos_sin, kv_pool, meta)
+        if not len(drafting):
+            return []
+        last = ends[1:][np.searchsorted(seqs, drafting)] - 1
+        return mtp.logits(h[torch.from_numpy(last).to(dev)]).argmax(dim=-1).tolist()

@@ -1,0 +1,270 @@
+"""DeepSeek-V3's multi-token-prediction layer as a speculative draft (engine/models/mtp.py,
+``--speculative-config '{"method": "mtp"}'``): each draft is transformers' computation of the checkpoint's
+MTP layer (``tests.checkpoints.mtp_reference_logits``), the output is transformers' greedy output and
+plain decoding's, drafts are kept as often as the reference says they should be, and the layer's KV moves
+with the decoder's (prefix cache, disaggregation over NIXL, the KV offload store's layout)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import UnsupportedModelError
+from engine.kv_offload import layout_for_model
+from tests.checkpoints import VOCAB, add_mtp_layer, hf_greedy, make_checkpoint, mtp_reference_logits
+
+MTP = '{"method": "mtp"}'
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("mtp") / "base", seed=7)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(base: Path) -> Path:
+    """Random MTP weights: its drafts are mostly wrong, but each is exactly the layer's prediction."""
+    return add_mtp_layer(base, base.parent / "mtp", seed=11)
+
+
+@pytest.fixture(scope="module")
+def predictive(base: Path) -> Path:
+    """Layers that add little to their input and an MTP layer that reads its token: most drafts kept."""
+    return add_mtp_layer(base, base.parent / "predictive", seed=11, predictive=True)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+def _recording(llm: LLM) -> list[tuple[str, int, int]]:
+    """The engine's drafts as they are made: (request id, its token count then, the draft token). Only
+    observes ``_mtp_pass``: the step runs as it would."""
+    engine = llm.engine
+    made: list[tuple[str, int, int]] = []
+    run = engine._mtp_pass
+
+    def observed(batch, step) -> None:  # type: ignore[no-untyped-def]
+        run(batch, step)
+        for seq in batch.seqs:
+            draft = engine._mtp_drafts.get(seq)
+            if draft is not None and draft[0] == seq.num_tokens:
+                made.append((seq.request_id, *draft))
+
+    engine._mtp_pass = observed  # type: ignore[method-assign]
+    return made
+
+
+def test_every_draft_is_the_mtp_layers_prediction_and_the_output_is_transformers(mtp_model: Path) -> None:
+    """Three prompts at once, then one that shares a prompt's first 17 tokens (its first block from the
+    prefix cache, the MTP layer's KV with it): each draft made after a step is the argmax of transformers'
+    MTP computation at the request's last computed position, and every output is transformers' greedy one."""
+    llm = LLM(str(mtp_model), dtype="float32", num_kv_blocks=64, speculative_config=MTP)
+    made = _recording(llm)
+    prompts = _prompts(3, seed=1)
+    prompts[0] = (prompts[0] + [7] * 20)[:20]
+    outputs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    cached = llm.engine.cached_prompt_tokens_total
+    shared = prompts[0][:17] + [9, 9, 4]
+    outputs.append(llm.generate([shared], GREEDY)[0].token_ids)
+    assert llm.engine.cached_prompt_tokens_total - cached == 16  # its first block from the prefix cache
+    prompts.append(shared)
+    ids = list(dict.fromkeys(rid for rid, _, _ in made))  # in the order the requests came
+    assert len(ids) == 4
+    for rid, prompt, out in zip(ids, prompts, outputs, strict=True):
+        assert out == hf_greedy(mtp_model, prompt, GREEDY.max_tokens)
+        reference = mtp_reference_logits(mtp_model, prompt + out).argmax(dim=-1)
+        drafts = [(n, token) for r, n, token in made if r == rid]
+        assert len(drafts) >= 8
+        # A draft made when the request had n tokens comes from position n - 2 (its last computed row).
+        assert [token for _, token in drafts] == [int(reference[n - 2]) for n, _ in drafts]
+
+
+def test_the_layers_logits_equal_transformers(mtp_model: Path) -> None:
+    """The MTP layer's logits (latent attention over its own KV in the pool, its MoE, the shared head),
+    step after step, equal transformers' computation over the whole sequence."""
+    llm = LLM(str(mtp_model), dtype="float32", num_kv_blocks=64, speculative_config=MTP)
+    mtp = llm.engine.model.mtp
+    seen: list[torch.Tensor] = []
+    logits = mtp.logits
+
+    def observed(h: torch.Tensor) -> torch.Tensor:
+        out = logits(h)
+        seen.append(out.clone())
+        return out
+
+    mtp.logits = observed  # type: ignore[method-assign]
+    made = _recording(llm)
+    prompt = _prompts(1, seed=2)[0] + [5, 6, 7]
+    out = llm.generate([prompt], GREEDY)[0].token_ids
+    reference = mtp_reference_logits(mtp_model, prompt + out)
+    assert len(seen) == len(made) >= 8
+    for (_, n, _), got in zip(made, seen, strict=True):
+        torch.testing.assert_close(got[0], reference[n - 2], atol=2e-4, rtol=1e-4)
+
+
+def test_drafts_are_kept_as_often_as_the_reference_predicts(predictive: Path) -> None:
+    """With a predictive MTP layer most drafts are kept: the count kept equals what transformers' MTP
+    predictions and greedy output give, step by step (a draft from row q, kept, makes the next from row
+    q + 2; refused, from q + 1), and the output is still transformers'."""
+    prompt = _prompts(1, seed=3)[0] + [11, 12]
+    max_tokens = 24
+    llm = LLM(str(predictive), dtype="float32", num_kv_blocks=64, speculative_config=MTP)
+    steps = []
+    step = llm.engine.step
+
+    def counted():  # type: ignore[no-untyped-def]
+        steps.append(1)
+        return step()
+
+    llm.engine.step = counted  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = llm.generate([prompt], params)[0].token_ids
+    assert out == hf_greedy(predictive, prompt, max_tokens)
+    tokens = prompt + out
+    reference = mtp_reference_logits(predictive, tokens).argmax(dim=-1).tolist()
+    drafted = kept = 0
+    row = len(prompt) - 1  # the prefill step drafts from the prompt's last row
+    while True:
+        generated = row + 2 - len(prompt)  # tokens out when that draft is made
+        if max_tokens - generated - 1 <= 0:  # no room left for a draft
+            break
+        drafted += 1
+        if reference[row] == tokens[row + 2]:
+            kept += 1
+            row += 2
+        else:
+            row += 1
+    engine = llm.engine
+    assert (engine.spec_draft_tokens, engine.spec_accepted_tokens) == (drafted, kept)
+    assert kept > drafted * 0.6
+    assert len(steps) <= max_tokens - kept + 1
+
+
+def test_tight_pools_preemption_and_sampling_keep_plain_decodings_tokens(predictive: Path) -> None:
+    """A pool small enough to preempt, a small token budget (chunked prompts), greedy and seeded sampling:
+    the tokens plain decoding gives, every block back."""
+    prompts = _prompts(5, seed=4)
+    config = dict(dtype="float32", num_kv_blocks=10, max_num_batched_tokens=8, max_num_seqs=4)
+    for params in (
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+    ):
+        want = [o.token_ids for o in LLM(str(predictive), **config).generate(prompts, params)]
+        llm = LLM(str(predictive), speculative_config=MTP, **config)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.engine.spec_accepted_tokens > 0
+        assert llm.engine.block_pool.num_free_blocks == config["num_kv_blocks"]
+
+
+def test_the_pool_has_the_mtp_layer_and_the_store_knows_it(mtp_model: Path) -> None:
+    llm = LLM(str(mtp_model), dtype="float32", num_kv_blocks=16, speculative_config=MTP)
+    layout = llm.engine.layout
+    assert layout.num_layers == 4 and llm.engine.kv_pool.shape[1] == 4  # three decoder layers and the MTP's
+    assert (
+        layout_for_model(str(mtp_model), "float32", speculative_config=MTP).fingerprint == layout.fingerprint
+    )
+    assert layout_for_model(str(mtp_model), "float32").fingerprint != layout.fingerprint
+    # The checkpoint's MTP embeddings and head equal the model's: one tensor each.
+    model = llm.engine.model
+    assert model.mtp.embed_tokens is model.embed_tokens and model.mtp.head is model.lm_head
+    # Without the draft, the same checkpoint loads without its MTP layer and gives the same tokens.
+    plain = LLM(str(mtp_model), dtype="float32", num_kv_blocks=16)
+    assert plain.engine.model.mtp is None and plain.engine.layout.num_layers == 3
+    prompt = _prompts(1, seed=5)[0]
+    assert plain.generate([prompt], GREEDY)[0].token_ids == llm.generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("model", "text", "error", "message"),
+    [
+        ("tiny-moe", MTP, UnsupportedModelError, "no multi-token-prediction layer"),
+        ("base", MTP, UnsupportedModelError, "lacks weights for: \\['mtp.block"),
+        ("tiny-deepseek", '{"method": "mtp", "num_speculative_tokens": 2}', ValueError, "one token a step"),
+        ("tiny-deepseek", '{"method": "deepseek_mtp", "prompt_lookup_max": 2}', ValueError, "no keys"),
+        ("tiny-deepseek", '{"method": "eagle"}', ValueError, "'ngram' \\(prompt lookup\\) and 'mtp'"),
+    ],
+)
+def test_what_mtp_refuses(base: Path, model: str, text: str, error: type, message: str) -> None:
+    """A model without an MTP layer, a checkpoint that declares one but has no weights for it (the test
+    checkpoints' config says num_nextn_predict_layers 1, as transformers writes it), more than one draft
+    token, keys of other methods, unknown methods."""
+    with pytest.raises(error, match=message):
+        LLM(
+            str(base) if model == "base" else model,
+            dtype="float32",
+            num_kv_blocks=16,
+            speculative_config=text,
+        )
+
+
+def test_the_built_in_deepseek_drafts_with_its_mtp_layer() -> None:
+    """``tiny-deepseek`` has an MTP layer (random, as its other weights): drafts are made and checked, and
+    the tokens are plain decoding's."""
+    prompts = _prompts(3, seed=6)
+    want = [o.token_ids for o in LLM("tiny-deepseek", num_kv_blocks=64).generate(prompts, GREEDY)]
+    llm = LLM("tiny-deepseek", num_kv_blocks=64, speculative_config=json.dumps({"method": "deepseek_mtp"}))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert llm.engine.spec_draft_tokens >= 3 * 10
+
+
+@pytest.mark.e2e
+def test_a_disaggregated_request_drafts_with_the_kv_it_imported(predictive: Path) -> None:
+    """Prefill and decode workers with the MTP draft, the prompt's KV (the MTP layer's with it) moved over
+    NIXL: the router's reply is the offline engine's, and the decode worker keeps drafts from its first
+    decode step on (its MTP layer reads the prompt's MTP KV the prefill worker wrote)."""
+    import asyncio
+
+    import grpc
+
+    from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+    from tests.mesh_fixtures import ServiceProcess, worker_pair
+
+    model = str(predictive)
+    prompt = _prompts(1, seed=7)[0] + [20, 21, 22]
+    want = LLM(model, dtype="float32", num_kv_blocks=64).generate([prompt], GREEDY)[0].token_ids
+    with worker_pair("--model", model, "--speculative-config", MTP) as (prefill, decode):
+        router = ServiceProcess.start(
+            "router", "--model", model, "--http-port", "0", "--prefill-workers", prefill.address,
+            "--decode-workers", decode.address, "--pd-threshold-tokens", "0",
+        )  # fmt: skip
+        try:
+
+            async def run() -> tuple[list[int], str, str]:
+                async with grpc.aio.insecure_channel(router.address) as channel:
+                    stub = router_pb2_grpc.RouterStub(channel)
+                    request = router_pb2.GenerateRequest(
+                        token_ids=common_pb2.TokenIds(ids=prompt),
+                        sampling_params=common_pb2.SamplingParams(
+                            max_tokens=16, temperature=0.0, ignore_eos=True
+                        ),
+                    )
+                    tokens, first, second = [], "", ""
+                    async for msg in stub.Generate(request, timeout=60):
+                        tokens += list(msg.token_ids)
+                        first, second = first or msg.prefill_worker, second or msg.decode_worker
+                    return tokens, first, second
+
+            tokens, first, second = asyncio.run(run())
+            assert tokens == want
+            assert first and second and first != second
+            with urllib.request.urlopen(f"http://{decode.metrics_address}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            drafted = float(
+                re.search(r"^pdmesh_decode_spec_decode_draft_tokens_tokens_total (\S+)$", text, re.M)[1]
+            )
+            kept = float(
+                re.search(r"^pdmesh_decode_spec_decode_accepted_tokens_tokens_total (\S+)$", text, re.M)[1]
+            )
+            assert drafted > 0 and kept > drafted * 0.5
+        finally:
+            assert router.stop() == 0, router.log()
