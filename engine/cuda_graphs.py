@@ -113,10 +113,12 @@ def decode_step_pieces(
     meta: AttentionMetadata,
     logits_out: torch.Tensor,
     layers_per_piece: int = LAYERS_PER_GRAPH,
+    hidden_out: torch.Tensor | None = None,
 ) -> list[Callable[[], None]]:
-    """``DecoderModel.forward`` followed by ``final_logits`` into ``logits_out``, cut into callables
-    that run in order, ``layers_per_piece`` decoder layers each (each becomes one graph). The hidden state
-    and residual pass between pieces through ``state``, which the captured graphs keep addressing."""
+    """``DecoderModel.forward`` followed by ``final_logits`` into ``logits_out`` (and the final hidden
+    states into ``hidden_out`` where given), cut into callables that run in order, ``layers_per_piece``
+    decoder layers each (each becomes one graph). The hidden state and residual pass between pieces
+    through ``state``, which the captured graphs keep addressing."""
     layers = list(model.layers)
     bounds = list(range(0, len(layers), layers_per_piece)) + [len(layers)]
     state: dict[str, torch.Tensor | None] = {}
@@ -131,7 +133,8 @@ def decode_step_pieces(
             for layer in layers[lo:hi]:
                 x, residual = layer(x, residual, positions, model.cos_sin, kv_pool, meta)
             if hi == len(layers):
-                logits_out.copy_(model.final_logits(x, residual))  # one copy: converts to fp32 too
+                # one copy: converts to fp32 too
+                logits_out.copy_(model.final_logits(x, residual, hidden_out))
             state["x"], state["residual"] = x, residual
 
         return run
@@ -194,11 +197,13 @@ class DecodeGraphs:
         device: torch.device,
         megakernel: DecodeMegakernel | None = None,
         specialize_lora: bool = True,
+        keep_hidden: bool = False,
     ) -> None:
         """``megakernel``: where given, the batch-1 graph runs every decoder layer in it
         (``kernels.decode_megakernel``) instead of the op-by-op pieces. ``specialize_lora``: with LoRA
         adapters, every size is captured twice, with the LoRA ops and without; the second set is replayed
-        for steps no row of which has an adapter (and for padding passes)."""
+        for steps no row of which has an adapter (and for padding passes). ``keep_hidden``: every replay
+        also leaves the rows' final hidden states in ``hidden`` (for an MTP draft, engine.models.mtp)."""
         self.model = model
         self.megakernel = megakernel
         self.lora = model.lora_slots if specialize_lora else None
@@ -217,6 +222,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token each
         self.logits = torch.zeros((b, model.cfg.vocab_size), dtype=torch.float32, device=device)
+        self.hidden = (
+            torch.zeros((b, model.cfg.hidden_size), dtype=model.embed_tokens.dtype, device=device)
+            if keep_hidden
+            else None
+        )
         self._host64 = torch.zeros(3 * b, dtype=torch.int64).pin_memory()
         self._host32 = torch.zeros(b + b * max_blocks, dtype=torch.int32).pin_memory()
         self._np64 = self._host64.numpy()
@@ -312,13 +322,14 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: size + 1],
             decode=True,
         )
-        if size == 1 and self.megakernel is not None:
+        if size == 1 and self.megakernel is not None and self.hidden is None:
             return megakernel_step_pieces(
                 self.model, self.megakernel, self.input_ids[:1], self.positions[:1], meta, self.logits[:1]
             )
         return decode_step_pieces(
-            self.model, self.input_ids[:size], self.positions[:size], self.kv_pool, meta, self.logits[:size]
-        )
+            self.model, self.input_ids[:size], self.positions[:size], self.kv_pool, meta, self.logits[:size],
+            hidden_out=None if self.hidden is None else self.hidden[:size],
+        )  # fmt: skip
 
     def release(self) -> None:
         """Free every captured graph now (not when the last reference goes): a graph that captured NCCL

@@ -308,6 +308,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             decode_megakernel=config.decode_megakernel,
             specialize_lora=config.cudagraph_specialize_lora,
+            keep_hidden=self.mtp,
         )
         if start_memory is not None and before_graphs is not None:
             self._log_memory(num_blocks, start_memory, before_graphs)

@@ -194,8 +194,12 @@ class ModelRunner:
         prefill_graph_tokens: int = 0,
         decode_megakernel: bool = False,
         specialize_lora: bool = True,
+        keep_hidden: bool = False,
     ) -> None:
+        """``keep_hidden``: steps keep their final hidden states for an MTP draft (``Executed.step``); the
+        decode graphs then replay its verification steps, a row a token (``_execute_rows``)."""
         self.model = model
+        self.keep_hidden = keep_hidden
         # With LoRA adapters: graphs captured with and without the LoRA ops (``engine.cuda_graphs``).
         self.specialize_lora = specialize_lora
         # Whether the batch-1 decode graph may run the decoder layers in one kernel (where it supports the
@@ -245,7 +249,8 @@ class ModelRunner:
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
         graphs = DecodeGraphs(
             self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device,
-            megakernel=self._build_megakernel(), specialize_lora=self.specialize_lora,
+            megakernel=None if self.keep_hidden else self._build_megakernel(),
+            specialize_lora=self.specialize_lora, keep_hidden=self.keep_hidden,
         )  # fmt: skip
         if self._multi_rank:
             self._check_same_graph_sizes(graphs.max_batch)
@@ -503,6 +508,8 @@ class ModelRunner:
         # Pooling needs hidden states: no decode graph.
         hidden_out = keep_hidden or any(s.pooling is not None for s in batch.seqs)
         decode_rows = len(batch.seqs) if max(batch.num_new_tokens) == 1 and not hidden_out else None
+        if keep_hidden and prompt_rows is None and self._rows_decode(batch, drafts or {}):
+            return self._execute_rows(batch, drafts or {})
         agreed = self._group_pass(decode_rows, tokens)
         if agreed.decode is not None:
             return self._execute_decode_graph(batch.seqs, agreed.decode, prompt_rows)
@@ -543,6 +550,85 @@ class ModelRunner:
             return Executed([], empty, scored, spec_logits, pooled, step)
         logits = self.model.compute_logits(hidden[rows])
         return Executed(sample_seqs, logits, scored, spec_logits, pooled, step)
+
+    def _rows_decode(self, batch: ScheduledBatch, drafts: dict[Sequence, int]) -> bool:
+        """Whether ``_execute_rows`` runs the step: a latent-attention model on one rank, and every sequence
+        decoding its last token and its draft (no prompt chunk, no embedding request)."""
+        if self.model.cfg.mla is None or self._multi_rank:
+            return False
+        return all(
+            s.pooling is None and n == 1 + drafts.get(s, 0) and s.num_computed_tokens + n == s.num_tokens
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
+
+    @torch.inference_mode()
+    def _execute_rows(self, batch: ScheduledBatch, drafts: dict[Sequence, int]) -> Executed:
+        """A step in which every sequence decodes its last token and its draft (an MTP draft's
+        verification), each token a row of its own that attends to its sequence's context up to itself:
+        the latent attention writes every row's KV before any row reads, so a draft's row sees the token
+        before it. That is a decode batch of one token a row, which the decode graphs replay (with the
+        final hidden states kept); without graphs, the eager forward over the same rows. Every sequence
+        samples at its last row; a drafting one's rows are its ``spec_logits``."""
+        seqs = batch.seqs
+        n = len(seqs)
+        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        row_starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=row_starts[1:])
+        total = int(row_starts[-1])
+        seq_of = np.repeat(np.arange(n), counts)
+        positions = np.arange(total, dtype=np.int64) - row_starts[seq_of] + starts[seq_of]
+        token_ids = np.fromiter(
+            (seqs[i].token_at(int(p)) for i, p in zip(seq_of, positions, strict=True)),
+            dtype=np.int64,
+            count=total,
+        )
+        bs, dev, graphs = self.block_size, self.device, self.graphs
+        size = graphs.bucket_for(total) if graphs is not None else None
+        if graphs is not None and size is not None:
+            assert self._tables is not None and graphs.hidden is not None
+            table_rows, width = self._tables.rows_for(seqs)
+            rows = table_rows[seq_of]
+            slots = self._tables.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+            self.pass_kinds["decode_graph"] += 1
+            logits = graphs.run(
+                token_ids,
+                positions,
+                slots,
+                (positions + 1).astype(np.int32),
+                self._tables.table,
+                rows,
+                width,
+                size,
+            )
+            self.late_point = graphs.late_point
+            hidden, dev_positions, dev_slots = (
+                graphs.hidden[:total],
+                graphs.positions[:total],
+                graphs.slot_mapping[:total],
+            )
+            seq_tables = graphs.block_tables[torch.from_numpy(row_starts[:-1]).to(dev)]
+        else:
+            tables = _block_tables(seqs)
+            slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+            dev_positions, dev_slots = torch.from_numpy(positions).to(dev), torch.from_numpy(slots).to(dev)
+            meta = AttentionMetadata(
+                slot_mapping=dev_slots,
+                block_tables=torch.from_numpy(tables[seq_of]).to(dev),
+                seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
+                query_start_loc=torch.arange(total + 1, dtype=torch.int32, device=dev),
+                decode=True,
+            )
+            self.pass_kinds["eager"] += 1
+            hidden = self.model(torch.from_numpy(token_ids).to(dev), dev_positions, self.kv_pool, meta)
+            logits = self.model.compute_logits(hidden)
+            seq_tables = torch.from_numpy(tables).to(dev)
+        spec_logits = {
+            s: logits[row_starts[i] : row_starts[i + 1]] for i, s in enumerate(seqs) if drafts.get(s, 0)
+        }
+        sampled = logits[torch.from_numpy(row_starts[1:] - 1).to(dev)]
+        step = MTPStep(hidden, dev_positions, dev_slots, seq_tables, starts, row_starts)
+        return Executed(list(seqs), sampled, [], spec_logits, {}, step)
 
     def _pool(
         self,

@@ -419,7 +419,6 @@ def mtp_reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     final norm) and the embedding of token p + 1 (zeroed at position 0): [len(tokens) - 1, V]."""
     import transformers
     from safetensors.torch import load_file
-    from transformers.masking_utils import create_causal_mask
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -433,13 +432,16 @@ def mtp_reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     state = {k: v for k, v in tensors.items() if not k.startswith(("mlp.experts.", "embed_tokens", "enorm",
              "hnorm", "eh_proj", "shared_head"))}  # fmt: skip
     experts = config.n_routed_experts
-    state["mlp.experts.gate_up_proj"] = torch.stack([
-        torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
-        for e in range(experts)
-    ])  # fmt: skip
-    state["mlp.experts.down_proj"] = torch.stack(
-        [tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(experts)]
-    )
+    if "mlp.experts.gate_up_proj" in block.state_dict():  # experts as 3D tensors (transformers 5's)
+        state["mlp.experts.gate_up_proj"] = torch.stack([
+            torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
+            for e in range(experts)
+        ])  # fmt: skip
+        state["mlp.experts.down_proj"] = torch.stack(
+            [tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(experts)]
+        )
+    else:  # one module an expert
+        state.update({k: v for k, v in tensors.items() if k.startswith("mlp.experts.")})
     block.load_state_dict(state)
     eps = config.rms_norm_eps
 
@@ -454,9 +456,8 @@ def mtp_reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
         embeds[positions == 0] = 0.0
         x = torch.cat([norm(embeds, tensors["enorm.weight"]), norm(hidden, tensors["hnorm.weight"])], dim=-1)
         x = x @ tensors["eh_proj.weight"].t()
-        mask = create_causal_mask(
-            config=config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
-        )
+        length = x.shape[1]
+        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]  # causal, additive
         out = block(x, attention_mask=mask, position_ids=positions,
                     position_embeddings=model.model.rotary_emb(x, positions))  # fmt: skip
         out = out[0] if isinstance(out, tuple) else out

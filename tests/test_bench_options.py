@@ -138,6 +138,20 @@ def test_deepseek_bench_smoke_times_both_engines() -> None:
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
 
 
+def test_mtp_bench_smoke_drafts_and_keeps_with_the_predictive_weights() -> None:
+    """``benchmarks/mtp_bench.py --smoke``: both weight sets, with and without the draft; the predictive
+    weights' drafts are mostly kept, the random ones' mostly not."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mtp_bench.py"), "--smoke", "--batches", "1,2",
+         "--prompt", "16", "--new", "8", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*(random|predictive) ", line)]
+    assert len(rows) == 8 and all(float(r[3]) > 0 for r in rows), out
+    kept = {(r[0], r[1]): float(r[4].rstrip("%")) for r in rows if r[2] == "mtp"}
+    assert kept["predictive", "1"] > 50 and kept["random", "1"] < 50, out
+
+
 def test_eplb_bench_smoke_moves_every_share_of_slots() -> None:
     """``benchmarks/eplb_bench.py --smoke``: the engines with and without redundant slots decode, and each
     share's placements rewrite slots, more for a larger share (2 MoE layers of 12 slots: at most 2, 6 and

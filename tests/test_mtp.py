@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.kv_offload import layout_for_model
 from tests.checkpoints import VOCAB, add_mtp_layer, hf_greedy, make_checkpoint, mtp_reference_logits
+from tests.kernel_testing import needs_gpu
 
 MTP = '{"method": "mtp"}'
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -268,3 +269,35 @@ def test_a_disaggregated_request_drafts_with_the_kv_it_imported(predictive: Path
             assert drafted > 0 and kept > drafted * 0.5
         finally:
             assert router.stop() == 0, router.log()
+
+
+@needs_gpu
+def test_gpu_verification_replays_the_decode_graphs_and_keeps_the_tokens(predictive: Path) -> None:
+    """On a GPU (Triton ops, decode CUDA graphs): an MTP draft's verification step replays the decode
+    graphs, a row a token (with the final hidden states kept for the MTP pass), and the tokens are the CPU
+    engine's and transformers' (float32); each draft is transformers' MTP prediction; most are kept."""
+    prompts = _prompts(4, seed=9)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [
+        o.token_ids for o in LLM(str(predictive), dtype="float32", num_kv_blocks=64).generate(prompts, params)
+    ]
+    fast = LLM(str(predictive), device="cuda", dtype="float32", kernel_backend="triton", num_kv_blocks=64,
+               speculative_config=MTP)  # fmt: skip
+    made = _recording(fast)
+    runner = fast.engine.runner
+    assert runner.graphs is not None and runner.graphs.hidden is not None
+    outs = [o.token_ids for o in fast.generate(prompts, params)]
+    assert outs == want
+    assert outs[0] == hf_greedy(predictive, prompts[0], params.max_tokens)
+    replays = sum(runner.graphs.replays.values())
+    engine = fast.engine
+    assert replays >= 10 and engine.spec_accepted_tokens > engine.spec_draft_tokens * 0.5
+    ids = list(dict.fromkeys(rid for rid, _, _ in made))
+    for rid, prompt, out in zip(ids, prompts, outs, strict=True):
+        reference = mtp_reference_logits(predictive, prompt + out).argmax(dim=-1)
+        drafts = [(n, token) for r, n, token in made if r == rid]
+        assert [token for _, token in drafts] == [int(reference[n - 2]) for n, _ in drafts]
+    half = LLM(str(predictive), device="cuda", dtype="bfloat16", kernel_backend="triton", num_kv_blocks=64,
+               speculative_config=MTP)  # fmt: skip
+    assert all(len(o.token_ids) == 24 for o in half.generate(prompts, params))
+    assert half.engine.spec_accepted_tokens > 0

@@ -376,12 +376,17 @@ class DecoderModel(nn.Module):
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
-    def final_logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def final_logits(
+        self, x: torch.Tensor, residual: torch.Tensor, hidden_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The final norm and the LM head in one op (fused at batch 1), for callers that run the layers
-        themselves and need the logits of every row (the decode graphs). Logits in x's dtype."""
-        logits, _, _ = self.ops.add_rms_norm_linear(
-            x, residual, self.norm, self.cfg.rms_norm_eps, self.lm_head, False
+        themselves and need the logits of every row (the decode graphs). Logits in x's dtype; the normed
+        hidden states (``forward``'s output) into ``hidden_out`` where given."""
+        logits, h, _ = self.ops.add_rms_norm_linear(
+            x, residual, self.norm, self.cfg.rms_norm_eps, self.lm_head, hidden_out is not None
         )
+        if hidden_out is not None:
+            hidden_out.copy_(h)
         return logits
 
     def begin_forward(self) -> None:

@@ -80,6 +80,11 @@ class MTPLayer(nn.Module):
         return self.ops.linear(self.ops.rms_norm(h, self.head_norm, self.eps), self.head).float()
 
 
+# The MTP pass takes the latent attention's decode path (each row a query of its own) when no sequence
+# brings more rows than this: decode steps (a token and its kept draft), not prompt chunks.
+DECODE_ROWS = 2
+
+
 @dataclass
 class MTPStep:
     """What the MTP pass needs of the step just run (``ModelRunner.execute`` with ``keep_hidden``): its
@@ -113,12 +118,25 @@ class MTPStep:
         dev = self.hidden.device
         index = torch.from_numpy(rows).to(dev)
         positions = self.positions[index]
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[index],
-            block_tables=self.block_tables[torch.from_numpy(seqs).to(dev)],
-            seq_lens=torch.from_numpy((self.starts[seqs] + counts).astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(ends.astype(np.int32)).to(dev),
-        )
+        if counts.max() <= DECODE_ROWS:
+            # Each row a query of its own over its context up to itself (the layer writes every row's KV
+            # before any row reads): the latent attention's decode path, graph-safe and the Triton kernel's.
+            seq_of = np.repeat(seqs, counts)
+            row_positions = self.starts[seq_of] + np.arange(len(rows)) - np.repeat(ends[:-1], counts)
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[index],
+                block_tables=self.block_tables[torch.from_numpy(seq_of).to(dev)],
+                seq_lens=torch.from_numpy((row_positions + 1).astype(np.int32)).to(dev),
+                query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=dev),
+                decode=True,
+            )
+        else:  # prompt chunks: each sequence's rows one ragged query
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[index],
+                block_tables=self.block_tables[torch.from_numpy(seqs).to(dev)],
+                seq_lens=torch.from_numpy((self.starts[seqs] + counts).astype(np.int32)).to(dev),
+                query_start_loc=torch.from_numpy(ends.astype(np.int32)).to(dev),
+            )
         ids = torch.from_numpy(np.asarray(next_ids, dtype=np.int64)).to(dev)
         h = mtp(ids, positions, self.hidden[index], model.cos_sin, kv_pool, meta)
         if not len(drafting):
