@@ -9,9 +9,9 @@ DeepSeek-V3's kind, random weights.
 Two sets of weights, both random (``load_format="dummy"``):
 - ``random``: the drafts are almost never right, so this measures what drafting costs: a step verifies two
   tokens a sequence (the decode graph of twice the rows) and runs the MTP layer after it.
-- ``predictive``: the same weights with every layer's output projections (attention, dense and shared
-  MLPs, experts; the MTP layer's too) scaled by 0.05 and the MTP layer's ``eh_proj`` an identity on its
-  token's embedding, so each layer adds little and the MTP layer predicts what the model will: most drafts
+- ``predictive``: the same weights with the embeddings scaled to an rms of 1, every layer's output
+  projections (attention, dense and shared MLPs, experts; the MTP layer's too) scaled by 0.05 and the MTP
+  layer's ``eh_proj`` an identity on its token's embedding, so each layer adds little and the MTP layer predicts what the model will: most drafts
   are kept (the kept share is measured and printed). Step costs do not depend on the values (the routed
   experts a step reads do, a little).
 
@@ -49,6 +49,9 @@ def make_predictive(llm: LLM) -> None:
     model = llm.engine.model
     mtp = model.mtp
     assert isinstance(mtp, MTPLayer)
+    model.embed_tokens.mul_(
+        1.0 / model.embed_tokens.float().pow(2).mean().sqrt().item()
+    )  # rms 1 (the MTP's too)
     for layer in [*model.layers, mtp.block]:
         layer.self_attn.o_proj.mul_(0.05)
         mlp = layer.mlp

@@ -900,8 +900,9 @@ class LLMEngine:
         if not kept.any():
             return
         tokens = step.draft(
-            self.model, self.kv_pool, kept, np.asarray(next_ids), np.asarray(drafting, dtype=np.int64)
-        )
+            self.model, self.kv_pool, kept, np.asarray(next_ids), np.asarray(drafting, dtype=np.int64),
+            self.runner.mtp_graphs,
+        )  # fmt: skip
         for i, token in zip(drafting, tokens, strict=True):
             seq = batch.seqs[i]
             self._mtp_drafts[seq] = (seq.num_tokens, token)

@@ -32,7 +32,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, expert_counts_restored
 from engine.device_copy import host_to_device
 from engine.models.decoder import AttentionMetadata, DecoderModel
-from engine.models.mtp import MTPStep
+from engine.models.mtp import MTPGraphs, MTPStep
 from engine.moe.dispatch import SingleRankDispatcher
 from engine.pooling import pool_chunk
 from engine.prefill_graphs import PrefillGraphs
@@ -210,6 +210,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        self.mtp_graphs: MTPGraphs | None = None  # with an MTP draft: its pass at decode steps
         self.prefill_graphs: PrefillGraphs | None = None
         # The last step's point before its last decode-graph piece (None: that step did not replay one).
         self.late_point: torch.cuda.Event | None = None
@@ -247,8 +248,10 @@ class ModelRunner:
             )
             return False
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
+        # With an MTP draft a verification step is two rows a sequence (``_execute_rows``).
+        rows = max_num_seqs * (2 if self.keep_hidden else 1)
         graphs = DecodeGraphs(
-            self.model, self.kv_pool, self.block_size, max_num_seqs, max_blocks, self.device,
+            self.model, self.kv_pool, self.block_size, rows, max_blocks, self.device,
             megakernel=None if self.keep_hidden else self._build_megakernel(),
             specialize_lora=self.specialize_lora, keep_hidden=self.keep_hidden,
         )  # fmt: skip
@@ -257,6 +260,9 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
         self._tables = DecodeBlockTables(graphs.max_batch, max_blocks)
+        if self.keep_hidden and self.model.mtp is not None:
+            self.mtp_graphs = MTPGraphs(self.model, self.kv_pool, rows, max_blocks, self.device)
+            self.mtp_graphs.capture()
         return True
 
     def _build_megakernel(self) -> DecodeMegakernel | None:
@@ -292,7 +298,7 @@ class ModelRunner:
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.release()
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.mtp_graphs = None
         self._tables = None
         gc.collect()
 

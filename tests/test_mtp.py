@@ -292,6 +292,7 @@ def test_gpu_verification_replays_the_decode_graphs_and_keeps_the_tokens(predict
     replays = sum(runner.graphs.replays.values())
     engine = fast.engine
     assert replays >= 10 and engine.spec_accepted_tokens > engine.spec_draft_tokens * 0.5
+    assert runner.mtp_graphs is not None and runner.mtp_graphs.replays >= 10  # the MTP pass, captured too
     ids = list(dict.fromkeys(rid for rid, _, _ in made))
     for rid, prompt, out in zip(ids, prompts, outs, strict=True):
         reference = mtp_reference_logits(predictive, prompt + out).argmax(dim=-1)

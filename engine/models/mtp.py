@@ -101,11 +101,12 @@ class MTPStep:
     @torch.inference_mode()
     def draft(
         self, model: DecoderModel, kv_pool: torch.Tensor, kept: np.ndarray, next_ids: np.ndarray,
-        drafting: np.ndarray,
+        drafting: np.ndarray, graphs: MTPGraphs | None = None,
     ) -> list[int]:  # fmt: skip
         """Run the MTP layer over the first ``kept[i]`` rows of each sequence i of the step (those whose
         next token is known: ``next_ids``, sequence by sequence), writing its KV for them, and return its
-        argmax at the last of them for each sequence in ``drafting`` (indices, in order)."""
+        argmax at the last of them for each sequence in ``drafting`` (indices, in order). A decode step's
+        pass replays ``graphs`` where given and one holds its rows."""
         mtp = model.mtp
         assert isinstance(mtp, MTPLayer)
         seqs = np.flatnonzero(kept)
@@ -138,8 +139,92 @@ class MTPStep:
                 query_start_loc=torch.from_numpy(ends.astype(np.int32)).to(dev),
             )
         ids = torch.from_numpy(np.asarray(next_ids, dtype=np.int64)).to(dev)
+        last = torch.from_numpy(ends[1:][np.searchsorted(seqs, drafting)] - 1).to(dev)
+        if meta.decode and graphs is not None and graphs.bucket_for(len(rows)) is not None:
+            return graphs.run(ids, positions, self.hidden[index], meta)[last].tolist()
         h = mtp(ids, positions, self.hidden[index], model.cos_sin, kv_pool, meta)
         if not len(drafting):
             return []
-        last = ends[1:][np.searchsorted(seqs, drafting)] - 1
-        return mtp.logits(h[torch.from_numpy(last).to(dev)]).argmax(dim=-1).tolist()
+        return mtp.logits(h[last]).argmax(dim=-1).tolist()
+
+
+class MTPGraphs:
+    """The MTP pass of decode steps (each row a query of its own, ``DECODE_ROWS``) as one CUDA graph a
+    bucket of rows (the decode graphs' buckets): the layer, its head and the argmax of every row. Eager, a
+    pass is one layer's launches from the host, more than the decode graph it follows takes at small
+    batches. Padding rows write nothing (slot -1) and attend to nothing (seq_len 0)."""
+
+    def __init__(
+        self, model: DecoderModel, kv_pool: torch.Tensor, max_rows: int, max_blocks: int, device: torch.device
+    ) -> None:
+        from engine.cuda_graphs import bucket_sizes
+
+        self.model, self.kv_pool = model, kv_pool
+        self.sizes = bucket_sizes(max_rows)
+        b = self.sizes[-1]
+        self.ids = torch.zeros(b, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
+        self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros((b, model.cfg.hidden_size), dtype=model.embed_tokens.dtype, device=device)
+        self.tokens = torch.zeros(b, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((size for size in self.sizes if size >= n), None)
+
+    def _pass(self, size: int) -> None:
+        mtp = self.model.mtp
+        assert isinstance(mtp, MTPLayer)
+        meta = AttentionMetadata(
+            self.slots[:size], self.block_tables[:size], self.seq_lens[:size], self.query_start_loc[: size + 1],
+            decode=True,
+        )  # fmt: skip
+        h = mtp(
+            self.ids[:size], self.positions[:size], self.hidden[:size], self.model.cos_sin, self.kv_pool, meta
+        )
+        self.tokens[:size].copy_(mtp.logits(h).argmax(dim=-1))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every bucket, largest first, into one memory pool; the warm-ups run on padding rows only."""
+        from engine.cuda_graphs import CAPTURE_ERROR_MODE, capturing
+
+        pool = torch.cuda.graph_pool_handle()
+        with capturing():
+            for size in reversed(self.sizes):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # Triton compiles, cuBLAS picks its kernels
+                    self._pass(size)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
+                    self._pass(size)
+                self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The pass over ``len(ids)`` rows (device tensors; ``meta`` with a decode layout); returns each
+        row's argmax (a view of the static output, valid until the next replay)."""
+        n = ids.shape[0]
+        size = self.bucket_for(n)
+        assert size is not None
+        width = meta.block_tables.shape[1]
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(positions)
+        self.hidden[:n].copy_(hidden)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        if size > n:
+            self.slots[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(0)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.tokens[:n]
