@@ -155,7 +155,10 @@ class EngineConfig:
         'Speculative decoding (vLLM\'s --speculative-config, JSON): {"method": "ngram", '
         '"num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts up to K '
         "tokens a step from the request's own context and keeps those its sampling confirms (the output is "
-        "unchanged; engine/speculative.py). Other methods are refused.",
+        'unchanged; engine/speculative.py); {"method": "mtp"} (or "deepseek_mtp") drafts one token a step '
+        "with a DeepSeek-V3 checkpoint's own multi-token-prediction layer (engine/models/mtp.py; its KV is one "
+        "pool layer more, so a worker's peers and KV offload store need the same setting). Other methods are "
+        "refused.",
     )
 
     enable_lora: bool = setting(

@@ -152,6 +152,12 @@ def test_up_gives_each_worker_a_gpu_of_its_own_in_turn() -> None:
         for argv in workers
     )
     assert all("--enable-lora" not in c.argv for c in fp8.children)
+    # A speculative config goes to every worker and to the KV offload store: an MTP draft's KV is a pool
+    # layer more, which the store's layout must have too.
+    spec = planned(["--speculative-config", '{"method": "mtp"}', "--kvstore", "--model", "tiny-deepseek"], {})
+    assert [c.name for c in spec.children] == ["prefill-0", "decode-0", "kvstore"]
+    assert all(c.argv[c.argv.index("--speculative-config") + 1] == '{"method": "mtp"}' for c in spec.children)
+    assert all("--speculative-config" not in c.argv for c in fp8.children)
 
 
 def test_up_splits_each_gpu_among_its_workers() -> None:
