@@ -152,6 +152,36 @@ def pd_workers() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
         yield pair
 
 
+def router_generate(
+    address: str, prompts: list[list[int]], max_tokens: int
+) -> list[tuple[list[int], str, str]]:
+    """Each prompt's greedy tokens (EOS ignored) through the router's gRPC ``Generate``, one request after
+    another, with the prefill and decode workers that served it."""
+    import grpc
+
+    from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    async def run() -> list[tuple[list[int], str, str]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            replies = []
+            for prompt in prompts:
+                request = router_pb2.GenerateRequest(
+                    token_ids=common_pb2.TokenIds(ids=prompt),
+                    sampling_params=common_pb2.SamplingParams(
+                        max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                    ),
+                )
+                tokens, prefill, decode = [], "", ""
+                async for msg in stub.Generate(request, timeout=60):
+                    tokens += list(msg.token_ids)
+                    prefill, decode = prefill or msg.prefill_worker, decode or msg.decode_worker
+                replies.append((tokens, prefill, decode))
+            return replies
+
+    return asyncio.run(run())
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

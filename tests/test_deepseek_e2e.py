@@ -12,9 +12,8 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.checkpoints import make_checkpoint
-from tests.mesh_fixtures import ServiceProcess, worker_pair
+from tests.mesh_fixtures import ServiceProcess, router_generate, worker_pair
 
 pytestmark = pytest.mark.e2e
 
@@ -46,25 +45,7 @@ def test_disaggregated_tokens_equal_offline(router: str, deepseek: Path) -> None
         for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     ]
 
-    async def run() -> list[tuple[list[int], str, str]]:
-        async with grpc.aio.insecure_channel(router) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            replies = []
-            for prompt in prompts:
-                request = router_pb2.GenerateRequest(
-                    token_ids=common_pb2.TokenIds(ids=prompt),
-                    sampling_params=common_pb2.SamplingParams(
-                        max_tokens=16, temperature=0.0, ignore_eos=True
-                    ),
-                )
-                tokens, prefill, decode = [], "", ""
-                async for msg in stub.Generate(request, timeout=60):
-                    tokens += list(msg.token_ids)
-                    prefill, decode = prefill or msg.prefill_worker, decode or msg.decode_worker
-                replies.append((tokens, prefill, decode))
-            return replies
-
-    replies = asyncio.run(run())
+    replies = router_generate(router, prompts, 16)
     assert [r[0] for r in replies] == want
     assert all(prefill and decode and prefill != decode for _, prefill, decode in replies)
 

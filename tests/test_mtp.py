@@ -223,12 +223,7 @@ def test_a_disaggregated_request_drafts_with_the_kv_it_imported(predictive: Path
     """Prefill and decode workers with the MTP draft, the prompt's KV (the MTP layer's with it) moved over
     NIXL: the router's reply is the offline engine's, and the decode worker keeps drafts from its first
     decode step on (its MTP layer reads the prompt's MTP KV the prefill worker wrote)."""
-    import asyncio
-
-    import grpc
-
-    from protos.pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-    from tests.mesh_fixtures import ServiceProcess, worker_pair
+    from tests.mesh_fixtures import ServiceProcess, router_generate, worker_pair
 
     model = str(predictive)
     prompt = _prompts(1, seed=7)[0] + [20, 21, 22]
@@ -239,23 +234,7 @@ def test_a_disaggregated_request_drafts_with_the_kv_it_imported(predictive: Path
             "--decode-workers", decode.address, "--pd-threshold-tokens", "0",
         )  # fmt: skip
         try:
-
-            async def run() -> tuple[list[int], str, str]:
-                async with grpc.aio.insecure_channel(router.address) as channel:
-                    stub = router_pb2_grpc.RouterStub(channel)
-                    request = router_pb2.GenerateRequest(
-                        token_ids=common_pb2.TokenIds(ids=prompt),
-                        sampling_params=common_pb2.SamplingParams(
-                            max_tokens=16, temperature=0.0, ignore_eos=True
-                        ),
-                    )
-                    tokens, first, second = [], "", ""
-                    async for msg in stub.Generate(request, timeout=60):
-                        tokens += list(msg.token_ids)
-                        first, second = first or msg.prefill_worker, second or msg.decode_worker
-                    return tokens, first, second
-
-            tokens, first, second = asyncio.run(run())
+            [(tokens, first, second)] = router_generate(router.address, [prompt], 16)
             assert tokens == want
             assert first and second and first != second
             with urllib.request.urlopen(f"http://{decode.metrics_address}/metrics", timeout=10) as resp:

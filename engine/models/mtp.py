@@ -26,13 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel
+from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel, _param
 from engine.models.model_config import ModelConfig
 from kernels import Ops
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class MTPLayer(nn.Module):
