@@ -218,6 +218,40 @@ def test_the_built_in_deepseek_drafts_with_its_mtp_layer() -> None:
     assert llm.engine.spec_draft_tokens >= 3 * 10
 
 
+@pytest.mark.parametrize("with_mtp_kv", [True, False])
+def test_an_imported_prompts_blocks_carry_the_mtp_layers_kv(mtp_model: Path, with_mtp_kv: bool) -> None:
+    """Disaggregation in one process: a prefill engine computes the prompt and holds its blocks, a decode
+    engine imports them (copied whole, as a NIXL transfer moves them) and decodes; every draft it makes is
+    transformers' MTP prediction, so its MTP layer read the prompt's MTP KV the prefill engine wrote. With
+    that layer of the blocks left out of the copy, the drafts differ from the reference: the check sees it."""
+    prompt = _prompts(1, seed=10)[0] + [30, 31, 32, 33]
+    config = dict(dtype="float32", num_kv_blocks=64, speculative_config=MTP)
+    prefill_llm = LLM(str(mtp_model), **config)
+    prefill = prefill_llm.engine
+    prefill.add_request("r", prompt, GREEDY, hold_kv=True)  # its first token, then its KV held
+    first = None
+    while first is None:
+        first = next((o.new_token_ids[0] for o in prefill.step() if o.finished), None)
+    decode_llm = LLM(str(mtp_model), **config)
+    decode = decode_llm.engine
+    made = _recording(decode_llm)
+    src = torch.tensor(prefill.held_blocks("r"))
+    dst = torch.tensor(decode.reserve_import("r", prompt, GREEDY))
+    layers = decode.kv_pool.shape[1] if with_mtp_kv else decode.kv_pool.shape[1] - 1
+    decode.kv_pool[dst, :layers] = prefill.kv_pool[src, :layers]
+    prefill.release_held("r")
+    decode.commit_import("r", first)
+    tokens = [first]
+    while decode.has_unfinished():
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == hf_greedy(mtp_model, prompt, GREEDY.max_tokens)
+    reference = mtp_reference_logits(mtp_model, prompt + tokens).argmax(dim=-1)
+    drafts = [(n, token) for _, n, token in made]
+    assert len(drafts) >= 10
+    same = [token == int(reference[n - 2]) for n, token in drafts]
+    assert all(same) if with_mtp_kv else not all(same)
+
+
 @pytest.mark.e2e
 def test_a_disaggregated_request_drafts_with_the_kv_it_imported(predictive: Path) -> None:
     """Prefill and decode workers with the MTP draft, the prompt's KV (the MTP layer's with it) moved over
