@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.deepseek_bench import MOONLIGHT, SMOKE, copy_gbps, decode_rate, step_bytes  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.mtp import MTPLayer  # noqa: E402
+from engine.speculative import MtpSpec  # noqa: E402
 
 
 @torch.inference_mode()
@@ -82,8 +83,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-tokens", default="1", help="num_speculative_tokens values, comma-separated")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    ks = [int(k) for k in args.draft_tokens.split(",")]
     cfg = dict(MOONLIGHT, **(SMOKE if args.smoke else {}), num_nextn_predict_layers=1)
     gpu = torch.cuda.is_available() and not args.smoke
     path = Path(tempfile.mkdtemp(prefix="pdmesh-mtp-"))
@@ -98,16 +101,18 @@ def main() -> None:
     llm = LLM(str(path), load_format="dummy", device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
               kernel_backend="triton" if gpu else "torch", max_num_seqs=max(batches), enable_prefix_caching=False,
               max_num_batched_tokens=max(batches) * args.prompt, max_model_len=span,
-              num_kv_blocks=max(batches) * (-(-span // 16)) + 8, speculative_config='{"method": "mtp"}')  # fmt: skip
+              num_kv_blocks=max(batches) * (-(-span // 16)) + 8,
+              speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": max(ks)}))  # fmt: skip
     engine = llm.engine
     spec = engine.spec
     rows = []
+    modes = [0, *ks]  # 0: plain decoding
     for weights in ("random", "predictive"):
         if weights == "predictive":
             make_predictive(llm)
         for b in batches:
-            for drafting in (False, True):
-                engine.spec, engine.mtp = (spec, True) if drafting else (None, False)
+            for drafting in modes:  # the draft's length: 0 plain, else num_speculative_tokens
+                engine.spec, engine.mtp = (MtpSpec(drafting), True) if drafting else (None, False)
                 drafts0, kept0 = engine.spec_draft_tokens, engine.spec_accepted_tokens
                 passes0 = engine.runner.forward_passes
 
@@ -132,15 +137,16 @@ def main() -> None:
     ctx = args.prompt + args.new // 2
     for weights, b, drafting, rate, kept, passes in rows:
         if bandwidth:
-            # A drafting step: the weights and experts of 2b rows, each sequence's KV once, the MTP layer.
-            step_rows = 2 * b if drafting else b
+            # A drafting step: the weights and experts of (1 + k) b rows, each sequence's KV once, k MTP passes.
+            step_rows = (1 + drafting) * b
             kv_row = ctx * cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
-            step = step_bytes(cfg, step_rows, ctx, 2) - (step_rows - b) * kv_row
-            step += mtp_bytes(cfg, 2) if drafting else 0
-            roof = b * (1 + (kept if drafting else 0)) / (step / (bandwidth * 1e9))
+            step = (
+                step_bytes(cfg, step_rows, ctx, 2) - (step_rows - b) * kv_row + drafting * mtp_bytes(cfg, 2)
+            )
+            roof = b * (1 + kept * drafting) / (step / (bandwidth * 1e9))
         else:
             roof = 0.0
-        print(f"{weights:>10} {b:>5} {'mtp' if drafting else '-':>5} {rate:>9.1f} {kept:>6.0%} {passes:>7} "
+        print(f"{weights:>10} {b:>5} {f'mtp{drafting}' if drafting else '-':>5} {rate:>9.1f} {kept:>6.0%} {passes:>7} "
               f"{rate / plain[weights, b]:>8.2f}x {roof:>9.1f} {rate / roof if roof else 0:>7.0%}")  # fmt: skip
 
 

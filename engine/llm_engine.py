@@ -41,9 +41,9 @@ from engine.memory_profile import (
     kv_blocks_within,
     profile_memory,
 )
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, block_table_array
 from engine.models.decoder import DecoderModel
-from engine.models.mtp import MTPStep
+from engine.models.mtp import MTPStep, chain_step
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.rebalance import move_experts
 from engine.pooling import ModelPooling, PoolingParams
@@ -309,6 +309,7 @@ class LLMEngine:
             decode_megakernel=config.decode_megakernel,
             specialize_lora=config.cudagraph_specialize_lora,
             keep_hidden=self.mtp,
+            draft_tokens=self.spec.num_tokens if self.spec is not None else 1,
         )
         if start_memory is not None and before_graphs is not None:
             self._log_memory(num_blocks, start_memory, before_graphs)
@@ -347,8 +348,10 @@ class LLMEngine:
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self._spec_prompts: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
-        # MTP drafts for the next step: (the request's token count when drafted, the draft token).
-        self._mtp_drafts: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
+        # MTP drafts for the next step: (the request's token count when drafted, the draft tokens).
+        self._mtp_drafts: weakref.WeakKeyDictionary[Sequence, tuple[int, list[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
 
@@ -856,7 +859,7 @@ class LLMEngine:
                 continue
             if isinstance(spec, MtpSpec):  # what the MTP layer predicted after the last step, if it did
                 drafted = self._mtp_drafts.get(seq)
-                draft = [drafted[1]] if drafted is not None and drafted[0] == seq.num_tokens else []
+                draft = drafted[1][:limit] if drafted is not None and drafted[0] == seq.num_tokens else []
             else:
                 prompt = self._spec_prompts.get(seq)
                 if prompt is None:  # the prompt as an array once, not its Python list every step
@@ -899,13 +902,55 @@ class LLMEngine:
                 drafting.append(i)
         if not kept.any():
             return
-        tokens = step.draft(
-            self.model, self.kv_pool, kept, np.asarray(next_ids), np.asarray(drafting, dtype=np.int64),
-            self.runner.mtp_graphs,
+        spec = self.spec
+        assert isinstance(spec, MtpSpec)
+        graphs = self.runner.mtp_graphs
+        tokens, hidden = step.draft(
+            self.model, self.kv_pool, kept, np.asarray(next_ids), np.asarray(drafting, dtype=np.int64), graphs,
+            decode_rows=1 + spec.num_tokens,
         )  # fmt: skip
-        for i, token in zip(drafting, tokens, strict=True):
-            seq = batch.seqs[i]
-            self._mtp_drafts[seq] = (seq.num_tokens, token)
+        seqs = [batch.seqs[i] for i in drafting]
+        drafts = [[token] for token in tokens.tolist()]
+        if spec.num_tokens > 1 and seqs:
+            self._chain_drafts(seqs, drafts, tokens, hidden, spec.num_tokens)
+        for seq, draft in zip(seqs, drafts, strict=True):
+            self._mtp_drafts[seq] = (seq.num_tokens, draft)
+
+    def _chain_drafts(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        k: int,
+    ) -> None:
+        """Drafts of up to ``k`` tokens (vLLM's ``num_speculative_tokens`` with one MTP layer): the layer run
+        again on each draft token and its own output, one position further each time (``chain_step``),
+        appending to ``drafts``. Its KV at those positions needs blocks: a sequence's table is extended
+        where free blocks allow without evicting a cached one (the next step would take them anyway), and a
+        sequence whose table ends first drafts fewer tokens."""
+        bs, pool = self.config.block_size, self.block_pool
+        rows = np.array([s.num_tokens - 2 for s in seqs], dtype=np.int64)  # the first draft's row
+        room = pool.num_uncached_free_blocks
+        depth = np.empty(len(seqs), dtype=np.int64)
+        for r, seq in enumerate(seqs):
+            need = pool.blocks_needed(seq, int(rows[r]) + k)
+            if need and need <= room and pool.append_slots(seq, int(rows[r]) + k):
+                room -= need
+            depth[r] = min(k, len(seq.block_table) * bs - int(rows[r]))
+        tokens, hidden = tokens.clone(), hidden.clone()  # a graph's outputs are its static buffers
+        for j in range(1, k):
+            active = np.flatnonzero(depth > j)
+            if not len(active):
+                break
+            index = torch.from_numpy(active).to(tokens.device)
+            new_tokens, new_hidden = chain_step(
+                self.model, self.kv_pool, bs, block_table_array([seqs[r] for r in active]), rows[active] + j,
+                tokens[index], hidden[index], self.runner.mtp_graphs,
+            )  # fmt: skip
+            tokens[index], hidden[index] = new_tokens, new_hidden
+            for r, token in zip(active, new_tokens.tolist(), strict=True):
+                drafts[r].append(token)
 
     def _settle_drafts(
         self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]]

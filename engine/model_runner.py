@@ -195,11 +195,14 @@ class ModelRunner:
         decode_megakernel: bool = False,
         specialize_lora: bool = True,
         keep_hidden: bool = False,
+        draft_tokens: int = 1,
     ) -> None:
-        """``keep_hidden``: steps keep their final hidden states for an MTP draft (``Executed.step``); the
-        decode graphs then replay its verification steps, a row a token (``_execute_rows``)."""
+        """``keep_hidden``: steps keep their final hidden states for an MTP draft (``Executed.step``) of
+        up to ``draft_tokens`` tokens a step; the decode graphs then replay its verification steps, a row a
+        token (``_execute_rows``)."""
         self.model = model
         self.keep_hidden = keep_hidden
+        self.draft_tokens = draft_tokens
         # With LoRA adapters: graphs captured with and without the LoRA ops (``engine.cuda_graphs``).
         self.specialize_lora = specialize_lora
         # Whether the batch-1 decode graph may run the decoder layers in one kernel (where it supports the
@@ -248,8 +251,8 @@ class ModelRunner:
             )
             return False
         max_blocks = min(-(-max_model_len // self.block_size), self.kv_pool.shape[0])
-        # With an MTP draft a verification step is two rows a sequence (``_execute_rows``).
-        rows = max_num_seqs * (2 if self.keep_hidden else 1)
+        # With an MTP draft a verification step is 1 + draft_tokens rows a sequence (``_execute_rows``).
+        rows = max_num_seqs * (1 + self.draft_tokens if self.keep_hidden else 1)
         graphs = DecodeGraphs(
             self.model, self.kv_pool, self.block_size, rows, max_blocks, self.device,
             megakernel=None if self.keep_hidden else self._build_megakernel(),
@@ -439,7 +442,7 @@ class ModelRunner:
         seq_index = np.repeat(np.arange(len(seqs)), n_new)
         self._set_lora_rows(seqs, seq_index)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + starts[seq_index]
-        tables = _block_tables(seqs)
+        tables = block_table_array(seqs)
         block_of = tables[seq_index, positions // self.block_size].astype(np.int64)
         slots = block_of * self.block_size + positions % self.block_size
         sampling = [i for i, s in enumerate(seqs) if i < in_flight or ends[i] == s.num_tokens]
@@ -615,7 +618,7 @@ class ModelRunner:
             )
             seq_tables = graphs.block_tables[torch.from_numpy(row_starts[:-1]).to(dev)]
         else:
-            tables = _block_tables(seqs)
+            tables = block_table_array(seqs)
             slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
             dev_positions, dev_slots = torch.from_numpy(positions).to(dev), torch.from_numpy(slots).to(dev)
             meta = AttentionMetadata(
@@ -672,7 +675,7 @@ class ModelRunner:
         self._set_lora_rows(seqs)
         if agreed.decode is not None:
             return self._replay_decode(seqs, positions, input_ids, agreed.decode)
-        tables = _block_tables(seqs)
+        tables = block_table_array(seqs)
         bs = self.block_size
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
@@ -761,7 +764,7 @@ def scratch_forward(model: DecoderModel, kv_pool: torch.Tensor, block_size: int,
     return model(ids, positions, kv_pool, meta)
 
 
-def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+def block_table_array(seqs: list[Sequence]) -> np.ndarray:
     """The sequences' block tables as one zero-padded [n, widest] int32 array."""
     tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
     for i, s in enumerate(seqs):

@@ -6,6 +6,7 @@ varied instead of collapsing into one repeated token.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -413,20 +414,66 @@ def add_mtp_layer(src: Path, dst: Path, seed: int = 0, predictive: bool = False)
     return dst
 
 
-def mtp_reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+def mtp_reference_logits(path: Path, tokens: list[int], chain: int = 1) -> torch.Tensor:
     """transformers' computation of checkpoint ``path``'s MTP layer over a whole sequence (float32, no
     cache): row p is its logits for token p + 2, from the main model's final hidden state at p (after the
-    final norm) and the embedding of token p + 1 (zeroed at position 0): [len(tokens) - 1, V]."""
+    final norm) and the embedding of token p + 1 (zeroed at position 0): [len(tokens) - 1, V].
+
+    ``chain`` > 1: then the layer again, as vLLM runs one MTP layer for several draft tokens, each time on
+    the last row's argmax and its own output (before the head's norm), one row further: ``chain - 1``
+    more rows, each the logits of the draft token after the last one."""
+    model, block, tensors = _mtp_reference_parts(str(path))
+    config = model.config
+    eps = config.rms_norm_eps
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+    def rows_in(embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([norm(embeds, tensors["enorm.weight"]), norm(hidden, tensors["hnorm.weight"])], dim=-1)
+        return x @ tensors["eh_proj.weight"].t()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        positions = torch.arange(length).unsqueeze(0)
+        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]  # causal, additive
+        out = block(x, attention_mask=mask, position_ids=positions,
+                    position_embeddings=model.model.rotary_emb(x, positions))  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(out: torch.Tensor) -> torch.Tensor:
+        return norm(out, tensors["shared_head.norm.weight"]) @ tensors["shared_head.head.weight"].t()
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+        embeds = tensors["embed_tokens.weight"][ids[:, 1:]]
+        embeds[:, 0] = 0.0  # position 0
+        x = rows_in(embeds, hidden)
+        out = layer(x)
+        logits = [head(out)[0]]
+        for _ in range(chain - 1):
+            draft = int(logits[-1][-1].argmax())
+            x = torch.cat([x, rows_in(tensors["embed_tokens.weight"][torch.tensor([[draft]])], out[:, -1:])], dim=1)
+            out = layer(x)
+            logits.append(head(out[:, -1:])[0])
+        return torch.cat(logits)
+
+
+@functools.lru_cache(maxsize=4)
+def _mtp_reference_parts(path: str) -> tuple[Any, torch.nn.Module, dict[str, torch.Tensor]]:
+    """transformers' model of checkpoint ``path``, a ``DeepseekV3DecoderLayer`` holding its MTP layer's
+    block, and the MTP layer's own tensors (by name within the layer)."""
     import transformers
     from safetensors.torch import load_file
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = model.config
     n = config.num_hidden_layers
     pre = f"model.layers.{n}."
     tensors = {
-        k[len(pre) :]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith(pre)
+        k[len(pre) :]: v for k, v in load_file(f"{path}/model.safetensors").items() if k.startswith(pre)
     }
     block = DeepseekV3DecoderLayer(config, layer_idx=n).eval()
     state = {k: v for k, v in tensors.items() if not k.startswith(("mlp.experts.", "embed_tokens", "enorm",
@@ -443,22 +490,4 @@ def mtp_reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     else:  # one module an expert
         state.update({k: v for k, v in tensors.items() if k.startswith("mlp.experts.")})
     block.load_state_dict(state)
-    eps = config.rms_norm_eps
-
-    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
-
-    ids = torch.tensor([tokens])
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-        embeds = tensors["embed_tokens.weight"][ids[:, 1:]]
-        positions = torch.arange(hidden.shape[1]).unsqueeze(0)
-        embeds[positions == 0] = 0.0
-        x = torch.cat([norm(embeds, tensors["enorm.weight"]), norm(hidden, tensors["hnorm.weight"])], dim=-1)
-        x = x @ tensors["eh_proj.weight"].t()
-        length = x.shape[1]
-        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]  # causal, additive
-        out = block(x, attention_mask=mask, position_ids=positions,
-                    position_embeddings=model.model.rotary_emb(x, positions))  # fmt: skip
-        out = out[0] if isinstance(out, tuple) else out
-        return (norm(out, tensors["shared_head.norm.weight"]) @ tensors["shared_head.head.weight"].t())[0]
+    return model, block, tensors

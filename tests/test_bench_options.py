@@ -148,7 +148,7 @@ def test_mtp_bench_smoke_drafts_and_keeps_with_the_predictive_weights() -> None:
     ).stdout  # fmt: skip
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*(random|predictive) ", line)]
     assert len(rows) == 8 and all(float(r[3]) > 0 for r in rows), out
-    kept = {(r[0], r[1]): float(r[4].rstrip("%")) for r in rows if r[2] == "mtp"}
+    kept = {(r[0], r[1]): float(r[4].rstrip("%")) for r in rows if r[2] == "mtp1"}
     assert kept["predictive", "1"] > 50 and kept["random", "1"] < 50, out
 
 

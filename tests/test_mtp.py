@@ -47,11 +47,11 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
 
 
-def _recording(llm: LLM) -> list[tuple[str, int, int]]:
-    """The engine's drafts as they are made: (request id, its token count then, the draft token). Only
+def _recording(llm: LLM) -> list[tuple[str, int, list[int]]]:
+    """The engine's drafts as they are made: (request id, its token count then, the draft tokens). Only
     observes ``_mtp_pass``: the step runs as it would."""
     engine = llm.engine
-    made: list[tuple[str, int, int]] = []
+    made: list[tuple[str, int, list[int]]] = []
     run = engine._mtp_pass
 
     def observed(batch, step) -> None:  # type: ignore[no-untyped-def]
@@ -59,17 +59,39 @@ def _recording(llm: LLM) -> list[tuple[str, int, int]]:
         for seq in batch.seqs:
             draft = engine._mtp_drafts.get(seq)
             if draft is not None and draft[0] == seq.num_tokens:
-                made.append((seq.request_id, *draft))
+                made.append((seq.request_id, draft[0], list(draft[1])))
 
     engine._mtp_pass = observed  # type: ignore[method-assign]
     return made
 
 
-def test_every_draft_is_the_mtp_layers_prediction_and_the_output_is_transformers(mtp_model: Path) -> None:
+def _check_drafts(path: Path, made: list[tuple[str, int, list[int]]], rid: str, tokens: list[int]) -> int:
+    """Every draft of request ``rid`` (whose tokens are ``tokens`` in the end) is transformers' MTP
+    prediction: a draft made when the request had n tokens comes from position n - 2 (its last computed
+    row), its later tokens from the layer run again on the one before (``mtp_reference_logits``'s chain).
+    Returns the drafts checked."""
+    drafts = [(n, draft) for r, n, draft in made if r == rid]
+    whole = mtp_reference_logits(path, tokens).argmax(dim=-1)
+    for n, draft in drafts:
+        if len(draft) == 1:
+            assert draft == [int(whole[n - 2])], (n, draft)
+        else:
+            chain = mtp_reference_logits(path, tokens[:n], chain=len(draft)).argmax(dim=-1)
+            assert draft == chain[n - 2 :].tolist(), (n, draft)
+    return len(drafts)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_draft_is_the_mtp_layers_prediction_and_the_output_is_transformers(
+    mtp_model: Path, k: int
+) -> None:
     """Three prompts at once, then one that shares a prompt's first 17 tokens (its first block from the
     prefix cache, the MTP layer's KV with it): each draft made after a step is the argmax of transformers'
-    MTP computation at the request's last computed position, and every output is transformers' greedy one."""
-    llm = LLM(str(mtp_model), dtype="float32", num_kv_blocks=64, speculative_config=MTP)
+    MTP computation at the request's last computed position (and, with k tokens a draft, the layer run
+    again on its own output for the rest, as vLLM's ``num_speculative_tokens`` does), and every output is
+    transformers' greedy one."""
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+    llm = LLM(str(mtp_model), dtype="float32", num_kv_blocks=64, speculative_config=spec)
     made = _recording(llm)
     prompts = _prompts(3, seed=1)
     prompts[0] = (prompts[0] + [7] * 20)[:20]
@@ -83,11 +105,8 @@ def test_every_draft_is_the_mtp_layers_prediction_and_the_output_is_transformers
     assert len(ids) == 4
     for rid, prompt, out in zip(ids, prompts, outputs, strict=True):
         assert out == hf_greedy(mtp_model, prompt, GREEDY.max_tokens)
-        reference = mtp_reference_logits(mtp_model, prompt + out).argmax(dim=-1)
-        drafts = [(n, token) for r, n, token in made if r == rid]
-        assert len(drafts) >= 8
-        # A draft made when the request had n tokens comes from position n - 2 (its last computed row).
-        assert [token for _, token in drafts] == [int(reference[n - 2]) for n, _ in drafts]
+        assert _check_drafts(mtp_model, made, rid, prompt + out) >= 5
+    assert all(len(draft) == k for _, _, draft in made)
 
 
 def test_the_layers_logits_equal_transformers(mtp_model: Path) -> None:
@@ -108,6 +127,7 @@ def test_the_layers_logits_equal_transformers(mtp_model: Path) -> None:
     prompt = _prompts(1, seed=2)[0] + [5, 6, 7]
     out = llm.generate([prompt], GREEDY)[0].token_ids
     reference = mtp_reference_logits(mtp_model, prompt + out)
+    seen = [rows for rows in seen if rows.shape[0]]  # the last pass drafts for no one
     assert len(seen) == len(made) >= 8
     for (_, n, _), got in zip(made, seen, strict=True):
         torch.testing.assert_close(got[0], reference[n - 2], atol=2e-4, rtol=1e-4)
@@ -151,17 +171,20 @@ def test_drafts_are_kept_as_often_as_the_reference_predicts(predictive: Path) ->
     assert len(steps) <= max_tokens - kept + 1
 
 
-def test_tight_pools_preemption_and_sampling_keep_plain_decodings_tokens(predictive: Path) -> None:
-    """A pool small enough to preempt, a small token budget (chunked prompts), greedy and seeded sampling:
-    the tokens plain decoding gives, every block back."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_tight_pools_preemption_and_sampling_keep_plain_decodings_tokens(predictive: Path, k: int) -> None:
+    """A pool small enough to preempt (and, with 3-token drafts, to leave some sequences' chains short of
+    blocks), a small token budget (chunked prompts), greedy and seeded sampling: the tokens plain decoding
+    gives, every block back."""
     prompts = _prompts(5, seed=4)
     config = dict(dtype="float32", num_kv_blocks=10, max_num_batched_tokens=8, max_num_seqs=4)
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
     for params in (
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
     ):
         want = [o.token_ids for o in LLM(str(predictive), **config).generate(prompts, params)]
-        llm = LLM(str(predictive), speculative_config=MTP, **config)
+        llm = LLM(str(predictive), speculative_config=spec, **config)
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert llm.engine.spec_accepted_tokens > 0
         assert llm.engine.block_pool.num_free_blocks == config["num_kv_blocks"]
@@ -190,7 +213,7 @@ def test_the_pool_has_the_mtp_layer_and_the_store_knows_it(mtp_model: Path) -> N
     [
         ("tiny-moe", MTP, UnsupportedModelError, "no multi-token-prediction layer"),
         ("base", MTP, UnsupportedModelError, "lacks weights for: \\['mtp.block"),
-        ("tiny-deepseek", '{"method": "mtp", "num_speculative_tokens": 2}', ValueError, "one token a step"),
+        ("tiny-deepseek", '{"method": "mtp", "num_speculative_tokens": 0}', ValueError, "positive integer"),
         ("tiny-deepseek", '{"method": "deepseek_mtp", "prompt_lookup_max": 2}', ValueError, "no keys"),
         ("tiny-deepseek", '{"method": "eagle"}', ValueError, "'ngram' \\(prompt lookup\\) and 'mtp'"),
     ],
@@ -246,9 +269,9 @@ def test_an_imported_prompts_blocks_carry_the_mtp_layers_kv(mtp_model: Path, wit
         tokens += [t for o in decode.step() for t in o.new_token_ids]
     assert tokens == hf_greedy(mtp_model, prompt, GREEDY.max_tokens)
     reference = mtp_reference_logits(mtp_model, prompt + tokens).argmax(dim=-1)
-    drafts = [(n, token) for _, n, token in made]
+    drafts = [(n, draft) for _, n, draft in made]
     assert len(drafts) >= 10
-    same = [token == int(reference[n - 2]) for n, token in drafts]
+    same = [draft == [int(reference[n - 2])] for n, draft in drafts]
     assert all(same) if with_mtp_kv else not all(same)
 
 
@@ -294,23 +317,24 @@ def test_gpu_verification_replays_the_decode_graphs_and_keeps_the_tokens(predict
     want = [
         o.token_ids for o in LLM(str(predictive), dtype="float32", num_kv_blocks=64).generate(prompts, params)
     ]
-    fast = LLM(str(predictive), device="cuda", dtype="float32", kernel_backend="triton", num_kv_blocks=64,
-               speculative_config=MTP)  # fmt: skip
-    made = _recording(fast)
-    runner = fast.engine.runner
-    assert runner.graphs is not None and runner.graphs.hidden is not None
-    outs = [o.token_ids for o in fast.generate(prompts, params)]
-    assert outs == want
-    assert outs[0] == hf_greedy(predictive, prompts[0], params.max_tokens)
-    replays = sum(runner.graphs.replays.values())
-    engine = fast.engine
-    assert replays >= 10 and engine.spec_accepted_tokens > engine.spec_draft_tokens * 0.5
-    assert runner.mtp_graphs is not None and runner.mtp_graphs.replays >= 10  # the MTP pass, captured too
-    ids = list(dict.fromkeys(rid for rid, _, _ in made))
-    for rid, prompt, out in zip(ids, prompts, outs, strict=True):
-        reference = mtp_reference_logits(predictive, prompt + out).argmax(dim=-1)
-        drafts = [(n, token) for r, n, token in made if r == rid]
-        assert [token for _, token in drafts] == [int(reference[n - 2]) for n, _ in drafts]
+    for k in (1, 3):
+        spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+        fast = LLM(str(predictive), device="cuda", dtype="float32", kernel_backend="triton", num_kv_blocks=64,
+                   speculative_config=spec)  # fmt: skip
+        made = _recording(fast)
+        runner = fast.engine.runner
+        assert runner.graphs is not None and runner.graphs.hidden is not None
+        outs = [o.token_ids for o in fast.generate(prompts, params)]
+        assert outs == want
+        assert outs[0] == hf_greedy(predictive, prompts[0], params.max_tokens)
+        replays = sum(runner.graphs.replays.values())
+        engine = fast.engine
+        assert replays >= 10 and engine.spec_accepted_tokens > engine.spec_draft_tokens * 0.5
+        assert runner.mtp_graphs is not None and runner.mtp_graphs.replays >= 10  # the MTP pass, captured too
+        ids = list(dict.fromkeys(rid for rid, _, _ in made))
+        for rid, prompt, out in zip(ids, prompts, outs, strict=True):
+            assert _check_drafts(predictive, made, rid, prompt + out) >= 3
+        del fast
     half = LLM(str(predictive), device="cuda", dtype="bfloat16", kernel_backend="triton", num_kv_blocks=64,
                speculative_config=MTP)  # fmt: skip
     assert all(len(o.token_ids) == 24 for o in half.generate(prompts, params))

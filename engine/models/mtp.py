@@ -76,11 +76,6 @@ class MTPLayer(nn.Module):
         return self.ops.linear(self.ops.rms_norm(h, self.head_norm, self.eps), self.head).float()
 
 
-# The MTP pass takes the latent attention's decode path (each row a query of its own) when no sequence
-# brings more rows than this: decode steps (a token and its kept draft), not prompt chunks.
-DECODE_ROWS = 2
-
-
 @dataclass
 class MTPStep:
     """What the MTP pass needs of the step just run (``ModelRunner.execute`` with ``keep_hidden``): its
@@ -97,25 +92,22 @@ class MTPStep:
     @torch.inference_mode()
     def draft(
         self, model: DecoderModel, kv_pool: torch.Tensor, kept: np.ndarray, next_ids: np.ndarray,
-        drafting: np.ndarray, graphs: MTPGraphs | None = None,
-    ) -> list[int]:  # fmt: skip
+        drafting: np.ndarray, graphs: MTPGraphs | None = None, decode_rows: int = 2,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Run the MTP layer over the first ``kept[i]`` rows of each sequence i of the step (those whose
-        next token is known: ``next_ids``, sequence by sequence), writing its KV for them, and return its
-        argmax at the last of them for each sequence in ``drafting`` (indices, in order). A decode step's
-        pass replays ``graphs`` where given and one holds its rows."""
-        mtp = model.mtp
-        assert isinstance(mtp, MTPLayer)
+        next token is known: ``next_ids``, sequence by sequence), writing its KV for them; returns its
+        argmax and its output (before the head's norm) at the last of them for each sequence in
+        ``drafting`` (indices, in order). When no sequence brings more than ``decode_rows`` rows (a decode
+        step: a token and its kept drafts) each row is a query of its own, the latent attention's decode
+        path, and the pass replays ``graphs`` where given and one holds its rows."""
         seqs = np.flatnonzero(kept)
-        if not len(seqs):
-            return []
         counts = kept[seqs]
         ends = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(counts, out=ends[1:])
         rows = np.repeat(self.row_starts[seqs] - ends[:-1], counts) + np.arange(int(ends[-1]))
         dev = self.hidden.device
         index = torch.from_numpy(rows).to(dev)
-        positions = self.positions[index]
-        if counts.max() <= DECODE_ROWS:
+        if counts.max() <= decode_rows:
             # Each row a query of its own over its context up to itself (the layer writes every row's KV
             # before any row reads): the latent attention's decode path, graph-safe and the Triton kernel's.
             seq_of = np.repeat(seqs, counts)
@@ -136,16 +128,55 @@ class MTPStep:
             )
         ids = torch.from_numpy(np.asarray(next_ids, dtype=np.int64)).to(dev)
         last = torch.from_numpy(ends[1:][np.searchsorted(seqs, drafting)] - 1).to(dev)
-        if meta.decode and graphs is not None and graphs.bucket_for(len(rows)) is not None:
-            return graphs.run(ids, positions, self.hidden[index], meta)[last].tolist()
-        h = mtp(ids, positions, self.hidden[index], model.cos_sin, kv_pool, meta)
-        if not len(drafting):
-            return []
-        return mtp.logits(h[last]).argmax(dim=-1).tolist()
+        return mtp_pass(model, kv_pool, ids, self.positions[index], self.hidden[index], meta, graphs, last)
+
+
+def mtp_pass(
+    model: DecoderModel, kv_pool: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+    hidden: torch.Tensor, meta: AttentionMetadata, graphs: MTPGraphs | None = None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The MTP layer over rows ``ids`` at ``positions`` whose preceding hidden states are ``hidden``: the
+    argmax and output (before the head's norm) of the rows ``rows`` (None: every row; a prompt chunk's
+    pass wants its last rows' alone). A decode layout (``meta.decode``) replays ``graphs`` where given and
+    one holds the rows (every row then: views of its static buffers, valid until its next replay, where
+    ``rows`` is None)."""
+    if meta.decode and graphs is not None and graphs.bucket_for(ids.shape[0]) is not None:
+        tokens, h = graphs.run(ids, positions, hidden, meta)
+        return (tokens, h) if rows is None else (tokens[rows], h[rows])
+    mtp = model.mtp
+    assert isinstance(mtp, MTPLayer)
+    h = mtp(ids, positions, hidden, model.cos_sin, kv_pool, meta)
+    if rows is not None:
+        h = h[rows]
+    return mtp.logits(h).argmax(dim=-1), h
+
+
+@torch.inference_mode()
+def chain_step(
+    model: DecoderModel, kv_pool: torch.Tensor, block_size: int, tables: np.ndarray, positions: np.ndarray,
+    tokens: torch.Tensor, hidden: torch.Tensor, graphs: MTPGraphs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One more draft token for each of n sequences (vLLM's ``num_speculative_tokens`` > 1 with one MTP
+    layer): the layer again, at ``positions`` (one past each sequence's previous draft row), on its
+    previous draft ``tokens`` and its own previous output ``hidden``, writing its KV there (``tables``:
+    the sequences' block tables, covering those positions). What it writes at positions not computed yet
+    is overwritten by the pass over them once they are. Returns the new drafts and outputs."""
+    dev = kv_pool.device
+    n = len(positions)
+    blocks = tables[np.arange(n), positions // block_size].astype(np.int64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(blocks * block_size + positions % block_size).to(dev),
+        block_tables=torch.from_numpy(tables).to(dev),
+        seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        decode=True,
+    )
+    return mtp_pass(model, kv_pool, tokens, torch.from_numpy(positions).to(dev), hidden, meta, graphs)
 
 
 class MTPGraphs:
-    """The MTP pass of decode steps (each row a query of its own, ``DECODE_ROWS``) as one CUDA graph a
+    """The MTP pass of decode steps (each row a query of its own) as one CUDA graph a
     bucket of rows (the decode graphs' buckets): the layer, its head and the argmax of every row. Eager, a
     pass is one layer's launches from the host, more than the decode graph it follows takes at small
     batches. Padding rows write nothing (slot -1) and attend to nothing (seq_len 0)."""
@@ -166,6 +197,7 @@ class MTPGraphs:
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros((b, model.cfg.hidden_size), dtype=model.embed_tokens.dtype, device=device)
         self.tokens = torch.zeros(b, dtype=torch.int64, device=device)
+        self.out = torch.zeros_like(self.hidden)  # each row's output, before the head's norm
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
@@ -182,6 +214,7 @@ class MTPGraphs:
         h = mtp(
             self.ids[:size], self.positions[:size], self.hidden[:size], self.model.cos_sin, self.kv_pool, meta
         )
+        self.out[:size].copy_(h)
         self.tokens[:size].copy_(mtp.logits(h).argmax(dim=-1))
 
     @torch.inference_mode()
@@ -205,9 +238,9 @@ class MTPGraphs:
 
     def run(
         self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pass over ``len(ids)`` rows (device tensors; ``meta`` with a decode layout); returns each
-        row's argmax (a view of the static output, valid until the next replay)."""
+        row's argmax and output (views of the static buffers, valid until the next replay)."""
         n = ids.shape[0]
         size = self.bucket_for(n)
         assert size is not None
@@ -223,4 +256,4 @@ class MTPGraphs:
             self.seq_lens[n:size].fill_(0)
         self.graphs[size].replay()
         self.replays += 1
-        return self.tokens[:n]
+        return self.tokens[:n], self.out[:n]
