@@ -934,10 +934,11 @@ class LLMEngine:
         room = pool.num_uncached_free_blocks
         depth = np.empty(len(seqs), dtype=np.int64)
         for r, seq in enumerate(seqs):
-            need = pool.blocks_needed(seq, int(rows[r]) + k)
-            if need and need <= room and pool.append_slots(seq, int(rows[r]) + k):
+            cover = min(int(rows[r]) + k, self.max_model_len)  # tokens its table should cover
+            need = pool.blocks_needed(seq, cover)
+            if need and need <= room and pool.append_slots(seq, cover):
                 room -= need
-            depth[r] = min(k, len(seq.block_table) * bs - int(rows[r]))
+            depth[r] = min(k, len(seq.block_table) * bs - int(rows[r]), self.max_model_len - int(rows[r]))
         tokens, hidden = tokens.clone(), hidden.clone()  # a graph's outputs are its static buffers
         for j in range(1, k):
             active = np.flatnonzero(depth > j)
