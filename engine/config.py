@@ -155,8 +155,9 @@ class EngineConfig:
         'Speculative decoding (vLLM\'s --speculative-config, JSON): {"method": "ngram", '
         '"num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts up to K '
         "tokens a step from the request's own context and keeps those its sampling confirms (the output is "
-        'unchanged; engine/speculative.py); {"method": "mtp"} (or "deepseek_mtp") drafts one token a step '
-        "with a DeepSeek-V3 checkpoint's own multi-token-prediction layer (engine/models/mtp.py; its KV is one "
+        'unchanged; engine/speculative.py); {"method": "mtp", "num_speculative_tokens": K} (or "deepseek_mtp"; K '
+        "1 by default) drafts K tokens a step with a DeepSeek-V3 checkpoint's own multi-token-prediction layer, "
+        "run again on its own output for each token after the first (engine/models/mtp.py; its KV is one "
         "pool layer more, so a worker's peers and KV offload store need the same setting). Other methods are "
         "refused.",
     )

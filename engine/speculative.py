@@ -15,7 +15,8 @@ engine.
 
 Method ``mtp`` (vLLM's ``{"method": "mtp"}``, also ``deepseek_mtp``): the draft is what a DeepSeek-V3
 checkpoint's own multi-token-prediction layer predicts after the step that made a request's last token
-known (engine.models.mtp); it is verified the same way.
+known, with ``num_speculative_tokens`` K > 1 the layer run again on its own output for K tokens
+(engine.models.mtp); it is verified the same way.
 """
 
 from __future__ import annotations
