@@ -15,7 +15,9 @@ for every position once its next token is known, so it fills along with the deco
 their blocks go (prefix cache, KV transfers, the offload store). After each step the engine runs the layer
 over the rows whose next token that step made known (``MTPStep.draft``) and takes its argmax at each
 decoding request's last row as the next step's draft, which that step verifies as n-gram drafts are
-verified (engine.speculative): the output is the one plain decoding gives.
+verified (engine.speculative): the output is the one plain decoding gives. For drafts of K tokens
+(``num_speculative_tokens``) the layer runs K - 1 more times (``chain_step``), each on the last draft token
+and its own output h' one position further, as vLLM runs one MTP layer for several tokens.
 """
 
 from __future__ import annotations
