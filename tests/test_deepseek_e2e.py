@@ -50,9 +50,11 @@ def test_disaggregated_tokens_equal_offline(router: str, deepseek: Path) -> None
     assert all(prefill and decode and prefill != decode for _, prefill, decode in replies)
 
 
-def test_latent_blocks_go_through_the_kv_offload_store(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", [[], ["--speculative-config", '{"method": "mtp"}']], ids=["plain", "mtp"])
+def test_latent_blocks_go_through_the_kv_offload_store(tmp_path: Path, spec: list[str]) -> None:
     """``tiny-deepseek``'s latent KV blocks, offered to the KV offload store when a prefill worker's lease
-    ends, load into a decode worker that never saw the prompt; its tokens are the offline engine's."""
+    ends, load into a decode worker that never saw the prompt; its tokens are the offline engine's. With
+    the MTP draft on the workers and the store (its KV one layer more in every block) too."""
     from protos.pdmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2_grpc
     from tests.mesh_fixtures import until, worker_args
     from tests.test_kv_offload_e2e import BS, MAX_TOKENS, _decode, _prefill
@@ -72,8 +74,17 @@ def test_latent_blocks_go_through_the_kv_offload_store(tmp_path: Path) -> None:
         "32",
         "--disk-blocks",
         "0",
+        *spec,
     )
-    flags = ["--kvstore-address", store.address, "--kvstore-retry-s", "0.5", "--kvstore-timeout-s", "0.5"]
+    flags = [
+        "--kvstore-address",
+        store.address,
+        "--kvstore-retry-s",
+        "0.5",
+        "--kvstore-timeout-s",
+        "0.5",
+        *spec,
+    ]
     procs = [store]
     try:
         a = ServiceProcess.start("prefill_svc", *worker_args("tiny-deepseek", 128, *flags))
