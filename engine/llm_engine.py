@@ -118,9 +118,12 @@ class EngineStats:
     decode_graph_passes: int = 0
     prefill_graph_passes: int = 0
     eager_passes: int = 0
-    # Speculative decoding (engine.speculative): draft tokens computed, and those the sampling kept.
+    # Speculative decoding (engine.speculative): draft tokens computed, and those the sampling kept; drafts
+    # verified (one a drafting request a step), and of them those whose i-th token was kept, by i.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass
@@ -354,6 +357,8 @@ class LLMEngine:
         )
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.spec_drafts = 0
+        self.spec_accepted_per_pos = [0] * (self.spec.num_tokens if self.spec is not None else 0)
 
     def _serve_loras(self, config: EngineConfig, model: DecoderModel) -> LoRASlots:
         """The adapters' device slots, given to every decoder layer (before any graph is captured), with
@@ -1006,6 +1011,9 @@ class LLMEngine:
                 accepted += 1
             self.spec_draft_tokens += len(draft)
             self.spec_accepted_tokens += accepted
+            self.spec_drafts += 1
+            for pos in range(accepted):  # the kept tokens are a draft's first ones
+                self.spec_accepted_per_pos[pos] += 1
             if not seq.is_finished:  # the KV of the draft tokens kept is the request's now
                 seq.num_computed_tokens += accepted
                 self.block_pool.cache_full_blocks(seq)
@@ -1382,6 +1390,8 @@ class LLMEngine:
             eager_passes=self.runner.pass_kinds["eager"],
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_drafts=self.spec_drafts,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -385,7 +385,8 @@ class LauncherSettings:
     the router); tests/test_mesh_config.py checks that they agree."""
 
     model: str = setting(
-        "tiny-dense", "Built-in model (tiny-dense, tiny-moe, tiny-deepseek) or a Hugging Face checkpoint directory."
+        "tiny-dense",
+        "Built-in model (tiny-dense, tiny-moe, tiny-deepseek) or a Hugging Face checkpoint directory.",
     )
     device: str = setting("cpu", "Device the workers' models run on.", choices=("cpu", "cuda"))
     gpus: str | None = setting(

@@ -73,6 +73,10 @@ class VllmMetrics:
         self.spec_accepted_tokens = counter(
             "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
         )
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                          [*names, "position"], registry=registry)  # fmt: skip
+        self.spec_accepted_per_pos = lambda pos: per_pos.labels(**labels, position=str(pos))
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)  # fmt: skip
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

@@ -446,6 +446,18 @@ class WorkerMetrics:
         self.spec_accepted_tokens = m.counter(
             "spec_decode_accepted_tokens", "tokens", "Draft tokens the sampling kept (speculative decoding)."
         )
+        self.spec_drafts = m.counter(
+            "spec_decode_drafts",
+            "total",
+            "Drafts verified, one a drafting request a step (speculative decoding).",
+        )
+        self.spec_accepted_per_pos = m.counter(
+            "spec_decode_accepted_tokens_per_pos",
+            "tokens",
+            "Drafts whose token at this position (0: the first) the sampling kept (speculative decoding).",
+            ["position"],
+        )
+        self._per_pos_last: list[int] = []
         # Counters that follow a running total of the engine's stats: (counter, stats field).
         vllm = self.vllm
         self._totals = [
@@ -454,6 +466,7 @@ class WorkerMetrics:
             (self.generated_tokens, "generated_tokens_total"),
             (self.spec_draft_tokens, "spec_draft_tokens"),
             (self.spec_accepted_tokens, "spec_accepted_tokens"),
+            (self.spec_drafts, "spec_drafts"),
             *(
                 [
                     (vllm.prompt_tokens, "prompt_tokens_total"),
@@ -463,6 +476,7 @@ class WorkerMetrics:
                     (vllm.preemptions, "num_preemptions"),
                     (vllm.spec_draft_tokens, "spec_draft_tokens"),
                     (vllm.spec_accepted_tokens, "spec_accepted_tokens"),
+                    (vllm.spec_drafts, "spec_drafts"),
                 ]
                 if vllm is not None
                 else []
@@ -554,6 +568,15 @@ class WorkerMetrics:
             total = getattr(stats, name)
             counter.inc(total - self._last[i])
             self._last[i] = total
+        per_pos = stats.spec_accepted_per_pos
+        if len(self._per_pos_last) < len(per_pos):
+            self._per_pos_last += [0] * (len(per_pos) - len(self._per_pos_last))
+        for pos, total in enumerate(per_pos):
+            if total != self._per_pos_last[pos]:
+                self.spec_accepted_per_pos.labels(position=str(pos)).inc(total - self._per_pos_last[pos])
+                if self.vllm is not None:
+                    self.vllm.spec_accepted_per_pos(pos).inc(total - self._per_pos_last[pos])
+                self._per_pos_last[pos] = total
 
 
 class WorkerServicerBase(worker_pb2_grpc.WorkerServicer):

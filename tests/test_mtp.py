@@ -186,7 +186,15 @@ def test_tight_pools_preemption_and_sampling_keep_plain_decodings_tokens(predict
         want = [o.token_ids for o in LLM(str(predictive), **config).generate(prompts, params)]
         llm = LLM(str(predictive), speculative_config=spec, **config)
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
-        assert llm.engine.spec_accepted_tokens > 0
+        stats = llm.engine.stats()
+        assert stats.spec_accepted_tokens > 0
+        # Kept tokens are a draft's first ones: position i counts no more than position i - 1.
+        per_pos = stats.spec_accepted_per_pos
+        assert len(per_pos) == k and sum(per_pos) == stats.spec_accepted_tokens
+        assert (
+            all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+            and per_pos[0] <= stats.spec_drafts
+        )
         assert llm.engine.block_pool.num_free_blocks == config["num_kv_blocks"]
 
 
@@ -303,6 +311,11 @@ def test_a_disaggregated_request_drafts_with_the_kv_it_imported(predictive: Path
                 re.search(r"^pdmesh_decode_spec_decode_accepted_tokens_tokens_total (\S+)$", text, re.M)[1]
             )
             assert drafted > 0 and kept > drafted * 0.5
+            # vLLM's draft count and per-position acceptance (one token a draft: position 0 only).
+            drafts = float(re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)$", text, re.M)[1])
+            at0 = re.search(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="0"[^}]*\} (\S+)$',
+                            text, re.M)  # fmt: skip
+            assert drafts == drafted and float(at0[1]) == kept
         finally:
             assert router.stop() == 0, router.log()
 
