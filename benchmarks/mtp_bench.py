@@ -112,7 +112,7 @@ def main() -> None:
             make_predictive(llm)
         for b in batches:
             for drafting in modes:  # the draft's length: 0 plain, else num_speculative_tokens
-                engine.spec, engine.mtp = (MtpSpec(drafting), True) if drafting else (None, False)
+                engine.spec = MtpSpec(drafting) if drafting else None
                 drafts0, kept0 = engine.spec_draft_tokens, engine.spec_accepted_tokens
                 passes0 = engine.runner.forward_passes
 
@@ -124,7 +124,7 @@ def main() -> None:
                 kept = (engine.spec_accepted_tokens - kept0) / drafts if drafts else 0.0
                 passes = engine.runner.forward_passes - passes0
                 rows.append((weights, b, drafting, rate, kept, passes))
-    engine.spec, engine.mtp = spec, True
+    engine.spec = spec
     bandwidth = copy_gbps() if gpu else 0.0
     name = torch.cuda.get_device_name() if gpu else "cpu"
     replays = sum(engine.runner.graphs.replays.values()) if engine.runner.graphs is not None else 0

@@ -232,9 +232,6 @@ class LLMEngine:
         if start_memory is not None:
             check_free(start_memory, config.gpu_memory_utilization)
         self.spec = parse_speculative_config(config.speculative_config)
-        # The checkpoint's multi-token-prediction layer drafts (engine.models.mtp): it is loaded, the KV pool
-        # has its layer, and every step keeps its hidden states for the layer's pass after it.
-        self.mtp = isinstance(self.spec, MtpSpec)
         loaded = load_model(
             config.model,
             config.dtype,
@@ -246,7 +243,7 @@ class LLMEngine:
             dispatcher=dispatcher,
             quantization=config.quantization,
             num_redundant_experts=config.num_redundant_experts,
-            mtp=self.mtp,
+            mtp=self.mtp,  # the checkpoint's MTP layer loaded (engine.models.mtp), its KV a pool layer more
         )
         if config.enable_eplb and not loaded.cfg.is_moe:
             raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
@@ -757,6 +754,12 @@ class LLMEngine:
         inflight.late_point.synchronize()
         self.lookahead_late_waits += 1
 
+    @property
+    def mtp(self) -> bool:
+        """Whether the checkpoint's multi-token-prediction layer drafts (engine.models.mtp): then every step
+        keeps its hidden states for the layer's pass after it."""
+        return isinstance(self.spec, MtpSpec)
+
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._inflight is None:
@@ -902,7 +905,7 @@ class LLMEngine:
             if k <= 0:
                 continue
             kept[i] = k
-            next_ids += _token_range(seq, start + 1, start + k + 1)
+            next_ids += seq.tokens(start + 1, start + k + 1)
             if not seq.is_finished and start + k == total - 1:  # its last token is the next to compute
                 drafting.append(i)
         if not kept.any():
@@ -915,25 +918,23 @@ class LLMEngine:
             decode_rows=1 + spec.num_tokens,
         )  # fmt: skip
         seqs = [batch.seqs[i] for i in drafting]
-        drafts = [[token] for token in tokens.tolist()]
-        if spec.num_tokens > 1 and seqs:
-            self._chain_drafts(seqs, drafts, tokens, hidden, spec.num_tokens)
-        for seq, draft in zip(seqs, drafts, strict=True):
-            self._mtp_drafts[seq] = (seq.num_tokens, draft)
+        if not seqs:
+            return
+        depth = np.ones(len(seqs), dtype=np.int64)
+        if spec.num_tokens > 1:
+            tokens, depth = self._chain_drafts(seqs, tokens, hidden, spec.num_tokens)
+        for seq, draft, n in zip(seqs, tokens.view(len(seqs), -1).tolist(), depth, strict=True):  # one read
+            self._mtp_drafts[seq] = (seq.num_tokens, draft[:n])
 
     def _chain_drafts(
-        self,
-        seqs: list[Sequence],
-        drafts: list[list[int]],
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        k: int,
-    ) -> None:
-        """Drafts of up to ``k`` tokens (vLLM's ``num_speculative_tokens`` with one MTP layer): the layer run
-        again on each draft token and its own output, one position further each time (``chain_step``),
-        appending to ``drafts``. Its KV at those positions needs blocks: a sequence's table is extended
-        where free blocks allow without evicting a cached one (the next step would take them anyway), and a
-        sequence whose table ends first drafts fewer tokens."""
+        self, seqs: list[Sequence], tokens: torch.Tensor, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Drafts of up to ``k`` tokens (vLLM's ``num_speculative_tokens`` with one MTP layer) from each
+        sequence's first draft token ``tokens`` and the layer's output ``hidden``: the layer run again on
+        each draft token and its own output, one position further each time (``chain_step``). Its KV at
+        those positions needs blocks: a sequence's table is extended where free blocks allow without
+        evicting a cached one (the next step would take them anyway), and a sequence whose table ends first
+        drafts fewer tokens. Returns the drafts [n, k] (on the device, unread) and each one's length."""
         bs, pool = self.config.block_size, self.block_pool
         rows = np.array([s.num_tokens - 2 for s in seqs], dtype=np.int64)  # the first draft's row
         room = pool.num_uncached_free_blocks
@@ -944,7 +945,9 @@ class LLMEngine:
             if need and need <= room and pool.append_slots(seq, cover):
                 room -= need
             depth[r] = min(k, len(seq.block_table) * bs - int(rows[r]), self.max_model_len - int(rows[r]))
-        tokens, hidden = tokens.clone(), hidden.clone()  # a graph's outputs are its static buffers
+        drafts = tokens.new_zeros((len(seqs), k))
+        drafts[:, 0] = tokens
+        hidden = hidden.clone()  # a graph's outputs are its static buffers
         for j in range(1, k):
             active = np.flatnonzero(depth > j)
             if not len(active):
@@ -952,11 +955,10 @@ class LLMEngine:
             index = torch.from_numpy(active).to(tokens.device)
             new_tokens, new_hidden = chain_step(
                 self.model, self.kv_pool, bs, block_table_array([seqs[r] for r in active]), rows[active] + j,
-                tokens[index], hidden[index], self.runner.mtp_graphs,
+                drafts[index, j - 1], hidden[index], self.runner.mtp_graphs,
             )  # fmt: skip
-            tokens[index], hidden[index] = new_tokens, new_hidden
-            for r, token in zip(active, new_tokens.tolist(), strict=True):
-                drafts[r].append(token)
+            drafts[index, j], hidden[index] = new_tokens, new_hidden
+        return drafts, depth
 
     def _settle_drafts(
         self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]]
@@ -1453,14 +1455,6 @@ class LLMEngine:
             self.staged_placement = None
         log.info("expert placement %d applied: %d expert slots rewritten on this rank", version, moved)
         return moved
-
-
-def _token_range(seq: Sequence, a: int, b: int) -> list[int]:
-    """Tokens ``a`` to ``b`` of the prompt and output, by slices (``all_token_ids`` copies them all)."""
-    n = len(seq.prompt_token_ids)
-    if b <= n:
-        return seq.prompt_token_ids[a:b]
-    return seq.prompt_token_ids[a:n] + seq.output_token_ids[max(0, a - n) : b - n]
 
 
 def _kv_scales_in_use(model: torch.nn.Module, pool_dtype: torch.dtype) -> int:

@@ -431,14 +431,7 @@ class ModelRunner:
         input_ids = np.empty(total, dtype=np.int64)
         input_ids[: cu[in_flight]] = 0  # the rows in flight: filled on the device by the caller
         for i, s in enumerate(seqs[in_flight:], start=in_flight):
-            a, b = int(starts[i]), int(ends[i])
-            n_prompt = len(s.prompt_token_ids)
-            if b <= n_prompt:
-                input_ids[cu[i] : cu[i + 1]] = s.prompt_token_ids[a:b]
-            else:  # slices only: all_token_ids would copy the whole context every step
-                input_ids[cu[i] : cu[i + 1]] = (
-                    s.prompt_token_ids[a:n_prompt] + s.output_token_ids[max(0, a - n_prompt) : b - n_prompt]
-                )
+            input_ids[cu[i] : cu[i + 1]] = s.tokens(int(starts[i]), int(ends[i]))
         seq_index = np.repeat(np.arange(len(seqs)), n_new)
         self._set_lora_rows(seqs, seq_index)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + starts[seq_index]
@@ -514,25 +507,25 @@ class ModelRunner:
         self.forward_passes += 1
         tokens = sum(batch.num_new_tokens)
         prompt_rows = PromptLogprobRows.of(batch) if prompt_logprobs else None
-        # Pooling needs hidden states: no decode graph.
-        hidden_out = keep_hidden or any(s.pooling is not None for s in batch.seqs)
-        decode_rows = len(batch.seqs) if max(batch.num_new_tokens) == 1 and not hidden_out else None
+        pooling = any(s.pooling is not None for s in batch.seqs)  # needs hidden states: no decode graph
+        decode_rows = (
+            len(batch.seqs) if max(batch.num_new_tokens) == 1 and not (pooling or keep_hidden) else None
+        )
         if keep_hidden and prompt_rows is None and self._rows_decode(batch, drafts or {}):
             return self._execute_rows(batch, drafts or {})
         agreed = self._group_pass(decode_rows, tokens)
         if agreed.decode is not None:
             return self._execute_decode_graph(batch.seqs, agreed.decode, prompt_rows)
-        starts = np.fromiter(
-            (s.num_computed_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs)
-        )
         input_ids, positions, meta, sample_seqs, rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta, agreed)
         step = None
-        if keep_hidden:
+        if keep_hidden:  # what the MTP pass reads of the step's layout
+            starts = np.fromiter(
+                (s.num_computed_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs)
+            )
             row_starts = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
             np.cumsum(batch.num_new_tokens, out=row_starts[1:])
             step = MTPStep(hidden, positions, meta.slot_mapping, meta.block_tables, starts, row_starts)
-        pooling = hidden_out and any(s.pooling is not None for s in batch.seqs)
         pooled: dict[Sequence, torch.Tensor] = {}
         if pooling:
             sample_seqs, rows = self._pool(batch, hidden, sample_seqs, rows, pooled)
@@ -588,7 +581,7 @@ class ModelRunner:
         seq_of = np.repeat(np.arange(n), counts)
         positions = np.arange(total, dtype=np.int64) - row_starts[seq_of] + starts[seq_of]
         token_ids = np.fromiter(
-            (seqs[i].token_at(int(p)) for i, p in zip(seq_of, positions, strict=True)),
+            (t for s, a, c in zip(seqs, starts, counts, strict=True) for t in s.tokens(int(a), int(a + c))),
             dtype=np.int64,
             count=total,
         )

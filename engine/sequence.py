@@ -77,6 +77,13 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
+    def tokens(self, a: int, b: int) -> list[int]:
+        """Tokens ``a`` to ``b`` of the prompt and output, by slices (``all_token_ids`` copies them all)."""
+        n = len(self.prompt_token_ids)
+        if b <= n:
+            return self.prompt_token_ids[a:b]
+        return self.prompt_token_ids[a:n] + self.output_token_ids[max(0, a - n) : b - n]
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Whether some of its prompt logprobs are still to compute: its prompt must then be computed, not
