@@ -164,6 +164,11 @@ def megakernel_step_pieces(
     return [run]
 
 
+def smallest_bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending captured ``sizes`` that holds ``n``; None when ``n`` is too large."""
+    return next((size for size in sizes if size >= n), None)
+
+
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     cap = max(1, min(max_num_seqs, MAX_GRAPH_BATCH))
     return [b for b in BUCKETS if b < cap] + [cap]
@@ -244,10 +249,7 @@ class DecodeGraphs:
 
     def bucket_for(self, n: int) -> int | None:
         """Smallest captured batch size that holds ``n`` sequences; None when ``n`` is too large."""
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
+        return smallest_bucket(self.sizes, n)
 
     # ---- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -40,6 +40,7 @@ from engine.cuda_graphs import (
     capturing,
     counting_live_rows,
     expert_counts_restored,
+    smallest_bucket,
 )
 from engine.models.decoder import AttentionMetadata, DecoderModel
 from engine.moe.dispatch import SingleRankDispatcher
@@ -103,10 +104,7 @@ class PrefillGraphs:
 
     def bucket_for(self, n: int) -> int | None:
         """Smallest captured token count that holds ``n`` tokens; None when ``n`` is too large."""
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
+        return smallest_bucket(self.sizes, n)
 
     def release(self) -> None:
         """Free every captured graph now (``DecodeGraphs.release``); the object cannot replay afterwards."""

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.cuda_graphs import CAPTURE_ERROR_MODE, bucket_sizes, capturing, smallest_bucket
 from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel, _param
 from engine.models.model_config import ModelConfig
 from kernels import Ops
@@ -178,16 +179,14 @@ def chain_step(
 
 
 class MTPGraphs:
-    """The MTP pass of decode steps (each row a query of its own) as one CUDA graph a
-    bucket of rows (the decode graphs' buckets): the layer, its head and the argmax of every row. Eager, a
-    pass is one layer's launches from the host, more than the decode graph it follows takes at small
-    batches. Padding rows write nothing (slot -1) and attend to nothing (seq_len 0)."""
+    """The MTP passes of decode steps (each row a query of its own) as one CUDA graph a bucket of rows (the
+    decode graphs' buckets): the layer, its head, every row's argmax and output. Eager, a pass is one
+    layer's launches from the host, more than the decode graph it follows takes at small batches. Padding
+    rows write nothing (slot -1) and attend to nothing (seq_len 0)."""
 
     def __init__(
         self, model: DecoderModel, kv_pool: torch.Tensor, max_rows: int, max_blocks: int, device: torch.device
     ) -> None:
-        from engine.cuda_graphs import bucket_sizes
-
         self.model, self.kv_pool = model, kv_pool
         self.sizes = bucket_sizes(max_rows)
         b = self.sizes[-1]
@@ -204,7 +203,7 @@ class MTPGraphs:
         self.replays = 0
 
     def bucket_for(self, n: int) -> int | None:
-        return next((size for size in self.sizes if size >= n), None)
+        return smallest_bucket(self.sizes, n)
 
     def _pass(self, size: int) -> None:
         mtp = self.model.mtp
@@ -222,8 +221,6 @@ class MTPGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Every bucket, largest first, into one memory pool; the warm-ups run on padding rows only."""
-        from engine.cuda_graphs import CAPTURE_ERROR_MODE, capturing
-
         pool = torch.cuda.graph_pool_handle()
         with capturing():
             for size in reversed(self.sizes):
