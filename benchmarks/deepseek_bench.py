@@ -17,6 +17,7 @@ and each sequence's latent KV) over the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -132,6 +133,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--profile", action="store_true", help="log the kernel timeline of the batch-1 decode graph (GPU)"
+    )
     args = ap.parse_args()
     cfg = dict(MOONLIGHT, **(SMOKE if args.smoke else {}))
     gpu = torch.cuda.is_available() and not args.smoke
@@ -156,6 +160,13 @@ def main() -> None:
             llm.generate(prompts[b], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
         engine_rates[b] = decode_rate(run, b, args.new, args.repeats)
+        if args.profile and graphs and b == 1:
+            from benchmarks.gpu_bench import kernel_timeline
+
+            runner_graphs = llm.engine.runner.graphs
+            bucket = runner_graphs.bucket_for(1)
+            print(f"kernel timeline of the batch-1 decode graph (bucket {bucket}):")
+            print(kernel_timeline(functools.partial(runner_graphs.replay, bucket)), flush=True)
     replays = sum(llm.engine.runner.graphs.replays.values()) if graphs else 0
     del llm
     gc.collect()

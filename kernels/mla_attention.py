@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_cache import write_kv_torch
+from kernels.norm import rms_norm_torch
+from kernels.rope import apply_rope_torch
+
 
 def mla_attention_torch(
     q: torch.Tensor,
@@ -70,3 +74,44 @@ def _decode(
     probs = torch.softmax(scores.masked_fill(beyond[:, None, :], float("-inf")), dim=-1)
     probs = probs.nan_to_num(0.0)  # a row of seq_len 0 (padding) attends to nothing
     return torch.einsum("bhs,bsv->bhv", probs, latent[..., :v_dim]).to(q.dtype)
+
+
+def mla_prologue_torch(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_kv: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The latent attention's step between its projections and attention: q [T, H * (nope + rope)] (the
+    query projection's output), kv [T, rank + rope] (``kv_a_proj_with_mqa``'s), ``w_kv`` the key and value
+    up-projection viewed [H, nope + v_dim, rank]. Writes each token's latent (``rank`` values normalised by
+    ``norm_weight``, then its rotary key) into the pool at ``slot_mapping`` (negative: skipped) and returns
+    the attention's queries [T, H, rank + rope]: ``q_nope @ W_uk`` (the key projection absorbed) and the
+    rotary part."""
+    t, heads = q.shape[0], w_kv.shape[0]
+    rank = w_kv.shape[2]
+    rope = kv.shape[1] - rank
+    nope = q.shape[1] // heads - rope
+    q_nope, q_rope = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)
+    latent = rms_norm_torch(kv[:, :rank].contiguous(), norm_weight, eps)
+    q_rope, k_rope = apply_rope_torch(
+        q_rope.contiguous(), kv[:, None, rank:].contiguous(), positions, cos_sin
+    )
+    cache = torch.cat([latent, k_rope[:, 0]], dim=-1)
+    half = kv_pool.shape[-1]
+    write_kv_torch(kv_pool, layer, cache[:, None, :half], cache[:, None, half:], slot_mapping)
+    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_kv[:, :nope])
+    return torch.cat([q_latent, q_rope], dim=-1)
+
+
+def mla_value_proj_torch(o: torch.Tensor, w_kv: torch.Tensor, v_dim: int) -> torch.Tensor:
+    """The heads' latent outputs o [T, H, rank] through each head's value projection (the last ``v_dim``
+    rows a head of ``w_kv``, viewed [H, nope + v_dim, rank]) -> [T, H * v_dim]."""
+    t, heads = o.shape[0], o.shape[1]
+    return torch.einsum("thr,hvr->thv", o, w_kv[:, -v_dim:]).reshape(t, heads * v_dim)

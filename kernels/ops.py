@@ -11,7 +11,7 @@ from kernels.copy_rows import copy_rows_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.linear import add_rms_norm_linear_torch, linear_torch
 from kernels.lora import lora_apply_torch
-from kernels.mla_attention import mla_attention_torch
+from kernels.mla_attention import mla_attention_torch, mla_prologue_torch, mla_value_proj_torch
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_grouped_torch, moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -44,6 +44,10 @@ class Ops:
     copy_rows: Callable  # dst[dst_rows] = src[src_rows] (expert slots moved by a new placement)
     moe_route_grouped: Callable  # DeepSeek's routing (V3: sigmoid, bias; V2: softmax; expert groups)
     mla_attention: Callable  # latent attention (DeepSeek's MLA) over the pool
+    mla_prologue: (
+        Callable  # MLA between projections and attention: latent norm, RoPE, KV write, W_uk absorbed
+    )
+    mla_value_proj: Callable  # MLA's per-head value projection (W_uv) of the latent outputs
 
 
 TORCH_OPS = Ops(
@@ -65,6 +69,8 @@ TORCH_OPS = Ops(
     copy_rows=copy_rows_torch,
     moe_route_grouped=moe_route_grouped_torch,
     mla_attention=mla_attention_torch,
+    mla_prologue=mla_prologue_torch,
+    mla_value_proj=mla_value_proj_torch,
 )
 
 

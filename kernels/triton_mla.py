@@ -9,8 +9,9 @@ a max-reduction that breaks ties towards the lowest index; weights the unbiased 
 (plus 1e-20) and scaled; then the physical replica (``token % replicas``) and a relaxed atomic count, as
 ``moe_route_triton`` does. No host synchronisation: graph-safe.
 
-Latent attention (decode): program ``(b, s, g)`` takes sequence ``b``'s tokens of split ``s`` and heads
-``g * BLOCK_H ..``; each tile of ``BLOCK_N`` cached latents is loaded once for those heads (the latent's
+Latent attention (decode): program ``(b, s, g)`` takes sequence ``b``'s tokens of split ``s`` (its own
+length cut into the splits' runs of whole tiles on the device, so a short sequence spreads over them however
+wide the block table) and heads ``g * BLOCK_H ..``; each tile of ``BLOCK_N`` cached latents is loaded once for those heads (the latent's
 first ``R`` values and its ``P`` rotary ones, read across the pool's K and V halves), scores are two
 ``tl.dot``s (the absorbed query against the latent, the rotary query against the rotary key), the values
 are the same latent tile; an online softmax keeps the split's output and log-sum-exp in float32 scratch,
@@ -23,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mla_attention import mla_attention_torch
+from kernels.mla_attention import mla_attention_torch, mla_prologue_torch, mla_value_proj_torch
 from kernels.moe_routing import moe_route_grouped_torch
-from kernels.triton_device import dot_precision
+from kernels.triton_attention import num_kv_splits
+from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
 
 
 @triton.jit
@@ -134,17 +136,21 @@ def moe_route_grouped_triton(
 def _mla_split_kernel(
     q_ptr, pool_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     stride_qt, stride_qh, stride_pb, stride_pl, stride_ph, stride_pt, stride_tb,
-    layer, num_heads, blocks_per_split, scale,
+    layer, num_heads, scale,
     R: tl.constexpr, P: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
+    pdl_wait(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = s * blocks_per_split * BLOCK_SIZE
-    end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, seq_len)
+    # The sequence's own length cut into NUM_SPLITS runs of whole tiles (the last ones may be empty).
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, seq_len)
     r = tl.arange(0, R)
     p = tl.arange(0, P)
     q_row = q_ptr + b * stride_qt + heads[:, None] * stride_qh
@@ -182,19 +188,22 @@ def _mla_split_kernel(
 @triton.jit
 def _mla_merge_kernel(
     o_part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-    R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    R: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
     rows = (b * NUM_SPLITS + s) * num_heads + h
+    pdl_wait(USE_PDL)
     lse = tl.load(lse_ptr + rows)
     top = tl.max(lse, axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)  # every split empty (seq_len 0): no -inf - -inf
     weight = tl.exp(lse - top)
     total = tl.sum(weight, axis=0)
     r = tl.arange(0, R)
-    parts = tl.load(o_part_ptr + rows[:, None] * R + r[None, :])
+    # An empty split's part is never read (its weight is 0; it wrote no finite values worth the traffic).
+    used = lse > float("-inf")
+    parts = tl.load(o_part_ptr + rows[:, None] * R + r[None, :], mask=used[:, None], other=0.0)
     merged = tl.sum(parts * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + r, merged.to(out_ptr.dtype.element_ty))
 
@@ -210,11 +219,15 @@ def mla_attention_triton(
     v_dim: int,
     *,
     decode: bool = False,
-    num_splits: int = 16,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """``mla_attention_torch``'s contract. Decode calls (``decode``: one query a sequence) run the
     split-KV kernel and its merge when the latent's parts are powers of two and the value part is the
-    latent's (``v_dim`` = kv_lora_rank); other calls take the reference."""
+    latent's (``v_dim`` = kv_lora_rank); other calls take the reference.
+
+    ``num_splits``: splits a sequence (a power of two; default: ``num_kv_splits``'s rule for the batch,
+    its head groups and the block table's span). Each sequence's own length is cut into that many runs of
+    whole tiles on the device, so a short sequence in a wide table still spreads over the splits."""
     latent = q.shape[2]
     rope = latent - v_dim
     half = kv_pool.shape[-1]
@@ -227,20 +240,188 @@ def mla_attention_triton(
     if batch == 0:
         return out
     block_size = kv_pool.shape[3]
-    splits = max(1, min(num_splits, block_tables.shape[1]))
-    splits = triton.next_power_of_2(splits)
-    blocks_per_split = triton.cdiv(block_tables.shape[1], splits)
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))
+    groups = triton.cdiv(heads, block_h)
+    if num_splits is None:
+        splits = num_kv_splits(batch, groups, block_tables.shape[1] * block_size, q.device)
+    else:
+        splits = triton.next_power_of_2(max(1, num_splits))
     o_part = torch.empty((batch, splits, heads, v_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, splits, heads), dtype=torch.float32, device=q.device)
-    block_h = max(16, min(64, triton.next_power_of_2(heads)))
-    _mla_split_kernel[(batch, splits, triton.cdiv(heads, block_h))](
+    pdl = pdl_kwargs(q.device)
+    _mla_split_kernel[(batch, splits, groups)](
         q, kv_pool, block_tables, seq_lens, o_part, lse,
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
-        block_tables.stride(0), layer, heads, blocks_per_split, float(scale),
+        block_tables.stride(0), layer, heads, float(scale),
         R=v_dim, P=rope, HALF=half, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=16, NUM_SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), num_warps=4,
+        PRECISION=dot_precision(q.dtype), num_warps=4, **pdl,
     )  # fmt: skip
     _mla_merge_kernel[(batch, heads)](
-        o_part, lse, out, heads, out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=splits, num_warps=4
+        o_part, lse, out, heads, out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=splits, num_warps=4, **pdl
     )
+    return out
+
+
+@triton.jit
+def _mla_prologue_kernel(
+    q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr,
+    num_tokens, stride_qt, stride_kvt, stride_cs, stride_wh, stride_wn, stride_ot, stride_oh,
+    stride_pb, stride_pl, stride_ph, stride_pt, layer, eps,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, RC: tl.constexpr, NC: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    t_mask = t < num_tokens
+    t64 = t.to(tl.int64)
+    q_row = q_ptr + t64[:, None] * stride_qt + h * (NOPE + ROPE)
+    out_row = out_ptr + t64[:, None] * stride_ot + h * stride_oh
+    pdl_wait(USE_PDL)
+    if c < NC:  # a chunk of the absorbed query: q_nope [BLOCK_T, NOPE] @ W_uk[h, :, chunk]
+        n = tl.arange(0, NOPE)
+        cols = c * RC + tl.arange(0, RC)
+        w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + cols[None, :])
+        q_nope = tl.load(q_row + n[None, :], mask=t_mask[:, None], other=0.0)
+        q_lat = tl.dot(q_nope, w, input_precision=PRECISION)
+        tl.store(out_row + cols[None, :], q_lat.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
+    else:  # the rotary query of head h; head 0's program also writes the tokens' latents
+        HR: tl.constexpr = ROPE // 2
+        j = tl.arange(0, HR)
+        pos = tl.load(pos_ptr + t64, mask=t_mask, other=0).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos[:, None] * stride_cs + j[None, :], mask=t_mask[:, None], other=0.0)
+        sin = tl.load(
+            cos_sin_ptr + pos[:, None] * stride_cs + HR + j[None, :], mask=t_mask[:, None], other=0.0
+        )
+        x1 = tl.load(q_row + NOPE + j[None, :], mask=t_mask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(q_row + NOPE + HR + j[None, :], mask=t_mask[:, None], other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        tl.store(out_row + R + j[None, :], (x1 * cos - x2 * sin).to(dt), mask=t_mask[:, None])
+        tl.store(out_row + R + HR + j[None, :], (x2 * cos + x1 * sin).to(dt), mask=t_mask[:, None])
+        if h == 0:
+            slot = tl.load(slots_ptr + t64, mask=t_mask, other=-1).to(tl.int64)
+            live = t_mask & (slot >= 0)
+            dest = (
+                pool_ptr
+                + (slot // BLOCK_SIZE) * stride_pb
+                + layer * stride_pl
+                + (slot % BLOCK_SIZE) * stride_pt
+            )
+            # A latent column c sits in the pool's K half below HALF, in its V half (at c - HALF) from there.
+            r = tl.arange(0, R)
+            x = tl.load(kv_ptr + t64[:, None] * stride_kvt + r[None, :], mask=t_mask[:, None], other=0.0)
+            xf = x.to(tl.float32)
+            normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=1) / R + eps)[:, None]
+            # As the reference: normalised values rounded to the activations' dtype, then times the weight.
+            weight = tl.load(norm_ptr + r)
+            latent = (normed.to(x.dtype) * weight).to(pool_ptr.dtype.element_ty)
+            r_off = tl.where(r < HALF, r, stride_ph + r - HALF)
+            tl.store(dest[:, None] + r_off[None, :], latent, mask=live[:, None])
+            k1 = tl.load(kv_ptr + t64[:, None] * stride_kvt + R + j[None, :], mask=t_mask[:, None], other=0.0)
+            k2 = tl.load(
+                kv_ptr + t64[:, None] * stride_kvt + R + HR + j[None, :], mask=t_mask[:, None], other=0.0
+            )
+            k1 = k1.to(x.dtype).to(tl.float32)
+            k2 = k2.to(x.dtype).to(tl.float32)
+            pt = pool_ptr.dtype.element_ty
+            c1 = R + j
+            c2 = R + HR + j
+            o1 = tl.where(c1 < HALF, c1, stride_ph + c1 - HALF)
+            o2 = tl.where(c2 < HALF, c2, stride_ph + c2 - HALF)
+            tl.store(
+                dest[:, None] + o1[None, :], (k1 * cos - k2 * sin).to(x.dtype).to(pt), mask=live[:, None]
+            )
+            tl.store(
+                dest[:, None] + o2[None, :], (k2 * cos + k1 * sin).to(x.dtype).to(pt), mask=live[:, None]
+            )
+
+
+def mla_prologue_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_kv: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``mla_prologue_torch`` in one launch: program ``(token block, head, chunk)`` computes a chunk of
+    the head's absorbed query for up to 16 tokens (one ``tl.dot`` against ``W_uk``'s chunk, read once for
+    them), and a last program per head rotates the head's rotary query (head 0's also normalises the tokens'
+    latents, rotates their keys and writes both into the pool). Shapes outside the kernel's powers of two
+    take the reference."""
+    t, heads = q.shape[0], w_kv.shape[0]
+    rank = w_kv.shape[2]
+    rope = kv.shape[1] - rank
+    nope = q.shape[1] // heads - rope
+    half = kv_pool.shape[-1]
+    if not (_pow2(nope) and _pow2(rope) and _pow2(rank) and nope >= 16 and rank >= 16 and rope >= 2) or (
+        kv_pool.shape[4] != 1 or 2 * half != rank + rope or w_kv.stride(2) != 1 or kv_pool.dtype != q.dtype
+    ):
+        return mla_prologue_torch(
+            q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer, slot_mapping
+        )
+    out = q.new_empty((t, heads, rank + rope))
+    if t == 0:
+        return out
+    q = q if q.stride(1) == 1 else q.contiguous()
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    chunk = min(64, rank)
+    block_t = 16
+    _mla_prologue_kernel[(triton.cdiv(t, block_t), heads, rank // chunk + 1)](
+        q, kv, positions, cos_sin, norm_weight, w_kv, kv_pool, slot_mapping, out,
+        t, q.stride(0), kv.stride(0), cos_sin.stride(0), w_kv.stride(0), w_kv.stride(1), out.stride(0),
+        out.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), layer, float(eps),
+        NOPE=nope, ROPE=rope, R=rank, HALF=half, BLOCK_SIZE=kv_pool.shape[3], BLOCK_T=block_t, RC=chunk,
+        NC=rank // chunk, PRECISION=dot_precision(q.dtype), num_warps=4, **pdl_kwargs(q.device),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _mla_value_kernel(
+    o_ptr, w_ptr, out_ptr, num_tokens, stride_ot, stride_oh, stride_wh, stride_wn, stride_outt,
+    V_OFF: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, VC: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    v = tl.program_id(2) * VC + tl.arange(0, VC)
+    t_mask = t < num_tokens
+    t64 = t.to(tl.int64)
+    r = tl.arange(0, R)
+    pdl_wait(USE_PDL)
+    w = tl.load(w_ptr + h * stride_wh + (V_OFF + v[None, :]) * stride_wn + r[:, None])  # [R, VC]
+    o = tl.load(
+        o_ptr + t64[:, None] * stride_ot + h * stride_oh + r[None, :], mask=t_mask[:, None], other=0.0
+    )
+    out = tl.dot(o, w, input_precision=PRECISION)
+    dest = out_ptr + t64[:, None] * stride_outt + h * V + v[None, :]
+    tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
+
+
+def mla_value_proj_triton(o: torch.Tensor, w_kv: torch.Tensor, v_dim: int) -> torch.Tensor:
+    """``mla_value_proj_torch`` in one launch: program ``(token block, head, v chunk)`` multiplies up to 16
+    tokens' latent outputs by the chunk's value rows (read once for them). Other shapes take the reference."""
+    t, heads, rank = o.shape
+    if (
+        not (_pow2(rank) and _pow2(v_dim) and rank >= 16 and v_dim >= 16)
+        or o.stride(2) != 1
+        or w_kv.stride(2) != 1
+    ):
+        return mla_value_proj_torch(o, w_kv, v_dim)
+    out = o.new_empty((t, heads * v_dim))
+    if t == 0:
+        return out
+    chunk = min(32, v_dim)
+    block_t = 16
+    _mla_value_kernel[(triton.cdiv(t, block_t), heads, v_dim // chunk)](
+        o, w_kv, out, t, o.stride(0), o.stride(1), w_kv.stride(0), w_kv.stride(1), out.stride(0),
+        V_OFF=w_kv.shape[1] - v_dim, V=v_dim, R=rank, BLOCK_T=block_t, VC=chunk,
+        PRECISION=dot_precision(o.dtype), num_warps=4, **pdl_kwargs(o.device),
+    )  # fmt: skip
     return out

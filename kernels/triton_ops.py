@@ -12,7 +12,12 @@ from kernels.triton_copy_rows import copy_rows_triton
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
 from kernels.triton_lora import lora_apply_small
-from kernels.triton_mla import mla_attention_triton, moe_route_grouped_triton
+from kernels.triton_mla import (
+    mla_attention_triton,
+    mla_prologue_triton,
+    mla_value_proj_triton,
+    moe_route_grouped_triton,
+)
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_routing import moe_route_triton
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
@@ -41,4 +46,6 @@ TRITON_OPS = Ops(
     # DeepSeek-V3: the latent attention's decode calls in Triton, its prefill calls the torch reference.
     moe_route_grouped=moe_route_grouped_triton,
     mla_attention=mla_attention_triton,
+    mla_prologue=mla_prologue_triton,
+    mla_value_proj=mla_value_proj_triton,
 )

@@ -454,7 +454,9 @@ def mtp_reference_logits(path: Path, tokens: list[int], chain: int = 1) -> torch
         logits = [head(out)[0]]
         for _ in range(chain - 1):
             draft = int(logits[-1][-1].argmax())
-            x = torch.cat([x, rows_in(tensors["embed_tokens.weight"][torch.tensor([[draft]])], out[:, -1:])], dim=1)
+            x = torch.cat(
+                [x, rows_in(tensors["embed_tokens.weight"][torch.tensor([[draft]])], out[:, -1:])], dim=1
+            )
             out = layer(x)
             logits.append(head(out[:, -1:])[0])
         return torch.cat(logits)

@@ -326,6 +326,107 @@ def test_the_triton_latent_attention_equals_the_reference(
     assert torch.equal(got[3], torch.zeros(3, 32))
 
 
+@pytest.mark.parametrize("splits", [None, 4, 64])
+def test_the_latent_attention_splits_follow_each_sequences_length(
+    splits: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: sequences much shorter than the block table's span (a wide table, as a long
+    ``max_model_len`` gives) still spread over the splits (runs of whole 16-key tiles of their own
+    length: the 129-token one over three of four), and the result is the reference's whatever the count,
+    the default's included."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.mla_attention import mla_attention_torch
+    from kernels.triton_mla import mla_attention_triton
+
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.randn(90, 2, 2, 4, 1, 24, generator=gen)
+    seq_lens = torch.tensor([70, 33, 0, 129, 16], dtype=torch.int32)
+    tables = torch.randint(0, 90, (5, 80), generator=gen, dtype=torch.int32)
+    q = torch.randn(5, 3, 48, generator=gen)
+    qsl = torch.arange(6, dtype=torch.int32)
+    want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True)
+    got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[2], torch.zeros(3, 32))
+
+
+def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v: int, device: str,
+                     dtype: torch.dtype, seed: int) -> dict:  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    cos_sin = torch.cat([torch.cos(torch.arange(64.0)[:, None] * torch.arange(1, rope // 2 + 1) * 0.1),
+                         torch.sin(torch.arange(64.0)[:, None] * torch.arange(1, rope // 2 + 1) * 0.1)], -1)  # fmt: skip
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(seed))[:tokens].to(device)
+    slots[1::5] = -1  # padding rows write nothing
+    half = (rank + rope) // 2
+    return dict(
+        q=rand(tokens, heads * (nope + rope)),
+        kv=rand(tokens, rank + rope),
+        positions=torch.randint(0, 64, (tokens,), generator=gen, device=device),
+        cos_sin=cos_sin.to(device),
+        norm_weight=rand(rank, scale=0.5),
+        eps=1e-6,
+        w_kv=rand(heads * (nope + v), rank, scale=0.1).view(heads, nope + v, rank),
+        kv_pool=rand(10, 3, 2, 4, 1, half),
+        layer=2,
+        slot_mapping=slots,
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 21])
+def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_reference(
+    tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: the one-launch prologue (latent norm, RoPE of queries and keys, the pool write,
+    the key projection absorbed into the queries) gives the reference's queries and pool, padding slots
+    untouched, over one, a few and more than a block of tokens; the value projection the reference's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.mla_attention import mla_prologue_torch, mla_value_proj_torch
+    from kernels.triton_mla import mla_prologue_triton, mla_value_proj_triton
+
+    want_in = _prologue_inputs(tokens, 3, 16, 16, 32, 16, "cpu", torch.float32, tokens)
+    got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
+    want = mla_prologue_torch(**want_in)
+    got = mla_prologue_triton(**got_in)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_in["kv_pool"], want_in["kv_pool"], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(want_in["kv_pool"], _prologue_inputs(tokens, 3, 16, 16, 32, 16, "cpu", torch.float32,
+                                                                 tokens)["kv_pool"])  # fmt: skip
+    o = torch.randn(tokens, 3, 32, generator=torch.Generator().manual_seed(tokens))
+    torch.testing.assert_close(
+        mla_value_proj_triton(o, want_in["w_kv"], 16), mla_value_proj_torch(o, want_in["w_kv"], 16),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_triton_latent_prologue_and_value_projection_at_deepseeks_shape(heads: int) -> None:
+    """On a GPU at DeepSeek-V3's latent (128 + 64 query dims, 512 + 64 latent, 128 value dims) in bf16:
+    the prologue's queries and pool and the value projection equal the reference within bf16's error."""
+    from kernels.mla_attention import mla_prologue_torch, mla_value_proj_torch
+    from kernels.triton_mla import mla_prologue_triton, mla_value_proj_triton
+
+    for tokens in (1, 37):
+        want_in = _prologue_inputs(tokens, heads, 128, 64, 512, 128, "cuda", torch.bfloat16, heads)
+        got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
+        want = mla_prologue_torch(**want_in)
+        got = mla_prologue_triton(**got_in)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            got_in["kv_pool"].float(), want_in["kv_pool"].float(), atol=2e-2, rtol=2e-2
+        )
+        o = torch.randn(tokens, heads, 512, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(
+            mla_value_proj_triton(o, want_in["w_kv"], 128).float(),
+            mla_value_proj_torch(o, want_in["w_kv"], 128).float(),
+            atol=2e-2, rtol=2e-2,
+        )  # fmt: skip
+
+
 @needs_gpu
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_triton_latent_attention_at_deepseeks_shape(heads: int) -> None:

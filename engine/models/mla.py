@@ -64,26 +64,28 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention of the normalised hidden states h [T, hidden]: writes each token's latent into the
         pool at ``meta.slot_mapping`` and returns the heads' outputs [T, heads * v_head_dim]."""
-        ops, t, heads = self.ops, h.shape[0], self.num_heads
+        ops, heads = self.ops, self.num_heads
         if self.q_lora:
             q = ops.linear(
                 ops.rms_norm(ops.linear(h, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj
             )
         else:
             q = ops.linear(h, self.q_proj)
-        q_nope, q_rope = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        kv = ops.linear(h, self.kv_a_proj_with_mqa)
-        latent = ops.rms_norm(kv[:, : self.rank].contiguous(), self.kv_a_layernorm, self.eps)
-        q_rope, k_rope = ops.apply_rope(
-            q_rope.contiguous(), kv[:, None, self.rank :].contiguous(), positions, cos_sin
-        )
-        cache = torch.cat([latent, k_rope[:, 0]], dim=-1)
-        half = self.latent // 2
-        ops.write_kv(kv_pool, self.layer, cache[:, None, :half], cache[:, None, half:], meta.slot_mapping)
         w_kv = self.kv_b_proj.view(heads, self.nope + self.v_dim, self.rank)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_kv[:, : self.nope])
+        q = ops.mla_prologue(
+            q,
+            ops.linear(h, self.kv_a_proj_with_mqa),
+            positions,
+            cos_sin,
+            self.kv_a_layernorm,
+            self.eps,
+            w_kv,
+            kv_pool,
+            self.layer,
+            meta.slot_mapping,
+        )
         o = ops.mla_attention(
-            torch.cat([q_latent, q_rope], dim=-1),
+            q,
             kv_pool,
             self.layer,
             meta.block_tables,
@@ -93,7 +95,7 @@ class MLAttention(nn.Module):
             self.rank,
             decode=meta.decode,
         )
-        return torch.einsum("thr,hvr->thv", o, w_kv[:, self.nope :]).reshape(t, self.q_size)
+        return ops.mla_value_proj(o, w_kv, self.v_dim)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj)
