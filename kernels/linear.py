@@ -23,9 +23,19 @@ def add_rms_norm_linear_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A layer's norm and the projection that consumes it, as one op so that a backend can fuse them:
     h = rms_norm(x + residual) * norm_weight (rms_norm(x) where residual is None); returns
-    (h @ w.T, h if need_normed else None, x + residual, or x itself where residual is None)."""
+    (h @ w.T, h if need_normed else None, x + residual, or x itself where residual is None).
+
+    A float32 ``w`` beside 16-bit activations (DeepSeek's router) multiplies h in float32, as transformers
+    does (``linear(h.float(), w)``), and the projection comes out in float32."""
     if residual is None:
         h, summed = rms_norm_torch(x, norm_weight, eps), x
     else:
         h, summed = fused_add_rms_norm_torch(x, residual, norm_weight, eps)
-    return linear_torch(h, w), (h if need_normed else None), summed
+    return linear_torch(promoted(h, w), w), (h if need_normed else None), summed
+
+
+def promoted(h: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """h in float32 where the weight is float32 and h is not (a float32 router over 16-bit activations)."""
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and h.dtype != torch.float32:
+        return h.to(torch.float32)
+    return h

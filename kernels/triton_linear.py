@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_weight import Fp8Weight, scale_args
+from kernels.linear import promoted
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
@@ -442,9 +443,9 @@ def add_rms_norm_linear_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``kernels.linear.add_rms_norm_linear_torch`` on the GPU: (linear(h, w), h if need_normed,
     x + residual) with h = rms_norm(x + residual) * norm_weight (no add where residual is None, and the sum
-    is x itself). One fused launch where ``use_norm_gemv`` says so and the rows are plain (same dtypes,
-    unit last strides); otherwise the norm kernel, then ``linear_triton``. A float8 weight takes
-    ``kernels/triton_fp8_linear.py``'s."""
+    is x itself). One fused launch where ``use_norm_gemv`` says so and the rows are plain (same dtypes, or
+    a float32 ``w`` whose projection comes out in float32 as the reference's; unit last strides); otherwise
+    the norm kernel, then ``linear_triton``. A float8 weight takes ``kernels/triton_fp8_linear.py``'s."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     if isinstance(w, Fp8Weight):
@@ -457,17 +458,20 @@ def add_rms_norm_linear_triton(
         and w.stride(-1) == 1
         and norm_weight.is_contiguous()
         and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
-        and norm_weight.dtype == x.dtype == w.dtype
+        and norm_weight.dtype == x.dtype
+        and w.dtype in (x.dtype, torch.float32)
     )
     if not (plain and use_norm_gemv(m, n, k)):
         if residual is None:
             h, summed = rms_norm_triton(x, norm_weight, eps), x
         else:
             h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
-        return linear_triton(h, w), (h if need_normed else None), summed
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        return linear_triton(promoted(h, w), w), (h if need_normed else None), summed
+    out = torch.empty((1, n), dtype=w.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else x
-    normed = torch.empty_like(x) if need_normed else out  # `out` only lends its dtype when nothing is written
+    normed = (
+        torch.empty_like(x) if need_normed else summed
+    )  # `summed` only lends its dtype when nothing is written
     cfg = norm_gemv_config(n, k, x.device)
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight, w, out, summed, normed, n, k, w.stride(0), eps,

@@ -360,6 +360,25 @@ def test_add_rms_norm_linear_mixed_dtypes_fall_back(norm_gemv_launches: list) ->
     assert norm_gemv_launches == []
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_add_rms_norm_linear_float32_router_over_16_bit_rows(m: int, norm_gemv_launches: list) -> None:
+    """DeepSeek's router: a float32 weight over bfloat16 activations multiplies the normalised row in
+    float32 and gives float32 logits, as the reference (and transformers) do; one row runs the fused
+    kernel, more rows the norm kernel and a float32 matmul."""
+    torch.manual_seed(535 + m)
+    x, res = randn(m, K, dtype=torch.bfloat16), randn(m, K, dtype=torch.bfloat16)
+    g, w = (1 + 0.2 * randn(K)).to(torch.bfloat16), make_weight(N, K, torch.float32)
+    out, normed, summed = TRITON_OPS.add_rms_norm_linear(x, res, g, 1e-6, w, True)
+    ref = add_rms_norm_linear_torch(x, res, g, 1e-6, w, True)
+    assert (
+        out.dtype == ref[0].dtype == torch.float32 and normed is not None and normed.dtype == torch.bfloat16
+    )
+    assert_close(out, ref[0], torch.float32, "float32 router: out")
+    assert_close(normed, ref[1], torch.bfloat16, "float32 router: normed")
+    assert_close(summed, ref[2], torch.bfloat16, "float32 router: sum")
+    assert norm_gemv_launches == ([(N, K)] if m == 1 else [])
+
+
 # (N, K): Qwen3-30B-A3B QKV, router, LM head; Llama-3.1-8B QKV, gate-up.
 NORM_REAL_SHAPES = [(5120, 2048), (128, 2048), (151936, 2048), (6144, 4096), (28672, 4096)]
 

@@ -293,10 +293,7 @@ class DecoderLayer(nn.Module):
         else:
             flat = o.reshape(-1, self.self_attn.q_size)
             o = lora.apply("o", flat, self.self_attn.output(flat))
-        if isinstance(self.mlp, GroupedMoEBlock):  # its router reads h in float32
-            h, residual = self.ops.fused_add_rms_norm(o, residual, self.post_attention_layernorm, self.eps)
-            return self.mlp(h), residual
-        if isinstance(self.mlp, MoEBlock):
+        if isinstance(self.mlp, MoEBlock):  # DeepSeek's float32 router reads h in float32 (the op promotes)
             logits, h, residual = self.ops.add_rms_norm_linear(
                 o, residual, self.post_attention_layernorm, self.eps, self.mlp.gate, True
             )

@@ -122,7 +122,10 @@ class GroupedMoEBlock(MoEBlock):
         self.shared_experts = shared
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(x.float(), self.gate)
+        """``router_logits``: x @ gate.T in float32, where the layer computed them with its norm."""
+        logits = (
+            router_logits if router_logits is not None else torch.nn.functional.linear(x.float(), self.gate)
+        )
         p, r = self.placement, self.routing
         topk_w, topk_phys = self.ops.moe_route_grouped(
             logits,
