@@ -582,20 +582,30 @@ def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.T
     tensors every layer has. The rotary rows of the query and latent projections are taken from the
     checkpoint's interleaved pairs into rotate-half order (transformers' ``rope_interleave``, on by
     default): the model then applies the common RoPE and computes the same scores."""
-    names = ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")  # fmt: skip
+    names = ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    # The query's first projection and the latent's are rows of one weight (MLAttention.qkv_a_proj).
+    stacked = {"q_proj": slice(0, attn.q_rows), "kv_a_proj_with_mqa": slice(attn.q_rows, None)}
+    if attn.q_lora:
+        stacked["q_a_proj"] = stacked.pop("q_proj")
     interleaved = cfg.mla is not None and cfg.mla.rope_interleave
-    for n in names:
+    for n in (*names, *stacked):
         if rest == f"self_attn.{n}.weight":
-            target = getattr(attn, n)
-            put(target, t)  # first: a float8 tensor is widened by its scale blocks, row by row as stored
+            # First: a float8 tensor is widened by its scale blocks, row by row as stored.
+            if n in stacked:
+                put(attn.qkv_a_proj, t, rows=stacked[n])
+                target = attn.qkv_a_proj.data[stacked[n]]
+            else:
+                target = getattr(attn, n)
+                put(target, t)
+                target = target.data
             if interleaved and n in ("q_b_proj", "q_proj"):
                 order = torch.arange(target.shape[0], device=target.device).view(attn.num_heads, -1)
                 order[:, attn.nope :] = order[:, attn.nope :][:, _deinterleave(attn.rope).to(target.device)]
-                target.data.copy_(target.data[order.reshape(-1)])
+                target.copy_(target[order.reshape(-1)])
             elif interleaved and n == "kv_a_proj_with_mqa":
-                rope = target.data[attn.rank :]
+                rope = target[attn.rank :]
                 rope.copy_(rope[_deinterleave(attn.rope).to(target.device)])
-            return [f"self_attn.{n}"]
+            return [f"self_attn.{'qkv_a_proj' if n in stacked else n}"]
     mlp = layer.mlp
     if rest == "mlp.gate.e_score_correction_bias" and isinstance(mlp, GroupedMoEBlock):
         put(mlp.e_score_correction_bias, t)

@@ -245,11 +245,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.self_attn, MLAttention):
-            if residual is None:
-                h, residual = self.ops.rms_norm(x, self.input_layernorm, self.eps), x
-            else:
-                h, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-            return self.post_attention(self.self_attn(h, positions, cos_sin, kv_pool, meta), residual)
+            qkv_a, _, residual = self.ops.add_rms_norm_linear(
+                x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_a_proj, False
+            )
+            return self.post_attention(self.self_attn(qkv_a, positions, cos_sin, kv_pool, meta), residual)
         qkv, residual = self.qkv(x, residual)
         o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
         return self.post_attention(o, residual)

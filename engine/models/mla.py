@@ -43,38 +43,48 @@ class MLAttention(nn.Module):
         self.scale = qk**-0.5 * cfg.attention_scale_factor
         kw = {"dtype": dtype, "device": device}
         self.q_lora = mla.q_lora_rank is not None
+        # The query projection (V3: its down-projection q_a_proj; V2-Lite, Moonlight: q_proj) and the latent's
+        # (kv_a_proj_with_mqa) read the same normalised row: one weight, their rows stacked, so that one GEMV
+        # (fused with the input norm at batch 1) computes both, as vLLM's fused_qkv_a_proj.
+        self.q_rows = mla.q_lora_rank if mla.q_lora_rank is not None else cfg.num_heads * qk
+        self.qkv_a_proj = _param(self.q_rows + self.latent, cfg.hidden_size, **kw)
         if mla.q_lora_rank is not None:
-            self.q_a_proj = _param(mla.q_lora_rank, cfg.hidden_size, **kw)
             self.q_a_layernorm = _param(mla.q_lora_rank, **kw)
             self.q_b_proj = _param(cfg.num_heads * qk, mla.q_lora_rank, **kw)
-        else:
-            self.q_proj = _param(cfg.num_heads * qk, cfg.hidden_size, **kw)
-        self.kv_a_proj_with_mqa = _param(self.latent, cfg.hidden_size, **kw)
         self.kv_a_layernorm = _param(self.rank, **kw)
         self.kv_b_proj = _param(cfg.num_heads * (self.nope + self.v_dim), self.rank, **kw)
         self.o_proj = _param(cfg.hidden_size, self.q_size, **kw)
 
+    @property
+    def q_proj(self) -> torch.Tensor:
+        """The query projection's rows of ``qkv_a_proj`` (V3's q_a_proj where it has a query rank)."""
+        return self.qkv_a_proj[: self.q_rows]
+
+    q_a_proj = q_proj
+
+    @property
+    def kv_a_proj_with_mqa(self) -> torch.Tensor:
+        return self.qkv_a_proj[self.q_rows :]
+
     def forward(
         self,
-        h: torch.Tensor,
+        qkv_a: torch.Tensor,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Attention of the normalised hidden states h [T, hidden]: writes each token's latent into the
-        pool at ``meta.slot_mapping`` and returns the heads' outputs [T, heads * v_head_dim]."""
+        """Attention of the normalised hidden states' ``qkv_a_proj`` [T, q_rows + latent]: writes each
+        token's latent into the pool at ``meta.slot_mapping`` and returns the heads' outputs
+        [T, heads * v_head_dim]."""
         ops, heads = self.ops, self.num_heads
+        q, kv = qkv_a[:, : self.q_rows], qkv_a[:, self.q_rows :]
         if self.q_lora:
-            q = ops.linear(
-                ops.rms_norm(ops.linear(h, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj
-            )
-        else:
-            q = ops.linear(h, self.q_proj)
+            q = ops.add_rms_norm_linear(q, None, self.q_a_layernorm, self.eps, self.q_b_proj, False)[0]
         w_kv = self.kv_b_proj.view(heads, self.nope + self.v_dim, self.rank)
         q = ops.mla_prologue(
             q,
-            ops.linear(h, self.kv_a_proj_with_mqa),
+            kv,
             positions,
             cos_sin,
             self.kv_a_layernorm,
