@@ -7,9 +7,10 @@ side in one run, with the roofline of each batch's decode step.
     python benchmarks/deepseek_bench.py --smoke          # small shapes, on the CPU
 
 Decode tok/s: ``batch x new`` tokens over the time of a ``new``-token generation less that of a one-token
-one (the prompts' prefill, one step for the whole batch, as transformers' is), medians of ``--repeats``. The engine runs the Triton ops and its decode CUDA
-graphs, the latent attention and the grouped routing in torch inside them (their fast kernels are not
-written). Roofline: the bytes a decode step must read (the weights of the attention, the dense and shared
+one (the prompts' prefill, one step for the whole batch, as transformers' is), medians of ``--repeats``. The engine runs the Triton ops (``kernels/triton_mla.py`` for
+the latent attention and the grouped routing) and its decode CUDA graphs. ``--profile`` logs the kernel
+timeline of the batch-1 decode graph (``gpu_bench.kernel_timeline``: each kernel's marginal time along the
+chain). Roofline: the bytes a decode step must read (the weights of the attention, the dense and shared
 MLPs, the routed experts the batch activates at most (every one once a batch chooses them all), the LM head,
 and each sequence's latent KV) over the measured copy bandwidth.
 """
