@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.activation import silu_and_mul_torch
 from kernels.fp8_weight import Fp8Weight, as_dense
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 
@@ -39,3 +40,12 @@ def promoted(h: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and h.dtype != torch.float32:
         return h.to(torch.float32)
     return h
+
+
+def silu_mul_linear_torch(
+    gate_up: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A gated MLP's down projection with its activation: silu(gate) * up @ w.T (gate_up [M, 2I], gate ||
+    up; w [N, I]), plus ``add`` [M, N] where given (rounded as the two ops and an add in gate_up's dtype)."""
+    out = linear_torch(silu_and_mul_torch(gate_up), w)
+    return out if add is None else out + add

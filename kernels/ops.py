@@ -9,7 +9,7 @@ from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_attention_torch
 from kernels.copy_rows import copy_rows_torch
 from kernels.kv_cache import write_kv_torch
-from kernels.linear import add_rms_norm_linear_torch, linear_torch
+from kernels.linear import add_rms_norm_linear_torch, linear_torch, silu_mul_linear_torch
 from kernels.lora import lora_apply_torch
 from kernels.mla_attention import mla_attention_torch, mla_prologue_torch, mla_value_proj_torch
 from kernels.moe import fused_moe_torch
@@ -37,6 +37,7 @@ class Ops:
     qkv_attention: Callable  # the prologue and attention as one op (folded into one kernel in decode)
     linear: Callable
     add_rms_norm_linear: Callable  # a layer's norm and the projection that reads it (fused at batch 1)
+    silu_mul_linear: Callable  # a gated MLP's activation, down projection and an add (fused at batch 1)
     gumbel_sample: (
         Callable  # the sampling race, with top-k, top-p and min-p (engine/sampler.py picks the rows)
     )
@@ -64,6 +65,7 @@ TORCH_OPS = Ops(
     qkv_attention=qkv_attention_torch,
     linear=linear_torch,
     add_rms_norm_linear=add_rms_norm_linear_torch,
+    silu_mul_linear=silu_mul_linear_torch,
     gumbel_sample=gumbel_sample_torch,
     lora_apply=lora_apply_torch,
     copy_rows=copy_rows_torch,

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels.fp8_weight import Fp8Weight, scale_args
 from kernels.linear import promoted
+from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait, sm_count
 from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
@@ -479,3 +480,75 @@ def add_rms_norm_linear_triton(
         **pdl_kwargs(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, (normed if need_normed else None), summed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A gated MLP's activation fused into its down projection's GEMV (and the add that follows it)
+
+
+@triton.jit
+def _silu_mul_gemv_kernel(
+    gu_ptr,
+    w_ptr,
+    add_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    HAS_ADD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[n] = (silu(gate) * up) . w[n] (+ add[n]) for BLOCK_N rows n, gate_up = gate || up (K each). Each
+    program forms the activation chunk by chunk from the gate-up row (read from L2), rounded as
+    ``silu_and_mul`` rounds it; the dot is rounded to the output dtype before the add, as the two ops are."""
+    pdl_wait(USE_PDL)  # programmatic dependent launch: the previous kernel's writes are visible after this
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        gate = tl.load(gu_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + K + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(gu_ptr.dtype.element_ty).to(tl.float32)
+        act = (silu * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
+        lanes += w * act[None, :]
+        w_ptrs += BLOCK_K
+    out = tl.sum(lanes, axis=1).to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        out = (out.to(tl.float32) + tl.load(add_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)).to(
+            out_ptr.dtype.element_ty
+        )
+    tl.store(out_ptr + offs_n, out, mask=n_mask)
+
+
+def silu_mul_linear_triton(
+    gate_up: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``kernels.linear.silu_mul_linear_torch``: one GEMV launch for one row (the activation formed inside
+    it, the add its epilogue) where the rows are plain (one dtype, unit last strides); otherwise the
+    SiLU kernel, ``linear_triton`` and an add."""
+    (m, two_k), n = gate_up.shape, w.shape[0]
+    k = two_k // 2
+    plain = (
+        isinstance(w, torch.Tensor)
+        and gate_up.stride(-1) == 1
+        and w.stride(-1) == 1
+        and w.dtype == gate_up.dtype
+        and (add is None or (add.dtype == gate_up.dtype and add.is_contiguous() and add.shape == (m, n)))
+    )
+    if not (plain and use_gemv(m, n, k) and w.shape[1] == k):
+        out = linear_triton(silu_and_mul_triton(gate_up), w)
+        return out if add is None else out + add
+    out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
+    cfg = linear_config(n, k, gate_up.device)
+    _silu_mul_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        gate_up, w, add if add is not None else out, out, n, k, w.stride(0),
+        HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **pdl_kwargs(gate_up.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -10,7 +10,7 @@ from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_attention import paged_attention_triton, qkv_attention_triton
 from kernels.triton_copy_rows import copy_rows_triton
 from kernels.triton_kv_cache import write_kv_triton
-from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton
+from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton, silu_mul_linear_triton
 from kernels.triton_lora import lora_apply_small
 from kernels.triton_mla import (
     mla_attention_triton,
@@ -39,6 +39,7 @@ TRITON_OPS = Ops(
     qkv_attention=qkv_attention_triton,
     linear=linear_triton,
     add_rms_norm_linear=add_rms_norm_linear_triton,
+    silu_mul_linear=silu_mul_linear_triton,
     gumbel_sample=gumbel_sample_triton,
     # Two kernels up to 16 rows, the reference's cuBLAS GEMMs beyond (measured on an H100: performance.md).
     lora_apply=lora_apply_small,

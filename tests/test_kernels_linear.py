@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels import triton_linear
-from kernels.linear import add_rms_norm_linear_torch, linear_torch
+from kernels.linear import add_rms_norm_linear_torch, linear_torch, silu_mul_linear_torch
 from kernels.triton_ops import TRITON_OPS
 from tests.kernel_testing import (
     DEVICE,
@@ -377,6 +377,29 @@ def test_add_rms_norm_linear_float32_router_over_16_bit_rows(m: int, norm_gemv_l
     assert_close(normed, ref[1], torch.bfloat16, "float32 router: normed")
     assert_close(summed, ref[2], torch.bfloat16, "float32 router: sum")
     assert norm_gemv_launches == ([(N, K)] if m == 1 else [])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The activation fused into the down projection's GEMV (``silu_mul_linear``)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("with_add", [False, True], ids=["plain", "add"])
+def test_silu_mul_linear_matches_reference(
+    m: int, dtype: torch.dtype, with_add: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One row runs the fused kernel (the activation formed inside the GEMV, the add its epilogue), more
+    rows the SiLU kernel, the projection and an add; both against the reference, in every dtype."""
+    launches = record_launches(monkeypatch, "_silu_mul_gemv_kernel", 1)
+    torch.manual_seed(560 + m)
+    gate_up, w = randn(m, 2 * K, dtype=dtype) * 2, make_weight(N, K, dtype)
+    add = randn(m, N, dtype=dtype) if with_add else None
+    out = TRITON_OPS.silu_mul_linear(gate_up, w, add)
+    ref = silu_mul_linear_torch(gate_up, w, add)
+    assert out.dtype == dtype and out.shape == (m, N)
+    assert_close(out, ref, dtype, f"silu_mul_linear M={m} add={with_add}")
+    assert launches == ([(N, K)] if m == 1 else [])
 
 
 # (N, K): Qwen3-30B-A3B QKV, router, LM head; Llama-3.1-8B QKV, gate-up.

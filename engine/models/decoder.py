@@ -157,12 +157,13 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = linear_weight((2 * inter, hidden), fp8, dtype, device)
         self.down_proj = linear_weight((hidden, inter), fp8, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.ops.linear(x, self.gate_up_proj))
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus ``add`` where given (DeepSeek's routed experts' output beside its shared ones)."""
+        return self.down(self.ops.linear(x, self.gate_up_proj), add)
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after its gate-up projection (which the layer fuses with its norm)."""
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj)
+    def down(self, gate_up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP after its gate-up projection (which the layer fuses with its norm), plus ``add``."""
+        return self.ops.silu_mul_linear(gate_up, self.down_proj, add)
 
 
 class DecoderLayer(nn.Module):

@@ -153,4 +153,4 @@ class GroupedMoEBlock(MoEBlock):
             softmax=r.softmax,
         )
         out = self.dispatcher.run(x, topk_w, topk_phys, self.num_physical, self._experts)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else self.shared_experts(x, add=out)
