@@ -10,6 +10,8 @@ the batch's layout are as ``kernels.attention``'s: sequence ``b``'s new queries 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.kv_cache import write_kv_torch
@@ -87,25 +89,28 @@ def mla_prologue_torch(
     kv_pool: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    *,
+    rms_norm: Callable = rms_norm_torch,
+    apply_rope: Callable = apply_rope_torch,
+    write_kv: Callable = write_kv_torch,
 ) -> torch.Tensor:
     """The latent attention's step between its projections and attention: q [T, H * (nope + rope)] (the
     query projection's output), kv [T, rank + rope] (``kv_a_proj_with_mqa``'s), ``w_kv`` the key and value
     up-projection viewed [H, nope + v_dim, rank]. Writes each token's latent (``rank`` values normalised by
     ``norm_weight``, then its rotary key) into the pool at ``slot_mapping`` (negative: skipped) and returns
     the attention's queries [T, H, rank + rope]: ``q_nope @ W_uk`` (the key projection absorbed) and the
-    rotary part."""
+    rotary part. ``rms_norm``, ``apply_rope``, ``write_kv``: the ops it is composed of (a backend's own,
+    where its fused kernel does not take a shape)."""
     t, heads = q.shape[0], w_kv.shape[0]
     rank = w_kv.shape[2]
     rope = kv.shape[1] - rank
     nope = q.shape[1] // heads - rope
     q_nope, q_rope = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)
-    latent = rms_norm_torch(kv[:, :rank].contiguous(), norm_weight, eps)
-    q_rope, k_rope = apply_rope_torch(
-        q_rope.contiguous(), kv[:, None, rank:].contiguous(), positions, cos_sin
-    )
+    latent = rms_norm(kv[:, :rank].contiguous(), norm_weight, eps)
+    q_rope, k_rope = apply_rope(q_rope.contiguous(), kv[:, None, rank:].contiguous(), positions, cos_sin)
     cache = torch.cat([latent, k_rope[:, 0]], dim=-1)
     half = kv_pool.shape[-1]
-    write_kv_torch(kv_pool, layer, cache[:, None, :half], cache[:, None, half:], slot_mapping)
+    write_kv(kv_pool, layer, cache[:, None, :half], cache[:, None, half:], slot_mapping)
     q_latent = torch.einsum("thn,hnr->thr", q_nope, w_kv[:, :nope])
     return torch.cat([q_latent, q_rope], dim=-1)
 

@@ -28,6 +28,9 @@ from kernels.mla_attention import mla_attention_torch, mla_prologue_torch, mla_v
 from kernels.moe_routing import moe_route_grouped_torch
 from kernels.triton_attention import num_kv_splits
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
+from kernels.triton_kv_cache import write_kv_triton
+from kernels.triton_norm import rms_norm_triton
+from kernels.triton_rope import apply_rope_triton
 
 
 @triton.jit
@@ -353,7 +356,8 @@ def mla_prologue_triton(
     the head's absorbed query for up to 16 tokens (one ``tl.dot`` against ``W_uk``'s chunk, read once for
     them), and a last program per head rotates the head's rotary query (head 0's also normalises the tokens'
     latents, rotates their keys and writes both into the pool). Shapes outside the kernel's powers of two
-    take the reference."""
+    take the reference composed of the Triton norm, RoPE and pool-write kernels (no host synchronisation,
+    so CUDA graphs capture it too)."""
     t, heads = q.shape[0], w_kv.shape[0]
     rank = w_kv.shape[2]
     rope = kv.shape[1] - rank
@@ -362,9 +366,9 @@ def mla_prologue_triton(
     if not (_pow2(nope) and _pow2(rope) and _pow2(rank) and nope >= 16 and rank >= 16 and rope >= 2) or (
         kv_pool.shape[4] != 1 or 2 * half != rank + rope or w_kv.stride(2) != 1 or kv_pool.dtype != q.dtype
     ):
-        return mla_prologue_torch(
-            q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer, slot_mapping
-        )
+        return mla_prologue_torch(q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer, slot_mapping,
+                                  rms_norm=rms_norm_triton, apply_rope=apply_rope_triton,
+                                  write_kv=write_kv_triton)  # fmt: skip
     out = q.new_empty((t, heads, rank + rope))
     if t == 0:
         return out

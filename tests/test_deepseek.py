@@ -376,24 +376,25 @@ def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v
     )
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 21])
+@pytest.mark.parametrize(("tokens", "nope"), [(1, 16), (3, 16), (21, 16), (3, 24)])
 def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_reference(
-    tokens: int, monkeypatch: pytest.MonkeyPatch
+    tokens: int, nope: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In the interpreter: the one-launch prologue (latent norm, RoPE of queries and keys, the pool write,
     the key projection absorbed into the queries) gives the reference's queries and pool, padding slots
-    untouched, over one, a few and more than a block of tokens; the value projection the reference's."""
+    untouched, over one, a few and more than a block of tokens; so does its fallback of Triton ops for a
+    shape the kernel does not take (a query head of 24 + 16); the value projection the reference's."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.mla_attention import mla_prologue_torch, mla_value_proj_torch
     from kernels.triton_mla import mla_prologue_triton, mla_value_proj_triton
 
-    want_in = _prologue_inputs(tokens, 3, 16, 16, 32, 16, "cpu", torch.float32, tokens)
+    want_in = _prologue_inputs(tokens, 3, nope, 16, 32, 16, "cpu", torch.float32, tokens)
     got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
     want = mla_prologue_torch(**want_in)
     got = mla_prologue_triton(**got_in)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_in["kv_pool"], want_in["kv_pool"], atol=1e-5, rtol=1e-5)
-    assert not torch.equal(want_in["kv_pool"], _prologue_inputs(tokens, 3, 16, 16, 32, 16, "cpu", torch.float32,
+    assert not torch.equal(want_in["kv_pool"], _prologue_inputs(tokens, 3, nope, 16, 32, 16, "cpu", torch.float32,
                                                                  tokens)["kv_pool"])  # fmt: skip
     o = torch.randn(tokens, 3, 32, generator=torch.Generator().manual_seed(tokens))
     torch.testing.assert_close(
