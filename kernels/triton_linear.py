@@ -530,12 +530,18 @@ def silu_mul_linear_triton(
     gate_up: torch.Tensor, w: torch.Tensor | Fp8Weight, add: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``kernels.linear.silu_mul_linear_torch``: one GEMV launch for one row (the activation formed inside
-    it, the add its epilogue) where the rows are plain (one dtype, unit last strides); otherwise the
-    SiLU kernel, ``linear_triton`` and an add."""
+    it, the add its epilogue) where the rows are plain (one dtype, unit last strides) and the GEMV's tile
+    holds several weight rows; otherwise the SiLU kernel, ``linear_triton`` and an add.
+
+    Every program forms the activation it needs from the gate-up row in L2: with one weight row a program
+    (rows of 4096 and longer: Llama-3.1-8B's down projection) those re-reads would be twice the weight's
+    bytes, against once for the plain GEMV's input, so such shapes keep the two launches (unmeasured)."""
     (m, two_k), n = gate_up.shape, w.shape[0]
     k = two_k // 2
+    cfg = linear_config(n, k, gate_up.device)
     plain = (
-        isinstance(w, torch.Tensor)
+        cfg.block_n >= 2
+        and isinstance(w, torch.Tensor)
         and gate_up.stride(-1) == 1
         and w.stride(-1) == 1
         and w.dtype == gate_up.dtype
@@ -545,7 +551,6 @@ def silu_mul_linear_triton(
         out = linear_triton(silu_and_mul_triton(gate_up), w)
         return out if add is None else out + add
     out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
-    cfg = linear_config(n, k, gate_up.device)
     _silu_mul_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         gate_up, w, add if add is not None else out, out, n, k, w.stride(0),
         HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
