@@ -201,13 +201,20 @@ def _mla_merge_kernel(
     lse = tl.load(lse_ptr + rows)
     top = tl.max(lse, axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)  # every split empty (seq_len 0): no -inf - -inf
-    weight = tl.exp(lse - top)
-    total = tl.sum(weight, axis=0)
+    total = tl.sum(tl.exp(lse - top), axis=0)
     r = tl.arange(0, R)
-    # An empty split's part is never read (its weight is 0; it wrote no finite values worth the traffic).
-    used = lse > float("-inf")
-    parts = tl.load(o_part_ptr + rows[:, None] * R + r[None, :], mask=used[:, None], other=0.0)
-    merged = tl.sum(parts * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
+    # The parts in chunks of up to 8 splits (8 x R float32 values at once: up to 64 splits, as a batch-1
+    # step takes, would not fit in registers); an empty split's part is never read (its weight is 0).
+    CHUNK: tl.constexpr = 8 if NUM_SPLITS > 8 else NUM_SPLITS
+    c = tl.arange(0, CHUNK)
+    acc = tl.zeros([R], tl.float32)
+    for s0 in tl.static_range(0, NUM_SPLITS, CHUNK):
+        chunk_rows = (b * NUM_SPLITS + s0 + c) * num_heads + h
+        chunk_lse = tl.load(lse_ptr + chunk_rows)
+        used = chunk_lse > float("-inf")
+        parts = tl.load(o_part_ptr + chunk_rows[:, None] * R + r[None, :], mask=used[:, None], other=0.0)
+        acc += tl.sum(parts * tl.exp(chunk_lse - top)[:, None], axis=0)
+    merged = acc / tl.maximum(total, 1e-30)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + r, merged.to(out_ptr.dtype.element_ty))
 
 
