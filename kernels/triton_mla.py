@@ -272,6 +272,14 @@ def mla_attention_triton(
     return out
 
 
+# Tokens up to which the prologue and the value projection run their own kernels (decode steps, MTP and
+# speculative verification). Each 16-token block re-reads its head's W_uk / W_uv chunks from L2, so a long
+# prompt would read them hundreds of times where the reference's batched matmuls read them about once a
+# 128-token tile: longer passes (prefill) take the reference composed of the Triton norm, RoPE and pool-write
+# kernels and cuBLAS.
+MLA_FUSED_MAX_TOKENS = 64
+
+
 @triton.jit
 def _mla_prologue_kernel(
     q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr,
@@ -362,16 +370,24 @@ def mla_prologue_triton(
     """``mla_prologue_torch`` in one launch: program ``(token block, head, chunk)`` computes a chunk of
     the head's absorbed query for up to 16 tokens (one ``tl.dot`` against ``W_uk``'s chunk, read once for
     them), and a last program per head rotates the head's rotary query (head 0's also normalises the tokens'
-    latents, rotates their keys and writes both into the pool). Shapes outside the kernel's powers of two
-    take the reference composed of the Triton norm, RoPE and pool-write kernels (no host synchronisation,
-    so CUDA graphs capture it too)."""
+    latents, rotates their keys and writes both into the pool). Passes of more than
+    ``MLA_FUSED_MAX_TOKENS`` tokens and shapes outside the kernel's powers of two take the reference
+    composed of the Triton norm, RoPE and pool-write kernels (no host synchronisation, so CUDA graphs
+    capture it too)."""
     t, heads = q.shape[0], w_kv.shape[0]
     rank = w_kv.shape[2]
     rope = kv.shape[1] - rank
     nope = q.shape[1] // heads - rope
     half = kv_pool.shape[-1]
-    if not (_pow2(nope) and _pow2(rope) and _pow2(rank) and nope >= 16 and rank >= 16 and rope >= 2) or (
-        kv_pool.shape[4] != 1 or 2 * half != rank + rope or w_kv.stride(2) != 1 or kv_pool.dtype != q.dtype
+    if (
+        t > MLA_FUSED_MAX_TOKENS
+        or not (_pow2(nope) and _pow2(rope) and _pow2(rank) and nope >= 16 and rank >= 16 and rope >= 2)
+        or (
+            kv_pool.shape[4] != 1
+            or 2 * half != rank + rope
+            or w_kv.stride(2) != 1
+            or kv_pool.dtype != q.dtype
+        )
     ):
         return mla_prologue_torch(q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer, slot_mapping,
                                   rms_norm=rms_norm_triton, apply_rope=apply_rope_triton,
@@ -417,10 +433,12 @@ def _mla_value_kernel(
 
 def mla_value_proj_triton(o: torch.Tensor, w_kv: torch.Tensor, v_dim: int) -> torch.Tensor:
     """``mla_value_proj_torch`` in one launch: program ``(token block, head, v chunk)`` multiplies up to 16
-    tokens' latent outputs by the chunk's value rows (read once for them). Other shapes take the reference."""
+    tokens' latent outputs by the chunk's value rows (read once for them). Passes of more than
+    ``MLA_FUSED_MAX_TOKENS`` tokens and other shapes take the reference."""
     t, heads, rank = o.shape
     if (
-        not (_pow2(rank) and _pow2(v_dim) and rank >= 16 and v_dim >= 16)
+        t > MLA_FUSED_MAX_TOKENS
+        or not (_pow2(rank) and _pow2(v_dim) and rank >= 16 and v_dim >= 16)
         or o.stride(2) != 1
         or w_kv.stride(2) != 1
     ):

@@ -359,7 +359,8 @@ def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v
 
     cos_sin = torch.cat([torch.cos(torch.arange(64.0)[:, None] * torch.arange(1, rope // 2 + 1) * 0.1),
                          torch.sin(torch.arange(64.0)[:, None] * torch.arange(1, rope // 2 + 1) * 0.1)], -1)  # fmt: skip
-    slots = torch.randperm(40, generator=torch.Generator().manual_seed(seed))[:tokens].to(device)
+    blocks = max(10, tokens // 2)  # 4 slots a block: room for every token, and slots left unwritten
+    slots = torch.randperm(4 * blocks, generator=torch.Generator().manual_seed(seed))[:tokens].to(device)
     slots[1::5] = -1  # padding rows write nothing
     half = (rank + rope) // 2
     return dict(
@@ -370,23 +371,33 @@ def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v
         norm_weight=rand(rank, scale=0.5),
         eps=1e-6,
         w_kv=rand(heads * (nope + v), rank, scale=0.1).view(heads, nope + v, rank),
-        kv_pool=rand(10, 3, 2, 4, 1, half),
+        kv_pool=rand(blocks, 3, 2, 4, 1, half),
         layer=2,
         slot_mapping=slots,
     )
 
 
-@pytest.mark.parametrize(("tokens", "nope"), [(1, 16), (3, 16), (21, 16), (3, 24)])
+@pytest.mark.parametrize(("tokens", "nope"), [(1, 16), (3, 16), (21, 16), (3, 24), (70, 16)])
 def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_reference(
     tokens: int, nope: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In the interpreter: the one-launch prologue (latent norm, RoPE of queries and keys, the pool write,
     the key projection absorbed into the queries) gives the reference's queries and pool, padding slots
     untouched, over one, a few and more than a block of tokens; so does its fallback of Triton ops for a
-    shape the kernel does not take (a query head of 24 + 16); the value projection the reference's."""
+    shape the kernel does not take (a query head of 24 + 16) and for a pass longer than
+    ``MLA_FUSED_MAX_TOKENS`` (a prompt); the value projection the reference's."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels import triton_mla
     from kernels.mla_attention import mla_prologue_torch, mla_value_proj_torch
     from kernels.triton_mla import mla_prologue_triton, mla_value_proj_triton
+
+    fallbacks: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        fallbacks.append(1)
+        return mla_prologue_torch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_mla, "mla_prologue_torch", counted)
 
     want_in = _prologue_inputs(tokens, 3, nope, 16, 32, 16, "cpu", torch.float32, tokens)
     got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
@@ -401,6 +412,7 @@ def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_ref
         mla_value_proj_triton(o, want_in["w_kv"], 16), mla_value_proj_torch(o, want_in["w_kv"], 16),
         atol=1e-5, rtol=1e-5,
     )  # fmt: skip
+    assert len(fallbacks) == int(nope != 16 or tokens > triton_mla.MLA_FUSED_MAX_TOKENS)
 
 
 @needs_gpu
