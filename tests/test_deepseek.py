@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import faulthandler
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -304,50 +305,50 @@ def test_the_triton_grouped_routing_equals_the_reference(
     torch.testing.assert_close(runs[0][1], runs[1][1])
 
 
-@pytest.mark.parametrize("splits", [1, 2, 16])
-def test_the_triton_latent_attention_equals_the_reference(
-    splits: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In the interpreter: the split-KV decode kernel and its merge give the reference's decode path,
-    with one split or several (some of them empty), and zeros for a padding row."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.mla_attention import mla_attention_torch
-    from kernels.triton_mla import mla_attention_triton
-
-    gen = torch.Generator().manual_seed(splits)
-    pool = torch.randn(12, 2, 2, 4, 1, 24, generator=gen)
+def _short_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seq_lens = torch.tensor([5, 1, 11, 0], dtype=torch.int32)
     tables = torch.tensor([[3, 7, 0], [5, 0, 0], [1, 2, 11], [0, 0, 0]], dtype=torch.int32)
-    q = torch.randn(4, 3, 48, generator=gen)
-    qsl = torch.arange(5, dtype=torch.int32)
-    want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True)
-    got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True, num_splits=splits)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[3], torch.zeros(3, 32))
+    return torch.randn(12, 2, 2, 4, 1, 24, generator=gen), seq_lens, tables
 
 
-@pytest.mark.parametrize("splits", [None, 4, 64])
-def test_the_latent_attention_splits_follow_each_sequences_length(
-    splits: int | None, monkeypatch: pytest.MonkeyPatch
+def _wide_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seq_lens = torch.tensor([70, 33, 0, 129, 16], dtype=torch.int32)
+    pool = torch.randn(90, 2, 2, 4, 1, 24, generator=gen)
+    return pool, seq_lens, torch.randint(0, 90, (5, 80), generator=gen, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("rows", "splits"),
+    [
+        (_short_rows, 1),
+        (_short_rows, 2),
+        (_short_rows, 16),
+        (_wide_rows, None),
+        (_wide_rows, 4),
+        (_wide_rows, 64),
+    ],
+)
+def test_the_triton_latent_attention_equals_the_reference(
+    rows: Callable, splits: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In the interpreter: sequences much shorter than the block table's span (a wide table, as a long
-    ``max_model_len`` gives) still spread over the splits (runs of whole 16-key tiles of their own
-    length: the 129-token one over three of four), and the result is the reference's whatever the count,
-    the default's included."""
+    """In the interpreter: the split-KV decode kernel and its merge give the reference's decode path,
+    with one split or several (some of them empty), and zeros for a padding row. Sequences much shorter
+    than the block table's span (a wide table, as a long ``max_model_len`` gives) still spread over the
+    splits (runs of whole 16-key tiles of their own length: the 129-token one over three of four), the
+    default count and 64 (the merge's chunks of eight) included."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.mla_attention import mla_attention_torch
     from kernels.triton_mla import mla_attention_triton
 
-    gen = torch.Generator().manual_seed(7)
-    pool = torch.randn(90, 2, 2, 4, 1, 24, generator=gen)
-    seq_lens = torch.tensor([70, 33, 0, 129, 16], dtype=torch.int32)
-    tables = torch.randint(0, 90, (5, 80), generator=gen, dtype=torch.int32)
-    q = torch.randn(5, 3, 48, generator=gen)
-    qsl = torch.arange(6, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(splits or 0)
+    pool, seq_lens, tables = rows(gen)
+    q = torch.randn(len(seq_lens), 3, 48, generator=gen)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True)
     got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True, num_splits=splits)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[2], torch.zeros(3, 32))
+    padding = int((seq_lens == 0).nonzero()[0, 0])
+    assert torch.equal(got[padding], torch.zeros(3, 32))
 
 
 def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v: int, device: str,
