@@ -89,18 +89,36 @@ def mla_prologue_torch(
     kv_pool: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
-    *,
-    rms_norm: Callable = rms_norm_torch,
-    apply_rope: Callable = apply_rope_torch,
-    write_kv: Callable = write_kv_torch,
 ) -> torch.Tensor:
     """The latent attention's step between its projections and attention: q [T, H * (nope + rope)] (the
     query projection's output), kv [T, rank + rope] (``kv_a_proj_with_mqa``'s), ``w_kv`` the key and value
     up-projection viewed [H, nope + v_dim, rank]. Writes each token's latent (``rank`` values normalised by
     ``norm_weight``, then its rotary key) into the pool at ``slot_mapping`` (negative: skipped) and returns
     the attention's queries [T, H, rank + rope]: ``q_nope @ W_uk`` (the key projection absorbed) and the
-    rotary part. ``rms_norm``, ``apply_rope``, ``write_kv``: the ops it is composed of (a backend's own,
-    where its fused kernel does not take a shape)."""
+    rotary part."""
+    return mla_prologue_composed(
+        q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer, slot_mapping,
+        rms_norm_torch, apply_rope_torch, write_kv_torch,
+    )  # fmt: skip
+
+
+def mla_prologue_composed(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_kv: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    rms_norm: Callable,
+    apply_rope: Callable,
+    write_kv: Callable,
+) -> torch.Tensor:
+    """``mla_prologue_torch`` composed of a backend's norm, RoPE and pool-write ops (a backend's own where
+    its fused kernel does not take a pass)."""
     t, heads = q.shape[0], w_kv.shape[0]
     rank = w_kv.shape[2]
     rope = kv.shape[1] - rank

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mla_attention import mla_attention_torch, mla_prologue_torch, mla_value_proj_torch
+from kernels.mla_attention import mla_attention_torch, mla_prologue_composed, mla_value_proj_torch
 from kernels.moe_routing import moe_route_grouped_torch
 from kernels.triton_attention import num_kv_splits
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
@@ -389,9 +389,8 @@ def mla_prologue_triton(
             or kv_pool.dtype != q.dtype
         )
     ):
-        return mla_prologue_torch(q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer, slot_mapping,
-                                  rms_norm=rms_norm_triton, apply_rope=apply_rope_triton,
-                                  write_kv=write_kv_triton)  # fmt: skip
+        return mla_prologue_composed(q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer,
+                                     slot_mapping, rms_norm_triton, apply_rope_triton, write_kv_triton)  # fmt: skip
     out = q.new_empty((t, heads, rank + rope))
     if t == 0:
         return out
