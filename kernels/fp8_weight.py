@@ -179,6 +179,11 @@ class Fp8Layout:
         return f"{str(self.fp8_dtype).removeprefix('torch.')} with a scale per {blocks}"
 
 
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """A model's parameter of ``shape`` (uninitialised: the loader fills it), without gradients."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
 def linear_weight(
     shape: tuple[int, ...],
     fp8: Fp8Layout | None,
@@ -187,5 +192,5 @@ def linear_weight(
 ) -> nn.Parameter | Fp8Weight:
     """A model's linear weight [..., N, K]: a parameter of ``dtype``, or float8 in ``fp8``'s layout."""
     if fp8 is None:
-        return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        return empty_param(*shape, dtype=dtype, device=device)
     return Fp8Weight(shape, fp8.block or (1, shape[-1]), dtype, device, fp8.fp8_dtype)

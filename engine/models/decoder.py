@@ -20,7 +20,7 @@ from engine.models.rope_cache import cos_sin_cache
 from engine.moe.dispatch import TokenDispatcher
 from engine.moe.layer import MoEBlock
 from kernels import Ops
-from kernels.fp8_weight import Fp8Layout, linear_weight
+from kernels.fp8_weight import Fp8Layout, empty_param, linear_weight
 from kernels.kv_cache import FP8_KV_DTYPES
 
 
@@ -33,10 +33,6 @@ class AttentionMetadata:
     # Every sequence brings one query token (a decode graph's batch; its padding rows have seq_len 0):
     # ops that would otherwise read the layout on the host (the MLA reference) take a graph-safe path.
     decode: bool = False
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -59,11 +55,13 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.qkv_proj = linear_weight((self.q_size + 2 * self.kv_size, cfg.hidden_size), fp8, dtype, device)
         self.qkv_bias = (
-            _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.attention_bias else None
+            empty_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+            if cfg.attention_bias
+            else None
         )
         self.o_proj = linear_weight((cfg.hidden_size, self.q_size), fp8, dtype, device)
-        self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
-        self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.q_norm = empty_param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = empty_param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         # The checkpoint's calibrated KV scales (``k_scale`` / ``v_scale``, set by the loader; 1.0 where it
         # has none), used with a float8 KV pool only: it stores k / k_scale and v / v_scale (vLLM's rule).
         self.k_scale = 1.0
@@ -186,8 +184,8 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         if moe is None:
             moe = bool(cfg.moe_layers and cfg.moe_layers[layer])
-        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.input_layernorm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
+        self.post_attention_layernorm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
         self.mla = cfg.mla is not None
         self.self_attn: Attention | MLAttention = (
             MLAttention(cfg, layer, ops, dtype, device)
@@ -326,7 +324,7 @@ class DecoderModel(nn.Module):
         self.fp8 = fp8
         self.ops = ops
         self.dispatcher = dispatcher
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg,
@@ -340,16 +338,18 @@ class DecoderModel(nn.Module):
             )
             for i in range(cfg.num_layers)
         )
-        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.norm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
         # A classifier has no LM head (it never generates; the passes that compute logits read the
         # embeddings, which costs no memory) and a ``score`` head, applied by engine.pooling.
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings or cfg.num_labels
-            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.score = (
-            _param(cfg.num_labels, cfg.hidden_size, dtype=dtype, device=device) if cfg.num_labels else None
+            empty_param(cfg.num_labels, cfg.hidden_size, dtype=dtype, device=device)
+            if cfg.num_labels
+            else None
         )
         self.lora_slots: LoRASlots | None = None  # the served LoRA adapters' slots (engine.lora)
         # DeepSeek-V3's multi-token-prediction layer (engine.models.mtp), set by the loader when the engine

@@ -18,13 +18,10 @@ from torch import nn
 from engine.models.model_config import ModelConfig
 from engine.moe.layer import MoEBlock
 from kernels import Ops
+from kernels.fp8_weight import empty_param
 
 if TYPE_CHECKING:
     from engine.models.decoder import AttentionMetadata, DenseMLP
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class MLAttention(nn.Module):
@@ -47,13 +44,13 @@ class MLAttention(nn.Module):
         # (kv_a_proj_with_mqa) read the same normalised row: one weight, their rows stacked, so that one GEMV
         # (fused with the input norm at batch 1) computes both, as vLLM's fused_qkv_a_proj.
         self.q_rows = mla.q_lora_rank if mla.q_lora_rank is not None else cfg.num_heads * qk
-        self.qkv_a_proj = _param(self.q_rows + self.latent, cfg.hidden_size, **kw)
+        self.qkv_a_proj = empty_param(self.q_rows + self.latent, cfg.hidden_size, **kw)
         if mla.q_lora_rank is not None:
-            self.q_a_layernorm = _param(mla.q_lora_rank, **kw)
-            self.q_b_proj = _param(cfg.num_heads * qk, mla.q_lora_rank, **kw)
-        self.kv_a_layernorm = _param(self.rank, **kw)
-        self.kv_b_proj = _param(cfg.num_heads * (self.nope + self.v_dim), self.rank, **kw)
-        self.o_proj = _param(cfg.hidden_size, self.q_size, **kw)
+            self.q_a_layernorm = empty_param(mla.q_lora_rank, **kw)
+            self.q_b_proj = empty_param(cfg.num_heads * qk, mla.q_lora_rank, **kw)
+        self.kv_a_layernorm = empty_param(self.rank, **kw)
+        self.kv_b_proj = empty_param(cfg.num_heads * (self.nope + self.v_dim), self.rank, **kw)
+        self.o_proj = empty_param(cfg.hidden_size, self.q_size, **kw)
 
     @property
     def q_proj(self) -> torch.Tensor:
@@ -122,9 +119,7 @@ class GroupedMoEBlock(MoEBlock):
         assert cfg.routing is not None
         self.routing = cfg.routing
         device = self.gate.device
-        self.gate = nn.Parameter(
-            torch.empty(self.gate.shape, dtype=torch.float32, device=device), requires_grad=False
-        )
+        self.gate = empty_param(*self.gate.shape, dtype=torch.float32, device=device)
         # V3's choice bias (a buffer: V2 has none and keeps it zero; V3 checkpoints all carry theirs).
         self.register_buffer(
             "e_score_correction_bias", torch.zeros(self.num_logical, dtype=torch.float32, device=device)

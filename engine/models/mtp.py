@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from engine.cuda_graphs import CAPTURE_ERROR_MODE, bucket_sizes, capturing, smallest_bucket
-from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel, _param
+from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel
 from engine.models.model_config import ModelConfig
 from kernels import Ops
+from kernels.fp8_weight import empty_param
 
 
 class MTPLayer(nn.Module):
@@ -43,14 +44,14 @@ class MTPLayer(nn.Module):
         kw = {"dtype": dtype, "device": device}
         h = cfg.hidden_size
         self.ops, self.eps = ops, cfg.rms_norm_eps
-        self.embed_tokens = _param(cfg.vocab_size, h, **kw)
-        self.enorm = _param(h, **kw)
-        self.hnorm = _param(h, **kw)
-        self.eh_proj = _param(h, 2 * h, **kw)
+        self.embed_tokens = empty_param(cfg.vocab_size, h, **kw)
+        self.enorm = empty_param(h, **kw)
+        self.hnorm = empty_param(h, **kw)
+        self.eh_proj = empty_param(h, 2 * h, **kw)
         # Its KV is the pool's layer ``num_layers``; one rank's experts (not served with several ranks).
         self.block = DecoderLayer(cfg, cfg.num_layers, ops, dtype, device, None, None, moe=cfg.mtp_moe)
-        self.head_norm = _param(h, **kw)
-        self.head = _param(cfg.vocab_size, h, **kw)
+        self.head_norm = empty_param(h, **kw)
+        self.head = empty_param(cfg.vocab_size, h, **kw)
 
     def forward(
         self,

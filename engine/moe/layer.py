@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.moe.dispatch import SingleRankDispatcher, TokenDispatcher
 from kernels import Ops
-from kernels.fp8_weight import Fp8Layout, linear_weight
+from kernels.fp8_weight import Fp8Layout, empty_param, linear_weight
 
 
 class ExpertPlacement:
@@ -87,7 +87,7 @@ class MoEBlock(nn.Module):
             raise ValueError(f"{self.num_physical} physical experts do not divide over {ep} EP ranks")
         n_local = self.num_physical // ep
         kw = {"dtype": dtype, "device": device}
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, **kw), requires_grad=False)
+        self.gate = empty_param(num_experts, hidden_size, **kw)
         self.w13 = linear_weight((n_local, 2 * intermediate_size, hidden_size), fp8, dtype, device)
         self.w2 = linear_weight((n_local, hidden_size, intermediate_size), fp8, dtype, device)
         self.register_buffer(
