@@ -249,6 +249,27 @@ def mla_attention_triton(
     out = q.new_empty((batch, heads, v_dim))
     if batch == 0:
         return out
+    o_part, lse = mla_splits(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim, num_splits)
+    _mla_merge_kernel[(batch, heads)](
+        o_part, lse, out, heads, out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=lse.shape[1], num_warps=4,
+        **pdl_kwargs(q.device),
+    )  # fmt: skip
+    return out
+
+
+def mla_splits(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's launch (``mla_attention_triton``'s first stage, for decode calls of a shape it
+    takes): each split's normalised output [B, S, H, v_dim] and log-sum-exp [B, S, H] (-inf: no key)."""
+    batch, heads = q.shape[0], q.shape[1]
     block_size = kv_pool.shape[3]
     block_h = max(16, min(64, triton.next_power_of_2(heads)))
     groups = triton.cdiv(heads, block_h)
@@ -258,18 +279,14 @@ def mla_attention_triton(
         splits = triton.next_power_of_2(max(1, num_splits))
     o_part = torch.empty((batch, splits, heads, v_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, splits, heads), dtype=torch.float32, device=q.device)
-    pdl = pdl_kwargs(q.device)
     _mla_split_kernel[(batch, splits, groups)](
         q, kv_pool, block_tables, seq_lens, o_part, lse,
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         block_tables.stride(0), layer, heads, float(scale),
-        R=v_dim, P=rope, HALF=half, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=16, NUM_SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), num_warps=4, **pdl,
+        R=v_dim, P=q.shape[2] - v_dim, HALF=kv_pool.shape[-1], BLOCK_SIZE=block_size, BLOCK_H=block_h,
+        BLOCK_N=16, NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype), num_warps=4, **pdl_kwargs(q.device),
     )  # fmt: skip
-    _mla_merge_kernel[(batch, heads)](
-        o_part, lse, out, heads, out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=splits, num_warps=4, **pdl
-    )
-    return out
+    return o_part, lse
 
 
 # Tokens up to which the prologue and the value projection run their own kernels (decode steps, MTP and

@@ -351,6 +351,29 @@ def test_the_triton_latent_attention_equals_the_reference(
     assert torch.equal(got[padding], torch.zeros(3, 32))
 
 
+def test_the_latent_attention_splits_cut_each_sequences_own_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the interpreter, which splits hold keys (a finite log-sum-exp) in a wide block table (320 slots
+    a row): with 4 splits the 129-token sequence's runs of whole 16-key tiles are 48, 48 and 33 keys, so
+    three splits hold keys (cutting the table's width, 80 slots a split, would put it in two and the
+    70- and 33-token ones in one); the 16-token one is in the first split alone, the empty row in none."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.triton_mla import mla_splits
+
+    gen = torch.Generator().manual_seed(3)
+    pool, seq_lens, tables = _wide_rows(gen)
+    q = torch.randn(len(seq_lens), 3, 48, generator=gen)
+    _, lse = mla_splits(q, pool, 1, tables, seq_lens, 0.3, 32, 4)
+    holds = torch.isfinite(lse).all(dim=2)  # [sequence, split]: every head alike
+    assert torch.isfinite(lse).any(dim=2).equal(holds)
+    assert holds.tolist() == [
+        [True, True, True, False],  # 70 keys: runs of 32, 32, 6
+        [True, True, True, False],  # 33 keys: runs of 16, 16, 1
+        [False, False, False, False],
+        [True, True, True, False],
+        [True, False, False, False],
+    ]
+
+
 def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v: int, device: str,
                      dtype: torch.dtype, seed: int) -> dict:  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -400,6 +423,14 @@ def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_ref
         return composed(*args)
 
     monkeypatch.setattr(triton_mla, "mla_prologue_composed", counted)
+    value_fallbacks: list[int] = []
+    value_reference = triton_mla.mla_value_proj_torch
+
+    def counted_value(*args: object) -> torch.Tensor:
+        value_fallbacks.append(1)
+        return value_reference(*args)
+
+    monkeypatch.setattr(triton_mla, "mla_value_proj_torch", counted_value)
 
     want_in = _prologue_inputs(tokens, 3, nope, 16, 32, 16, "cpu", torch.float32, tokens)
     got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
@@ -415,6 +446,7 @@ def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_ref
         atol=1e-5, rtol=1e-5,
     )  # fmt: skip
     assert len(fallbacks) == int(nope != 16 or tokens > triton_mla.MLA_FUSED_MAX_TOKENS)
+    assert len(value_fallbacks) == int(tokens > triton_mla.MLA_FUSED_MAX_TOKENS)
 
 
 @needs_gpu
