@@ -401,6 +401,19 @@ def _prologue_inputs(tokens: int, heads: int, nope: int, rope: int, rank: int, v
     )
 
 
+def _calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Counts the calls of ``module.name`` (still made) in the list it returns."""
+    calls: list[int] = []
+    original = getattr(module, name)
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize(("tokens", "nope"), [(1, 16), (3, 16), (21, 16), (3, 24), (70, 16)])
 def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_reference(
     tokens: int, nope: int, monkeypatch: pytest.MonkeyPatch
@@ -415,22 +428,8 @@ def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_ref
     from kernels.mla_attention import mla_prologue_torch, mla_value_proj_torch
     from kernels.triton_mla import mla_prologue_triton, mla_value_proj_triton
 
-    fallbacks: list[int] = []
-    composed = triton_mla.mla_prologue_composed
-
-    def counted(*args: object) -> torch.Tensor:
-        fallbacks.append(1)
-        return composed(*args)
-
-    monkeypatch.setattr(triton_mla, "mla_prologue_composed", counted)
-    value_fallbacks: list[int] = []
-    value_reference = triton_mla.mla_value_proj_torch
-
-    def counted_value(*args: object) -> torch.Tensor:
-        value_fallbacks.append(1)
-        return value_reference(*args)
-
-    monkeypatch.setattr(triton_mla, "mla_value_proj_torch", counted_value)
+    fallbacks = _calls(monkeypatch, triton_mla, "mla_prologue_composed")
+    value_fallbacks = _calls(monkeypatch, triton_mla, "mla_value_proj_torch")
 
     want_in = _prologue_inputs(tokens, 3, nope, 16, 32, 16, "cpu", torch.float32, tokens)
     got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
