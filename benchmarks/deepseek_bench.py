@@ -75,9 +75,11 @@ SMOKE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_interme
              bos_token_id=1, eos_token_id=2)  # fmt: skip
 
 
-def step_bytes(cfg: dict, batch: int, context: int, itemsize: int) -> float:
+def step_bytes(cfg: dict, batch: int, context: int, weight_bytes: int = 2) -> float:
     """What one decode step must read: every weight a step uses once, the routed experts' of at most
-    ``batch x k`` distinct experts a layer, and the batch's latent KV."""
+    ``batch x k`` distinct experts a layer, and the batch's latent KV (16-bit). ``weight_bytes``: a byte
+    for float8 projections (``--quantization fp8``; their scales, one float a 128 x 128 block, are left
+    out), whose kv_b_proj (absorbed), router (float32), embeddings and LM head stay as they are."""
     h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     nope, rope, v, rank = (
         cfg["qk_nope_head_dim"],
@@ -85,15 +87,18 @@ def step_bytes(cfg: dict, batch: int, context: int, itemsize: int) -> float:
         cfg["v_head_dim"],
         cfg["kv_lora_rank"],
     )
-    attn = h * heads * (nope + rope) + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
-    dense = 3 * h * cfg["intermediate_size"]
-    expert = 3 * h * cfg["moe_intermediate_size"]
+    attn = (h * heads * (nope + rope) + h * (rank + rope) + heads * v * h) * weight_bytes
+    attn += rank * heads * (nope + v) * 2  # kv_b_proj
+    dense = 3 * h * cfg["intermediate_size"] * weight_bytes
+    expert = 3 * h * cfg["moe_intermediate_size"] * weight_bytes
     moe_layers = layers - cfg["first_k_dense_replace"]
     active = min(cfg["n_routed_experts"], batch * cfg["num_experts_per_tok"])
-    moe = (cfg["n_shared_experts"] + active) * expert + cfg["n_routed_experts"] * h * 2  # the router: float32
-    weights = layers * attn + cfg["first_k_dense_replace"] * dense + moe_layers * moe + cfg["vocab_size"] * h
-    kv = batch * context * layers * (rank + rope)
-    return (weights + kv) * itemsize
+    moe = (cfg["n_shared_experts"] + active) * expert + cfg["n_routed_experts"] * h * 4  # the router: float32
+    weights = (
+        layers * attn + cfg["first_k_dense_replace"] * dense + moe_layers * moe + cfg["vocab_size"] * h * 2
+    )
+    kv = batch * context * layers * (rank + rope) * 2
+    return weights + kv
 
 
 def copy_gbps() -> float:
@@ -135,6 +140,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8"],
+        help="fp8: float8 e4m3 weights, 128 x 128 blocks",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="log the kernel timeline of the batch-1 decode graph (GPU)"
     )
     args = ap.parse_args()
@@ -150,7 +161,7 @@ def main() -> None:
         for b in batches
     }
     llm = LLM(str(path), load_format="dummy", device=device, dtype="bfloat16" if gpu else "float32",
-              kernel_backend="triton" if gpu else "torch", max_num_seqs=max(batches), enable_prefix_caching=False,
+              kernel_backend="triton" if gpu else "torch", max_num_seqs=max(batches), enable_prefix_caching=False, quantization=args.quantization,
               max_num_batched_tokens=max(batches) * args.prompt,  # every prompt in one step: then decode alone
               max_model_len=args.prompt + args.new + 16, num_kv_blocks=max(batches) * (-(-(args.prompt + args.new + 16) // 16)) + 8)  # fmt: skip
     graphs = llm.engine.runner.graphs is not None
@@ -194,7 +205,7 @@ def main() -> None:
     bandwidth = copy_gbps() if gpu else 0.0
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"Moonlight-16B-A3B shape (DeepseekV3ForCausalLM){' (smoke)' if args.smoke else ''} on {name}: "
-          f"{args.prompt}-token prompts, {args.new} new tokens, decode tok/s, medians of {args.repeats}; "
+          f"{args.quantization} weights, {args.prompt}-token prompts, {args.new} new tokens, decode tok/s, medians of {args.repeats}; "
           f"engine decode graphs: {graphs} ({replays} replays); copy bandwidth {bandwidth:.0f} GB/s")  # fmt: skip
     print(
         f"{'batch':>5} {'pdmesh':>10} {'transformers':>13} {'ratio':>7} {'roofline':>10} {'of roofline':>12}"
@@ -203,7 +214,8 @@ def main() -> None:
         rate = engine_rates[b][0]
         hf = hf_rates.get(b, (0.0, 0.0))[0]
         ctx = args.prompt + args.new // 2
-        roof = b / (step_bytes(cfg, b, ctx, 2) / (bandwidth * 1e9)) if bandwidth else 0.0
+        weight_bytes = 1 if args.quantization == "fp8" else 2
+        roof = b / (step_bytes(cfg, b, ctx, weight_bytes) / (bandwidth * 1e9)) if bandwidth else 0.0
         print(f"{b:>5} {rate:>10.1f} {hf:>13.1f} {rate / hf if hf else 0:>6.2f}x {roof:>10.1f} "
               f"{rate / roof if roof else 0:>11.0%}")  # fmt: skip
 

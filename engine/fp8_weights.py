@@ -134,9 +134,11 @@ def _scale_values(name: str, scale: torch.Tensor) -> torch.Tensor:
 # Keeping float8 weights float8 (``quantization`` auto / fp8): which layout, and storing each tensor in it
 
 # Checkpoint tensors that become the model's float8 weights: attention and MLP projections and experts
-# (``.weight`` of each; the router ``mlp.gate``, the embeddings and the LM head stay in the model's dtype).
+# (``.weight`` of each; the router ``mlp.gate``, the embeddings and the LM head stay in the model's dtype, as
+# do DeepSeek's kv_b_proj, absorbed into the query and output, and its MTP layer's eh_proj).
 _LINEAR = re.compile(
-    r"^model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj"
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:[qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)"
+    r"|mlp\.(?:shared_experts\.)?(?:gate|up|down)_proj"
     r"|(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))\.weight$"
 )
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
@@ -146,22 +148,64 @@ ONLINE_BLOCK = (128, 128)
 
 def _row_boundaries(cfg: ModelConfig) -> list[int]:
     """Where the fused weights' parts start: a block layout's row blocks must not straddle them."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return [q, kv, cfg.intermediate_size, cfg.moe_intermediate_size]
+    inters = [
+        cfg.intermediate_size,
+        cfg.moe_intermediate_size,
+        cfg.moe_intermediate_size * cfg.n_shared_experts,
+    ]
+    if cfg.mla is not None:  # the query's first projection, then the latent's (MLAttention.qkv_a_proj)
+        return [_mla_q_rows(cfg), *inters]
+    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, *inters]
+
+
+def _mla_q_rows(cfg: ModelConfig) -> int:
+    mla = cfg.mla
+    assert mla is not None
+    return mla.q_lora_rank or cfg.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
 
 
 def _shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
-    shapes = [(q + 2 * kv, h), (h, q)]
-    for inter in (cfg.intermediate_size, cfg.moe_intermediate_size):
+    h, mla = cfg.hidden_size, cfg.mla
+    if mla is not None:
+        heads_qk = cfg.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        shapes = [(_mla_q_rows(cfg) + mla.latent_dim, h), (h, cfg.num_heads * mla.v_head_dim)]
+        if mla.q_lora_rank:
+            shapes.append((heads_qk, mla.q_lora_rank))
+    else:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = [(q + 2 * kv, h), (h, q)]
+    for inter in (
+        cfg.intermediate_size,
+        cfg.moe_intermediate_size,
+        cfg.moe_intermediate_size * cfg.n_shared_experts,
+    ):
         if inter:
             shapes += [(2 * inter, h), (h, inter)]
     return shapes
 
 
+def _rotary_rows_stay_in_blocks(cfg: ModelConfig, bn: int) -> bool:
+    """Whether the loader's reordering of DeepSeek's rotary rows (``rotary_row_order``) keeps every row in
+    its scale block of ``bn`` rows, so that the blocks' scales stay theirs."""
+    from engine.models.mla import rotary_row_order  # the models import this module's package
+
+    if cfg.mla is None or not cfg.mla.rope_interleave:
+        return True
+    q_start = 0  # q_b_proj is a weight of its own; q_proj (no query rank) the first rows of qkv_a_proj
+    kv_start = _mla_q_rows(cfg)
+    for proj, start in (("q", q_start), ("kv_a", kv_start)):
+        order = rotary_row_order(cfg, proj)
+        rows = torch.arange(len(order)) + start
+        if not torch.equal((order + start) // bn, rows // bn):
+            return False
+    return True
+
+
 def _block_fits(cfg: ModelConfig, block: tuple[int, int]) -> bool:
-    return all(kernel_layout_ok(block, n, k) for n, k in _shapes(cfg)) and all(
-        b % block[0] == 0 for b in _row_boundaries(cfg) if b
+    return (
+        all(kernel_layout_ok(block, n, k) for n, k in _shapes(cfg))
+        and all(b % block[0] == 0 for b in _row_boundaries(cfg) if b)
+        and _rotary_rows_stay_in_blocks(cfg, block[0])
     )
 
 

@@ -30,7 +30,7 @@ from engine.fp8_weights import (
     store_fp8,
 )
 from engine.models.decoder import DecoderModel
-from engine.models.mla import GroupedMoEBlock, MLAttention
+from engine.models.mla import GroupedMoEBlock, MLAttention, rotary_row_order
 from engine.models.model_config import ModelConfig
 from engine.models.mtp import MTPLayer
 from engine.moe.dispatch import TokenDispatcher
@@ -165,7 +165,7 @@ def load_model(
                 f"{model} has no multi-token-prediction layer (num_nextn_predict_layers): speculative "
                 "method mtp needs one (DeepSeek-V3 and R1 checkpoints have it)"
             )
-        net.mtp = MTPLayer(cfg, ops, torch_dtype, device)
+        net.mtp = MTPLayer(cfg, ops, torch_dtype, device, fp8)
         if path is None or load_format == "dummy":  # generated weights: the main model's embeddings and head
             _share_mtp_tensors(net, cfg, force=True)
     has_lm_head = not cfg.num_labels  # a classifier's checkpoint has a score head instead
@@ -192,12 +192,6 @@ def fp8_layout(cfg: ModelConfig, path: Path | None, quantization: str, load_form
         raise ValueError(f"quantization must be auto, fp8 or none, got {quantization!r}")
     if quantization == "none":
         return None
-    if cfg.mla is not None:
-        if quantization == "fp8":
-            raise UnsupportedModelError(
-                "quantization fp8 is not served for DeepSeek (latent attention) models yet"
-            )
-        return None  # a float8 checkpoint's weights are widened at load
     quant = (
         None
         if path is None
@@ -584,27 +578,22 @@ def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.T
     default): the model then applies the common RoPE and computes the same scores."""
     names = ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj")
     # The query's first projection and the latent's are rows of one weight (MLAttention.qkv_a_proj).
-    stacked = {"q_proj": slice(0, attn.q_rows), "kv_a_proj_with_mqa": slice(attn.q_rows, None)}
+    stacked = {
+        "q_proj": slice(0, attn.q_rows),
+        "kv_a_proj_with_mqa": slice(attn.q_rows, attn.q_rows + attn.latent),
+    }
     if attn.q_lora:
         stacked["q_a_proj"] = stacked.pop("q_proj")
     interleaved = cfg.mla is not None and cfg.mla.rope_interleave
     for n in (*names, *stacked):
         if rest == f"self_attn.{n}.weight":
-            # First: a float8 tensor is widened by its scale blocks, row by row as stored.
-            if n in stacked:
-                put(attn.qkv_a_proj, t, rows=stacked[n])
-                target = attn.qkv_a_proj.data[stacked[n]]
-            else:
-                target = getattr(attn, n)
-                put(target, t)
-                target = target.data
-            if interleaved and n in ("q_b_proj", "q_proj"):
-                order = torch.arange(target.shape[0], device=target.device).view(attn.num_heads, -1)
-                order[:, attn.nope :] = order[:, attn.nope :][:, _deinterleave(attn.rope).to(target.device)]
-                target.copy_(target[order.reshape(-1)])
-            elif interleaved and n == "kv_a_proj_with_mqa":
-                rope = target[attn.rank :]
-                rope.copy_(rope[_deinterleave(attn.rope).to(target.device)])
+            # First: a float8 tensor is widened by its scale blocks (or stored with them), row by row as stored.
+            target, rows = (attn.qkv_a_proj, stacked[n]) if n in stacked else (getattr(attn, n), None)
+            put(target, t, rows=rows)
+            if interleaved and n in ("q_b_proj", "q_proj", "kv_a_proj_with_mqa"):
+                _reorder_rows(
+                    target, rows, rotary_row_order(cfg, "kv_a" if n == "kv_a_proj_with_mqa" else "q")
+                )
             return [f"self_attn.{'qkv_a_proj' if n in stacked else n}"]
     mlp = layer.mlp
     if rest == "mlp.gate.e_score_correction_bias" and isinstance(mlp, GroupedMoEBlock):
@@ -627,9 +616,24 @@ def _assign_mla(layer: torch.nn.Module, attn: MLAttention, rest: str, t: torch.T
     return None
 
 
-def _deinterleave(dim: int) -> torch.Tensor:
-    """Interleaved rotary pairs (x0, x1), (x2, x3), ... into rotate-half order: evens, then odds."""
-    return torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+def _reorder_rows(target: torch.nn.Parameter | Fp8Weight, rows: slice | None, order: torch.Tensor) -> None:
+    """Rows ``rows`` of ``target`` (all where None) put in ``order`` (``engine.models.mla.rotary_row_order``).
+    A float8 weight's scales follow their rows where each row has its own; block scales stay, the layout
+    (``engine.fp8_weights``) having kept no block that the order moves rows out of."""
+    rows = rows or slice(0, target.shape[-2])
+    order = order.to(target.device)
+    if isinstance(target, Fp8Weight):
+        bn = target.block[0]
+        first = torch.arange(len(order), device=order.device) + rows.start
+        if bn > 1 and not torch.equal((order + rows.start) // bn, first // bn):
+            raise UnsupportedModelError(f"rotary rows straddle the float8 scale blocks of {bn} rows")
+        if bn == 1:
+            scales = target.weight_scale.data[rows]
+            scales.copy_(scales[order])
+        values = target.weight.data[rows]
+    else:
+        values = target.data[rows]
+    values.copy_(values[order])
 
 
 def _kv_scale(name: str, t: torch.Tensor) -> float:

@@ -177,7 +177,6 @@ def test_what_a_deepseek_model_refuses(deepseek: Path) -> None:
     for kw, words in (
         ({"enable_lora": True}, "LoRA adapters are not served"),
         ({"kv_cache_dtype": "fp8"}, "latent KV"),
-        ({"quantization": "fp8"}, "fp8 is not served"),
     ):
         with pytest.raises(Exception, match=words):
             LLM(str(deepseek), dtype="float32", num_kv_blocks=16, **kw)
@@ -537,29 +536,168 @@ def test_new_expert_placements_leave_the_tokens_unchanged() -> None:
         assert torch.equal(logical_load(engine.take_expert_counts(), placement, 8), load)
 
 
-@pytest.mark.parametrize("block", [(16, 16), (8, 16)], ids=["aligned", "straddling"])
-def test_a_float8_checkpoint_loads_widened(block: tuple[int, int], tmp_path: Path) -> None:
-    """DeepSeek-V3's own checkpoints are fine-grained FP8 (``weight_scale_inv`` per block): every
-    projection's float8 values are widened by their block's scale at load, the latent and query
-    projections' rotary rows reordered after that (so blocks that straddle the rotary rows, as 8-row ones
-    do here, widen right too), and the tokens are transformers' on the same checkpoint."""
+def _engine_deepseek_weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """Every layer's query, latent and output projections, MLP, shared and routed experts, under their
+    checkpoint names and in the checkpoint's row order (the loader's rotary reordering undone), float8
+    ones as the tensors they stand for."""
+    from engine.models.mla import rotary_row_order
+    from kernels.fp8_weight import as_dense
+
+    cfg = llm.engine.model_config
+
+    def undo(w: torch.Tensor, proj: str) -> torch.Tensor:
+        order = rotary_row_order(cfg, proj)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return w[inverse]
+
+    def gated(pre: str, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        inter = down.shape[1]
+        out[pre + "gate_proj.weight"], out[pre + "up_proj.weight"] = gate_up[:inter], gate_up[inter:]
+        out[pre + "down_proj.weight"] = down
+
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(llm.engine.model.layers):
+        attn, pre = layer.self_attn, f"model.layers.{i}.self_attn."
+        qkv_a = as_dense(attn.qkv_a_proj)
+        q, kv = qkv_a[: attn.q_rows], qkv_a[attn.q_rows :]
+        if attn.q_lora:
+            out[pre + "q_a_proj.weight"] = q
+            out[pre + "q_b_proj.weight"] = undo(as_dense(attn.q_b_proj), "q")
+        else:
+            out[pre + "q_proj.weight"] = undo(q, "q")
+        out[pre + "kv_a_proj_with_mqa.weight"] = undo(kv, "kv_a")
+        out[pre + "kv_b_proj.weight"] = attn.kv_b_proj
+        out[pre + "o_proj.weight"] = as_dense(attn.o_proj)
+        mlp, pre = layer.mlp, f"model.layers.{i}.mlp."
+        if not hasattr(mlp, "w13"):
+            gated(pre, as_dense(mlp.gate_up_proj), as_dense(mlp.down_proj))
+            continue
+        shared = mlp.shared_experts
+        gated(pre + "shared_experts.", as_dense(shared.gate_up_proj), as_dense(shared.down_proj))
+        w13, w2 = as_dense(mlp.w13), as_dense(mlp.w2)
+        for e in range(w13.shape[0]):
+            gated(f"{pre}experts.{e}.", w13[e], w2[e])
+    return out
+
+
+@pytest.mark.parametrize(
+    "arch, block, kept",
+    [
+        ("deepseek_v3", (16, 128), True),
+        ("deepseek_v2_lite", (16, 128), True),
+        ("deepseek_v3", (8, 128), False),
+        ("deepseek_v3", (16, 16), False),
+    ],
+    ids=["v3-kept", "v2-lite-kept", "v3-rotary-rows-straddle-blocks", "v3-blocks-the-kernels-do-not-read"],
+)
+def test_a_float8_checkpoint_keeps_its_float8_weights(
+    arch: str, block: tuple[int, int], kept: bool, tmp_path: Path
+) -> None:
+    """DeepSeek-V3's own checkpoints are fine-grained FP8 (``weight_scale_inv`` per 128 x 128 block). With
+    blocks the kernels read (here 16 x 128: one block along these short rows) the query and latent
+    projections (one stacked weight), the output projection, the shared and routed experts stay float8 with
+    their scales, kv_b_proj (absorbed) and the router are widened; the rotary rows are reordered within
+    their scale blocks. Where the reordering would move rows across blocks (8-row blocks split each head's
+    16 rotary rows) or the kernels do not read the blocks (16 wide), everything is widened. Either way the
+    weights stand for the checkpoint's bit for bit and the tokens are transformers' on the checkpoint."""
     from transformers import FineGrainedFP8Config
 
+    from kernels.fp8_weight import Fp8Weight
+    from tests.checkpoints import quantize_checkpoint
+
+    src = make_checkpoint(arch, tmp_path / "src", seed=7)
+    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=block)
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
+    layer = llm.engine.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    float8 = [attn.qkv_a_proj, attn.o_proj, mlp.w13, mlp.w2, mlp.shared_experts.gate_up_proj]
+    float8 += [attn.q_b_proj] if attn.q_lora else []
+    assert [isinstance(w, Fp8Weight) for w in float8] == [kept] * len(float8)
+    assert not isinstance(attn.kv_b_proj, Fp8Weight) and mlp.gate.dtype == torch.float32
+    got = _engine_deepseek_weights(llm)
+    assert set(got) == set(meant)
+    for name, w in got.items():
+        assert torch.equal(w, meant[name]), name
+    prompt = _prompts(1, seed=11, lengths=(20, 21))[0]
+    tokens = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
+    assert len(set(tokens)) >= 4, tokens
+    widened = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    assert tokens == hf_greedy(tmp_path / "fp8", prompt, 12, **widened)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2_lite"])
+def test_quantization_fp8_quantises_a_16_bit_deepseek_checkpoint(arch: str, tmp_path: Path) -> None:
+    """``quantization="fp8"`` over a DeepSeek checkpoint: its projections become float8 with a scale per
+    row (these rows are not whole 128 x 128 blocks), the rotary rows' scales reordered with them; each
+    weight within half a float8 step of the checkpoint's (kv_b_proj copied), and the tokens are
+    transformers' on the weights they stand for."""
+    from safetensors.torch import load_file
+
+    from kernels.fp8_weight import Fp8Weight
+    from tests.checkpoints import write_weights
+
+    src = make_checkpoint(arch, tmp_path / "src", seed=8)
+    llm = LLM(str(src), dtype="float32", num_kv_blocks=32, quantization="fp8")
+    attn = llm.engine.model.layers[0].self_attn
+    assert isinstance(attn.qkv_a_proj, Fp8Weight) and attn.qkv_a_proj.block == (1, 64)
+    original = load_file(str(src / "model.safetensors"))
+    stands_for = _engine_deepseek_weights(llm)
+    assert set(stands_for) == {n for n in original if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))}
+    for name, w in stands_for.items():
+        want = original[name].float()
+        if name.endswith("kv_b_proj.weight"):
+            assert torch.equal(w, want), name
+            continue
+        assert ((w - want).abs() <= want.abs() / 16 + 1e-6).all(), name
+        assert not torch.equal(w, want), name  # quantised, not copied
+    reference = write_weights(src, tmp_path / "dequantized", stands_for)
+    prompt = _prompts(1, seed=12, lengths=(20, 21))[0]
+    tokens = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
+    assert len(set(tokens)) >= 4, tokens
+    assert tokens == hf_greedy(reference, prompt, 12)
+
+
+def test_float8_deepseek_triton_ops_in_the_interpreter_give_the_torch_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton ops over the float8 weights (the norm-GEMV into the stacked query and latent projection,
+    the float8 GEMVs, the float8 MoE) give the reference ops' greedy tokens (float32)."""
+    from kernels.fp8_weight import Fp8Weight
     from tests.checkpoints import quantize_checkpoint
 
     src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=7)
-    meant = quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=block)
-    prompt = _prompts(1, seed=11, lengths=(20, 21))[0]
-    llm = LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
-    rope = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])  # interleaved pairs: evens, odds
-    attn = llm.engine.model.layers[0].self_attn
-    kv_a = meant["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
-    torch.testing.assert_close(
-        attn.kv_a_proj_with_mqa, torch.cat([kv_a[:32], kv_a[32:][rope]]), atol=0, rtol=0
-    )
-    q_b = meant["model.layers.0.self_attn.q_b_proj.weight"].view(4, 32, -1)
-    want_q_b = torch.cat([q_b[:, :16], q_b[:, 16:][:, rope]], dim=1).reshape(128, -1)
-    torch.testing.assert_close(attn.q_b_proj, want_q_b, atol=0, rtol=0)
-    got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
-    widened = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
-    assert got == hf_greedy(tmp_path / "fp8", prompt, 12, **widened)
+    quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 128))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prompts = _prompts(2, seed=3)
+    kw = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    fast = LLM(str(tmp_path / "fp8"), kernel_backend="triton", **kw)
+    assert isinstance(fast.engine.model.layers[1].mlp.w13, Fp8Weight)
+    triton = fast.generate(prompts, GREEDY)
+    torch_ = LLM(str(tmp_path / "fp8"), **kw).generate(prompts, GREEDY)
+    assert [o.token_ids for o in triton] == [o.token_ids for o in torch_]
+
+
+@needs_gpu
+def test_gpu_float8_deepseek_on_the_fast_path(tmp_path: Path) -> None:
+    """On a GPU, a float8 DeepSeek-V3 checkpoint (16 x 128 blocks, kept in float8): the Triton ops with
+    the decode CUDA graphs give the eager reference ops' greedy tokens (float32: identical)."""
+    from kernels.fp8_weight import Fp8Weight
+    from tests.checkpoints import quantize_checkpoint
+
+    src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=7)
+    quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 128))
+    prompts = _prompts(5, seed=8, lengths=(3, 60))
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=64)
+    eager = LLM(str(tmp_path / "fp8"), kernel_backend="torch", cuda_graphs=False, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, long)]
+    del eager
+    fast = LLM(str(tmp_path / "fp8"), kernel_backend="triton", **kw)
+    assert isinstance(fast.engine.model.layers[1].mlp.w13, Fp8Weight)
+    assert [o.token_ids for o in fast.generate(prompts, long)] == want
+    assert sum(fast.engine.runner.graphs.replays.values()) > 0

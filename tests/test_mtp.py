@@ -171,6 +171,39 @@ def test_drafts_are_kept_as_often_as_the_reference_predicts(predictive: Path) ->
     assert len(steps) <= max_tokens - kept + 1
 
 
+def test_a_float8_checkpoints_mtp_layer_drafts_as_its_widened_weights_do(
+    predictive: Path, tmp_path: Path
+) -> None:
+    """A float8 copy of the predictive checkpoint (DeepSeek-V3's kind, 16 x 128 blocks, the MTP layer's
+    projections included): the MTP layer's decoder layer keeps its projections and experts in float8 and
+    ``eh_proj`` is widened (vLLM keeps it unquantised too); the drafts made and kept, and the output, are
+    those of the same checkpoint widened at load (``quantization="none"``: the weights the float8 ones stand
+    for; float32, so the same arithmetic), and the output is plain decoding's."""
+    from kernels.fp8_weight import Fp8Weight
+    from tests.checkpoints import quantize_checkpoint
+
+    quantize_checkpoint(predictive, tmp_path / "fp8", "fp8", block=(16, 128))
+    prompts = _prompts(3, seed=6)
+    kw = dict(dtype="float32", num_kv_blocks=64)
+    runs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(tmp_path / "fp8"), speculative_config=MTP, quantization=quantization, **kw)
+        made = _recording(llm)
+        outputs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        order = list(dict.fromkeys(rid for rid, _, _ in made))  # request ids differ run to run
+        drafts = [(order.index(rid), n, draft) for rid, n, draft in made]
+        runs[quantization] = (outputs, drafts, llm.engine.spec_accepted_tokens)
+        block = llm.engine.model.mtp.block
+        float8 = [block.self_attn.qkv_a_proj, block.self_attn.o_proj, block.mlp.w13]
+        assert [isinstance(w, Fp8Weight) for w in float8] == [quantization == "auto"] * 3
+        assert not isinstance(llm.engine.model.mtp.eh_proj, Fp8Weight)
+    outputs, made, kept = runs["auto"]
+    assert runs["none"] == runs["auto"]
+    assert len(made) >= 10 and kept > len(made) * 0.5
+    plain = LLM(str(tmp_path / "fp8"), **kw)
+    assert outputs == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_tight_pools_preemption_and_sampling_keep_plain_decodings_tokens(predictive: Path, k: int) -> None:
     """A pool small enough to preempt (and, with 3-token drafts, to leave some sequences' chains short of

@@ -188,7 +188,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
         self.mla = cfg.mla is not None
         self.self_attn: Attention | MLAttention = (
-            MLAttention(cfg, layer, ops, dtype, device)
+            MLAttention(cfg, layer, ops, dtype, device, fp8)
             if self.mla
             else Attention(cfg, layer, ops, dtype, device, fp8)
         )
@@ -196,7 +196,7 @@ class DecoderLayer(nn.Module):
         if cfg.routing is not None and moe:
             shared = (
                 DenseMLP(
-                    cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, device
+                    cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, device, fp8
                 )
                 if cfg.n_shared_experts
                 else None
@@ -214,6 +214,7 @@ class DecoderLayer(nn.Module):
                 device=device,
                 physical_to_logical=physical_to_logical,
                 dispatcher=dispatcher,
+                fp8=fp8,
             )
         elif moe:
             self.mlp = MoEBlock(

@@ -6,6 +6,10 @@ MLA keeps one latent a token a layer in the KV pool (``kernels.mla_attention``):
 ``kv_lora_rank`` values and the shared rotary key, split across the pool's K and V halves. Attention runs
 in the latent space (the key projection ``W_uk`` absorbed into the queries, the value projection ``W_uv``
 applied to the output, both slices of ``kv_b_proj``), as vLLM and SGLang run MLA for decode.
+
+Float8 weights (a DeepSeek-V3 checkpoint's own, or ``quantization="fp8"``) keep the query and latent
+projections, the output projection, the MLPs and the experts in float8 (``kernels.fp8_weight``); ``kv_b_proj``
+stays in the model's dtype, widened at load, since both its halves are absorbed (vLLM widens it too).
 """
 
 from __future__ import annotations
@@ -18,15 +22,40 @@ from torch import nn
 from engine.models.model_config import ModelConfig
 from engine.moe.layer import MoEBlock
 from kernels import Ops
-from kernels.fp8_weight import empty_param
+from kernels.fp8_weight import Fp8Layout, as_dense, empty_param, linear_weight
 
 if TYPE_CHECKING:
     from engine.models.decoder import AttentionMetadata, DenseMLP
 
 
+def rotary_row_order(cfg: ModelConfig, proj: str) -> torch.Tensor:
+    """The order the loader takes a DeepSeek projection's rows in (row i of the model's weight is the
+    checkpoint's row ``order[i]``): the rotary rows from the checkpoint's interleaved pairs (x0, x1), (x2, x3),
+    ... into rotate-half order, evens then odds (transformers' ``rope_interleave``), the others in place.
+    ``proj``: ``"q"`` (q_b_proj, or q_proj without a query rank: each head's nope rows, then its rotary
+    rows) or ``"kv_a"`` (kv_a_proj_with_mqa: the latent's rows, then the rotary key's)."""
+    mla = cfg.mla
+    assert mla is not None
+    nope, rope = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    pairs = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if proj == "kv_a":
+        return torch.cat([torch.arange(mla.kv_lora_rank), mla.kv_lora_rank + pairs])
+    if proj != "q":
+        raise ValueError(f"rotary_row_order: proj is 'q' or 'kv_a', not {proj!r}")
+    order = torch.arange(cfg.num_heads * (nope + rope)).view(cfg.num_heads, nope + rope)
+    order[:, nope:] = order[:, nope:][:, pairs]
+    return order.reshape(-1)
+
+
 class MLAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8: Fp8Layout | None = None,
     ) -> None:
         super().__init__()
         mla = cfg.mla
@@ -44,24 +73,25 @@ class MLAttention(nn.Module):
         # (kv_a_proj_with_mqa) read the same normalised row: one weight, their rows stacked, so that one GEMV
         # (fused with the input norm at batch 1) computes both, as vLLM's fused_qkv_a_proj.
         self.q_rows = mla.q_lora_rank if mla.q_lora_rank is not None else cfg.num_heads * qk
-        self.qkv_a_proj = empty_param(self.q_rows + self.latent, cfg.hidden_size, **kw)
+        self.qkv_a_proj = linear_weight((self.q_rows + self.latent, cfg.hidden_size), fp8, dtype, device)
         if mla.q_lora_rank is not None:
             self.q_a_layernorm = empty_param(mla.q_lora_rank, **kw)
-            self.q_b_proj = empty_param(cfg.num_heads * qk, mla.q_lora_rank, **kw)
+            self.q_b_proj = linear_weight((cfg.num_heads * qk, mla.q_lora_rank), fp8, dtype, device)
         self.kv_a_layernorm = empty_param(self.rank, **kw)
         self.kv_b_proj = empty_param(cfg.num_heads * (self.nope + self.v_dim), self.rank, **kw)
-        self.o_proj = empty_param(cfg.hidden_size, self.q_size, **kw)
+        self.o_proj = linear_weight((cfg.hidden_size, self.q_size), fp8, dtype, device)
 
     @property
     def q_proj(self) -> torch.Tensor:
-        """The query projection's rows of ``qkv_a_proj`` (V3's q_a_proj where it has a query rank)."""
-        return self.qkv_a_proj[: self.q_rows]
+        """The query projection's rows of ``qkv_a_proj`` (V3's q_a_proj where it has a query rank): a view,
+        or the rows a float8 weight stands for."""
+        return as_dense(self.qkv_a_proj)[: self.q_rows]
 
     q_a_proj = q_proj
 
     @property
     def kv_a_proj_with_mqa(self) -> torch.Tensor:
-        return self.qkv_a_proj[self.q_rows :]
+        return as_dense(self.qkv_a_proj)[self.q_rows :]
 
     def forward(
         self,

@@ -32,14 +32,23 @@ from engine.cuda_graphs import CAPTURE_ERROR_MODE, bucket_sizes, capturing, smal
 from engine.models.decoder import AttentionMetadata, DecoderLayer, DecoderModel
 from engine.models.model_config import ModelConfig
 from kernels import Ops
-from kernels.fp8_weight import empty_param
+from kernels.fp8_weight import Fp8Layout, empty_param
 
 
 class MTPLayer(nn.Module):
     """The checkpoint's first MTP layer. ``embed_tokens`` and ``head`` are the main model's own tensors
-    where the checkpoint's copies equal them (DeepSeek-V3's do; the loader makes them one)."""
+    where the checkpoint's copies equal them (DeepSeek-V3's do; the loader makes them one). With ``fp8``
+    its decoder layer's projections are float8 as the model's are; ``eh_proj`` stays in ``dtype`` (vLLM's
+    too), widened at load where the checkpoint stores it in float8."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8: Fp8Layout | None = None,
+    ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         h = cfg.hidden_size
@@ -49,7 +58,7 @@ class MTPLayer(nn.Module):
         self.hnorm = empty_param(h, **kw)
         self.eh_proj = empty_param(h, 2 * h, **kw)
         # Its KV is the pool's layer ``num_layers``; one rank's experts (not served with several ranks).
-        self.block = DecoderLayer(cfg, cfg.num_layers, ops, dtype, device, None, None, moe=cfg.mtp_moe)
+        self.block = DecoderLayer(cfg, cfg.num_layers, ops, dtype, device, None, None, fp8, moe=cfg.mtp_moe)
         self.head_norm = empty_param(h, **kw)
         self.head = empty_param(cfg.vocab_size, h, **kw)
 
