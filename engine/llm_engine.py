@@ -253,9 +253,10 @@ class LLMEngine:
                 raise ValueError(
                     f"enable_lora: LoRA adapters are not served for {loaded.cfg.architecture} yet"
                 )
-            if config.kv_cache_dtype != "auto":
+            if config.kv_cache_dtype != "auto" and _kv_scaled_layers(loaded.model):
                 raise ValueError(
-                    f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture} keeps its latent KV in the model dtype"
+                    f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture}'s latent KV is stored "
+                    "unscaled in a float8 pool; calibrated KV scales (k_scale, v_scale) for latent attention are not served"
                 )
             prefill_graph_tokens = 0  # its layers have no attention-free pieces (engine.prefill_graphs)
         self.placement_version = 0  # the expert placement the MoE layers run (0: the initial one)
@@ -1457,12 +1458,17 @@ class LLMEngine:
         return moved
 
 
+def _kv_scaled_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules to which the checkpoint gave calibrated KV scales other than 1.0."""
+    return [
+        m for m in model.modules() if getattr(m, "k_scale", 1.0) != 1.0 or getattr(m, "v_scale", 1.0) != 1.0
+    ]
+
+
 def _kv_scales_in_use(model: torch.nn.Module, pool_dtype: torch.dtype) -> int:
     """How many layers' calibrated KV scales from the checkpoint the pool uses (a float8 pool uses them,
     a 16-bit one does not), said in the log where the checkpoint has any."""
-    scaled = [
-        m for m in model.modules() if getattr(m, "k_scale", 1.0) != 1.0 or getattr(m, "v_scale", 1.0) != 1.0
-    ]
+    scaled = _kv_scaled_layers(model)
     if not scaled:
         return 0
     if pool_dtype in FP8_KV_DTYPES:

@@ -15,7 +15,10 @@ wide the block table) and heads ``g * BLOCK_H ..``; each tile of ``BLOCK_N`` cac
 first ``R`` values and its ``P`` rotary ones, read across the pool's K and V halves), scores are two
 ``tl.dot``s (the absorbed query against the latent, the rotary query against the rotary key), the values
 are the same latent tile; an online softmax keeps the split's output and log-sum-exp in float32 scratch,
-which the merge combines (a split without tokens weighs nothing; a row of seq_len 0 gets zeros).
+which the merge combines (a split without tokens weighs nothing; a row of seq_len 0 gets zeros). A float8
+pool's tiles are widened to the query's dtype (exact) before the dots; the prologue writes the latents into
+it through ``to_pool`` (clamped, rounded to nearest even, as the reference's ``write_kv_torch``; the latent
+is stored unscaled, vLLM's default for MLA).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import FP8_KV_DTYPES
 from kernels.mla_attention import mla_attention_torch, mla_prologue_composed, mla_value_proj_torch
 from kernels.moe_routing import moe_route_grouped_torch
 from kernels.triton_attention import num_kv_splits
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
-from kernels.triton_kv_cache import write_kv_triton
+from kernels.triton_kv_cache import to_pool, write_kv_triton
 from kernels.triton_norm import rms_norm_triton
 from kernels.triton_rope import apply_rope_triton
 
@@ -170,8 +174,9 @@ def _mla_split_kernel(
         n_mask = n < end
         block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = pool_ptr + block * stride_pb + layer * stride_pl + (n % BLOCK_SIZE) * stride_pt
-        k_lat = tl.load(tok[:, None] + r_off[None, :], mask=n_mask[:, None], other=0.0)
-        k_rope = tl.load(tok[:, None] + p_off[None, :], mask=n_mask[:, None], other=0.0)
+        # A float8 pool's values widened to the query's dtype (exact; a no-op for a pool of that dtype).
+        k_lat = tl.load(tok[:, None] + r_off[None, :], mask=n_mask[:, None], other=0.0).to(q_lat.dtype)
+        k_rope = tl.load(tok[:, None] + p_off[None, :], mask=n_mask[:, None], other=0.0).to(q_rope.dtype)
         scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         scores = tl.where(n_mask[None, :], scores * scale, float("-inf"))
@@ -350,7 +355,8 @@ def _mla_prologue_kernel(
             normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=1) / R + eps)[:, None]
             # As the reference: normalised values rounded to the activations' dtype, then times the weight.
             weight = tl.load(norm_ptr + r)
-            latent = (normed.to(x.dtype) * weight).to(pool_ptr.dtype.element_ty)
+            pt = pool_ptr.dtype.element_ty
+            latent = to_pool((normed.to(x.dtype) * weight).to(x.dtype), pt, 1.0)
             r_off = tl.where(r < HALF, r, stride_ph + r - HALF)
             tl.store(dest[:, None] + r_off[None, :], latent, mask=live[:, None])
             k1 = tl.load(kv_ptr + t64[:, None] * stride_kvt + R + j[None, :], mask=t_mask[:, None], other=0.0)
@@ -359,16 +365,19 @@ def _mla_prologue_kernel(
             )
             k1 = k1.to(x.dtype).to(tl.float32)
             k2 = k2.to(x.dtype).to(tl.float32)
-            pt = pool_ptr.dtype.element_ty
             c1 = R + j
             c2 = R + HR + j
             o1 = tl.where(c1 < HALF, c1, stride_ph + c1 - HALF)
             o2 = tl.where(c2 < HALF, c2, stride_ph + c2 - HALF)
             tl.store(
-                dest[:, None] + o1[None, :], (k1 * cos - k2 * sin).to(x.dtype).to(pt), mask=live[:, None]
+                dest[:, None] + o1[None, :],
+                to_pool((k1 * cos - k2 * sin).to(x.dtype), pt, 1.0),
+                mask=live[:, None],
             )
             tl.store(
-                dest[:, None] + o2[None, :], (k2 * cos + k1 * sin).to(x.dtype).to(pt), mask=live[:, None]
+                dest[:, None] + o2[None, :],
+                to_pool((k2 * cos + k1 * sin).to(x.dtype), pt, 1.0),
+                mask=live[:, None],
             )
 
 
@@ -403,7 +412,7 @@ def mla_prologue_triton(
             kv_pool.shape[4] != 1
             or 2 * half != rank + rope
             or w_kv.stride(2) != 1
-            or kv_pool.dtype != q.dtype
+            or kv_pool.dtype not in (q.dtype, *FP8_KV_DTYPES)
         )
     ):
         return mla_prologue_composed(q, kv, positions, cos_sin, norm_weight, eps, w_kv, kv_pool, layer,

@@ -173,13 +173,19 @@ def test_yarn_scaling_matches_transformers(arch: str, tmp_path: Path) -> None:
         max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids == want  # fmt: skip
 
 
-def test_what_a_deepseek_model_refuses(deepseek: Path) -> None:
-    for kw, words in (
-        ({"enable_lora": True}, "LoRA adapters are not served"),
-        ({"kv_cache_dtype": "fp8"}, "latent KV"),
-    ):
-        with pytest.raises(Exception, match=words):
-            LLM(str(deepseek), dtype="float32", num_kv_blocks=16, **kw)
+def test_what_a_deepseek_model_refuses(deepseek: Path, tmp_path: Path) -> None:
+    """LoRA adapters, and a float8 KV pool for a checkpoint with calibrated KV scales (the latent is
+    stored unscaled; the same checkpoint serves with a 16-bit pool, where scales are not used)."""
+    from tests.checkpoints import write_weights
+
+    with pytest.raises(ValueError, match="LoRA adapters are not served"):
+        LLM(str(deepseek), dtype="float32", num_kv_blocks=16, enable_lora=True)
+    scaled = write_weights(
+        deepseek, tmp_path / "scaled", {"model.layers.0.self_attn.k_scale": torch.tensor(0.5)}
+    )
+    with pytest.raises(ValueError, match="KV scales .* for latent attention are not served"):
+        LLM(str(scaled), dtype="float32", num_kv_blocks=16, kv_cache_dtype="fp8")
+    assert LLM(str(scaled), dtype="float32", num_kv_blocks=16).engine.model.layers[0].self_attn.k_scale == 0.5
 
 
 def test_the_decode_path_of_the_latent_attention_equals_the_general_one() -> None:
@@ -350,6 +356,29 @@ def test_the_triton_latent_attention_equals_the_reference(
     assert torch.equal(got[padding], torch.zeros(3, 32))
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_the_triton_latent_attention_reads_a_float8_pool(
+    pool_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: over a float8 pool (``kv_cache_dtype`` fp8 or fp8_e5m2) the split kernel widens
+    each latent tile to the query's dtype and gives the reference's decode path, which widens the pool to
+    float32; both read the values the pool holds (not a 16-bit copy of them)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.mla_attention import mla_attention_torch
+    from kernels.triton_mla import mla_attention_triton
+
+    gen = torch.Generator().manual_seed(5)
+    pool, seq_lens, tables = _wide_rows(gen)
+    pool = pool.to(pool_dtype)
+    q = torch.randn(len(seq_lens), 3, 48, generator=gen)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True)
+    got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32, decode=True, num_splits=4)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    wider = mla_attention_torch(q, pool.float() * 1.01, 1, tables, seq_lens, qsl, 0.3, 32, decode=True)
+    assert not torch.allclose(got, wider, atol=1e-3)
+
+
 def test_the_latent_attention_splits_cut_each_sequences_own_length(monkeypatch: pytest.MonkeyPatch) -> None:
     """In the interpreter, which splits hold keys (a finite log-sum-exp) in a wide block table (320 slots
     a row): with 4 splits the 129-token sequence's runs of whole 16-key tiles are 48, 48 and 33 keys, so
@@ -445,6 +474,35 @@ def test_the_triton_latent_attention_prologue_and_value_projection_equal_the_ref
     )  # fmt: skip
     assert len(fallbacks) == int(nope != 16 or tokens > triton_mla.MLA_FUSED_MAX_TOKENS)
     assert len(value_fallbacks) == int(tokens > triton_mla.MLA_FUSED_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("tokens", [1, 21])
+def test_the_triton_latent_prologue_writes_a_float8_pool_as_the_reference(
+    tokens: int, pool_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: the one-launch prologue writes a float8 pool's latents bit for bit as the
+    reference (clamped, rounded to nearest even; keys of up to +-600 saturate e4m3 at 448), padding slots
+    untouched, and gives its queries."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels import triton_mla
+    from kernels.mla_attention import mla_prologue_torch
+    from kernels.triton_mla import mla_prologue_triton
+
+    fallbacks = _calls(monkeypatch, triton_mla, "mla_prologue_composed")
+    want_in = _prologue_inputs(tokens, 3, 16, 16, 32, 16, "cpu", torch.float32, tokens)
+    want_in["kv"][:, 32:] *= 200.0  # rotary keys past e4m3's range, and spread over its exponents
+    want_in["kv_pool"] = want_in["kv_pool"].to(pool_dtype)
+    got_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want_in.items()}
+    before = want_in["kv_pool"].clone()
+    want = mla_prologue_torch(**want_in)
+    got = mla_prologue_triton(**got_in)
+    assert not fallbacks  # the kernel's own path
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_in["kv_pool"].view(torch.uint8), want_in["kv_pool"].view(torch.uint8))
+    assert not torch.equal(want_in["kv_pool"].view(torch.uint8), before.view(torch.uint8))
+    if pool_dtype == torch.float8_e4m3fn:
+        assert want_in["kv_pool"].float().abs().max() == 448.0
 
 
 @needs_gpu
@@ -682,10 +740,49 @@ def test_float8_deepseek_triton_ops_in_the_interpreter_give_the_torch_tokens(
     assert [o.token_ids for o in triton] == [o.token_ids for o in torch_]
 
 
+def test_a_float8_latent_kv_cache(deepseek: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_cache_dtype="fp8"``: the pool holds float8 e4m3 latents, a byte a value (twice the tokens in the
+    same memory); layer 0's latents, which no attention precedes, are the 16-bit pool's rounded to float8;
+    prefix-cache hits keep the tokens; the Triton ops in the interpreter give the torch ops' tokens; and the
+    tokens follow the float32 pool's for the first ones (the rounding parts them later, if at all)."""
+    prompts = _prompts(3, seed=21, lengths=(20, 40))
+    kw = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+    fp8 = LLM(str(deepseek), kv_cache_dtype="fp8", **kw)
+    wide = LLM(str(deepseek), **kw)
+    assert (
+        fp8.engine.kv_pool.dtype == torch.float8_e4m3fn
+        and fp8.engine.layout.dtype != wide.engine.layout.dtype
+    )
+    long = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in fp8.generate(prompts, long)]
+    want = [o.token_ids for o in wide.generate(prompts, long)]
+    assert sum(g[:3] == w[:3] for g, w in zip(got, want, strict=True)) >= 2, (got, want)
+    # A prompt alone in fresh engines (zeroed pools, the same blocks): its layer-0 latents.
+    one = [_prompts(1, seed=22, lengths=(30, 31))[0]]
+    pools = []
+    for kv_cache_dtype in ("fp8", "auto"):
+        fresh = LLM(str(deepseek), kv_cache_dtype=kv_cache_dtype, **kw)
+        fresh.generate(one, SamplingParams(max_tokens=1, temperature=0.0))
+        pools.append(fresh.engine.kv_pool[:, 0])
+    from kernels.kv_cache import to_pool_dtype
+
+    assert pools[1].count_nonzero() > 30 * 24  # written
+    assert torch.equal(
+        pools[0].view(torch.uint8), to_pool_dtype(pools[1], torch.float8_e4m3fn).view(torch.uint8)
+    )
+    again = [o.token_ids for o in fp8.generate(prompts, long)]  # prompts' blocks now from the prefix cache
+    assert again == got
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton = LLM(str(deepseek), kv_cache_dtype="fp8", kernel_backend="triton", **kw)
+    assert [o.token_ids for o in triton.generate(prompts, long)] == got
+
+
 @needs_gpu
-def test_gpu_float8_deepseek_on_the_fast_path(tmp_path: Path) -> None:
-    """On a GPU, a float8 DeepSeek-V3 checkpoint (16 x 128 blocks, kept in float8): the Triton ops with
-    the decode CUDA graphs give the eager reference ops' greedy tokens (float32: identical)."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gpu_float8_deepseek_on_the_fast_path(kv_cache_dtype: str, tmp_path: Path) -> None:
+    """On a GPU, a float8 DeepSeek-V3 checkpoint (16 x 128 blocks, kept in float8), with a 16-bit and a
+    float8 latent pool: the Triton ops with the decode CUDA graphs give the eager reference ops' greedy
+    tokens (float32: identical)."""
     from kernels.fp8_weight import Fp8Weight
     from tests.checkpoints import quantize_checkpoint
 
@@ -693,7 +790,7 @@ def test_gpu_float8_deepseek_on_the_fast_path(tmp_path: Path) -> None:
     quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 128))
     prompts = _prompts(5, seed=8, lengths=(3, 60))
     long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", num_kv_blocks=64)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
     eager = LLM(str(tmp_path / "fp8"), kernel_backend="torch", cuda_graphs=False, **kw)
     want = [o.token_ids for o in eager.generate(prompts, long)]
     del eager

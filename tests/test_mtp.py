@@ -204,6 +204,19 @@ def test_a_float8_checkpoints_mtp_layer_drafts_as_its_widened_weights_do(
     assert outputs == [o.token_ids for o in plain.generate(prompts, GREEDY)]
 
 
+def test_a_float8_kv_cache_keeps_plain_decodings_tokens(predictive: Path) -> None:
+    """With a float8 latent pool (``kv_cache_dtype="fp8"``; the MTP layer's KV a layer of it) drafting
+    keeps plain decoding's tokens over the same pool, and most drafts are still kept."""
+    prompts = _prompts(3, seed=7)
+    kw = dict(dtype="float32", num_kv_blocks=64, kv_cache_dtype="fp8")
+    want = [o.token_ids for o in LLM(str(predictive), **kw).generate(prompts, GREEDY)]
+    llm = LLM(str(predictive), speculative_config=MTP, **kw)
+    assert llm.engine.kv_pool.dtype == torch.float8_e4m3fn
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens > stats.spec_draft_tokens * 0.5
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_tight_pools_preemption_and_sampling_keep_plain_decodings_tokens(predictive: Path, k: int) -> None:
     """A pool small enough to preempt (and, with 3-token drafts, to leave some sequences' chains short of

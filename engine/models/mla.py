@@ -80,6 +80,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = empty_param(self.rank, **kw)
         self.kv_b_proj = empty_param(cfg.num_heads * (self.nope + self.v_dim), self.rank, **kw)
         self.o_proj = linear_weight((cfg.hidden_size, self.q_size), fp8, dtype, device)
+        # A checkpoint's calibrated KV scales (set by the loader, as ``decoder.Attention``'s): a float8 pool
+        # stores the latent unscaled (vLLM's default for MLA), so the engine refuses one with scales.
+        self.k_scale = self.v_scale = 1.0
 
     @property
     def q_proj(self) -> torch.Tensor:
