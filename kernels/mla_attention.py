@@ -18,6 +18,9 @@ from kernels.kv_cache import write_kv_torch
 from kernels.norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
 
+# The most float32 scores the reference's prompt path holds at once (128 MiB), per query chunk.
+SCORE_CHUNK_ELEMENTS = 1 << 25
+
 
 def mla_attention_torch(
     q: torch.Tensor,
@@ -40,7 +43,7 @@ def mla_attention_torch(
     if decode:
         return _decode(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim)
     out = q.new_empty((q.shape[0], q.shape[1], v_dim))
-    block_size = kv_pool.shape[3]
+    block_size, heads = kv_pool.shape[3], q.shape[1]
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         q0, q1 = starts[b], starts[b + 1]
@@ -49,13 +52,18 @@ def mla_attention_torch(
         blocks = block_tables[b, : (seq_len + block_size - 1) // block_size].long()
         kv = kv_pool[blocks, layer]  # [n, 2, bs, 1, L/2]
         latent = torch.cat([kv[:, 0], kv[:, 1]], dim=-1).reshape(-1, q.shape[2])[:seq_len].to(torch.float32)
-        qb = q[q0:q1].to(torch.float32).transpose(0, 1)  # [H, q_len, L]
-        scores = torch.matmul(qb, latent.t()) * scale  # [H, q_len, S]
-        q_len = q1 - q0
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
-        out[q0:q1] = torch.matmul(probs, latent[:, :v_dim]).transpose(0, 1).to(q.dtype)
+        q_len = q1 - q0
+        # Query rows in chunks whose scores [H, rows, S] stay within SCORE_CHUNK_ELEMENTS: a prompt's
+        # scores at once would be H x q_len x S floats (8.6 GB for V3's 128 heads over 4k tokens).
+        rows = max(1, SCORE_CHUNK_ELEMENTS // (heads * seq_len))
+        for r0 in range(0, q_len, rows):
+            r1 = min(q_len, r0 + rows)
+            qb = q[q0 + r0 : q0 + r1].to(torch.float32).transpose(0, 1)  # [H, rows, L]
+            scores = torch.matmul(qb, latent.t()) * scale  # [H, rows, S]
+            q_pos = torch.arange(seq_len - q_len + r0, seq_len - q_len + r1, device=q.device).unsqueeze(1)
+            probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+            out[q0 + r0 : q0 + r1] = torch.matmul(probs, latent[:, :v_dim]).transpose(0, 1).to(q.dtype)
     return out
 
 

@@ -205,6 +205,31 @@ def test_the_decode_path_of_the_latent_attention_equals_the_general_one() -> Non
     assert torch.equal(fast[3], torch.zeros(3, 32))
 
 
+def test_the_latent_attentions_prompt_path_bounds_its_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's queries go through the reference in chunks of rows whose scores fit
+    ``SCORE_CHUNK_ELEMENTS`` (a whole 4k prompt's would be gigabytes at V3's 128 heads): chunks of one to
+    three rows give the one-chunk result, causality kept across the chunks (a sequence with a cached
+    prefix and new rows, one of a single row, one of 11)."""
+    from kernels import mla_attention
+
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randn(12, 2, 2, 4, 1, 24, generator=gen)
+    seq_lens = torch.tensor([9, 1, 11], dtype=torch.int32)
+    tables = torch.tensor([[1, 2, 11], [5, 0, 0], [3, 7, 9]], dtype=torch.int32)
+    qsl = torch.tensor([0, 6, 7, 18], dtype=torch.int32)  # 6 new rows after 3 cached; 1; 11
+    q = torch.randn(18, 3, 48, generator=gen)
+    whole = mla_attention.mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32)
+    for budget in (3 * 11, 3 * 11 * 3):  # heads x S: one row a chunk, then three
+        monkeypatch.setattr(mla_attention, "SCORE_CHUNK_ELEMENTS", budget)
+        got = mla_attention.mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32)
+        torch.testing.assert_close(got, whole, atol=1e-6, rtol=1e-6)
+    # Row 0 of the first sequence sees its 3 cached keys and itself: changing key 4 leaves it alone.
+    later = pool.clone()
+    later[2, 1, :, 0] += 1.0  # block 2's slot 0: the first sequence's key 4 (0-based)
+    moved = mla_attention.mla_attention_torch(q, later, 1, tables, seq_lens, qsl, 0.3, 32)
+    assert torch.equal(moved[0], got[0]) and not torch.equal(moved[1], got[1])
+
+
 def test_decode_graph_pieces_equal_the_forward(deepseek: Path) -> None:
     """CPU: the decode graphs' pieces (``decode_step_pieces`` with the decode metadata) compute the
     model's logits, as the eager forward does."""
