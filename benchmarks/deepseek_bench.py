@@ -75,9 +75,10 @@ SMOKE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_interme
              bos_token_id=1, eos_token_id=2)  # fmt: skip
 
 
-def step_bytes(cfg: dict, batch: int, context: int, weight_bytes: int = 2) -> float:
+def step_bytes(cfg: dict, batch: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2) -> float:
     """What one decode step must read: every weight a step uses once, the routed experts' of at most
-    ``batch x k`` distinct experts a layer, and the batch's latent KV (16-bit). ``weight_bytes``: a byte
+    ``batch x k`` distinct experts a layer, and the batch's latent KV (``kv_bytes`` a value: 1 in a float8
+    pool). ``weight_bytes``: a byte
     for float8 projections (``--quantization fp8``; their scales, one float a 128 x 128 block, are left
     out), whose kv_b_proj (absorbed), router (float32), embeddings and LM head stay as they are."""
     h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
@@ -97,7 +98,7 @@ def step_bytes(cfg: dict, batch: int, context: int, weight_bytes: int = 2) -> fl
     weights = (
         layers * attn + cfg["first_k_dense_replace"] * dense + moe_layers * moe + cfg["vocab_size"] * h * 2
     )
-    kv = batch * context * layers * (rank + rope) * 2
+    kv = batch * context * layers * (rank + rope) * kv_bytes
     return weights + kv
 
 
@@ -145,6 +146,7 @@ def main() -> None:
         choices=["none", "fp8"],
         help="fp8: float8 e4m3 weights, 128 x 128 blocks",
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument(
         "--profile", action="store_true", help="log the kernel timeline of the batch-1 decode graph (GPU)"
     )
@@ -161,7 +163,7 @@ def main() -> None:
         for b in batches
     }
     llm = LLM(str(path), load_format="dummy", device=device, dtype="bfloat16" if gpu else "float32",
-              kernel_backend="triton" if gpu else "torch", max_num_seqs=max(batches), enable_prefix_caching=False, quantization=args.quantization,
+              kernel_backend="triton" if gpu else "torch", max_num_seqs=max(batches), enable_prefix_caching=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               max_num_batched_tokens=max(batches) * args.prompt,  # every prompt in one step: then decode alone
               max_model_len=args.prompt + args.new + 16, num_kv_blocks=max(batches) * (-(-(args.prompt + args.new + 16) // 16)) + 8)  # fmt: skip
     graphs = llm.engine.runner.graphs is not None
@@ -205,7 +207,7 @@ def main() -> None:
     bandwidth = copy_gbps() if gpu else 0.0
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"Moonlight-16B-A3B shape (DeepseekV3ForCausalLM){' (smoke)' if args.smoke else ''} on {name}: "
-          f"{args.quantization} weights, {args.prompt}-token prompts, {args.new} new tokens, decode tok/s, medians of {args.repeats}; "
+          f"{args.quantization} weights, {args.kv_cache_dtype} KV, {args.prompt}-token prompts, {args.new} new tokens, decode tok/s, medians of {args.repeats}; "
           f"engine decode graphs: {graphs} ({replays} replays); copy bandwidth {bandwidth:.0f} GB/s")  # fmt: skip
     print(
         f"{'batch':>5} {'pdmesh':>10} {'transformers':>13} {'ratio':>7} {'roofline':>10} {'of roofline':>12}"
@@ -215,7 +217,8 @@ def main() -> None:
         hf = hf_rates.get(b, (0.0, 0.0))[0]
         ctx = args.prompt + args.new // 2
         weight_bytes = 1 if args.quantization == "fp8" else 2
-        roof = b / (step_bytes(cfg, b, ctx, weight_bytes) / (bandwidth * 1e9)) if bandwidth else 0.0
+        kv_bytes = 1 if args.kv_cache_dtype == "fp8" else 2
+        roof = b / (step_bytes(cfg, b, ctx, weight_bytes, kv_bytes) / (bandwidth * 1e9)) if bandwidth else 0.0
         print(f"{b:>5} {rate:>10.1f} {hf:>13.1f} {rate / hf if hf else 0:>6.2f}x {roof:>10.1f} "
               f"{rate / roof if roof else 0:>11.0%}")  # fmt: skip
 
