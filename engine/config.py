@@ -22,8 +22,8 @@ class EngineConfig:
         "KV cache dtype. auto: the weights' dtype. fp8 (or fp8_e4m3): float8 e4m3, one byte a value, so the "
         "pool holds twice the tokens of a 16-bit one and decode reads half the KV bytes; values are stored "
         "divided by the checkpoint's calibrated KV scales where it has them (k_scale / v_scale, else 1.0, as "
-        "vLLM; DeepSeek's latent KV is stored unscaled), saturating at +-448. fp8_e5m2: float8 e5m2, the same size with 2 mantissa bits instead of 3 "
-        "and a range to +-57344 (SGLang's and vLLM's fp8_e5m2). Every worker that exchanges KV must use the "
+        "vLLM; DeepSeek's latent KV is stored unscaled), saturating at +-448. fp8_e5m2: float8 e5m2, the "
+        "same size with 2 mantissa bits instead of 3 and a range to +-57344 (SGLang's and vLLM's fp8_e5m2). Every worker that exchanges KV must use the "
         "same.",
         choices=tuple(KV_CACHE_DTYPES),
     )

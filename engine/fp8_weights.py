@@ -191,14 +191,17 @@ def _rotary_rows_stay_in_blocks(cfg: ModelConfig, bn: int) -> bool:
 
     if cfg.mla is None or not cfg.mla.rope_interleave:
         return True
-    q_start = 0  # q_b_proj is a weight of its own; q_proj (no query rank) the first rows of qkv_a_proj
-    kv_start = _mla_q_rows(cfg)
-    for proj, start in (("q", q_start), ("kv_a", kv_start)):
-        order = rotary_row_order(cfg, proj)
-        rows = torch.arange(len(order)) + start
-        if not torch.equal((order + start) // bn, rows // bn):
-            return False
-    return True
+    # q_b_proj is a weight of its own, q_proj (no query rank) the first rows of qkv_a_proj; the latent's
+    # rows follow the query's there.
+    return rows_stay_in_blocks(rotary_row_order(cfg, "q"), 0, bn) and rows_stay_in_blocks(
+        rotary_row_order(cfg, "kv_a"), _mla_q_rows(cfg), bn
+    )
+
+
+def rows_stay_in_blocks(order: torch.Tensor, start: int, bn: int) -> bool:
+    """Whether rows ``start + i`` taken from rows ``start + order[i]`` each stay in their block of ``bn``."""
+    rows = torch.arange(len(order), device=order.device) + start
+    return torch.equal((order + start) // bn, rows // bn)
 
 
 def _block_fits(cfg: ModelConfig, block: tuple[int, int]) -> bool:

@@ -256,7 +256,8 @@ class LLMEngine:
             if config.kv_cache_dtype != "auto" and _kv_scaled_layers(loaded.model):
                 raise ValueError(
                     f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture}'s latent KV is stored "
-                    "unscaled in a float8 pool; calibrated KV scales (k_scale, v_scale) for latent attention are not served"
+                    "unscaled in a float8 pool; calibrated KV scales (k_scale, v_scale) for latent attention "
+                    "are not served"
                 )
             prefill_graph_tokens = 0  # its layers have no attention-free pieces (engine.prefill_graphs)
         self.placement_version = 0  # the expert placement the MoE layers run (0: the initial one)

@@ -26,6 +26,7 @@ from engine.fp8_weights import (
     checkpoint_quantization,
     dequantize,
     online_fp8_layout,
+    rows_stay_in_blocks,
     scale_name,
     store_fp8,
 )
@@ -624,8 +625,7 @@ def _reorder_rows(target: torch.nn.Parameter | Fp8Weight, rows: slice | None, or
     order = order.to(target.device)
     if isinstance(target, Fp8Weight):
         bn = target.block[0]
-        first = torch.arange(len(order), device=order.device) + rows.start
-        if bn > 1 and not torch.equal((order + rows.start) // bn, first // bn):
+        if bn > 1 and not rows_stay_in_blocks(order, rows.start, bn):
             raise UnsupportedModelError(f"rotary rows straddle the float8 scale blocks of {bn} rows")
         if bn == 1:
             scales = target.weight_scale.data[rows]
