@@ -188,8 +188,6 @@ class EngineConfig:
             from engine.speculative import parse_speculative_config
 
             parse_speculative_config(self.speculative_config)  # a bad value stops the start
-            if self.expert_parallel_size > 1:
-                raise ValueError("speculative_config is not served with several expert-parallel ranks")
         if self.async_scheduling is None:  # measured on an H200: docs/gpu.md, "What is left", item 3
             self.async_scheduling = self.device == "cuda"
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

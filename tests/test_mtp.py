@@ -6,6 +6,7 @@ with the decoder's (prefix cache, disaggregation over NIXL, the KV offload store
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import random
 import re
@@ -215,6 +216,43 @@ def test_a_float8_kv_cache_keeps_plain_decodings_tokens(predictive: Path) -> Non
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     stats = llm.engine.stats()
     assert stats.spec_accepted_tokens > stats.spec_draft_tokens * 0.5
+
+
+def _ep_rank(rank: int, world: int, port: int, path: str, prompts: list, params: list, out: dict) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)
+    torch.set_num_threads(1)
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
+              distributed_init_method=f"tcp://127.0.0.1:{port}", speculative_config=spec)  # fmt: skip
+    model = llm.engine.model
+    out[f"experts{rank}"] = (model.moe_blocks()[0].w13.shape[0], model.mtp.block.mlp.w13.shape[0])
+    out[rank] = [o.token_ids for o in llm.generate(prompts[rank], params[rank])]
+    out[f"kept{rank}"] = llm.engine.spec_accepted_tokens
+    llm.close()
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks_draft_with_the_mtp_layer(predictive: Path) -> None:
+    """Two expert-parallel ranks (gloo), each with its own requests (two prompts on one, one shorter
+    generation on the other, so one rank idles through the other's last steps), drafting two tokens with
+    the MTP layer: each rank holds half of the model's routed experts and the whole MTP layer (its pass is
+    the rank's own, no exchange), and the tokens are the single engine's, greedy and seeded."""
+    import torch.multiprocessing as mp
+
+    from mesh.cli import free_port
+
+    prompts = [_prompts(2, seed=8), _prompts(1, seed=9)]
+    params = [
+        [GREEDY, SamplingParams(max_tokens=16, temperature=0.8, seed=4, ignore_eos=True)],
+        [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)],
+    ]
+    single = LLM(str(predictive), dtype="float32", num_kv_blocks=64, speculative_config=MTP)
+    want = [[o.token_ids for o in single.generate(p, sp)] for p, sp in zip(prompts, params, strict=True)]
+    out = mp.Manager().dict()
+    mp.spawn(_ep_rank, args=(2, free_port(), str(predictive), prompts, params, out), nprocs=2, join=True)
+    assert [out[0], out[1]] == want
+    assert out["experts0"] == out["experts1"] == (4, 8)
+    assert out["kept0"] > 0 and out["kept1"] > 0
 
 
 @pytest.mark.parametrize("k", [1, 3])

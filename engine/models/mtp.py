@@ -57,7 +57,8 @@ class MTPLayer(nn.Module):
         self.enorm = empty_param(h, **kw)
         self.hnorm = empty_param(h, **kw)
         self.eh_proj = empty_param(h, 2 * h, **kw)
-        # Its KV is the pool's layer ``num_layers``; one rank's experts (not served with several ranks).
+        # Its KV is the pool's layer ``num_layers``; all its experts on every rank (with several expert-
+        # parallel ranks each drafts for its own sequences: the layer's pass exchanges nothing).
         self.block = DecoderLayer(cfg, cfg.num_layers, ops, dtype, device, None, None, fp8, moe=cfg.mtp_moe)
         self.head_norm = empty_param(h, **kw)
         self.head = empty_param(cfg.vocab_size, h, **kw)
