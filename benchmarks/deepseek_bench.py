@@ -7,7 +7,8 @@ side in one run, with the roofline of each batch's decode step.
     python benchmarks/deepseek_bench.py --smoke          # small shapes, on the CPU
 
 Decode tok/s: ``batch x new`` tokens over the time of a ``new``-token generation less that of a one-token
-one (the prompts' prefill, one step for the whole batch, as transformers' is), medians of ``--repeats``. The engine runs the Triton ops (``kernels/triton_mla.py`` for
+one (the prompts' prefill, one step for the whole batch, as transformers' is), medians of ``--repeats``;
+prefill tok/s: the batch's prompt tokens over that one-token generation's time (the engine's). The engine runs the Triton ops (``kernels/triton_mla.py`` for
 the latent attention and the grouped routing) and its decode CUDA graphs. ``--profile`` logs the kernel
 timeline of the batch-1 decode graph (``gpu_bench.kernel_timeline``: each kernel's marginal time along the
 chain). Roofline: the bytes a decode step must read (the weights of the attention, the dense and shared
@@ -211,6 +212,7 @@ def main() -> None:
           f"engine decode graphs: {graphs} ({replays} replays); copy bandwidth {bandwidth:.0f} GB/s")  # fmt: skip
     print(
         f"{'batch':>5} {'pdmesh':>10} {'transformers':>13} {'ratio':>7} {'roofline':>10} {'of roofline':>12}"
+        f" {'prefill tok/s':>14}"
     )
     for b in batches:
         rate = engine_rates[b][0]
@@ -219,8 +221,9 @@ def main() -> None:
         weight_bytes = 1 if args.quantization == "fp8" else 2
         kv_bytes = 1 if args.kv_cache_dtype == "fp8" else 2
         roof = b / (step_bytes(cfg, b, ctx, weight_bytes, kv_bytes) / (bandwidth * 1e9)) if bandwidth else 0.0
+        prefill = b * args.prompt / engine_rates[b][1]  # the one-token generation: the prompts and a step
         print(f"{b:>5} {rate:>10.1f} {hf:>13.1f} {rate / hf if hf else 0:>6.2f}x {roof:>10.1f} "
-              f"{rate / roof if roof else 0:>11.0%}")  # fmt: skip
+              f"{rate / roof if roof else 0:>11.0%} {prefill:>14.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

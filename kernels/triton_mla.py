@@ -1,7 +1,7 @@
 """DeepSeek-V3's two ops in Triton: the grouped routing (``kernels/moe_routing.py::moe_route_grouped_torch``)
-in one launch, and the latent attention's decode path (``kernels/mla_attention.py``, ``decode=True``) as a
-split-KV kernel and a merge. Other calls of the latent attention (prefill and mixed steps, which run
-eagerly) take the torch reference; so do shapes outside the kernels' power-of-two sizes.
+in one launch, and the latent attention (``kernels/mla_attention.py``) as a split-KV kernel and a merge: a
+row a sequence for decode calls (``decode=True``), a row a query token for prompt chunks (each over its
+context up to itself). Shapes outside the kernels' power-of-two sizes take the torch reference.
 
 Routing, one token per program: sigmoid scores of the float32 logits, the choice bias, each group's score
 (its two best choices summed), the ``topk_group`` best groups, then the k best experts within them, each by
@@ -236,9 +236,11 @@ def mla_attention_triton(
     decode: bool = False,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """``mla_attention_torch``'s contract. Decode calls (``decode``: one query a sequence) run the
-    split-KV kernel and its merge when the latent's parts are powers of two and the value part is the
-    latent's (``v_dim`` = kv_lora_rank); other calls take the reference.
+    """``mla_attention_torch``'s contract: the split-KV kernel and its merge when the latent's parts are
+    powers of two and the value part is the latent's (``v_dim`` = kv_lora_rank); other shapes take the
+    reference. Decode calls (``decode``: one query a sequence) are one row a sequence; other calls (prompt
+    chunks) one row a query token, over its sequence's block table and its context up to itself
+    (``per_token_rows``), so a prompt's keys are read once a token from L2 rather than its scores held.
 
     ``num_splits``: splits a sequence (a power of two; default: ``num_kv_splits``'s rule for the batch,
     its head groups and the block table's span). Each sequence's own length is cut into that many runs of
@@ -246,20 +248,61 @@ def mla_attention_triton(
     latent = q.shape[2]
     rope = latent - v_dim
     half = kv_pool.shape[-1]
-    if not decode or not (_pow2(v_dim) and _pow2(rope)) or kv_pool.shape[4] != 1 or 2 * half != latent:
+    if not (_pow2(v_dim) and _pow2(rope)) or kv_pool.shape[4] != 1 or 2 * half != latent:
         return mla_attention_torch(q, kv_pool, layer, block_tables, seq_lens, query_start_loc, scale, v_dim,
                                    decode=decode)  # fmt: skip
-    batch, heads = q.shape[0], q.shape[1]
     q = q if q.stride(2) == 1 else q.contiguous()
-    out = q.new_empty((batch, heads, v_dim))
-    if batch == 0:
+    out = q.new_empty((q.shape[0], q.shape[1], v_dim))
+    if q.shape[0] == 0:
         return out
-    o_part, lse = mla_splits(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim, num_splits)
-    _mla_merge_kernel[(batch, heads)](
-        o_part, lse, out, heads, out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=lse.shape[1], num_warps=4,
-        **pdl_kwargs(q.device),
-    )  # fmt: skip
+    if decode:
+        _attend_rows(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim, num_splits, out)
+        return out
+    # Prompt chunks (and mixed steps): every query token a row of its own over its context up to itself,
+    # through the same kernels, PROMPT_ROWS tokens a launch (their split parts are H x R floats a token).
+    seq_of, lens = per_token_rows(seq_lens, query_start_loc, q.shape[0])
+    for t0 in range(0, q.shape[0], PROMPT_ROWS):
+        rows = slice(t0, min(q.shape[0], t0 + PROMPT_ROWS))
+        _attend_rows(q[rows], kv_pool, layer, block_tables[seq_of[rows]], lens[rows], scale, v_dim, num_splits,
+                     out[rows])  # fmt: skip
     return out
+
+
+# Query tokens of a prompt pass attended in one launch of the split kernel (their float32 split outputs take
+# PROMPT_ROWS x heads x kv_lora_rank floats: 256 MiB at DeepSeek-V3's 128 heads).
+PROMPT_ROWS = 1024
+
+
+def per_token_rows(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of a pass's ``tokens`` query tokens as a row of its own (a causal query sees its context up to
+    itself): its sequence's index and its length then (int32). Vectorised, no host synchronisation."""
+    device = seq_lens.device
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), q_lens, output_size=tokens)
+    t = torch.arange(tokens, device=device)
+    lens = seq_lens.long()[seq_of] - q_lens[seq_of] + (t - query_start_loc.long()[seq_of]) + 1
+    return seq_of, lens.to(torch.int32)
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    num_splits: int | None,
+    out: torch.Tensor,
+) -> None:
+    """One query a row: the split kernel and the merge into ``out`` [rows, H, v_dim]."""
+    o_part, lse = mla_splits(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim, num_splits)
+    _mla_merge_kernel[(q.shape[0], q.shape[1])](
+        o_part, lse, out, q.shape[1], out.stride(0), out.stride(1), R=v_dim, NUM_SPLITS=lse.shape[1],
+        num_warps=4, **pdl_kwargs(q.device),
+    )  # fmt: skip
 
 
 def mla_splits(

@@ -404,6 +404,33 @@ def test_the_triton_latent_attention_reads_a_float8_pool(
     assert not torch.allclose(got, wider, atol=1e-3)
 
 
+@pytest.mark.parametrize("prompt_rows", [1024, 5])
+def test_the_triton_latent_attention_of_prompt_chunks_equals_the_reference(
+    prompt_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the interpreter: prompt chunks (several query tokens a sequence after a cached prefix, a whole
+    prompt, a sequence without new tokens, one token) attend causally as the reference does, each token a
+    row of its own over its context up to itself, in launches of ``PROMPT_ROWS`` tokens (5: rows of one
+    sequence in two launches); the per-token rows' lengths are the tokens' positions plus one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels import triton_mla
+    from kernels.mla_attention import mla_attention_torch
+
+    monkeypatch.setattr(triton_mla, "PROMPT_ROWS", prompt_rows)
+    gen = torch.Generator().manual_seed(prompt_rows)
+    pool = torch.randn(20, 2, 2, 4, 1, 24, generator=gen)
+    seq_lens = torch.tensor([11, 7, 5, 9], dtype=torch.int32)
+    tables = torch.tensor([[3, 7, 12], [5, 1, 0], [2, 19, 0], [4, 6, 8]], dtype=torch.int32)
+    qsl = torch.tensor([0, 6, 13, 13, 14], dtype=torch.int32)  # 6 new after 5 cached; all 7; none; 1
+    q = torch.randn(14, 3, 48, generator=gen)
+    seq_of, lens = triton_mla.per_token_rows(seq_lens, qsl, 14)
+    assert seq_of.tolist() == [0] * 6 + [1] * 7 + [3]
+    assert lens.tolist() == [6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 9]
+    want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32)
+    got = triton_mla.mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_the_latent_attention_splits_cut_each_sequences_own_length(monkeypatch: pytest.MonkeyPatch) -> None:
     """In the interpreter, which splits hold keys (a finite log-sum-exp) in a wide block table (320 slots
     a row): with 4 splits the 129-token sequence's runs of whole 16-key tiles are 48, 48 and 33 keys, so
@@ -559,7 +586,8 @@ def test_gpu_triton_latent_prologue_and_value_projection_at_deepseeks_shape(head
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_triton_latent_attention_at_deepseeks_shape(heads: int) -> None:
     """On a GPU, DeepSeek-V3's latent (512 + 64) in bf16, Moonlight's and V3's head counts, contexts up
-    to 3000 tokens over random blocks: the kernels give the reference's decode path within bf16's error;
+    to 3000 tokens over random blocks: the kernels give the reference's decode path within bf16's error,
+    and its prompt path (a row a query token, over two launches of ``PROMPT_ROWS``);
     the routing kernel gives the reference's experts at V3's routing shape."""
     from kernels.mla_attention import mla_attention_torch
     from kernels.moe_routing import moe_route_grouped_torch
@@ -573,6 +601,13 @@ def test_gpu_triton_latent_attention_at_deepseeks_shape(heads: int) -> None:
     qsl = torch.arange(6, dtype=torch.int32, device="cuda")
     want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.07, 512, decode=True)
     got = mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.07, 512, decode=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # Prompt chunks: 600 new tokens after 100 cached, a whole 1200-token prompt, 3 tokens after 2996.
+    seq_lens = torch.tensor([700, 1200, 2999], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 600, 1800, 1803], dtype=torch.int32, device="cuda")
+    q = torch.randn(1803, heads, 576, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.1
+    want = mla_attention_torch(q, pool, 1, tables[:3], seq_lens, qsl, 0.07, 512)
+    got = mla_attention_triton(q, pool, 1, tables[:3], seq_lens, qsl, 0.07, 512)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     logits = torch.randn(64, 256, generator=gen, device="cuda")
     bias = torch.randn(256, generator=gen, device="cuda") * 0.1
