@@ -249,10 +249,6 @@ class LLMEngine:
             raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
         prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_num_batched_tokens)
         if loaded.cfg.mla is not None:  # DeepSeek (engine.models.mla): what its ops do not do yet
-            if config.enable_lora:
-                raise ValueError(
-                    f"enable_lora: LoRA adapters are not served for {loaded.cfg.architecture} yet"
-                )
             if config.kv_cache_dtype != "auto" and _kv_scaled_layers(loaded.model):
                 raise ValueError(
                     f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture}'s latent KV is stored "

@@ -2,8 +2,9 @@
 
 An adapter is a PEFT directory: ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
 ``use_rslora``) and ``adapter_model.safetensors`` (or ``.bin``) with ``lora_A`` [r, in] and ``lora_B``
-[out, r] for some of the decoder layers' projections: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and,
-in dense MLP layers, ``gate_proj``, ``up_proj``, ``down_proj``. A projection with an adapter computes
+[out, r] for some of the decoder layers' projections: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (for
+DeepSeek's latent attention ``q_a_proj``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``o_proj``:
+``parts``) and, in dense MLP layers, ``gate_proj``, ``up_proj``, ``down_proj``. A projection with an adapter computes
 ``W x + scale * B (A x)``, ``scale = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), as PEFT does.
 
 Registered adapters are kept in host memory; ``max_loras`` of them at a time sit in device slots. Per
@@ -57,6 +58,24 @@ MODULE_TO_PROJECTION = {module: (proj, i) for proj, mods in PARTS.items() for i,
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+def parts(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The model's adaptable projections (``PARTS``'s kinds) and the checkpoint modules in each. DeepSeek's
+    latent attention: the query's first projection (q_a_proj, or q_proj without a query rank) stacked with
+    the latent's (``MLAttention.qkv_a_proj``), V3's q_b_proj, and o_proj; kv_b_proj, absorbed into the
+    queries and the outputs, takes no adapter."""
+    if cfg.mla is None:
+        return PARTS
+    query = "q_a_proj" if cfg.mla.q_lora_rank else "q_proj"
+    attention = {"qkv_a": (query, "kv_a_proj_with_mqa"), "o": ("o_proj",)}
+    if cfg.mla.q_lora_rank:
+        attention["q_b"] = ("q_b_proj",)
+    return {**attention, "gate_up": PARTS["gate_up"], "down": PARTS["down"]}
+
+
+def module_to_projection(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    return {module: (kind, i) for kind, mods in parts(cfg).items() for i, module in enumerate(mods)}
+
+
 class LoRAError(ValueError):
     """An adapter that cannot be served (bad directory, shapes, rank, or modules this engine cannot adapt),
     or one in use that cannot be replaced or removed (INVALID_ARGUMENT, as the engine's typed errors say)."""
@@ -107,20 +126,25 @@ class LoRAAdapter:
         for unsupported in ("use_dora", "fan_in_fan_out"):
             if conf.get(unsupported):
                 raise LoRAError(f"LoRA adapter {name!r}: {unsupported} is not supported")
-        for pattern in ("rank_pattern", "alpha_pattern"):
-            if conf.get(pattern):
-                raise LoRAError(f"LoRA adapter {name!r}: a per-module {pattern} is not supported")
         if conf.get("bias", "none") != "none" or conf.get("modules_to_save"):
             raise LoRAError(f"LoRA adapter {name!r}: trained biases or modules_to_save are not supported")
         scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
         tensors = _read_tensors(path, name)
+        # A per-module rank or alpha is not supported where it applies to an adapted module; PEFT also
+        # writes patterns that match none (for transformers' fused experts), which change nothing.
+        adapted = {key.split(".lora_")[0] for key in tensors}
+        for pattern in ("rank_pattern", "alpha_pattern"):
+            for key in conf.get(pattern) or {}:
+                if any(re.match(rf"(.*\.)?({key})$", module) for module in adapted):
+                    raise LoRAError(f"LoRA adapter {name!r}: a per-module {pattern} is not supported")
         weights: dict[int, dict[str, list[torch.Tensor | None]]] = {}
+        projection_of = module_to_projection(cfg)
         for key, t in tensors.items():
             m = _KEY.search(key)
-            if m is None or m.group(2) not in MODULE_TO_PROJECTION:
+            if m is None or m.group(2) not in projection_of:
                 raise LoRAError(
                     f"LoRA adapter {name!r}: {key} adapts a module this engine cannot (only the decoder "
-                    f"layers' {', '.join(MODULE_TO_PROJECTION)})"
+                    f"layers' {', '.join(projection_of)})"
                 )
             layer, module, which = int(m.group(1)), m.group(2), m.group(3)
             if layer >= cfg.num_layers:
@@ -135,7 +159,7 @@ class LoRAAdapter:
             for module, (a, b) in modules.items():
                 if a is None or b is None:
                     raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} lacks lora_A or lora_B")
-                if moe and MODULE_TO_PROJECTION[module][0] in ("gate_up", "down"):
+                if moe and projection_of[module][0] in ("gate_up", "down"):
                     raise LoRAError(
                         f"LoRA adapter {name!r}: layer {layer} is a mixture-of-experts layer; its experts "
                         "take no adapter here (attention projections only)"
@@ -146,6 +170,9 @@ class LoRAAdapter:
                         f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
                         f"{tuple(b.shape)}; this model needs [{rank}, {in_dim}] and [{out_dim}, {rank}]"
                     )
+                order = rotary_rows(cfg, module)
+                if order is not None:  # the model's rows are the checkpoint's reordered (loader)
+                    b = b[order]
                 out.setdefault(layer, {})[module] = (
                     a.to(dtype).contiguous(),
                     (b.float() * scale).to(dtype).contiguous(),
@@ -169,12 +196,36 @@ def _read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
 
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) of a checkpoint module."""
-    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+    h, mla = cfg.hidden_size, cfg.mla
+    mlp = {
         "gate_proj": (h, cfg.intermediate_size), "up_proj": (h, cfg.intermediate_size),
         "down_proj": (cfg.intermediate_size, h),
-    }[module]  # fmt: skip
+    }  # fmt: skip
+    if mla is not None:
+        heads_qk = cfg.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        attention = {
+            "q_proj": (h, heads_qk), "q_a_proj": (h, mla.q_lora_rank or 0),
+            "q_b_proj": (mla.q_lora_rank or 0, heads_qk), "kv_a_proj_with_mqa": (h, mla.latent_dim),
+            "o_proj": (cfg.num_heads * mla.v_head_dim, h),
+        }  # fmt: skip
+    else:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    return {**attention, **mlp}[module]
+
+
+def rotary_rows(cfg: ModelConfig, module: str) -> torch.Tensor | None:
+    """The order of a DeepSeek module's output rows in the model (``engine.models.mla.rotary_row_order``:
+    its rotary rows de-interleaved at load), for its adapter's B rows; None where rows stay in place."""
+    if cfg.mla is None or not cfg.mla.rope_interleave:
+        return None
+    from engine.models.mla import rotary_row_order  # the models import this module
+
+    if module in ("q_proj", "q_b_proj"):
+        return rotary_row_order(cfg, "q")
+    if module == "kv_a_proj_with_mqa":
+        return rotary_row_order(cfg, "kv_a")
+    return None
 
 
 @dataclass
@@ -256,7 +307,7 @@ class LoRASlots:
         for layer in range(cfg.num_layers):
             moe = bool(cfg.moe_layers and cfg.moe_layers[layer])
             projections = {}
-            for kind, modules in PARTS.items():
+            for kind, modules in parts(cfg).items():
                 if moe and kind in ("gate_up", "down"):
                     continue
                 shapes = [module_shape(cfg, m) for m in modules]
@@ -367,7 +418,7 @@ class LoRASlots:
                 width = p.a.shape[0] // self.max_loras
                 p.a[slot * width : (slot + 1) * width].zero_()
                 p.b[:, slot * width : (slot + 1) * width].zero_()
-                for part, module in enumerate(PARTS[kind]):
+                for part, module in enumerate(parts(self.cfg)[kind]):
                     if module not in modules:
                         continue
                     a, b = modules[module]

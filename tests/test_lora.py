@@ -156,6 +156,51 @@ def test_moe_attention_adapter_matches_peft(tmp_path: Path) -> None:
         llm.engine.add_lora("e", str(adapter))
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2_lite"])
+def test_deepseek_latent_attention_adapters_match_peft(arch: str, tmp_path: Path) -> None:
+    """DeepSeek's latent attention takes adapters on its query projections (V3's q_a_proj and q_b_proj, or
+    V2-Lite's q_proj), the latent's kv_a_proj_with_mqa (stacked with the query's first projection in one
+    weight) and o_proj: the tokens are PEFT's on transformers' model, with the torch ops and the Triton
+    ops in the interpreter, the rotary rows of the adapters' B taken into the model's order as the weights'
+    are. kv_b_proj (absorbed) and the shared experts are refused by name, as is a per-module rank that
+    applies to an adapted module (PEFT's own patterns for transformers' fused experts match none here)."""
+    base = make_checkpoint(arch, tmp_path / "base", seed=7)
+    query = ["q_a_proj", "q_b_proj"] if arch == "deepseek_v3" else ["q_proj"]
+    adapter = write_adapter(
+        base, tmp_path / "a", seed=8, rank=8, targets=[*query, "kv_a_proj_with_mqa", "o_proj"]
+    )
+    prompts = _prompts(3, seed=5)
+    for backend in ("torch", "triton"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "1")
+            llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2,
+                      kernel_backend=backend)  # fmt: skip
+            reqs = [LoRARequest("a", 1, str(adapter)), None, LoRARequest("a", 1, str(adapter))]
+            got = [o.token_ids for o in llm.generate(prompts, GREEDY, lora_request=reqs)]
+        if backend == "torch":
+            want = [peft_greedy(base, adapter if r else None, p) for p, r in zip(prompts, reqs, strict=True)]
+            assert got[0] != peft_greedy(base, None, prompts[0])  # the adapter changes the tokens
+        assert got == want, backend
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    for module, words in (
+        ("self_attn.kv_b_proj", "adapts a module this engine cannot"),
+        ("mlp.shared_experts.gate_proj", "adapts a module this engine cannot"),
+    ):
+        bad = dict(tensors)
+        bad[f"base_model.model.model.layers.1.{module}.lora_A.weight"] = torch.zeros(8, 32)
+        save_file(bad, str(tmp_path / "a" / "adapter_model.safetensors"))
+        with pytest.raises(LoRAError, match=words):
+            llm.engine.add_lora("bad", str(tmp_path / "a"))
+    save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    config["rank_pattern"] = {**(config.get("rank_pattern") or {}), r".*\.o_proj": 4}
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match="per-module rank_pattern"):
+        llm.engine.add_lora("bad", str(tmp_path / "a"))
+
+
 def test_bad_adapters_and_requests_are_refused(dense: dict[str, Path], tmp_path: Path) -> None:
     llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
     with pytest.raises(LoRAError, match="rank 16, more than max_lora_rank 8"):

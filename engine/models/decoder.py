@@ -245,10 +245,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.self_attn, MLAttention):
-            qkv_a, _, residual = self.ops.add_rms_norm_linear(
-                x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_a_proj, False
+            lora = self.lora
+            qkv_a, h, residual = self.ops.add_rms_norm_linear(
+                x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_a_proj, lora is not None
             )
-            return self.post_attention(self.self_attn(qkv_a, positions, cos_sin, kv_pool, meta), residual)
+            if lora is not None:
+                qkv_a = lora.apply("qkv_a", h, qkv_a)
+            o = self.self_attn(qkv_a, positions, cos_sin, kv_pool, meta, lora)
+            return self.post_attention(o, residual)
         qkv, residual = self.qkv(x, residual)
         o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
         return self.post_attention(o, residual)

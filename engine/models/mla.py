@@ -25,6 +25,7 @@ from kernels import Ops
 from kernels.fp8_weight import Fp8Layout, as_dense, empty_param, linear_weight
 
 if TYPE_CHECKING:
+    from engine.lora import LayerLoRA
     from engine.models.decoder import AttentionMetadata, DenseMLP
 
 
@@ -103,14 +104,19 @@ class MLAttention(nn.Module):
         cos_sin: torch.Tensor,
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
         """Attention of the normalised hidden states' ``qkv_a_proj`` [T, q_rows + latent]: writes each
         token's latent into the pool at ``meta.slot_mapping`` and returns the heads' outputs
-        [T, heads * v_head_dim]."""
+        [T, heads * v_head_dim]. ``lora``: the layer's adapters (V3's q_b_proj takes its own)."""
         ops, heads = self.ops, self.num_heads
         q, kv = qkv_a[:, : self.q_rows], qkv_a[:, self.q_rows :]
         if self.q_lora:
-            q = ops.add_rms_norm_linear(q, None, self.q_a_layernorm, self.eps, self.q_b_proj, False)[0]
+            q, h, _ = ops.add_rms_norm_linear(
+                q, None, self.q_a_layernorm, self.eps, self.q_b_proj, lora is not None
+            )
+            if lora is not None:
+                q = lora.apply("q_b", h, q)
         w_kv = self.kv_b_proj.view(heads, self.nope + self.v_dim, self.rank)
         q = ops.mla_prologue(
             q,
