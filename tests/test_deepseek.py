@@ -174,12 +174,10 @@ def test_yarn_scaling_matches_transformers(arch: str, tmp_path: Path) -> None:
 
 
 def test_what_a_deepseek_model_refuses(deepseek: Path, tmp_path: Path) -> None:
-    """LoRA adapters, and a float8 KV pool for a checkpoint with calibrated KV scales (the latent is
-    stored unscaled; the same checkpoint serves with a 16-bit pool, where scales are not used)."""
+    """A float8 KV pool for a checkpoint with calibrated KV scales (the latent is stored unscaled; the same
+    checkpoint serves with a 16-bit pool, where scales are not used)."""
     from tests.checkpoints import write_weights
 
-    with pytest.raises(ValueError, match="LoRA adapters are not served"):
-        LLM(str(deepseek), dtype="float32", num_kv_blocks=16, enable_lora=True)
     scaled = write_weights(
         deepseek, tmp_path / "scaled", {"model.layers.0.self_attn.k_scale": torch.tensor(0.5)}
     )
