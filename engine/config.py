@@ -203,8 +203,6 @@ class EngineConfig:
                 raise ValueError(
                     f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}"
                 )
-            if self.expert_parallel_size > 1:
-                raise ValueError("LoRA adapters are not served with several expert-parallel ranks")
         elif self.lora_modules:
             raise ValueError("lora_modules needs enable_lora")
         if self.num_redundant_experts < 0:

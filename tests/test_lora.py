@@ -201,6 +201,46 @@ def test_deepseek_latent_attention_adapters_match_peft(arch: str, tmp_path: Path
         llm.engine.add_lora("bad", str(tmp_path / "a"))
 
 
+def _ep_rank(rank: int, world: int, port: int, base: str, adapter: str, prompts: list, out: dict) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(240, exit=True)
+    torch.set_num_threads(1)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
+              distributed_init_method=f"tcp://127.0.0.1:{port}", enable_lora=True, max_loras=2)  # fmt: skip
+    out[rank] = [
+        o.token_ids for o in llm.generate(prompts[rank], GREEDY, lora_request=_ep_requests(rank, adapter))
+    ]
+    llm.close()
+
+
+def _ep_requests(rank: int, adapter: str) -> list[LoRARequest | None]:
+    """Rank 0: the adapter, no adapter, the adapter; rank 1: none at all (its passes skip the LoRA ops
+    while rank 0's run them)."""
+    return [LoRARequest("a", 1, adapter) if rank == 0 and i % 2 == 0 else None for i in range(3)]
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks_serve_adapters(tmp_path: Path) -> None:
+    """Two expert-parallel ranks (gloo) of a Qwen3-MoE model, each with its own requests, one rank's with an
+    adapter of the attention and the other's without: the single engine's tokens (an adapter's projections
+    are the rank's own work; only the experts' exchange is shared, and it does not depend on them)."""
+    import torch.multiprocessing as mp
+
+    from mesh.cli import free_port
+
+    base = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=4)
+    adapter = str(write_adapter(base, tmp_path / "a", seed=6, rank=8, targets=ATTENTION))
+    prompts = [_prompts(3, seed=11), _prompts(3, seed=12)]
+    single = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    want = [[o.token_ids for o in single.generate(p, GREEDY, lora_request=_ep_requests(r, adapter))]
+            for r, p in enumerate(prompts)]  # fmt: skip
+    assert want[0][0] != peft_greedy(base, None, prompts[0][0])  # the adapter changes the tokens
+    out = mp.Manager().dict()
+    mp.spawn(_ep_rank, args=(2, free_port(), str(base), adapter, prompts, out), nprocs=2, join=True)
+    assert [out[0], out[1]] == want
+
+
 def test_bad_adapters_and_requests_are_refused(dense: dict[str, Path], tmp_path: Path) -> None:
     llm = LLM(str(dense["base"]), dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
     with pytest.raises(LoRAError, match="rank 16, more than max_lora_rank 8"):
