@@ -50,6 +50,33 @@ def test_disaggregated_tokens_equal_offline(router: str, deepseek: Path) -> None
     assert all(prefill and decode and prefill != decode for _, prefill, decode in replies)
 
 
+def test_float8_weights_and_latent_kv_move_between_workers(tmp_path: Path) -> None:
+    """A DeepSeek-V3 float8 checkpoint (its weights kept in float8) served with a float8 latent pool on
+    both workers: the prefill worker's float8 latent blocks move to the decode worker over NIXL (the
+    pool's dtype in the layout both sides compare), and the streamed tokens equal the offline engine's with
+    the same settings."""
+    from tests.checkpoints import quantize_checkpoint
+
+    src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=7)
+    quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 128))
+    model = str(tmp_path / "fp8")
+    prompts = [[5 + i for i in range(n)] for n in (9, 40)]
+    llm = LLM(model, dtype="float32", num_kv_blocks=64, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    with worker_pair("--model", model, "--kv-cache-dtype", "fp8") as (prefill, decode):
+        proc = ServiceProcess.start(
+            "router", "--model", model, "--http-port", "0", "--prefill-workers", prefill.address,
+            "--decode-workers", decode.address, "--pd-threshold-tokens", "0",
+        )  # fmt: skip
+        try:
+            replies = router_generate(proc.address, prompts, 16)
+        finally:
+            assert proc.stop() == 0, proc.log()
+    assert [r[0] for r in replies] == want
+    assert all(prefill and decode and prefill != decode for _, prefill, decode in replies)
+
+
 @pytest.mark.parametrize("spec", [[], ["--speculative-config", '{"method": "mtp"}']], ids=["plain", "mtp"])
 def test_latent_blocks_go_through_the_kv_offload_store(tmp_path: Path, spec: list[str]) -> None:
     """``tiny-deepseek``'s latent KV blocks, offered to the KV offload store when a prefill worker's lease
