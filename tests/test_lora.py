@@ -284,6 +284,24 @@ def test_gpu_graphs_with_adapters_match_the_eager_reference(dense: dict[str, Pat
 
 
 @needs_gpu
+def test_gpu_deepseek_adapters_in_the_decode_graphs(tmp_path: Path) -> None:
+    """On a GPU: a DeepSeek-V3 model's latent-attention adapters through the decode graphs (captured with
+    and without the LoRA ops) and the Triton ops give the eager torch ops' tokens (float32: identical)."""
+    base = make_checkpoint("deepseek_v3", tmp_path / "base", seed=7)
+    adapter = write_adapter(base, tmp_path / "a", seed=8, rank=8,
+                            targets=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"])  # fmt: skip
+    prompts = _prompts(6, seed=9)
+    reqs = [LoRARequest("a", 1, str(adapter)) if i % 2 == 0 else None for i in range(6)]
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    fast = LLM(str(base), kernel_backend="triton", **kw)
+    assert fast.engine.runner.graphs is not None
+    eager = LLM(str(base), kernel_backend="torch", cuda_graphs=False, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, GREEDY, lora_request=reqs)]
+    assert [o.token_ids for o in fast.generate(prompts, GREEDY, lora_request=reqs)] == want
+    assert fast.engine.stats().decode_graph_passes > 0
+
+
+@needs_gpu
 def test_gpu_graphs_without_lora_ops_serve_steps_without_adapters(dense: dict[str, Path]) -> None:
     """On a GPU, with ``cudagraph_specialize_lora`` (the default): steps in which no request has an adapter
     replay decode and prefill graphs captured without the LoRA ops, with the plain engine's tokens (float32:
