@@ -4,8 +4,9 @@ An adapter is a PEFT directory: ``adapter_config.json`` (``r``, ``lora_alpha``, 
 ``use_rslora``) and ``adapter_model.safetensors`` (or ``.bin``) with ``lora_A`` [r, in] and ``lora_B``
 [out, r] for some of the decoder layers' projections: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (for
 DeepSeek's latent attention ``q_a_proj``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``o_proj``:
-``parts``) and, in dense MLP layers, ``gate_proj``, ``up_proj``, ``down_proj``. A projection with an adapter computes
-``W x + scale * B (A x)``, ``scale = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), as PEFT does.
+``parts``) and, in dense MLP layers, ``gate_proj``, ``up_proj``, ``down_proj``. A projection with an
+adapter computes ``W x + scale * B (A x)``, ``scale = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), as PEFT
+does.
 
 Registered adapters are kept in host memory; ``max_loras`` of them at a time sit in device slots. Per
 projection the slots' matrices are stacked: ``A_all`` [S*R, in] and ``B_all`` [out, S*R], R =
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 # Our fused projections and the checkpoint's modules in them, in the order of their output rows.
 PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}  # fmt: skip
-MODULE_TO_PROJECTION = {module: (proj, i) for proj, mods in PARTS.items() for i, module in enumerate(mods)}
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -73,6 +73,7 @@ def parts(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 def module_to_projection(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Each adaptable checkpoint module's projection kind and its part's index in it."""
     return {module: (kind, i) for kind, mods in parts(cfg).items() for i, module in enumerate(mods)}
 
 
