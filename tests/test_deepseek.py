@@ -139,26 +139,39 @@ def test_triton_ops_in_the_interpreter_give_the_torch_tokens(
     assert [o.token_ids for o in triton] == [o.token_ids for o in torch_]
 
 
-def _rank(rank: int, world: int, port: int, path: str, prompts: list[list[int]], out: dict) -> None:
+def _rank(rank: int, world: int, port: int, path: str, prompts: list[list[int]], kw: dict, out: dict) -> None:
     faulthandler.dump_traceback_later(180, exit=True)
     torch.set_num_threads(1)
     llm = LLM(path, dtype="float32", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
-              distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
-    assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
+              distributed_init_method=f"tcp://127.0.0.1:{port}", **kw)  # fmt: skip
+    w13 = llm.engine.model.moe_blocks()[0].w13
+    assert w13.shape[0] == 8 // world
+    out[f"w13_{rank}"] = type(w13).__name__
     out[rank] = [o.token_ids for o in llm.generate([prompts[rank]], GREEDY)]
     llm.close()
 
 
 @pytest.mark.slow
-def test_two_expert_parallel_ranks_give_one_ranks_tokens(deepseek: Path) -> None:
+@pytest.mark.parametrize("float8", [False, True], ids=["bf16-like", "float8-weights-and-kv"])
+def test_two_expert_parallel_ranks_give_one_ranks_tokens(
+    deepseek: Path, float8: bool, tmp_path: Path
+) -> None:
     """Each of two ranks holds half of the routed experts (the shared expert and attention whole) and
-    serves its own prompt; together they give the single engine's tokens."""
+    serves its own prompt; together they give the single engine's tokens. Also with a float8 checkpoint's
+    weights kept in float8 (each rank's experts too) and a float8 latent pool."""
+    from tests.checkpoints import quantize_checkpoint
+
+    path, kw = deepseek, {}
+    if float8:
+        path, kw = tmp_path / "fp8", {"kv_cache_dtype": "fp8"}
+        quantize_checkpoint(deepseek, path, "fp8", block=(16, 128))
     prompts = _prompts(2, seed=4)
-    single = LLM(str(deepseek), dtype="float32", num_kv_blocks=64)
+    single = LLM(str(path), dtype="float32", num_kv_blocks=64, **kw)
     want = [single.generate([p], GREEDY)[0].token_ids for p in prompts]
     out = mp.Manager().dict()
-    mp.spawn(_rank, args=(2, free_port(), str(deepseek), prompts, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(path), prompts, kw, out), nprocs=2, join=True)
     assert [out[0][0], out[1][0]] == want
+    assert out["w13_0"] == out["w13_1"] == ("Fp8Weight" if float8 else "Parameter")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
