@@ -61,6 +61,16 @@ def test_two_decode_ranks_with_asynchronous_scheduling_match_offline() -> None:
             assert _sample(svc, "pdmesh_decode_lookahead_steps_total") > 0, svc.log()
 
 
+def test_two_decode_ranks_with_ngram_drafts_match_offline() -> None:
+    """The same traffic with speculative decoding on the ranks (n-gram drafts of 3 tokens): each rank drafts
+    for its own requests and verifies in the ranks' lockstep; the tokens are still the offline engine's."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    with _prefill_and_two_decode_ranks("--speculative-config", spec) as (prefill, ranks):
+        _check_ranks(prefill, ranks)
+        drafted = sum(_sample(svc, "pdmesh_decode_spec_decode_draft_tokens_tokens_total") for svc in ranks)
+        assert drafted > 0, "\n".join(svc.log()[-2000:] for svc in ranks)
+
+
 def test_sigterm_drains_every_rank_before_the_group_stops() -> None:
     """Both ranks get SIGTERM while rank 0 streams a long generation and rank 1 has nothing to do: rank 1
     must keep joining rank 0's steps until rank 0 has drained (a rank that left at once would fail rank
