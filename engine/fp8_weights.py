@@ -148,14 +148,19 @@ ONLINE_BLOCK = (128, 128)
 
 def _row_boundaries(cfg: ModelConfig) -> list[int]:
     """Where the fused weights' parts start: a block layout's row blocks must not straddle them."""
-    inters = [
+    inters = _intermediate_sizes(cfg)
+    if cfg.mla is not None:  # the query's first projection, then the latent's (MLAttention.qkv_a_proj)
+        return [_mla_q_rows(cfg), *inters]
+    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, *inters]
+
+
+def _intermediate_sizes(cfg: ModelConfig) -> list[int]:
+    """The gated MLPs' intermediate sizes (0: none): dense layers', each expert's, the shared experts'."""
+    return [
         cfg.intermediate_size,
         cfg.moe_intermediate_size,
         cfg.moe_intermediate_size * cfg.n_shared_experts,
     ]
-    if cfg.mla is not None:  # the query's first projection, then the latent's (MLAttention.qkv_a_proj)
-        return [_mla_q_rows(cfg), *inters]
-    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, *inters]
 
 
 def _mla_q_rows(cfg: ModelConfig) -> int:
@@ -174,11 +179,7 @@ def _shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     else:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         shapes = [(q + 2 * kv, h), (h, q)]
-    for inter in (
-        cfg.intermediate_size,
-        cfg.moe_intermediate_size,
-        cfg.moe_intermediate_size * cfg.n_shared_experts,
-    ):
+    for inter in _intermediate_sizes(cfg):
         if inter:
             shapes += [(2 * inter, h), (h, inter)]
     return shapes

@@ -315,8 +315,9 @@ def mla_splits(
     v_dim: int,
     num_splits: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernel's launch (``mla_attention_triton``'s first stage, for decode calls of a shape it
-    takes): each split's normalised output [B, S, H, v_dim] and log-sum-exp [B, S, H] (-inf: no key)."""
+    """The split kernel's launch (``mla_attention_triton``'s first stage: one query a row, a sequence's at
+    decode or a prompt token's): each split's normalised output [B, S, H, v_dim] and log-sum-exp [B, S, H]
+    (-inf: no key)."""
     batch, heads = q.shape[0], q.shape[1]
     block_size = kv_pool.shape[3]
     block_h = max(16, min(64, triton.next_power_of_2(heads)))

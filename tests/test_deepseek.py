@@ -428,6 +428,7 @@ def test_the_triton_latent_attention_of_prompt_chunks_equals_the_reference(
     from kernels.mla_attention import mla_attention_torch
 
     monkeypatch.setattr(triton_mla, "PROMPT_ROWS", prompt_rows)
+    launches = _calls(monkeypatch, triton_mla, "_attend_rows")  # the kernels' path, not the reference
     gen = torch.Generator().manual_seed(prompt_rows)
     pool = torch.randn(20, 2, 2, 4, 1, 24, generator=gen)
     seq_lens = torch.tensor([11, 7, 5, 9], dtype=torch.int32)
@@ -440,6 +441,7 @@ def test_the_triton_latent_attention_of_prompt_chunks_equals_the_reference(
     want = mla_attention_torch(q, pool, 1, tables, seq_lens, qsl, 0.3, 32)
     got = triton_mla.mla_attention_triton(q, pool, 1, tables, seq_lens, qsl, 0.3, 32)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(launches) == -(-14 // prompt_rows)  # 14 tokens: one launch, or three of up to 5
 
 
 def test_the_latent_attention_splits_cut_each_sequences_own_length(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -801,12 +803,16 @@ def test_float8_deepseek_triton_ops_in_the_interpreter_give_the_torch_tokens(
 
     src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=7)
     quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=(16, 128))
+    from kernels import triton_fp8_linear
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp8_linears = _calls(monkeypatch, triton_fp8_linear, "fp8_linear_triton")
     prompts = _prompts(2, seed=3)
     kw = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
     fast = LLM(str(tmp_path / "fp8"), kernel_backend="triton", **kw)
     assert isinstance(fast.engine.model.layers[1].mlp.w13, Fp8Weight)
     triton = fast.generate(prompts, GREEDY)
+    assert fp8_linears  # the float8 projections ran their Triton kernels
     torch_ = LLM(str(tmp_path / "fp8"), **kw).generate(prompts, GREEDY)
     assert [o.token_ids for o in triton] == [o.token_ids for o in torch_]
 
@@ -841,8 +847,8 @@ def test_a_float8_latent_kv_cache(deepseek: Path, monkeypatch: pytest.MonkeyPatc
     assert torch.equal(
         pools[0].view(torch.uint8), to_pool_dtype(pools[1], torch.float8_e4m3fn).view(torch.uint8)
     )
-    again = [o.token_ids for o in fp8.generate(prompts, long)]  # prompts' blocks now from the prefix cache
-    assert again == got
+    again = fp8.generate(prompts, long)  # the prompts' blocks now from the prefix cache
+    assert [o.token_ids for o in again] == got and all(o.num_cached_tokens >= 16 for o in again)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     triton = LLM(str(deepseek), kv_cache_dtype="fp8", kernel_backend="triton", **kw)
     assert [o.token_ids for o in triton.generate(prompts, long)] == got
