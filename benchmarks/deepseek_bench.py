@@ -8,8 +8,9 @@ side in one run, with the roofline of each batch's decode step.
 
 Decode tok/s: ``batch x new`` tokens over the time of a ``new``-token generation less that of a one-token
 one (the prompts' prefill, one step for the whole batch, as transformers' is), medians of ``--repeats``;
-prefill tok/s: the batch's prompt tokens over that one-token generation's time (the engine's). The engine runs the Triton ops (``kernels/triton_mla.py`` for
-the latent attention and the grouped routing) and its decode CUDA graphs. ``--profile`` logs the kernel
+prefill tok/s: the batch's prompt tokens over that one-token generation's time (the engine's). The engine
+runs the Triton ops (``kernels/triton_mla.py`` for the latent attention and the grouped routing) and its
+decode CUDA graphs. ``--profile`` logs the kernel
 timeline of the batch-1 decode graph (``gpu_bench.kernel_timeline``: each kernel's marginal time along the
 chain). Roofline: the bytes a decode step must read (the weights of the attention, the dense and shared
 MLPs, the routed experts the batch activates at most (every one once a batch chooses them all), the LM head,
@@ -79,9 +80,9 @@ SMOKE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_interme
 def step_bytes(cfg: dict, batch: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2) -> float:
     """What one decode step must read: every weight a step uses once, the routed experts' of at most
     ``batch x k`` distinct experts a layer, and the batch's latent KV (``kv_bytes`` a value: 1 in a float8
-    pool). ``weight_bytes``: a byte
-    for float8 projections (``--quantization fp8``; their scales, one float a 128 x 128 block, are left
-    out), whose kv_b_proj (absorbed), router (float32), embeddings and LM head stay as they are."""
+    pool). ``weight_bytes``: 1 for float8 projections (``--quantization fp8``; their scales, one float a
+    128 x 128 block, are left out); kv_b_proj (absorbed), the router (float32), embeddings and LM head stay
+    as they are."""
     h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     nope, rope, v, rank = (
         cfg["qk_nope_head_dim"],
