@@ -451,6 +451,7 @@ class ModelRunner:
             block_tables=copy(tables),
             seq_lens=copy(ends.astype(np.int32)),
             query_start_loc=copy(cu.astype(np.int32)),
+            host_lens=(ends, cu),
         )
         return copy(input_ids), copy(positions), meta, [seqs[i] for i in sampling], copy(logits_rows)
 
@@ -751,6 +752,7 @@ def scratch_forward(model: DecoderModel, kv_pool: torch.Tensor, block_size: int,
         block_tables=torch.zeros((1, -(-n // block_size)), dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        host_lens=(np.array([n]), np.array([0, n])),  # as a real prompt of n tokens: the MLA prefill's peak
     )
     ids = torch.zeros(n, dtype=torch.int64, device=dev)
     positions = torch.arange(n, dtype=torch.int64, device=dev)

@@ -43,15 +43,13 @@ def mla_attention_torch(
     if decode:
         return _decode(q, kv_pool, layer, block_tables, seq_lens, scale, v_dim)
     out = q.new_empty((q.shape[0], q.shape[1], v_dim))
-    block_size, heads = kv_pool.shape[3], q.shape[1]
+    heads = q.shape[1]
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         q0, q1 = starts[b], starts[b + 1]
         if q1 == q0:
             continue
-        blocks = block_tables[b, : (seq_len + block_size - 1) // block_size].long()
-        kv = kv_pool[blocks, layer]  # [n, 2, bs, 1, L/2]
-        latent = torch.cat([kv[:, 0], kv[:, 1]], dim=-1).reshape(-1, q.shape[2])[:seq_len].to(torch.float32)
+        latent = context_latents(kv_pool, layer, block_tables[b], seq_len).to(torch.float32)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         q_len = q1 - q0
         # Query rows in chunks whose scores [H, rows, S] stay within SCORE_CHUNK_ELEMENTS: a prompt's
@@ -64,6 +62,54 @@ def mla_attention_torch(
             q_pos = torch.arange(seq_len - q_len + r0, seq_len - q_len + r1, device=q.device).unsqueeze(1)
             probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
             out[q0 + r0 : q0 + r1] = torch.matmul(probs, latent[:, :v_dim]).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def context_latents(
+    kv_pool: torch.Tensor, layer: int, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """One sequence's first ``seq_len`` latents of ``layer`` from its ``block_table`` row, in order: [seq_len,
+    rank + rope] in the pool's dtype (the K and V halves side by side)."""
+    block_size = kv_pool.shape[3]
+    kv = kv_pool[block_table[: -(-seq_len // block_size)].long(), layer]  # [blocks, 2, bs, 1, half]
+    return torch.cat([kv[:, 0], kv[:, 1]], dim=-1).reshape(-1, 2 * kv_pool.shape[-1])[:seq_len]
+
+
+def mla_prefill_torch(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_len: int,
+    w_kv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's prompt queries in the unabsorbed form (vLLM's and SGLang's MLA prefill): its context's
+    latents up-projected per head by ``w_kv`` [H, nope + v_dim, rank] into keys (with the shared rotary key)
+    and values, then causal attention of ``nope + rope`` dimensions a head instead of the absorbed form's
+    ``rank + rope``. q_nope [n, H, nope] (the query projection's), q_pe [n, H, rope] (rotated): the
+    queries of the sequence's last ``n`` of ``seq_len`` tokens, whose latents the pool holds (``block_table``:
+    the sequence's row; ``seq_len`` a host int). -> [n, H, v_dim] in q_nope's dtype. Float32 arithmetic,
+    scores in query chunks of at most ``SCORE_CHUNK_ELEMENTS``."""
+    n, heads, nope = q_nope.shape
+    rank = w_kv.shape[2]
+    latent = context_latents(kv_pool, layer, block_table, seq_len).to(torch.float32)
+    w = w_kv.to(torch.float32)
+    k_nope = torch.einsum("lr,hnr->hln", latent[:, :rank], w[:, :nope])  # [H, L, nope]
+    v = torch.einsum("lr,hvr->hlv", latent[:, :rank], w[:, nope:])  # [H, L, v_dim]
+    k_pe = latent[:, rank:]
+    out = q_nope.new_empty((n, heads, v.shape[2]))
+    k_pos = torch.arange(seq_len, device=q_nope.device).unsqueeze(0)
+    rows = max(1, SCORE_CHUNK_ELEMENTS // (heads * seq_len))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        qn = q_nope[r0:r1].to(torch.float32).transpose(0, 1)  # [H, rows, nope]
+        qp = q_pe[r0:r1].to(torch.float32).transpose(0, 1)
+        scores = (torch.matmul(qn, k_nope.transpose(1, 2)) + torch.matmul(qp, k_pe.t())) * scale
+        q_pos = torch.arange(seq_len - n + r0, seq_len - n + r1, device=q_nope.device).unsqueeze(1)
+        probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+        out[r0:r1] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
 
 

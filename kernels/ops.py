@@ -11,7 +11,12 @@ from kernels.copy_rows import copy_rows_torch
 from kernels.kv_cache import write_kv_torch
 from kernels.linear import add_rms_norm_linear_torch, linear_torch, silu_mul_linear_torch
 from kernels.lora import lora_apply_torch
-from kernels.mla_attention import mla_attention_torch, mla_prologue_torch, mla_value_proj_torch
+from kernels.mla_attention import (
+    mla_attention_torch,
+    mla_prefill_torch,
+    mla_prologue_torch,
+    mla_value_proj_torch,
+)
 from kernels.moe import fused_moe_torch
 from kernels.moe_routing import moe_route_grouped_torch, moe_route_torch
 from kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -49,6 +54,7 @@ class Ops:
         Callable  # MLA between projections and attention: latent norm, RoPE, KV write, W_uk absorbed
     )
     mla_value_proj: Callable  # MLA's per-head value projection (W_uv) of the latent outputs
+    mla_prefill: Callable  # MLA of one sequence's prompt queries, unabsorbed (keys and values up-projected)
 
 
 TORCH_OPS = Ops(
@@ -73,6 +79,7 @@ TORCH_OPS = Ops(
     mla_attention=mla_attention_torch,
     mla_prologue=mla_prologue_torch,
     mla_value_proj=mla_value_proj_torch,
+    mla_prefill=mla_prefill_torch,
 )
 
 

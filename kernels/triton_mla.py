@@ -1,4 +1,4 @@
-"""DeepSeek-V3's two ops in Triton: the grouped routing (``kernels/moe_routing.py::moe_route_grouped_torch``)
+"""DeepSeek-V3's ops in Triton: the grouped routing (``kernels/moe_routing.py::moe_route_grouped_torch``)
 in one launch, and the latent attention (``kernels/mla_attention.py``) as a split-KV kernel and a merge: a
 row a sequence for decode calls (``decode=True``), a row a query token for prompt chunks (each over its
 context up to itself). Shapes outside the kernels' power-of-two sizes take the torch reference.
@@ -19,6 +19,9 @@ which the merge combines (a split without tokens weighs nothing; a row of seq_le
 pool's tiles are widened to the query's dtype (exact) before the dots; the prologue writes the latents into
 it through ``to_pool`` (clamped, rounded to nearest even, as the reference's ``write_kv_torch``; the latent
 is stored unscaled, vLLM's default for MLA).
+
+Unabsorbed prefill (``mla_prefill_triton``, one sequence's prompt queries): its latents up-projected by one
+GEMM into every head's keys and values, then a causal flash-attention kernel, program ``(query block, head)``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ import triton
 import triton.language as tl
 
 from kernels.kv_cache import FP8_KV_DTYPES
-from kernels.mla_attention import mla_attention_torch, mla_prologue_composed, mla_value_proj_torch
+from kernels.mla_attention import (
+    context_latents,
+    mla_attention_torch,
+    mla_prefill_torch,
+    mla_prologue_composed,
+    mla_value_proj_torch,
+)
 from kernels.moe_routing import moe_route_grouped_torch
 from kernels.triton_attention import num_kv_splits
 from kernels.triton_device import dot_precision, pdl_kwargs, pdl_wait
@@ -522,4 +531,118 @@ def mla_value_proj_triton(o: torch.Tensor, w_kv: torch.Tensor, v_dim: int) -> to
         V_OFF=w_kv.shape[1] - v_dim, V=v_dim, R=rank, BLOCK_T=block_t, VC=chunk,
         PRECISION=dot_precision(o.dtype), num_warps=4, **pdl_kwargs(o.device),
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    qn_ptr, qp_ptr, kv_ptr, kp_ptr, out_ptr, o32_ptr, lse_ptr,
+    n, q_pos0, k0, n_keys, num_heads,
+    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_kvt, stride_kpt, stride_ot, stride_oh, scale,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)
+    row_mask = rows < n
+    pos = q_pos0 + rows  # the queries' positions in the sequence
+    dn = tl.arange(0, NOPE)
+    dp = tl.arange(0, ROPE)
+    dv = tl.arange(0, V)
+    qn = tl.load(
+        qn_ptr + rows[:, None] * stride_qnt + h * stride_qnh + dn[None, :], mask=row_mask[:, None], other=0.0
+    )
+    qp = tl.load(
+        qp_ptr + rows[:, None] * stride_qpt + h * stride_qph + dp[None, :], mask=row_mask[:, None], other=0.0
+    )
+    state = rows * num_heads + h
+    if FIRST:
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, V], tl.float32)
+    else:  # the earlier key chunks' normalised output and log-sum-exp: weight 1 at m = lse
+        m = tl.load(lse_ptr + state, mask=row_mask, other=0.0)
+        l_sum = tl.full([BLOCK_M], 1.0, tl.float32)
+        acc = tl.load(o32_ptr + state[:, None] * V + dv[None, :], mask=row_mask[:, None], other=0.0)
+    # The chunk's keys (positions k0 + j) that the block's last query can see.
+    hi = tl.minimum(n_keys, q_pos0 + tl.program_id(0) * BLOCK_M + BLOCK_M - k0)
+    for j0 in range(0, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_mask = j < n_keys
+        key = kv_ptr + j[:, None] * stride_kvt + h * (NOPE + V)
+        kn = tl.load(key + dn[None, :], mask=j_mask[:, None], other=0.0)
+        kp = tl.load(kp_ptr + j[:, None] * stride_kpt + dp[None, :], mask=j_mask[:, None], other=0.0)
+        scores = tl.dot(qn, tl.trans(kn), input_precision=PRECISION)
+        scores += tl.dot(qp, tl.trans(kp), input_precision=PRECISION)
+        seen = j_mask[None, :] & ((k0 + j)[None, :] <= pos[:, None])
+        scores = tl.where(seen, scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        probs = tl.exp(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(probs, axis=1)
+        v = tl.load(key + NOPE + dv[None, :], mask=j_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.maximum(l_sum, 1e-30)[:, None]
+    if LAST:
+        dest = out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :]
+        tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        tl.store(o32_ptr + state[:, None] * V + dv[None, :], out, mask=row_mask[:, None])
+        tl.store(lse_ptr + state, m + tl.log(tl.maximum(l_sum, 1e-30)), mask=row_mask)
+
+
+# The most bytes of up-projected keys and values the unabsorbed prefill holds at once (a longer context is
+# attended in key chunks, each merged into the running output and log-sum-exp).
+PREFILL_KEY_CHUNK_BYTES = 256 << 20
+
+
+def mla_prefill_triton(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_len: int,
+    w_kv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``mla_prefill_torch``'s contract: the context's latents gathered and widened to the queries' dtype,
+    up-projected by one GEMM (cuBLAS) into every head's keys and values, then a causal flash-attention kernel
+    (program: a block of query tokens of one head; the rotary key shared by the heads). Contexts whose keys
+    and values exceed ``PREFILL_KEY_CHUNK_BYTES`` go in key chunks, the running output and log-sum-exp
+    kept in float32 between them. Shapes outside the kernel's (power-of-two parts of at least 16) take the
+    reference."""
+    n, heads, nope = q_nope.shape
+    rope, rank = q_pe.shape[2], w_kv.shape[2]
+    v_dim = w_kv.shape[1] - nope
+    if (
+        not all(_pow2(d) and d >= 16 for d in (nope, rope, v_dim))
+        or kv_pool.shape[4] != 1
+        or q_nope.stride(2) != 1
+        or q_pe.stride(2) != 1
+    ):
+        return mla_prefill_torch(q_nope, q_pe, kv_pool, layer, block_table, seq_len, w_kv, scale)
+    out = q_nope.new_empty((n, heads, v_dim))
+    if n == 0:
+        return out
+    latent = context_latents(kv_pool, layer, block_table, seq_len).to(q_nope.dtype)
+    k_pe = latent[:, rank:]
+    w = w_kv.reshape(heads * (nope + v_dim), rank)
+    chunk = max(64, PREFILL_KEY_CHUNK_BYTES // (heads * (nope + v_dim) * q_nope.element_size()))
+    o32 = lse = out  # unused with one chunk
+    if seq_len > chunk:
+        o32 = torch.empty((n, heads, v_dim), dtype=torch.float32, device=out.device)
+        lse = torch.empty((n, heads), dtype=torch.float32, device=out.device)
+    block_m, block_n, warps = (64, 64, 4) if q_nope.is_cuda else (16, 16, 4)
+    for k0 in range(0, seq_len, chunk):
+        k1 = min(seq_len, k0 + chunk)
+        kv = torch.matmul(latent[k0:k1, :rank], w.t())  # [keys, H * (nope + v_dim)]
+        _mla_prefill_kernel[(triton.cdiv(n, block_m), heads)](
+            q_nope, q_pe, kv, k_pe[k0:k1], out, o32, lse, n, seq_len - n, k0, k1 - k0, heads,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), k_pe.stride(0),
+            out.stride(0), out.stride(1), float(scale),
+            NOPE=nope, ROPE=rope, V=v_dim, BLOCK_M=block_m, BLOCK_N=block_n, FIRST=k0 == 0, LAST=k1 == seq_len,
+            PRECISION=dot_precision(q_nope.dtype), num_warps=warps,
+        )  # fmt: skip
     return out

@@ -14,6 +14,7 @@ from kernels.triton_linear import add_rms_norm_linear_triton, linear_triton, sil
 from kernels.triton_lora import lora_apply_small
 from kernels.triton_mla import (
     mla_attention_triton,
+    mla_prefill_triton,
     mla_prologue_triton,
     mla_value_proj_triton,
     moe_route_grouped_triton,
@@ -44,9 +45,10 @@ TRITON_OPS = Ops(
     # Two kernels up to 16 rows, the reference's cuBLAS GEMMs beyond (measured on an H100: performance.md).
     lora_apply=lora_apply_small,
     copy_rows=copy_rows_triton,
-    # DeepSeek-V3: the latent attention's decode calls in Triton, its prefill calls the torch reference.
+    # DeepSeek-V3: the latent attention in Triton; prompt chunks unabsorbed where that is less arithmetic.
     moe_route_grouped=moe_route_grouped_triton,
     mla_attention=mla_attention_triton,
     mla_prologue=mla_prologue_triton,
     mla_value_proj=mla_value_proj_triton,
+    mla_prefill=mla_prefill_triton,
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,6 +34,9 @@ class AttentionMetadata:
     # Every sequence brings one query token (a decode graph's batch; its padding rows have seq_len 0):
     # ops that would otherwise read the layout on the host (the MLA reference) take a graph-safe path.
     decode: bool = False
+    # seq_lens and query_start_loc on the host, where the pass's builder has them (``ModelRunner.prepare``'s
+    # eager passes, the memory profile's): the MLA layer chooses each prompt's form by them, with no sync.
+    host_lens: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class Attention(nn.Module):

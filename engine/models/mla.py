@@ -5,7 +5,10 @@ shared experts. The decoder (``engine.models.decoder``) takes them where ``Model
 MLA keeps one latent a token a layer in the KV pool (``kernels.mla_attention``): the normalised
 ``kv_lora_rank`` values and the shared rotary key, split across the pool's K and V halves. Attention runs
 in the latent space (the key projection ``W_uk`` absorbed into the queries, the value projection ``W_uv``
-applied to the output, both slices of ``kv_b_proj``), as vLLM and SGLang run MLA for decode.
+applied to the output, both slices of ``kv_b_proj``), as vLLM and SGLang run MLA for decode. A prompt chunk long
+enough that it is less arithmetic (``takes_unabsorbed``) attends unabsorbed instead (``ops.mla_prefill``: its
+context's latents up-projected into every head's keys and values, then causal attention of ``nope + rope``
+dimensions a head), as their prefill does; the other sequences of the pass stay absorbed.
 
 Float8 weights (a DeepSeek-V3 checkpoint's own, or ``quantization="fp8"``) keep the query and latent
 projections, the output projection, the MLPs and the experts in float8 (``kernels.fp8_weight``); ``kv_b_proj``
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -46,6 +50,18 @@ def rotary_row_order(cfg: ModelConfig, proj: str) -> torch.Tensor:
     order = torch.arange(cfg.num_heads * (nope + rope)).view(cfg.num_heads, nope + rope)
     order[:, nope:] = order[:, nope:][:, pairs]
     return order.reshape(-1)
+
+
+def takes_unabsorbed(n: int, seq_len: int, attn: MLAttention) -> bool:
+    """Whether a sequence's ``n`` queries (its last ``n`` of ``seq_len`` tokens) attend in the unabsorbed form
+    (vLLM's and SGLang's for prefill): where it is less arithmetic a head than the absorbed one. The absorbed
+    form takes ``2 rank + rope`` multiply-adds a (query, key) pair; the unabsorbed ``nope + rope + v_dim`` a
+    pair plus ``(nope + v_dim) x rank`` a key to up-project it (Moonlight's and V3's shapes: from ~340
+    tokens of a prompt without a cached prefix). A decode token never does."""
+    pairs = n * (seq_len - n) + n * (n + 1) // 2
+    absorbed = pairs * (2 * attn.rank + attn.rope)
+    unabsorbed = pairs * (attn.nope + attn.rope + attn.v_dim) + seq_len * (attn.nope + attn.v_dim) * attn.rank
+    return n > 1 and unabsorbed < absorbed
 
 
 class MLAttention(nn.Module):
@@ -118,7 +134,7 @@ class MLAttention(nn.Module):
             if lora is not None:
                 q = lora.apply("q_b", h, q)
         w_kv = self.kv_b_proj.view(heads, self.nope + self.v_dim, self.rank)
-        q = ops.mla_prologue(
+        qa = ops.mla_prologue(
             q,
             kv,
             positions,
@@ -130,8 +146,12 @@ class MLAttention(nn.Module):
             self.layer,
             meta.slot_mapping,
         )
+        if not meta.decode and meta.host_lens is not None:
+            prompts = self._unabsorbed(*meta.host_lens)
+            if prompts:
+                return self._prefill(q, qa, w_kv, kv_pool, meta, prompts)
         o = ops.mla_attention(
-            q,
+            qa,
             kv_pool,
             self.layer,
             meta.block_tables,
@@ -142,6 +162,56 @@ class MLAttention(nn.Module):
             decode=meta.decode,
         )
         return ops.mla_value_proj(o, w_kv, self.v_dim)
+
+    def _unabsorbed(self, seq_lens: np.ndarray, starts: np.ndarray) -> list[int]:
+        """The pass's sequences whose queries attend in the unabsorbed form (``takes_unabsorbed``)."""
+        return [
+            b
+            for b in range(len(seq_lens))
+            if takes_unabsorbed(int(starts[b + 1] - starts[b]), int(seq_lens[b]), self)
+        ]
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        qa: torch.Tensor,
+        w_kv: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+        prompts: list[int],
+    ) -> torch.Tensor:
+        """A prompt pass with the ``prompts`` sequences unabsorbed (``ops.mla_prefill``, from the query
+        projection's q_nope and the prologue's rotated q_pe) and the others absorbed, as ``forward``."""
+        ops, heads, v_dim = self.ops, self.num_heads, self.v_dim
+        seq_lens, starts = meta.host_lens  # type: ignore[misc]
+        q_nope = q.view(q.shape[0], heads, self.nope + self.rope)[..., : self.nope]
+        q_pe = qa[..., self.rank :]
+        out = qa.new_empty((qa.shape[0], heads, v_dim))
+        for b in prompts:
+            q0, q1 = int(starts[b]), int(starts[b + 1])
+            out[q0:q1] = ops.mla_prefill(
+                q_nope[q0:q1], q_pe[q0:q1], kv_pool, self.layer, meta.block_tables[b], int(seq_lens[b]),
+                w_kv, self.scale,
+            )  # fmt: skip
+        taken = set(prompts)
+        rest = [b for b in range(len(seq_lens)) if b not in taken and starts[b + 1] > starts[b]]
+        if rest:  # the other sequences' rows (decodes, short chunks) through the absorbed ops
+            rows = torch.from_numpy(np.concatenate([np.arange(starts[b], starts[b + 1]) for b in rest]))
+            lens = np.array([starts[b + 1] - starts[b] for b in rest])
+            index = torch.tensor(rest, device=qa.device)
+            rows = rows.to(qa.device)
+            o = ops.mla_attention(
+                qa[rows],
+                kv_pool,
+                self.layer,
+                meta.block_tables[index],
+                meta.seq_lens[index],
+                torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(qa.device),
+                self.scale,
+                self.rank,
+            )
+            out[rows] = ops.mla_value_proj(o, w_kv, v_dim).view(-1, heads, v_dim)
+        return out.view(qa.shape[0], heads * v_dim)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj)
