@@ -201,3 +201,30 @@ def test_gpu_long_prompts_unabsorbed_give_the_torch_tokens(
     fast = LLM(str(path), device="cuda", dtype="float32", kernel_backend="triton", num_kv_blocks=128)
     assert [o.token_ids for o in fast.generate(prompts, GREEDY)] == want
     assert calls
+
+
+def test_the_mtp_layers_prompt_passes_unabsorbed_draft_its_predictions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every prompt chunk unabsorbed, the MTP layer's own prompt passes too (its pool layer is the
+    last): each draft is still transformers' MTP prediction and the output transformers' greedy one."""
+    from tests.checkpoints import add_mtp_layer
+    from tests.test_mtp import _check_drafts, _recording
+
+    monkeypatch.setattr(mla, "takes_unabsorbed", lambda n, seq_len, attn: n > 1)
+    layers: list[int] = []
+    original = mla.MLAttention._prefill
+    monkeypatch.setattr(
+        mla.MLAttention, "_prefill", lambda self, *a: layers.append(self.layer) or original(self, *a)
+    )
+    base = make_checkpoint("deepseek_v3", tmp_path / "base", seed=7)
+    path = add_mtp_layer(base, tmp_path / "mtp", seed=11)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config='{"method": "mtp"}')
+    made = _recording(llm)
+    prompts = _prompts(2, seed=12, lengths=(12, 30))
+    outputs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.engine.model.cfg.num_layers in layers  # the MTP layer's pool layer
+    ids = list(dict.fromkeys(rid for rid, _, _ in made))
+    for rid, prompt, out in zip(ids, prompts, outputs, strict=True):
+        assert out == hf_greedy(path, prompt, GREEDY.max_tokens)
+        assert _check_drafts(path, made, rid, prompt + out) >= 3
