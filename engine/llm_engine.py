@@ -248,14 +248,13 @@ class LLMEngine:
         if config.enable_eplb and not loaded.cfg.is_moe:
             raise ValueError(f"enable_eplb: {config.model} has no MoE layers")
         prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_num_batched_tokens)
-        if loaded.cfg.mla is not None:  # DeepSeek (engine.models.mla): what its ops do not do yet
-            if config.kv_cache_dtype != "auto" and _kv_scaled_layers(loaded.model):
-                raise ValueError(
-                    f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture}'s latent KV is stored "
-                    "unscaled in a float8 pool; calibrated KV scales (k_scale, v_scale) for latent attention "
-                    "are not served"
-                )
-            prefill_graph_tokens = 0  # its layers have no attention-free pieces (engine.prefill_graphs)
+        # DeepSeek (engine.models.mla): a float8 latent pool holds the latents unscaled
+        if loaded.cfg.mla is not None and config.kv_cache_dtype != "auto" and _kv_scaled_layers(loaded.model):
+            raise ValueError(
+                f"kv_cache_dtype {config.kv_cache_dtype}: {loaded.cfg.architecture}'s latent KV is stored "
+                "unscaled in a float8 pool; calibrated KV scales (k_scale, v_scale) for latent attention "
+                "are not served"
+            )
         self.placement_version = 0  # the expert placement the MoE layers run (0: the initial one)
         # With several ranks, a newer placement waiting for every rank (version, physical -> logical).
         self.staged_placement: tuple[int, list[list[int]]] | None = None

@@ -8,7 +8,10 @@ batch's layout (sequence starts, context lengths, block tables), so, as vLLM's p
 step is cut at attention: piece 0 is the embedding and layer 0 up to attention (``pre_attention``: norm,
 QKV, q/k norm, RoPE, KV write), piece i the rest of layer i-1 (``post_attention``: o-proj, norm, MLP or
 MoE) and layer i up to attention, the last piece the rest of the last layer and the final norm. One graph
-per piece and bucket of token counts; a step of ``n`` tokens replays the smallest bucket ``>= n``.
+per piece and bucket of token counts; a step of ``n`` tokens replays the smallest bucket ``>= n``. DeepSeek's
+latent attention is cut the same way: its ``project`` (projections, prologue, the latents written) ends a
+piece, and its eager ``attend`` (absorbed, or unabsorbed for long prompts) reads what that left in
+``attn_in`` (each head's nope query beside the absorbed and rotated one).
 
 Rows ``n..bucket`` are padding: token 0, position 0, KV slot -1 (nothing written). Attention runs on the
 real rows only and its output goes into a static buffer whose padding rows are zero, so every padding row
@@ -84,8 +87,9 @@ class PrefillGraphs:
         # Attention's input, written by a piece, and its output, read by the next piece (padding rows
         # stay zero). Static: a piece's own q lives in the graphs' pool, where a later piece may reuse it.
         dtype = model.embed_tokens.dtype
-        self.attn_in = torch.zeros((b, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
-        self.attn_out = torch.zeros((b, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
+        attn = model.layers[0].self_attn  # the latent attention's input and output differ from q's shape
+        self.attn_in = torch.zeros((b, cfg.num_heads, attn.input_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros((b, attn.q_size), dtype=dtype, device=device)
         # Which rows are real (True) and which padding, set before each replay of a MoE model: the padding
         # rows' (token, expert) pairs count for no expert (``counting_live_rows``) and, with several
         # expert-parallel ranks, run on no rank (``uniform_batches``' live).
@@ -148,7 +152,7 @@ class PrefillGraphs:
         attention over the first ``n`` rows between them (none when ``n`` is 0)."""
         layers = self.model.layers
         q = self.attn_in[:n]
-        out = self.attn_out[:n].view(q.shape)  # attention writes the next piece's input in place
+        out = self.attn_out[:n]  # attention writes the next piece's input in place
         with torch.inference_mode():
             for i in range(len(layers) + 1):
                 if replay:

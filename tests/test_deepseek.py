@@ -278,8 +278,9 @@ def test_decode_graph_pieces_equal_the_forward(deepseek: Path) -> None:
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
 def test_gpu_triton_ops_and_decode_graphs_give_the_torch_tokens(arch: str, tmp_path: Path) -> None:
     """On a GPU: the Triton ops, the decode CUDA graphs (the latent attention's graph-safe path inside
-    them) and asynchronous scheduling give the CPU torch engine's tokens (float32), V3's sigmoid routing
-    and V2's softmax one; bf16 runs too."""
+    them), the prefill graphs (the latent attention eager between their pieces) and asynchronous
+    scheduling give the CPU torch engine's tokens (float32), V3's sigmoid routing and V2's softmax one;
+    bf16 runs too."""
     deepseek = make_checkpoint(arch, tmp_path / arch, seed=7)
     prompts = _prompts(5, seed=8, lengths=(3, 60))
     long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -288,9 +289,9 @@ def test_gpu_triton_ops_and_decode_graphs_give_the_torch_tokens(arch: str, tmp_p
     ]
     fast = LLM(str(deepseek), device="cuda", dtype="float32", kernel_backend="triton", num_kv_blocks=64)
     runner = fast.engine.runner
-    assert runner.graphs is not None and runner.prefill_graphs is None
+    assert runner.graphs is not None and runner.prefill_graphs is not None
     assert [o.token_ids for o in fast.generate(prompts, long)] == want
-    assert sum(runner.graphs.replays.values()) > 0
+    assert sum(runner.graphs.replays.values()) > 0 and sum(runner.prefill_graphs.replays.values()) > 0
     del fast
     half = LLM(str(deepseek), device="cuda", dtype="bfloat16", kernel_backend="triton", num_kv_blocks=64)
     outs = half.generate(prompts, long)

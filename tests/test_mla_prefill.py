@@ -228,3 +228,38 @@ def test_the_mtp_layers_prompt_passes_unabsorbed_draft_its_predictions(
     for rid, prompt, out in zip(ids, prompts, outputs, strict=True):
         assert out == hf_greedy(path, prompt, GREEDY.max_tokens)
         assert _check_drafts(path, made, rid, prompt + out) >= 3
+
+
+def test_prefill_pieces_with_the_attention_unabsorbed_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU, ``tiny-deepseek``: the prefill graphs' pieces (run eagerly) with the latent attention between
+    them unabsorbed (``MLAttention.project`` hands ``attend`` the nope queries beside the absorbed ones)
+    give the forward's hidden states, which equal the absorbed forward's up to rounding."""
+    import numpy as np
+
+    from engine.models.decoder import AttentionMetadata
+    from engine.prefill_graphs import PrefillGraphs
+
+    calls = _every_chunk_unabsorbed(monkeypatch)
+    runner = LLM("tiny-deepseek", num_kv_blocks=16).engine.runner
+    model = runner.model
+    n, bucket = 37, 64
+    kw = dict(
+        slot_mapping=torch.arange(16, 16 + n),
+        block_tables=torch.tensor([[1, 2, 3]], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+    )
+    meta = AttentionMetadata(**kw, host_lens=(np.array([n]), np.array([0, n])))
+    ids, positions = torch.randint(3, 200, (n,)), torch.arange(n)
+    absorbed = model(ids, positions, runner.kv_pool.clone(), AttentionMetadata(**kw))
+    assert not calls
+    want = model(ids, positions, runner.kv_pool.clone(), meta)
+    assert len(calls) == len(model.layers)
+    torch.testing.assert_close(want, absorbed, atol=1e-4, rtol=1e-4)
+    pg = PrefillGraphs(model, runner.kv_pool.clone(), 100, torch.device("cpu"))
+    key = (bucket, True)
+    pg._runs[key] = pg._pieces(key)
+    assert pg.stage(ids, positions, meta.slot_mapping) == (bucket, n)
+    pg._forward(key, n, meta, replay=False)
+    assert len(calls) == 2 * len(model.layers)
+    torch.testing.assert_close(pg._state[key]["hidden"][:n], want)

@@ -50,7 +50,7 @@ def _same(got: list, want: list) -> None:
 
 
 @needs_gpu
-@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe", "tiny-deepseek"])
 def test_prefill_graphs_give_the_eager_tokens(model: str) -> None:
     eager, graphed = _llm(model, 0), _llm(model, 256)
     assert eager.engine.runner.prefill_graphs is None
@@ -88,7 +88,7 @@ def test_prefill_pieces_compute_the_model_forward() -> None:
     the padding rows staged as ``run`` stages them, give the hidden states and KV of ``forward``; padding
     rows write no KV."""
     torch.manual_seed(0)
-    for name in ("tiny-dense", "tiny-moe"):
+    for name in ("tiny-dense", "tiny-moe", "tiny-deepseek"):
         runner = LLM(name, num_kv_blocks=16).engine.runner
         model = runner.model
         n, bucket = 37, 64

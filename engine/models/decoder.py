@@ -71,6 +71,11 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    @property
+    def input_dim(self) -> int:
+        """Per head, what ``project`` hands ``attend``: the rotated query."""
+        return self.head_dim
+
     def project(
         self,
         qkv: torch.Tensor,
@@ -135,7 +140,7 @@ class Attention(nn.Module):
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
-            out=out,
+            out=None if out is None else out.view(q.shape),
             **self.kv_scales(kv_pool),
         )
 
@@ -248,30 +253,30 @@ class DecoderLayer(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(self.self_attn, MLAttention):
-            lora = self.lora
-            qkv_a, h, residual = self.ops.add_rms_norm_linear(
-                x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_a_proj, lora is not None
-            )
-            if lora is not None:
-                qkv_a = lora.apply("qkv_a", h, qkv_a)
-            o = self.self_attn(qkv_a, positions, cos_sin, kv_pool, meta, lora)
-            return self.post_attention(o, residual)
         qkv, residual = self.qkv(x, residual)
-        o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
+        if isinstance(self.self_attn, MLAttention):
+            o = self.self_attn(qkv, positions, cos_sin, kv_pool, meta, self.lora)
+        else:
+            o = self.self_attn.project_and_attend(qkv, positions, cos_sin, kv_pool, meta)
         return self.post_attention(o, residual)
 
     def qkv(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input norm (adding the residual) with the QKV projection (and its bias). Returns the
-        projection and the residual."""
-        lora = self.lora
+        """The input norm (adding the residual) with the QKV projection (and its bias; the latent
+        attention's stacked query and latent projection). Returns the projection and the residual."""
+        lora, attn = self.lora, self.self_attn
+        mla = isinstance(attn, MLAttention)
         qkv, h, residual = self.ops.add_rms_norm_linear(
-            x, residual, self.input_layernorm, self.eps, self.self_attn.qkv_proj, lora is not None
+            x,
+            residual,
+            self.input_layernorm,
+            self.eps,
+            attn.qkv_a_proj if mla else attn.qkv_proj,
+            lora is not None,
         )
         if lora is not None:
-            qkv = lora.apply("qkv", h, qkv)
-        if self.self_attn.qkv_bias is not None:
-            qkv = qkv + self.self_attn.qkv_bias
+            qkv = lora.apply("qkv_a" if mla else "qkv", h, qkv)
+        if not mla and attn.qkv_bias is not None:
+            qkv = qkv + attn.qkv_bias
         return qkv, residual
 
     def pre_attention(
@@ -288,6 +293,9 @@ class DecoderLayer(nn.Module):
         ``qkv`` and ``Attention.project`` (q into ``q_out`` where given). Returns q and the residual.
         Reads nothing of the batch's layout but the KV slots."""
         qkv, residual = self.qkv(x, residual)
+        if isinstance(self.self_attn, MLAttention):
+            q = self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping, q_out, self.lora)
+            return q, residual
         return self.self_attn.project(qkv, positions, cos_sin, kv_pool, slot_mapping, q_out), residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,6 +113,12 @@ class MLAttention(nn.Module):
     def kv_a_proj_with_mqa(self) -> torch.Tensor:
         return as_dense(self.qkv_a_proj)[self.q_rows :]
 
+    @property
+    def input_dim(self) -> int:
+        """Per head, what ``project`` hands ``attend``: the query projection's nope part, then the
+        prologue's absorbed query and rotated rotary part (nope + rank + rope values)."""
+        return self.nope + self.rank + self.rope
+
     def forward(
         self,
         qkv_a: torch.Tensor,
@@ -125,7 +131,57 @@ class MLAttention(nn.Module):
         """Attention of the normalised hidden states' ``qkv_a_proj`` [T, q_rows + latent]: writes each
         token's latent into the pool at ``meta.slot_mapping`` and returns the heads' outputs
         [T, heads * v_head_dim]. ``lora``: the layer's adapters (V3's q_b_proj takes its own)."""
-        ops, heads = self.ops, self.num_heads
+        q, qa = self._queries(qkv_a, positions, cos_sin, kv_pool, meta.slot_mapping, lora)
+        q_nope = q.view(q.shape[0], self.num_heads, self.nope + self.rope)[..., : self.nope]
+        return self._attend(q_nope, qa, kv_pool, meta)
+
+    def project(
+        self,
+        qkv_a: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        q_out: torch.Tensor | None = None,
+        lora: LayerLoRA | None = None,
+    ) -> torch.Tensor:
+        """``forward`` up to attention, for callers that run attention on its own (the prefill graphs):
+        writes the latents into the pool at ``slot_mapping`` and returns [T, heads, ``input_dim``] (in
+        ``q_out`` where given), which ``attend`` takes. Reads nothing of the batch's layout but the slots."""
+        q, qa = self._queries(qkv_a, positions, cos_sin, kv_pool, slot_mapping, lora)
+        t = q.shape[0]
+        out = q_out if q_out is not None else qa.new_empty((t, self.num_heads, self.input_dim))
+        out[..., : self.nope] = q.view(t, self.num_heads, self.nope + self.rope)[..., : self.nope]
+        out[..., self.nope :] = qa
+        return out
+
+    def attend(
+        self,
+        q_in: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``project``'s output over each sequence's cached context: [T, heads * v_head_dim]
+        (into ``out`` where given); the only part of the layer that reads the batch's layout."""
+        o = self._attend(q_in[..., : self.nope], q_in[..., self.nope :], kv_pool, meta)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+
+    def _queries(
+        self,
+        qkv_a: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        lora: LayerLoRA | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query projection's output [T, heads * (nope + rope)] and the prologue's (the latents written
+        into the pool): the absorbed and rotated queries [T, heads, rank + rope]."""
+        ops = self.ops
         q, kv = qkv_a[:, : self.q_rows], qkv_a[:, self.q_rows :]
         if self.q_lora:
             q, h, _ = ops.add_rms_norm_linear(
@@ -133,24 +189,25 @@ class MLAttention(nn.Module):
             )
             if lora is not None:
                 q = lora.apply("q_b", h, q)
-        w_kv = self.kv_b_proj.view(heads, self.nope + self.v_dim, self.rank)
         qa = ops.mla_prologue(
-            q,
-            kv,
-            positions,
-            cos_sin,
-            self.kv_a_layernorm,
-            self.eps,
-            w_kv,
-            kv_pool,
-            self.layer,
-            meta.slot_mapping,
-        )
+            q, kv, positions, cos_sin, self.kv_a_layernorm, self.eps, self.w_kv, kv_pool, self.layer, slot_mapping
+        )  # fmt: skip
+        return q, qa
+
+    @property
+    def w_kv(self) -> torch.Tensor:
+        """``kv_b_proj`` viewed [heads, nope + v_head_dim, rank]: each head's key rows, then its value rows."""
+        return self.kv_b_proj.view(self.num_heads, self.nope + self.v_dim, self.rank)
+
+    def _attend(
+        self, q_nope: torch.Tensor, qa: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """[T, heads * v_head_dim]: prompts long enough unabsorbed (``_prefill``), the rest absorbed."""
         if not meta.decode and meta.host_lens is not None:
             prompts = self._unabsorbed(*meta.host_lens)
             if prompts:
-                return self._prefill(q, qa, w_kv, kv_pool, meta, prompts)
-        o = ops.mla_attention(
+                return self._prefill(q_nope, qa, kv_pool, meta, prompts)
+        o = self.ops.mla_attention(
             qa,
             kv_pool,
             self.layer,
@@ -161,7 +218,7 @@ class MLAttention(nn.Module):
             self.rank,
             decode=meta.decode,
         )
-        return ops.mla_value_proj(o, w_kv, self.v_dim)
+        return self.ops.mla_value_proj(o, self.w_kv, self.v_dim)
 
     def _unabsorbed(self, seq_lens: np.ndarray, starts: np.ndarray) -> list[int]:
         """The pass's sequences whose queries attend in the unabsorbed form (``takes_unabsorbed``)."""
@@ -173,18 +230,16 @@ class MLAttention(nn.Module):
 
     def _prefill(
         self,
-        q: torch.Tensor,
+        q_nope: torch.Tensor,
         qa: torch.Tensor,
-        w_kv: torch.Tensor,
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
         prompts: list[int],
     ) -> torch.Tensor:
         """A prompt pass with the ``prompts`` sequences unabsorbed (``ops.mla_prefill``, from the query
         projection's q_nope and the prologue's rotated q_pe) and the others absorbed, as ``forward``."""
-        ops, heads, v_dim = self.ops, self.num_heads, self.v_dim
+        ops, heads, v_dim, w_kv = self.ops, self.num_heads, self.v_dim, self.w_kv
         seq_lens, starts = meta.host_lens  # type: ignore[misc]
-        q_nope = q.view(q.shape[0], heads, self.nope + self.rope)[..., : self.nope]
         q_pe = qa[..., self.rank :]
         out = qa.new_empty((qa.shape[0], heads, v_dim))
         for b in prompts:
