@@ -182,8 +182,8 @@ def _lockstep_rank_main(
     torch.set_num_threads(1)
     try:
         llm = LLM(
-            "tiny-moe", num_kv_blocks=64, expert_parallel_size=world, expert_parallel_rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}", **(engine_kw or {}),
+            **{"model": "tiny-moe", **(engine_kw or {})}, num_kv_blocks=64, expert_parallel_size=world,
+            expert_parallel_rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
         )  # fmt: skip
         assert llm.engine.model.moe_blocks()[0].w13.shape[0] == 8 // world
         runner = llm.engine.runner
@@ -271,6 +271,13 @@ def test_ranks_join_each_others_prefill_passes_through_the_pieces() -> None:
 
 
 @pytest.mark.slow
+def test_deepseek_ranks_join_each_others_prefill_passes_through_the_pieces() -> None:
+    """The same with ``tiny-deepseek``: the latent attention runs eagerly between the pieces on each rank
+    (its grouped routing and shared expert inside them)."""
+    check_prefill_passes_joined({"model": "tiny-deepseek"}, eager_pieces=32)
+
+
+@pytest.mark.slow
 def test_ranks_with_asynchronous_scheduling_join_each_others_prefill_passes_through_the_pieces() -> None:
     """The same with asynchronous scheduling: lookahead steps (decode, and prompts beside decode rows)
     agree on the pieces' bucket too."""
@@ -285,7 +292,7 @@ def test_gpu_ranks_join_each_others_prefill_passes_in_the_graphs(scheduling: dic
 
 
 def check_uneven_work(engine_kw: dict, eager_pieces: int = 0) -> dict:
-    single = LLM("tiny-moe", num_kv_blocks=64, **engine_kw)
+    single = LLM(**{"model": "tiny-moe", **engine_kw}, num_kv_blocks=64)
     expected = {r: [o.token_ids for o in single.generate(*UNEVEN[r])] for r in (0, 1)}
     del single
     out = mp.Manager().dict()
