@@ -52,16 +52,17 @@ def rotary_row_order(cfg: ModelConfig, proj: str) -> torch.Tensor:
     return order.reshape(-1)
 
 
-def takes_unabsorbed(n: int, seq_len: int, attn: MLAttention) -> bool:
-    """Whether a sequence's ``n`` queries (its last ``n`` of ``seq_len`` tokens) attend in the unabsorbed form
-    (vLLM's and SGLang's for prefill): where it is less arithmetic a head than the absorbed one. The absorbed
-    form takes ``2 rank + rope`` multiply-adds a (query, key) pair; the unabsorbed ``nope + rope + v_dim`` a
-    pair plus ``(nope + v_dim) x rank`` a key to up-project it (Moonlight's and V3's shapes: from ~340
-    tokens of a prompt without a cached prefix). A decode token never does."""
+def takes_unabsorbed(n: np.ndarray, seq_len: np.ndarray, attn: MLAttention) -> np.ndarray:
+    """Whether each sequence's ``n`` queries (its last ``n`` of ``seq_len`` tokens; arrays, or ints) attend in
+    the unabsorbed form (vLLM's and SGLang's for prefill): where it is less arithmetic a head than the
+    absorbed one. The absorbed form takes ``2 rank + rope`` multiply-adds a (query, key) pair; the unabsorbed
+    ``nope + rope + v_dim`` a pair plus ``(nope + v_dim) x rank`` a key to up-project it (Moonlight's and
+    V3's shapes: from ~340 tokens of a prompt without a cached prefix). A decode token never does."""
+    n, seq_len = np.asarray(n, dtype=np.int64), np.asarray(seq_len, dtype=np.int64)
     pairs = n * (seq_len - n) + n * (n + 1) // 2
     absorbed = pairs * (2 * attn.rank + attn.rope)
     unabsorbed = pairs * (attn.nope + attn.rope + attn.v_dim) + seq_len * (attn.nope + attn.v_dim) * attn.rank
-    return n > 1 and unabsorbed < absorbed
+    return (n > 1) & (unabsorbed < absorbed)
 
 
 class MLAttention(nn.Module):
@@ -131,8 +132,7 @@ class MLAttention(nn.Module):
         """Attention of the normalised hidden states' ``qkv_a_proj`` [T, q_rows + latent]: writes each
         token's latent into the pool at ``meta.slot_mapping`` and returns the heads' outputs
         [T, heads * v_head_dim]. ``lora``: the layer's adapters (V3's q_b_proj takes its own)."""
-        q, qa = self._queries(qkv_a, positions, cos_sin, kv_pool, meta.slot_mapping, lora)
-        q_nope = q.view(q.shape[0], self.num_heads, self.nope + self.rope)[..., : self.nope]
+        q_nope, qa = self._queries(qkv_a, positions, cos_sin, kv_pool, meta.slot_mapping, lora)
         return self._attend(q_nope, qa, kv_pool, meta)
 
     def project(
@@ -148,10 +148,9 @@ class MLAttention(nn.Module):
         """``forward`` up to attention, for callers that run attention on its own (the prefill graphs):
         writes the latents into the pool at ``slot_mapping`` and returns [T, heads, ``input_dim``] (in
         ``q_out`` where given), which ``attend`` takes. Reads nothing of the batch's layout but the slots."""
-        q, qa = self._queries(qkv_a, positions, cos_sin, kv_pool, slot_mapping, lora)
-        t = q.shape[0]
-        out = q_out if q_out is not None else qa.new_empty((t, self.num_heads, self.input_dim))
-        out[..., : self.nope] = q.view(t, self.num_heads, self.nope + self.rope)[..., : self.nope]
+        q_nope, qa = self._queries(qkv_a, positions, cos_sin, kv_pool, slot_mapping, lora)
+        out = q_out if q_out is not None else qa.new_empty((qa.shape[0], self.num_heads, self.input_dim))
+        out[..., : self.nope] = q_nope
         out[..., self.nope :] = qa
         return out
 
@@ -179,8 +178,8 @@ class MLAttention(nn.Module):
         slot_mapping: torch.Tensor,
         lora: LayerLoRA | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query projection's output [T, heads * (nope + rope)] and the prologue's (the latents written
-        into the pool): the absorbed and rotated queries [T, heads, rank + rope]."""
+        """The query projection's nope part [T, heads, nope] (a view) and the prologue's output (the latents
+        written into the pool): the absorbed and rotated queries [T, heads, rank + rope]."""
         ops = self.ops
         q, kv = qkv_a[:, : self.q_rows], qkv_a[:, self.q_rows :]
         if self.q_lora:
@@ -192,7 +191,7 @@ class MLAttention(nn.Module):
         qa = ops.mla_prologue(
             q, kv, positions, cos_sin, self.kv_a_layernorm, self.eps, self.w_kv, kv_pool, self.layer, slot_mapping
         )  # fmt: skip
-        return q, qa
+        return q.view(q.shape[0], self.num_heads, self.nope + self.rope)[..., : self.nope], qa
 
     @property
     def w_kv(self) -> torch.Tensor:
@@ -205,7 +204,7 @@ class MLAttention(nn.Module):
         """[T, heads * v_head_dim]: prompts long enough unabsorbed (``_prefill``), the rest absorbed."""
         if not meta.decode and meta.host_lens is not None:
             prompts = self._unabsorbed(*meta.host_lens)
-            if prompts:
+            if len(prompts):
                 return self._prefill(q_nope, qa, kv_pool, meta, prompts)
         o = self.ops.mla_attention(
             qa,
@@ -220,13 +219,9 @@ class MLAttention(nn.Module):
         )
         return self.ops.mla_value_proj(o, self.w_kv, self.v_dim)
 
-    def _unabsorbed(self, seq_lens: np.ndarray, starts: np.ndarray) -> list[int]:
-        """The pass's sequences whose queries attend in the unabsorbed form (``takes_unabsorbed``)."""
-        return [
-            b
-            for b in range(len(seq_lens))
-            if takes_unabsorbed(int(starts[b + 1] - starts[b]), int(seq_lens[b]), self)
-        ]
+    def _unabsorbed(self, seq_lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The pass's sequences whose queries attend in the unabsorbed form (``takes_unabsorbed``), indices."""
+        return np.flatnonzero(takes_unabsorbed(np.diff(starts), seq_lens, self))
 
     def _prefill(
         self,
@@ -234,7 +229,7 @@ class MLAttention(nn.Module):
         qa: torch.Tensor,
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
-        prompts: list[int],
+        prompts: np.ndarray,
     ) -> torch.Tensor:
         """A prompt pass with the ``prompts`` sequences unabsorbed (``ops.mla_prefill``, from the query
         projection's q_nope and the prologue's rotated q_pe) and the others absorbed, as ``forward``."""
@@ -248,23 +243,19 @@ class MLAttention(nn.Module):
                 q_nope[q0:q1], q_pe[q0:q1], kv_pool, self.layer, meta.block_tables[b], int(seq_lens[b]),
                 w_kv, self.scale,
             )  # fmt: skip
-        taken = set(prompts)
-        rest = [b for b in range(len(seq_lens)) if b not in taken and starts[b + 1] > starts[b]]
-        if rest:  # the other sequences' rows (decodes, short chunks) through the absorbed ops
-            rows = torch.from_numpy(np.concatenate([np.arange(starts[b], starts[b + 1]) for b in rest]))
-            lens = np.array([starts[b + 1] - starts[b] for b in rest])
-            index = torch.tensor(rest, device=qa.device)
-            rows = rows.to(qa.device)
+        lens = np.diff(starts)
+        absorbed = np.ones(len(lens), dtype=bool)
+        absorbed[prompts] = False
+        absorbed &= lens > 0
+        if absorbed.any():  # the other sequences' rows (decodes, short chunks) through the absorbed ops
+            dev = qa.device
+            rows = torch.from_numpy(np.flatnonzero(np.repeat(absorbed, lens))).to(dev)
+            index = torch.from_numpy(np.flatnonzero(absorbed)).to(dev)
+            qsl = np.concatenate([[0], np.cumsum(lens[absorbed])]).astype(np.int32)
             o = ops.mla_attention(
-                qa[rows],
-                kv_pool,
-                self.layer,
-                meta.block_tables[index],
-                meta.seq_lens[index],
-                torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(qa.device),
-                self.scale,
-                self.rank,
-            )
+                qa[rows], kv_pool, self.layer, meta.block_tables[index], meta.seq_lens[index],
+                torch.from_numpy(qsl).to(dev), self.scale, self.rank,
+            )  # fmt: skip
             out[rows] = ops.mla_value_proj(o, w_kv, v_dim).view(-1, heads, v_dim)
         return out.view(qa.shape[0], heads * v_dim)
 

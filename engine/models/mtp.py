@@ -139,10 +139,8 @@ class MTPStep:
                 block_tables=self.block_tables[torch.from_numpy(seqs).to(dev)],
                 seq_lens=torch.from_numpy((self.starts[seqs] + counts).astype(np.int32)).to(dev),
                 query_start_loc=torch.from_numpy(ends.astype(np.int32)).to(dev),
-                host_lens=(
-                    self.starts[seqs] + counts,
-                    ends,
-                ),  # a long prompt's rows unabsorbed, as the model's
+                # On the host too: a long prompt's rows attend unabsorbed, as in the model's own passes.
+                host_lens=(self.starts[seqs] + counts, ends),
             )
         ids = torch.from_numpy(np.asarray(next_ids, dtype=np.int64)).to(dev)
         last = torch.from_numpy(ends[1:][np.searchsorted(seqs, drafting)] - 1).to(dev)
